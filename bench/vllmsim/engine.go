@@ -250,6 +250,7 @@ func (e *Engine) Run(ctx context.Context) error {
 	var timer *time.Timer
 	for {
 		if e.intake() {
+			e.clock.rest()
 			select {
 			case <-ctx.Done():
 				return ctx.Err()
@@ -259,8 +260,9 @@ func (e *Engine) Run(ctx context.Context) error {
 		}
 		d := e.schedule()
 		if len(e.plan) == 0 {
-			// Work exists but none fits, which only a dead engine's drain
-			// or an abort can change: wait for one.
+			// Work exists but none fits, which only an abort or a death
+			// can change: wait for one.
+			e.clock.rest()
 			select {
 			case <-ctx.Done():
 				return ctx.Err()
@@ -550,13 +552,20 @@ func (e *Engine) finish(r *Request, reason string, err error, now time.Duration)
 }
 
 // simClock is the engine's simulated clock. Paced, it runs speedup times
-// faster than the wall clock, measured from an anchor moved at each step;
-// unpaced (speedup 0), it moves only by step durations.
+// faster than the wall clock; unpaced (speedup 0), it moves only by step
+// durations.
+//
+// While the engine is busy, each step's wall-clock deadline follows from the
+// previous one, so a timer that fires late is made up by sleeping less on
+// later steps instead of being counted as simulated time; the clock reads
+// the end of the last step. Once the engine rests, simulated time flows with
+// the wall clock again.
 type simClock struct {
 	mu      sync.Mutex
 	speedup float64
+	busy    bool
 	simAt   time.Duration
-	wallAt  time.Time
+	wallAt  time.Time // wall time of simAt: the last step's deadline when busy
 }
 
 // maxLag is how far behind its wall-clock deadline a paced engine may fall
@@ -577,13 +586,26 @@ func (c *simClock) now() time.Duration {
 }
 
 func (c *simClock) nowLocked(wall time.Time) time.Duration {
-	if c.speedup == 0 {
+	if c.speedup == 0 || c.busy {
 		return c.simAt
 	}
 	if el := wall.Sub(c.wallAt); el > 0 {
 		return c.simAt + time.Duration(float64(el)*c.speedup)
 	}
 	return c.simAt
+}
+
+// rest marks the engine idle: simulated time flows with the wall clock.
+func (c *simClock) rest() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.speedup == 0 || !c.busy {
+		return
+	}
+	c.busy = false
+	if wall := time.Now(); wall.After(c.wallAt) {
+		c.wallAt = wall // the wait for work starts now, not at the last deadline
+	}
 }
 
 // pace starts a step of simulated length d and returns how long to sleep
@@ -595,11 +617,12 @@ func (c *simClock) pace(d time.Duration) time.Duration {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	wall := time.Now()
-	c.simAt = c.nowLocked(wall)
-	if wall.After(c.wallAt) {
+	if !c.busy {
+		c.simAt = c.nowLocked(wall)
 		c.wallAt = wall
+		c.busy = true
 	}
-	wait := time.Until(c.wallAt.Add(time.Duration(float64(d) / c.speedup)))
+	wait := c.wallAt.Add(time.Duration(float64(d) / c.speedup)).Sub(wall)
 	if wait < 100*time.Microsecond {
 		return 0 // too short for a timer; the debt is paid on a later step
 	}

@@ -1,6 +1,7 @@
 package vllmsim
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -150,16 +151,20 @@ func writeErrorType(w http.ResponseWriter, status int, typ, msg, param string) {
 	writeJSON(w, status, e)
 }
 
+// writeJSON answers with v as JSON; like Python's json, it leaves <, > and
+// & unescaped.
 func writeJSON(w http.ResponseWriter, status int, v any) {
-	b, err := json.Marshal(v)
-	if err != nil {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
 		http.Error(w, err.Error(), http.StatusInternalServerError)
 		return
 	}
 	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.Header().Set("Content-Length", strconv.Itoa(b.Len()))
 	w.WriteHeader(status)
-	_, _ = w.Write(b)
+	_, _ = w.Write(b.Bytes())
 }
 
 // decodeBody reads a JSON request body into v, answering the client itself

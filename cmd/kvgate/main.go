@@ -1,0 +1,85 @@
+// Command kvgate is the kvgate binary: the gateway and its tools.
+//
+// Usage:
+//
+//	kvgate sim [flags]            run a simulated vLLM server
+//	kvgate sim calibrate          compare the simulator with published GPU figures
+//	kvgate sim profiles           list the simulator's profiles
+//	kvgate version                print the version
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"syscall"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
+	stop()
+	if err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(os.Stderr, "kvgate:", err)
+		os.Exit(1)
+	}
+}
+
+const usage = `kvgate: an inference gateway for vLLM servers on local GPUs
+
+Commands:
+  sim          run a simulated vLLM server (kvgate sim --help)
+  sim calibrate
+               replay published H100 experiments on the simulator
+  sim profiles list the simulator's profiles
+  version      print the version
+`
+
+// run is main without the process: arguments, environment and output are
+// passed in so that tests can call it.
+func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return errors.New("no command given")
+	}
+	switch args[0] {
+	case "sim":
+		return runSim(ctx, args[1:], getenv, stdout, stderr)
+	case "version", "--version":
+		fmt.Fprintln(stdout, "kvgate", version())
+		return nil
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return nil
+	}
+	fmt.Fprint(stderr, usage)
+	return fmt.Errorf("unknown command %q", args[0])
+}
+
+func version() string {
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return "unknown"
+	}
+	rev, dirty := "", false
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			dirty = s.Value == "true"
+		}
+	}
+	if rev == "" {
+		return info.Main.Version
+	}
+	if dirty {
+		rev += "-dirty"
+	}
+	return rev
+}
