@@ -5,6 +5,7 @@
 //	kvgate sim [flags]            run a simulated vLLM server
 //	kvgate sim calibrate          compare the simulator with published GPU figures
 //	kvgate sim profiles           list the simulator's profiles
+//	kvgate sim cost               measure the simulator's own CPU cost
 //	kvgate version                print the version
 package main
 
@@ -37,6 +38,7 @@ Commands:
   sim calibrate
                replay published H100 experiments on the simulator
   sim profiles list the simulator's profiles
+  sim cost     measure the simulator's own CPU cost
   version      print the version
 `
 

@@ -27,6 +27,8 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 		case "profiles":
 			writeProfiles(stdout)
 			return nil
+		case "cost":
+			return runSimCost(ctx, args[1:], stdout, stderr)
 		}
 	}
 	fs := flag.NewFlagSet("kvgate sim", flag.ContinueOnError)
