@@ -1,6 +1,7 @@
 package vllmsim
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -40,6 +41,10 @@ type Options struct {
 	// reproducible.
 	Seed uint64
 
+	// ModelName labels the metrics: the served model name, the profile's
+	// model by default.
+	ModelName string
+
 	// LegacyMetrics exposes the metric names of older vLLM releases
 	// (vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_*,
 	// vllm:time_per_output_token_seconds) without the engine label.
@@ -62,18 +67,20 @@ type Engine struct {
 	inbox   []*Request
 	aborts  []*Request
 	dead    bool
-	load    int // requests submitted and not finished
+	kills   uint64 // Kill calls so far: a kill is never lost to a quick Revive
+	load    int    // requests submitted and not finished
 	nextSeq uint64
 	wake    chan struct{}
 
 	clock simClock
 
 	// Owned by the step loop.
-	pool    *blockPool
-	running []*Request
-	waiting []*Request // front is next; preempted requests go to the front
-	plan    []scheduled
-	stats   EngineStats
+	pool      *blockPool
+	killsSeen uint64
+	running   []*Request
+	waiting   []*Request // front is next; preempted requests go to the front
+	plan      []scheduled
+	stats     EngineStats
 }
 
 // EngineStats are cumulative engine counters, read by tests and reports.
@@ -110,7 +117,7 @@ func NewEngine(opts Options) (*Engine, error) {
 		prof:    p,
 		speedup: opts.Speedup,
 		seed:    opts.Seed,
-		m:       newEngineMetrics(p, opts.LegacyMetrics),
+		m:       newEngineMetrics(p, cmp.Or(opts.ModelName, p.Model), opts.LegacyMetrics),
 		wake:    make(chan struct{}, 1),
 		pool:    newBlockPool(p.NumGPUBlocks, p.PrefixCaching && !p.Embedding),
 	}
@@ -148,6 +155,9 @@ type SubmitParams struct {
 	MaxTokens int  // output cap; ignored for pooling
 	IgnoreEOS bool // generate exactly MaxTokens
 	MinTokens int
+	// Arrival, when set, is the simulated time the request reached the
+	// server, if earlier than its submission; latencies run from it.
+	Arrival *time.Duration
 }
 
 // Submit queues a request. The request's prompt plus MaxTokens must fit in
@@ -184,6 +194,9 @@ func (e *Engine) Submit(p SubmitParams) (*Request, error) {
 	e.nextSeq++
 	r.seq = e.nextSeq
 	r.arrival = e.clock.now()
+	if p.Arrival != nil && *p.Arrival < r.arrival {
+		r.arrival = *p.Arrival
+	}
 	e.inbox = append(e.inbox, r)
 	e.load++
 	e.mu.Unlock()
@@ -223,6 +236,7 @@ func (e *Engine) Abort(r *Request) {
 func (e *Engine) Kill() {
 	e.mu.Lock()
 	e.dead = true
+	e.kills++
 	e.mu.Unlock()
 	e.signal()
 }
@@ -315,9 +329,11 @@ func (e *Engine) Idle() bool {
 // reports whether the engine is idle.
 func (e *Engine) intake() bool {
 	e.mu.Lock()
-	inbox, aborts, dead := e.inbox, e.aborts, e.dead
+	inbox, aborts, kills := e.inbox, e.aborts, e.kills
 	e.inbox, e.aborts = nil, nil
 	e.mu.Unlock()
+	died := kills != e.killsSeen
+	e.killsSeen = kills
 
 	now := e.clock.now()
 	for _, r := range inbox {
@@ -327,7 +343,7 @@ func (e *Engine) intake() bool {
 	for _, r := range aborts {
 		e.finishOutOfBand(r, FinishAbort, nil, now)
 	}
-	if dead {
+	if died {
 		for _, r := range slices.Concat(e.running, e.waiting) {
 			e.finishOutOfBand(r, FinishAbort, ErrEngineDead, now)
 		}
@@ -335,7 +351,7 @@ func (e *Engine) intake() bool {
 		e.pool = newBlockPool(e.prof.NumGPUBlocks, e.pool.caching)
 	}
 	idle := len(e.running) == 0 && len(e.waiting) == 0
-	if idle || len(inbox)+len(aborts) > 0 || dead {
+	if idle || len(inbox)+len(aborts) > 0 || died {
 		e.m.setQueues(len(e.running), len(e.waiting), e.pool.usage())
 	}
 	return idle

@@ -46,9 +46,9 @@ type engineMetrics struct {
 	embedding bool
 }
 
-func newEngineMetrics(p Profile, legacy bool) *engineMetrics {
+func newEngineMetrics(p Profile, model string, legacy bool) *engineMetrics {
 	reg := prometheus.NewRegistry()
-	labels := prometheus.Labels{"model_name": p.Model, "engine": "0"}
+	labels := prometheus.Labels{"model_name": model, "engine": "0"}
 	if legacy {
 		// Older releases had no data-parallel engine label.
 		delete(labels, "engine")

@@ -19,6 +19,10 @@ import (
 // engineDeadMessage is what vLLM answers when its engine core has died.
 const engineDeadMessage = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
+// defaultCompletionMaxTokens is max_tokens for a completion that sets none;
+// chat requests default to what is left of max_model_len.
+const defaultCompletionMaxTokens = 16
+
 func (s *Sim) inference(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		s.inUse.Add(1)
@@ -27,9 +31,11 @@ func (s *Sim) inference(h http.HandlerFunc) http.HandlerFunc {
 	}
 }
 
+// streamOptions are vLLM's: include_usage defaults to true once
+// stream_options is given, and continuous_usage_stats needs it.
 type streamOptions struct {
-	IncludeUsage         bool `json:"include_usage"`
-	ContinuousUsageStats bool `json:"continuous_usage_stats"`
+	IncludeUsage         *bool `json:"include_usage"`
+	ContinuousUsageStats bool  `json:"continuous_usage_stats"`
 }
 
 // samplingFields are the request fields the simulator acts on; vLLM accepts
@@ -191,7 +197,12 @@ func (s *Sim) handleCompletion(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 	}
-	s.generate(w, r, kindCompletion, prompt, req.MaxTokens, req.samplingFields)
+	maxTok := req.MaxTokens
+	if maxTok == nil {
+		// vLLM's completions default, as OpenAI's legacy API had it.
+		maxTok = new(defaultCompletionMaxTokens)
+	}
+	s.generate(w, r, kindCompletion, prompt, maxTok, req.samplingFields)
 }
 
 // contextError returns vLLM's 400 message for a request that does not fit
@@ -237,7 +248,8 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 			writeErrorType(w, http.StatusBadRequest, "BadRequestError", "Stream options can only be defined when `stream=True`.", "stream_options")
 			return
 		}
-		c.usage, c.contUsage = f.StreamOptions.IncludeUsage, f.StreamOptions.ContinuousUsageStats
+		c.usage = boolOr(f.StreamOptions.IncludeUsage, true)
+		c.contUsage = c.usage && f.StreamOptions.ContinuousUsageStats
 	}
 	c.id = s.newID("cmpl-")
 	if kind == kindChat {
@@ -248,10 +260,12 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 	if !s.injectEarly(w, r, flt) {
 		return
 	}
+	// vLLM's latencies run from arrival, so a slow first token counts.
+	arrival := s.eng.Now()
 	if delay > 0 && !s.waitSimulated(r.Context(), delay) {
 		return
 	}
-	req, err := s.eng.Submit(SubmitParams{Prompt: prompt, MaxTokens: c.maxTokens, IgnoreEOS: c.ignoreEOS, MinTokens: c.minTokens})
+	req, err := s.eng.Submit(SubmitParams{Prompt: prompt, MaxTokens: c.maxTokens, IgnoreEOS: c.ignoreEOS, MinTokens: c.minTokens, Arrival: &arrival})
 	if err != nil {
 		s.submitError(w, err)
 		return
@@ -599,6 +613,12 @@ func (s *Sim) handleEmbeddings(w http.ResponseWriter, r *http.Request) {
 		if len(in) == 0 {
 			writeErrorType(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf("input[%d] is empty", i), "input")
 			return
+		}
+		for _, t := range in {
+			if t < 0 || t >= vocabSize {
+				writeErrorType(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf("token id %d is out of vocabulary", t), "input")
+				return
+			}
 		}
 		if len(in) > p.MaxModelLen {
 			writeError(w, http.StatusBadRequest, fmt.Sprintf("This model's maximum context length is %d tokens. However, you requested %d tokens in the input for embedding generation. Please reduce the length of the input.", p.MaxModelLen, len(in)))

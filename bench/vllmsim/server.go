@@ -53,7 +53,7 @@ func New(cfg Config) (*Sim, error) {
 	if err := cfg.Faults.Validate(); err != nil {
 		return nil, err
 	}
-	eng, err := NewEngine(Options{Profile: cfg.Profile, Speedup: cfg.Speedup, Seed: cfg.Seed, LegacyMetrics: cfg.LegacyMetrics})
+	eng, err := NewEngine(Options{Profile: cfg.Profile, ModelName: cfg.ServedModelName, Speedup: cfg.Speedup, Seed: cfg.Seed, LegacyMetrics: cfg.LegacyMetrics})
 	if err != nil {
 		return nil, err
 	}
@@ -111,7 +111,16 @@ func (s *Sim) routes() {
 	s.mux.HandleFunc("GET /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("PUT /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("POST /admin/faults", s.handleFaults)
+	known := map[string]bool{}
+	for _, p := range []string{"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
+		"/tokenize", "/detokenize", "/health", "/ping", "/version", "/load", "/metrics", "/admin/faults"} {
+		known[p] = true
+	}
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		if known[r.URL.Path] {
+			writeErrorType(w, http.StatusMethodNotAllowed, "MethodNotAllowed", "Method Not Allowed", "")
+			return
+		}
 		writeErrorType(w, http.StatusNotFound, "NotFoundError", "Not Found", "")
 	})
 }
