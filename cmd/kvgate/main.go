@@ -2,6 +2,8 @@
 //
 // Usage:
 //
+//	kvgate serve [flags]          serve the OpenAI-compatible API in front of vLLM
+//	kvgate gpus [flags]           print the GPUs and the backends' live capacity
 //	kvgate sim [flags]            run a simulated vLLM server
 //	kvgate sim calibrate          compare the simulator with published GPU figures
 //	kvgate sim profiles           list the simulator's profiles
@@ -34,6 +36,8 @@ func main() {
 const usage = `kvgate: an inference gateway for vLLM servers on local GPUs
 
 Commands:
+  serve        serve the OpenAI-compatible API in front of vLLM (kvgate serve --help)
+  gpus         print the GPUs and the backends with their live capacity
   sim          run a simulated vLLM server (kvgate sim --help)
   sim calibrate
                replay published H100 experiments on the simulator
@@ -50,6 +54,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return errors.New("no command given")
 	}
 	switch args[0] {
+	case "serve":
+		return runServe(ctx, args[1:], getenv, stdout, stderr)
+	case "gpus":
+		return runGPUs(ctx, args[1:], getenv, stdout, stderr)
 	case "sim":
 		return runSim(ctx, args[1:], getenv, stdout, stderr)
 	case "version", "--version":

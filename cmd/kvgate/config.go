@@ -1,0 +1,219 @@
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+// config is kvgate serve's configuration: defaults, then the YAML file,
+// then KVGATE_* environment variables, then flags.
+type config struct {
+	Addr     string              `yaml:"addr"`
+	Backends []gpu.BackendConfig `yaml:"backends"`
+	APIKeys  []apiKey            `yaml:"api_keys"`
+	LogLevel string              `yaml:"log_level"`
+
+	Admission scheduler.Policy `yaml:"admission"`
+	Gateway   struct {
+		MaxBodyBytes      int64         `yaml:"max_body_bytes"`
+		DefaultMaxTokens  int           `yaml:"default_max_tokens"`
+		TokenCount        string        `yaml:"token_count"`
+		Retries           *int          `yaml:"retries"`
+		StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"`
+	} `yaml:"gateway"`
+	Metrics struct {
+		ScrapeInterval time.Duration `yaml:"scrape_interval"`
+		StaleAfter     time.Duration `yaml:"stale_after"`
+		ProbeInterval  time.Duration `yaml:"probe_interval"`
+	} `yaml:"metrics"`
+	NVML struct {
+		Disabled bool          `yaml:"disabled"`
+		Interval time.Duration `yaml:"interval"`
+	} `yaml:"nvml"`
+	// Sim is the development fleet started when no backend is configured.
+	Sim struct {
+		Profile string  `yaml:"profile"`
+		Count   int     `yaml:"count"`
+		Speedup float64 `yaml:"speedup"`
+	} `yaml:"sim"`
+}
+
+type apiKey struct {
+	Key    string `yaml:"key"`
+	Tenant string `yaml:"tenant"`
+}
+
+// repeated is a flag that may be given many times.
+type repeated []string
+
+func (r *repeated) String() string     { return strings.Join(*r, ",") }
+func (r *repeated) Set(v string) error { *r = append(*r, v); return nil }
+
+// configFlags are the flags serve and gpus share.
+type configFlags struct {
+	file     string
+	addr     string
+	backends repeated
+	keys     repeated
+	logLevel string
+	kvTarget float64
+	simCount int
+	simProf  string
+	speedup  float64
+	noNVML   bool
+}
+
+func (c *configFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&c.file, "config", "", "YAML configuration file (env KVGATE_CONFIG)")
+	fs.StringVar(&c.addr, "addr", "", "address to serve the API on (env KVGATE_ADDR; default 127.0.0.1:8080)")
+	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
+	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, repeatable (env KVGATE_API_KEYS, comma-separated); none means no authentication")
+	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
+	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.9)")
+	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
+	fs.StringVar(&c.simProf, "sim-profile", "", "profile of the simulated backends (default h100-llama-3.1-8b)")
+	fs.Float64Var(&c.speedup, "sim-speedup", 0, "speed-up of the simulated backends (default 1)")
+	fs.BoolVar(&c.noNVML, "no-nvml", false, "do not read GPUs through NVML")
+}
+
+// load builds the configuration from the file, the environment and the
+// flags that were set on fs.
+func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*config, error) {
+	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info"}
+	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+
+	file := c.file
+	if !set["config"] {
+		file = getenv("KVGATE_CONFIG")
+	}
+	if file != "" {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			return nil, fmt.Errorf("read config: %w", err)
+		}
+		dec := yaml.NewDecoder(strings.NewReader(string(b)))
+		dec.KnownFields(true)
+		if err := dec.Decode(cfg); err != nil && !errors.Is(err, io.EOF) { // EOF: an empty file
+			return nil, fmt.Errorf("config %s: %w", file, err)
+		}
+	}
+
+	env := func(name string) (string, bool) {
+		v := getenv(name)
+		return v, v != ""
+	}
+	if v, ok := env("KVGATE_ADDR"); ok {
+		cfg.Addr = v
+	}
+	if v, ok := env("KVGATE_LOG_LEVEL"); ok {
+		cfg.LogLevel = v
+	}
+	if v, ok := env("KVGATE_BACKENDS"); ok {
+		cfg.Backends = nil
+		for _, u := range splitList(v) {
+			cfg.Backends = append(cfg.Backends, gpu.BackendConfig{URL: u})
+		}
+	}
+	if v, ok := env("KVGATE_API_KEYS"); ok {
+		keys, err := parseKeys(splitList(v))
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_API_KEYS: %w", err)
+		}
+		cfg.APIKeys = keys
+	}
+	if v, ok := env("KVGATE_KV_TARGET"); ok {
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_KV_TARGET: %w", err)
+		}
+		cfg.Admission.KVTarget = f
+	}
+
+	if set["addr"] {
+		cfg.Addr = c.addr
+	}
+	if set["log-level"] {
+		cfg.LogLevel = c.logLevel
+	}
+	if set["backend"] {
+		cfg.Backends = nil
+		for _, u := range c.backends {
+			cfg.Backends = append(cfg.Backends, gpu.BackendConfig{URL: u})
+		}
+	}
+	if set["api-key"] {
+		keys, err := parseKeys(c.keys)
+		if err != nil {
+			return nil, fmt.Errorf("--api-key: %w", err)
+		}
+		cfg.APIKeys = keys
+	}
+	if set["kv-target"] {
+		cfg.Admission.KVTarget = c.kvTarget
+	}
+	if set["sim-count"] {
+		cfg.Sim.Count = c.simCount
+	}
+	if set["sim-profile"] {
+		cfg.Sim.Profile = c.simProf
+	}
+	if set["sim-speedup"] {
+		cfg.Sim.Speedup = c.speedup
+	}
+	if set["no-nvml"] {
+		cfg.NVML.Disabled = c.noNVML
+	}
+	if err := cfg.Admission.Validate(); err != nil {
+		return nil, fmt.Errorf("admission: %w", err)
+	}
+	return cfg, nil
+}
+
+func splitList(v string) []string {
+	var out []string
+	for _, s := range strings.Split(v, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func parseKeys(list []string) ([]apiKey, error) {
+	var keys []apiKey
+	for _, kv := range list {
+		k, t, ok := strings.Cut(kv, "=")
+		if !ok || k == "" || t == "" {
+			return nil, fmt.Errorf("%q is not TOKEN=TENANT", kv)
+		}
+		keys = append(keys, apiKey{Key: k, Tenant: t})
+	}
+	return keys, nil
+}
+
+func (c *config) keyMap() (map[string]string, error) {
+	m := map[string]string{}
+	for _, k := range c.APIKeys {
+		if k.Key == "" || k.Tenant == "" {
+			return nil, errors.New("api_keys: every key needs a key and a tenant")
+		}
+		if _, dup := m[k.Key]; dup {
+			return nil, errors.New("api_keys: a key is listed twice")
+		}
+		m[k.Key] = k.Tenant
+	}
+	return m, nil
+}

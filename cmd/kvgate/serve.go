@@ -1,0 +1,260 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/gateway"
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+func runServe(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("kvgate serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cf configFlags
+	cf.register(fs)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: kvgate serve [flags]\n\nServes the OpenAI-compatible API in front of vLLM backends. "+
+			"With no backend configured, starts simulated ones in-process.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cfg, err := cf.load(fs, getenv)
+	if err != nil {
+		return err
+	}
+	log, err := newLogger(stderr, cfg.LogLevel)
+	if err != nil {
+		return err
+	}
+	keys, err := cfg.keyMap()
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", cfg.Addr)
+	if err != nil {
+		return err
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	if len(cfg.Backends) == 0 {
+		urls, err := startSimFleet(gctx, g, cfg, log)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		for _, u := range urls {
+			cfg.Backends = append(cfg.Backends, gpu.BackendConfig{URL: u})
+		}
+	}
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	nv := openNVML(cfg, log)
+	if nv != nil {
+		reg.MustRegister(nv.Collector())
+		g.Go(func() error { return ignoreCanceled(nv.Run(gctx)) })
+	}
+
+	var sched *scheduler.Scheduler
+	pool, err := gpu.NewPool(cfg.Backends, gpu.PoolConfig{
+		ScrapeInterval: cfg.Metrics.ScrapeInterval, StaleAfter: cfg.Metrics.StaleAfter,
+		ProbeInterval: cfg.Metrics.ProbeInterval, NVML: nv, Logger: log,
+		OnChange: func() {
+			if sched != nil {
+				sched.Wake()
+			}
+		},
+	})
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	sched, err = scheduler.New(pool, scheduler.Options{Policy: cfg.Admission, Logger: log})
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	reg.MustRegister(sched.Collectors()...)
+	api, err := gateway.New(gateway.Config{
+		APIKeys: keys, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
+		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
+	}, pool, sched, reg, log)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+
+	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })
+	g.Go(func() error { return ignoreCanceled(sched.Run(gctx)) })
+	g.Go(func() error { return serve(gctx, ln, api, waitDone) })
+
+	addr := ln.Addr().String()
+	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys) > 0)
+	model := "meta-llama/Llama-3.1-8B-Instruct"
+	if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
+		model = p.Model
+	}
+	auth := ""
+	if len(keys) > 0 {
+		auth = " -H 'Authorization: Bearer YOUR_KEY'"
+	}
+	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on http://%s/v1\ntry: curl -s http://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
+		"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", addr, addr, auth, model)
+	return g.Wait()
+}
+
+func waitDone(ctx context.Context) error {
+	<-ctx.Done()
+	return nil
+}
+
+func ignoreCanceled(err error) error {
+	if errors.Is(err, context.Canceled) {
+		return nil
+	}
+	return err
+}
+
+func newLogger(w io.Writer, level string) (*slog.Logger, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("log level %q: %w", level, err)
+	}
+	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
+}
+
+// openNVML opens NVML unless configured off (nil then). Without the
+// library it comes back disabled, having said so once in the log.
+func openNVML(cfg *config, log *slog.Logger) *gpu.NVML {
+	if cfg.NVML.Disabled {
+		return nil
+	}
+	return gpu.OpenNVML(nil, gpu.NVMLConfig{Interval: cfg.NVML.Interval, Logger: log})
+}
+
+// startSimFleet starts the development fleet: simulated vLLM servers on
+// loopback ports, run by g until its context ends.
+func startSimFleet(ctx context.Context, g *errgroup.Group, cfg *config, log *slog.Logger) ([]string, error) {
+	p, err := vllmsim.LookupProfile(cfg.Sim.Profile)
+	if err != nil {
+		return nil, err
+	}
+	var urls []string
+	for i := range max(cfg.Sim.Count, 1) {
+		sim, err := vllmsim.New(vllmsim.Config{Profile: p, Speedup: cfg.Sim.Speedup, Seed: uint64(i), Logger: log})
+		if err != nil {
+			return nil, err
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		g.Go(func() error { return serve(ctx, ln, sim, sim.Run) })
+		urls = append(urls, "http://"+ln.Addr().String())
+	}
+	log.Info("no backend configured: started simulated vLLM servers", "count", len(urls), "profile", p.Name,
+		"speedup", cfg.Sim.Speedup, "urls", strings.Join(urls, ","))
+	return urls, nil
+}
+
+// runGPUs prints the machine's GPUs and the configured backends with their
+// live capacity.
+func runGPUs(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("kvgate gpus", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cf configFlags
+	cf.register(fs)
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	cfg, err := cf.load(fs, getenv)
+	if err != nil {
+		return err
+	}
+	log, err := newLogger(stderr, cfg.LogLevel)
+	if err != nil {
+		return err
+	}
+	nv := openNVML(cfg, log)
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	if nv != nil {
+		nv.Refresh()
+	}
+	if nv == nil || !nv.Enabled() {
+		fmt.Fprintln(tw, "GPUs: NVML is not available on this machine")
+	} else {
+		fmt.Fprintf(tw, "GPUs (driver %s)\n", nv.Driver())
+		fmt.Fprintln(tw, "INDEX\tNAME\tUUID\tMEMORY USED/TOTAL\tUTIL\tTEMP\tPOWER/LIMIT\tTHROTTLE\tECC (CORR/UNCORR)\tHEALTH")
+		for _, g := range nv.GPUs() {
+			health := g.Health.String()
+			if len(g.Reasons) > 0 {
+				health += " (" + strings.Join(g.Reasons, "; ") + ")"
+			}
+			fmt.Fprintf(tw, "%d\t%s\t%s\t%.1f/%.1f GiB\t%d%%\t%d C\t%.0f/%.0f W\t%s\t%d/%d\t%s\n",
+				g.Index, g.Name, g.UUID, gib(g.MemoryUsed), gib(g.MemoryTotal), g.UtilGPU, g.TemperatureC,
+				g.PowerW, g.PowerLimitW, strings.Join(g.Throttle, ","), g.ECCCorrected, g.ECCUncorrected, health)
+		}
+	}
+	fmt.Fprintln(tw)
+	if len(cfg.Backends) == 0 {
+		fmt.Fprintln(tw, "Backends: none configured (kvgate serve would start simulated ones)")
+		return tw.Flush()
+	}
+	pool, err := gpu.NewPool(cfg.Backends, gpu.PoolConfig{NVML: nv, Logger: log, StaleAfter: 5 * time.Second})
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	pool.Probe(ctx)
+	pool.Scrape(ctx)
+	fmt.Fprintln(tw, "BACKEND\tURL\tMODELS\tKV CAPACITY\tKV USED\tRUNNING\tWAITING\tHEALTH\tGPUS")
+	now := time.Now()
+	for _, s := range pool.Snapshots() {
+		var models []string
+		for _, m := range s.Models {
+			models = append(models, fmt.Sprintf("%s (%d)", m.ID, m.MaxModelLen))
+		}
+		health := "ok"
+		switch {
+		case s.Stale(now):
+			health = "unreachable: " + s.ScrapeErr
+		case !s.Routable():
+			health = "not routable " + s.HealthErr
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d tokens\t%.1f%%\t%.0f\t%.0f\t%s\t%s (%s)\n", s.Name, s.URL, strings.Join(models, ", "),
+			s.CapacityTokens, 100*s.Metrics.KVUsage, s.Metrics.Running, s.Metrics.Waiting, health,
+			strings.Join(cfg.backendGPUs(s.Name), ","), s.GPUHealth)
+	}
+	return tw.Flush()
+}
+
+func gib(b uint64) float64 { return float64(b) / (1 << 30) }
+
+func (c *config) backendGPUs(name string) []string {
+	for _, b := range c.Backends {
+		if b.Name == name {
+			return b.GPUs
+		}
+	}
+	return nil
+}
+
+var _ http.Handler = (*gateway.Server)(nil)

@@ -1,0 +1,106 @@
+package gateway
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	openai "github.com/sashabaranov/go-openai"
+
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+// apiError is an error that kvgate answers itself, in OpenAI's shape.
+type apiError struct {
+	status     int
+	typ        string // invalid_request_error, authentication_error, server_error, ...
+	code       string // model_not_found, invalid_api_key, ...
+	param      string
+	msg        string
+	retryAfter time.Duration
+}
+
+func (e *apiError) Error() string { return e.msg }
+
+func badRequest(param, msg string) *apiError {
+	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", param: param, msg: msg}
+}
+
+// upstreamError is a backend's own error response, passed on to the
+// client with the backend's status and message.
+type upstreamError struct {
+	status     int
+	msg        string
+	retryAfter time.Duration
+}
+
+func (e *upstreamError) Error() string { return e.msg }
+
+// writeError answers err in OpenAI's error format. It is the only place
+// that maps errors to statuses; internal detail is logged, never sent.
+func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
+	e := toAPIError(err)
+	if e.status >= 500 && e.status != http.StatusServiceUnavailable {
+		log.Error("request failed", "status", e.status, "err", err)
+	}
+	if e.retryAfter > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(int((e.retryAfter+time.Second-1)/time.Second)))
+	}
+	body := openai.ErrorResponse{Error: &openai.APIError{Message: e.msg, Type: e.typ}}
+	if e.code != "" {
+		body.Error.Code = e.code
+	}
+	if e.param != "" {
+		body.Error.Param = &e.param
+	}
+	writeJSON(w, e.status, body)
+	return e.status
+}
+
+func toAPIError(err error) *apiError {
+	var (
+		api      *apiError
+		up       *upstreamError
+		rejected *scheduler.RejectedError
+		tooLarge *scheduler.TooLargeError
+		maxBytes *http.MaxBytesError
+	)
+	switch {
+	case errors.As(err, &api):
+		return api
+	case errors.As(err, &maxBytes):
+		return &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error",
+			msg: "Request body is larger than the " + strconv.FormatInt(maxBytes.Limit, 10) + " bytes this gateway accepts."}
+	case errors.As(err, &tooLarge):
+		return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
+			param: "max_tokens", msg: tooLarge.Error() + ". Reduce the prompt or max_tokens."}
+	case errors.As(err, &rejected):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_overloaded",
+			retryAfter: rejected.RetryAfter,
+			msg:        "The gateway is at capacity (" + rejected.Reason + "); retry after the Retry-After delay."}
+	case errors.Is(err, scheduler.ErrNoBackend):
+		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
+			msg: "No backend serves this model."}
+	case errors.As(err, &up):
+		e := &apiError{status: up.status, msg: up.msg, retryAfter: up.retryAfter}
+		switch {
+		case up.status == http.StatusBadRequest && strings.Contains(strings.ToLower(up.msg), "maximum context length"):
+			e.typ, e.code = "invalid_request_error", "context_length_exceeded"
+		case up.status == http.StatusTooManyRequests:
+			e.typ, e.code = "rate_limit_error", "rate_limit_exceeded"
+		case up.status < 500:
+			e.typ = "invalid_request_error"
+		default:
+			e.typ = "server_error"
+		}
+		return e
+	case errors.Is(err, context.DeadlineExceeded):
+		return &apiError{status: http.StatusGatewayTimeout, typ: "server_error", code: "timeout", msg: "The backend did not answer in time."}
+	}
+	return &apiError{status: http.StatusBadGateway, typ: "server_error", code: "upstream_error",
+		msg: "The model backend failed; the request may be retried."}
+}

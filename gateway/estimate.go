@@ -1,0 +1,109 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"sync"
+	"time"
+)
+
+// estimator turns prompt sizes into token counts without a tokenizer: bytes
+// of the prompt's JSON times a per-model ratio, learned from the
+// prompt_tokens the backends report. It starts high (one token per three
+// bytes), so that a cold estimate reserves too much rather than too little.
+type estimator struct {
+	mu    sync.Mutex
+	ratio map[string]float64 // tokens per byte
+}
+
+const (
+	initialTokensPerByte = 1.0 / 3
+	estimateSmoothing    = 0.1 // weight of each new observation
+)
+
+func newEstimator() *estimator { return &estimator{ratio: map[string]float64{}} }
+
+func (e *estimator) estimate(model string, n int) int {
+	e.mu.Lock()
+	r, ok := e.ratio[model]
+	e.mu.Unlock()
+	if !ok {
+		r = initialTokensPerByte
+	}
+	return max(1, int(float64(n)*r+0.5))
+}
+
+// observe corrects the model's ratio with a reported count.
+func (e *estimator) observe(model string, n, tokens int) {
+	if n <= 0 || tokens <= 0 {
+		return
+	}
+	obs := float64(tokens) / float64(n)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	r, ok := e.ratio[model]
+	if !ok {
+		e.ratio[model] = obs
+		return
+	}
+	e.ratio[model] = r + estimateSmoothing*(obs-r)
+}
+
+// countPrompt counts the call's prompt tokens: exactly through a backend's
+// /tokenize when so configured (falling back to the estimate if that
+// fails), by estimate otherwise.
+func (s *Server) countPrompt(ctx context.Context, c *call) int {
+	est := s.est.estimate(c.model, c.promptBytes)
+	if s.cfg.TokenCount != "tokenize" || c.ep == epEmbedding {
+		return est
+	}
+	for _, sn := range s.pool.Snapshots() {
+		if _, ok := sn.Serves(c.model); !ok || !sn.Routable() {
+			continue
+		}
+		if n, err := s.tokenize(ctx, sn.URL, c); err == nil {
+			return n
+		}
+		break
+	}
+	return est
+}
+
+func (s *Server) tokenize(ctx context.Context, base string, c *call) (int, error) {
+	req := map[string]json.RawMessage{"model": mustJSON(c.model)}
+	if c.ep == epChat {
+		req["messages"] = c.f.Messages
+	} else {
+		req["prompt"] = c.f.Prompt
+	}
+	body, _ := json.Marshal(req)
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/tokenize", bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	hr.Header.Set("Content-Type", "application/json")
+	resp, err := s.client.Do(hr)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	var out struct {
+		Count int `json:"count"`
+	}
+	if resp.StatusCode != http.StatusOK {
+		return 0, &upstreamError{status: resp.StatusCode, msg: "tokenize failed"}
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return 0, err
+	}
+	return out.Count, nil
+}
+
+func mustJSON(v any) json.RawMessage {
+	b, _ := json.Marshal(v)
+	return b
+}

@@ -1,0 +1,525 @@
+package gateway
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+// reqFields are the request fields admission needs; everything else in the
+// body goes to the backend untouched.
+type reqFields struct {
+	Model               *string         `json:"model"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	Stream              bool            `json:"stream"`
+	StreamOptions       *streamOptions  `json:"stream_options"`
+	Messages            json.RawMessage `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+	Input               json.RawMessage `json:"input"`
+}
+
+type streamOptions struct {
+	IncludeUsage *bool `json:"include_usage"`
+}
+
+type endpoint uint8
+
+const (
+	epChat endpoint = iota
+	epCompletion
+	epEmbedding
+)
+
+var endpointPath = map[endpoint]string{
+	epChat: "/v1/chat/completions", epCompletion: "/v1/completions", epEmbedding: "/v1/embeddings",
+}
+
+// call is one validated inference request.
+type call struct {
+	ep          endpoint
+	body        []byte
+	f           reqFields
+	model       string
+	promptBytes int // size of the prompt's JSON, for the token estimate
+}
+
+func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		var maxBytes *http.MaxBytesError
+		if errors.As(err, &maxBytes) {
+			return nil, err
+		}
+		return nil, badRequest("", "Could not read the request body.")
+	}
+	c := &call{ep: ep, body: body}
+	if err := json.Unmarshal(body, &c.f); err != nil {
+		var typeErr *json.UnmarshalTypeError
+		if errors.As(err, &typeErr) {
+			return nil, badRequest(typeErr.Field, fmt.Sprintf("Invalid type for '%s': expected %s.", typeErr.Field, typeErr.Type))
+		}
+		return nil, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
+	}
+	if c.f.Model == nil || *c.f.Model == "" {
+		return nil, badRequest("model", "You must provide a model parameter.")
+	}
+	c.model = *c.f.Model
+	switch ep {
+	case epChat:
+		if !isNonEmptyArray(c.f.Messages) {
+			return nil, badRequest("messages", "'messages' must be a non-empty array of messages.")
+		}
+		c.promptBytes = len(c.f.Messages)
+	case epCompletion:
+		if len(c.f.Prompt) == 0 || string(c.f.Prompt) == "null" {
+			return nil, badRequest("prompt", "You must provide a prompt.")
+		}
+		c.promptBytes = len(c.f.Prompt)
+	case epEmbedding:
+		if len(c.f.Input) == 0 || string(c.f.Input) == "null" || string(c.f.Input) == `""` || string(c.f.Input) == "[]" {
+			return nil, badRequest("input", "'input' must be a non-empty string or array.")
+		}
+		c.promptBytes = len(c.f.Input)
+	}
+	for _, v := range []*int{c.f.MaxTokens, c.f.MaxCompletionTokens} {
+		if v != nil && *v < 1 {
+			return nil, badRequest("max_tokens", fmt.Sprintf("max_tokens must be at least 1, got %d.", *v))
+		}
+	}
+	if c.f.StreamOptions != nil && !c.f.Stream {
+		return nil, badRequest("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
+	}
+	return c, nil
+}
+
+func isNonEmptyArray(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) >= 2 && raw[0] == '[' && len(bytes.TrimSpace(raw[1:len(raw)-1])) > 0
+}
+
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) int {
+	return s.handleInference(w, r, epChat)
+}
+
+func (s *Server) handleCompletion(w http.ResponseWriter, r *http.Request) int {
+	return s.handleInference(w, r, epCompletion)
+}
+
+func (s *Server) handleEmbeddings(w http.ResponseWriter, r *http.Request) int {
+	return s.handleInference(w, r, epEmbedding)
+}
+
+func (s *Server) handleInference(w http.ResponseWriter, r *http.Request, ep endpoint) int {
+	c, err := s.readCall(r, ep)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	model, ok := s.lookupModel(c.model)
+	if !ok {
+		return writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
+			param: "model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
+	}
+	if sw, ok := w.(*statusWriter); ok {
+		sw.model = model.ID
+	}
+	return s.proxy(w, r, c, model)
+}
+
+func (s *Server) lookupModel(id string) (gpu.Model, bool) {
+	for _, m := range s.pool.Models() {
+		if m.ID == id {
+			return m, true
+		}
+	}
+	return gpu.Model{}, false
+}
+
+// reservation returns the prompt tokens and the output tokens to reserve.
+func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (prompt, maxOut int) {
+	prompt = s.countPrompt(ctx, c)
+	if c.ep == epEmbedding {
+		return prompt, 0
+	}
+	room := model.MaxModelLen - prompt
+	if model.MaxModelLen <= 0 {
+		room = 1 << 30
+	}
+	switch {
+	case c.f.MaxCompletionTokens != nil:
+		maxOut = *c.f.MaxCompletionTokens
+	case c.f.MaxTokens != nil:
+		maxOut = *c.f.MaxTokens
+	case c.ep == epCompletion:
+		maxOut = 16 // the completions API's default
+	default:
+		maxOut = s.cfg.DefaultMaxTokens
+	}
+	// The backend refuses what does not fit its context; the reservation
+	// need not be larger than what it could run.
+	return prompt, max(1, min(maxOut, room))
+}
+
+// proxy admits the call and passes it to a backend, retrying on another
+// backend while nothing has reached the client.
+func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gpu.Model) int {
+	ctx := r.Context()
+	prompt, maxOut := s.reservation(ctx, c, model)
+	ticket := &scheduler.Ticket{
+		Tenant: tenantOf(ctx), Class: scheduler.Interactive, Model: model.ID,
+		PromptTokens: prompt, MaxTokens: maxOut,
+	}
+	body, injected := c.body, false
+	if c.f.Stream && (c.f.StreamOptions == nil || c.f.StreamOptions.IncludeUsage == nil || !*c.f.StreamOptions.IncludeUsage) {
+		// Ask for usage to settle the estimate; the client does not see it.
+		if b, err := withStreamUsage(c.body); err == nil {
+			body, injected = b, true
+		}
+	}
+	for attempt := 0; ; attempt++ {
+		grant, err := s.sched.Acquire(ctx, ticket)
+		if err != nil {
+			if ctx.Err() != nil {
+				return 499 // the client left; nobody to answer
+			}
+			return writeError(w, s.log, err)
+		}
+		res := s.forward(ctx, w, grant, c, body, injected)
+		grant.Release()
+		if res.err == nil {
+			if res.usage != nil && c.promptBytes > 0 {
+				s.est.observe(model.ID, c.promptBytes, res.usage.PromptTokens)
+			}
+			return res.status
+		}
+		if res.wrote || ctx.Err() != nil {
+			return res.status
+		}
+		if !res.retryable || attempt >= s.retries || !s.hasOtherBackend(model.ID, append(ticket.Exclude, grant.Backend)) {
+			return writeError(w, s.log, res.err)
+		}
+		ticket.Exclude = append(ticket.Exclude, grant.Backend)
+		s.m.retry(model.ID)
+		s.log.Info("retrying on another backend", "model", model.ID, "failed_backend", grant.Backend, "err", res.err)
+	}
+}
+
+func (s *Server) hasOtherBackend(model string, exclude []string) bool {
+	for _, sn := range s.pool.Snapshots() {
+		if _, ok := sn.Serves(model); ok && sn.Routable() && !slices.Contains(exclude, sn.Name) {
+			return true
+		}
+	}
+	return false
+}
+
+// withStreamUsage sets stream_options.include_usage in a request body,
+// keeping every other field as it was.
+func withStreamUsage(body []byte) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(body, &m); err != nil {
+		return nil, err
+	}
+	opts := map[string]json.RawMessage{}
+	if raw, ok := m["stream_options"]; ok && string(raw) != "null" {
+		if err := json.Unmarshal(raw, &opts); err != nil {
+			return nil, err
+		}
+	}
+	opts["include_usage"] = json.RawMessage("true")
+	b, err := json.Marshal(opts)
+	if err != nil {
+		return nil, err
+	}
+	m["stream_options"] = b
+	return json.Marshal(m)
+}
+
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+}
+
+// result is how one attempt on one backend ended.
+type result struct {
+	status    int
+	err       error
+	retryable bool // nothing reached the client and another backend may do better
+	wrote     bool // bytes reached the client
+	usage     *usage
+}
+
+func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, body []byte, injected bool) result {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+endpointPath[c.ep], bytes.NewReader(body))
+	if err != nil {
+		return result{status: http.StatusInternalServerError, err: err}
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if c.f.Stream {
+		req.Header.Set("Accept", "text/event-stream")
+	}
+	start := time.Now()
+	resp, err := s.client.Do(req)
+	if err != nil {
+		if ctx.Err() != nil {
+			return result{status: 499, err: errClientGone}
+		}
+		s.pool.ReportFailure(g.Backend, err)
+		s.m.upstreamError(g.Backend, "connect")
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), retryable: true}
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 400 {
+		return s.upstreamFailure(g, resp)
+	}
+	if c.f.Stream && isEventStream(resp.Header.Get("Content-Type")) {
+		return s.relay(ctx, w, g, c, resp, injected, start)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		if ctx.Err() != nil {
+			return result{status: 499, err: errClientGone}
+		}
+		s.pool.ReportFailure(g.Backend, err)
+		s.m.upstreamError(g.Backend, "read")
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: read response: %w", g.Backend, err), retryable: true}
+	}
+	var parsed struct {
+		Usage *usage `json:"usage"`
+	}
+	if err := json.Unmarshal(b, &parsed); err != nil {
+		s.pool.ReportFailure(g.Backend, err)
+		s.m.upstreamError(g.Backend, "malformed")
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: malformed response: %w", g.Backend, err), retryable: true}
+	}
+	s.pool.ReportSuccess(g.Backend)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
+	w.WriteHeader(resp.StatusCode)
+	_, _ = w.Write(b)
+	return result{status: resp.StatusCode, usage: parsed.Usage, wrote: true}
+}
+
+// upstreamFailure reads a backend's error answer. 4xx are the request's
+// fault and go back to the client as they are; 429 and 5xx are the
+// backend's, and may be retried elsewhere.
+func (s *Server) upstreamFailure(g *scheduler.Grant, resp *http.Response) result {
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	msg := errorMessage(b)
+	if msg == "" {
+		msg = fmt.Sprintf("The backend answered %d.", resp.StatusCode)
+	}
+	e := &upstreamError{status: resp.StatusCode, msg: msg, retryAfter: parseRetryAfter(resp.Header.Get("Retry-After"))}
+	switch {
+	case resp.StatusCode == http.StatusTooManyRequests:
+		s.m.upstreamError(g.Backend, "429")
+		return result{status: resp.StatusCode, err: e, retryable: true}
+	case resp.StatusCode >= 500:
+		s.pool.ReportFailure(g.Backend, e)
+		s.m.upstreamError(g.Backend, "5xx")
+		return result{status: resp.StatusCode, err: e, retryable: true}
+	}
+	s.pool.ReportSuccess(g.Backend)
+	return result{status: resp.StatusCode, err: e}
+}
+
+// errorMessage digs the message out of an OpenAI- or vLLM-shaped error body.
+func errorMessage(b []byte) string {
+	var nested struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+		Message string `json:"message"` // older vLLM: flat
+	}
+	if json.Unmarshal(b, &nested) != nil {
+		return ""
+	}
+	if nested.Error.Message != "" {
+		return nested.Error.Message
+	}
+	return nested.Message
+}
+
+// parseRetryAfter reads Retry-After as seconds or an HTTP date.
+func parseRetryAfter(v string) time.Duration {
+	if v == "" {
+		return 0
+	}
+	if sec, err := strconv.Atoi(v); err == nil && sec >= 0 {
+		return time.Duration(sec) * time.Second
+	}
+	if t, err := http.ParseTime(v); err == nil {
+		return max(0, time.Until(t))
+	}
+	return 0
+}
+
+func isEventStream(ct string) bool {
+	return len(ct) >= len("text/event-stream") && ct[:len("text/event-stream")] == "text/event-stream"
+}
+
+var (
+	dataPrefix = []byte("data:")
+	doneData   = []byte("[DONE]")
+	usageKey   = []byte(`"usage"`)
+)
+
+// relay copies a backend's event stream to the client event by event,
+// flushing whenever the backend has nothing more buffered. It reads usage
+// on the way (and drops the usage event when kvgate asked for it and the
+// client did not), reports decode progress to the grant, and ends the
+// stream with an error event if the backend fails or stalls mid-way.
+func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, resp *http.Response, injected bool, start time.Time) result {
+	rc := http.NewResponseController(w)
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream; charset=utf-8")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+
+	// A stalled backend is cut after StreamIdleTimeout of silence.
+	var stalled atomic.Bool
+	watchdog := time.AfterFunc(s.cfg.StreamIdleTimeout, func() {
+		stalled.Store(true)
+		resp.Body.Close()
+	})
+	defer watchdog.Stop()
+
+	br := bufio.NewReaderSize(resp.Body, 16<<10)
+	var (
+		event   []byte
+		u       *usage
+		chunks  int
+		last    time.Time
+		done    bool
+		readErr error
+	)
+	for !done {
+		line, err := br.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) {
+			event = append(event, line...)
+			continue
+		}
+		if err != nil {
+			readErr = err
+			break
+		}
+		watchdog.Reset(s.cfg.StreamIdleTimeout)
+		event = append(event, line...)
+		if len(bytes.TrimSpace(line)) != 0 {
+			continue // the event goes on
+		}
+		data := eventData(event)
+		write := true
+		switch {
+		case data == nil:
+		case bytes.Equal(data, doneData):
+			done = true
+		case bytes.Contains(data, usageKey):
+			var chunk struct {
+				Choices []json.RawMessage `json:"choices"`
+				Usage   *usage            `json:"usage"`
+			}
+			if json.Unmarshal(data, &chunk) == nil && chunk.Usage != nil {
+				u = chunk.Usage
+				if len(chunk.Choices) == 0 && injected {
+					write = false
+				}
+			}
+			if len(chunk.Choices) > 0 {
+				chunks++
+			}
+		default:
+			chunks++
+		}
+		if chunks > 0 && write && !done {
+			now := time.Now()
+			if last.IsZero() {
+				s.m.firstToken(c.model, now.Sub(start))
+			} else {
+				s.m.interToken(c.model, now.Sub(last))
+			}
+			last = now
+			g.Progress(chunks)
+		}
+		if write {
+			if _, err := w.Write(event); err != nil {
+				return result{status: 499, err: errClientGone, wrote: true}
+			}
+		}
+		event = event[:0]
+		if br.Buffered() == 0 || done {
+			if err := rc.Flush(); err != nil {
+				return result{status: 499, err: errClientGone, wrote: true}
+			}
+		}
+	}
+	if done {
+		s.pool.ReportSuccess(g.Backend)
+		return result{status: http.StatusOK, usage: u, wrote: true}
+	}
+	if ctx.Err() != nil {
+		return result{status: 499, err: errClientGone, wrote: true}
+	}
+	// The backend ended or stalled without [DONE]: tell the client in the
+	// stream, since the status line is long gone.
+	kind := "stream_cut"
+	if stalled.Load() {
+		kind = "stream_stall"
+	}
+	s.m.upstreamError(g.Backend, kind)
+	err := fmt.Errorf("backend %s: stream ended early: %v", g.Backend, readErr)
+	s.pool.ReportFailure(g.Backend, err)
+	_, _ = w.Write([]byte(`data: {"error":{"message":"The model backend failed mid-stream; the response is incomplete.","type":"server_error","param":null,"code":"upstream_error"}}` + "\n\n"))
+	_ = rc.Flush()
+	return result{status: http.StatusBadGateway, err: err, wrote: true}
+}
+
+// eventData returns the data of an SSE event (its data: lines joined), or
+// nil for an event without data.
+func eventData(event []byte) []byte {
+	var data []byte
+	for len(event) > 0 {
+		line := event
+		if i := bytes.IndexByte(event, '\n'); i >= 0 {
+			line, event = event[:i], event[i+1:]
+		} else {
+			event = nil
+		}
+		if rest, ok := bytes.CutPrefix(line, dataPrefix); ok {
+			rest = bytes.TrimPrefix(bytes.TrimRight(rest, "\r"), []byte(" "))
+			if data != nil {
+				data = append(data, '\n')
+			}
+			data = append(data, rest...)
+		}
+	}
+	return data
+}
+
+// writeJSON answers v as JSON, leaving <, > and & as they are.
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(b.Len()))
+	w.WriteHeader(status)
+	_, _ = w.Write(b.Bytes())
+}

@@ -1,0 +1,224 @@
+package gateway
+
+import (
+	"cmp"
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+// Config configures the API. Zero values take the defaults in brackets.
+type Config struct {
+	// APIKeys maps bearer tokens to tenants. Empty means development mode:
+	// no authentication, every request belongs to tenant "default".
+	APIKeys map[string]string
+	// MaxBodyBytes caps request bodies; larger ones get 413 [8 MiB].
+	MaxBodyBytes int64
+	// DefaultMaxTokens is the output reserved for a chat request that sets
+	// no max_tokens, bounded by what the context leaves [1024].
+	DefaultMaxTokens int
+	// TokenCount is "estimate" (bytes times a per-model ratio learned from
+	// reported usage) or "tokenize" (ask the backend's /tokenize: exact,
+	// one more round trip) ["estimate"].
+	TokenCount string
+	// Retries is how many other backends a request may be retried on
+	// before its first byte reaches the client [1].
+	Retries *int
+	// StreamIdleTimeout ends a stream whose backend sends nothing for this
+	// long [2m].
+	StreamIdleTimeout time.Duration
+}
+
+// backendPool is what the gateway needs of the backends; *gpu.Pool
+// satisfies it.
+type backendPool interface {
+	Snapshots() []*gpu.Snapshot
+	Models() []gpu.Model
+	ReportFailure(name string, err error)
+	ReportSuccess(name string)
+}
+
+// admitter is what the gateway needs of the scheduler.
+type admitter interface {
+	Acquire(ctx context.Context, t *scheduler.Ticket) (*scheduler.Grant, error)
+}
+
+// Server serves the OpenAI-compatible API. It is an http.Handler, safe for
+// concurrent use.
+type Server struct {
+	cfg     Config
+	pool    backendPool
+	sched   admitter
+	log     *slog.Logger
+	client  *http.Client
+	est     *estimator
+	m       *metrics
+	mux     *http.ServeMux
+	retries int
+}
+
+// New returns the API server. reg receives the gateway's metrics and is
+// served, with whatever else it holds, at /metrics.
+func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry, log *slog.Logger) (*Server, error) {
+	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, 8<<20)
+	cfg.DefaultMaxTokens = cmp.Or(cfg.DefaultMaxTokens, 1024)
+	cfg.TokenCount = cmp.Or(cfg.TokenCount, "estimate")
+	cfg.StreamIdleTimeout = cmp.Or(cfg.StreamIdleTimeout, 2*time.Minute)
+	if cfg.TokenCount != "estimate" && cfg.TokenCount != "tokenize" {
+		return nil, fmt.Errorf("token count %q is not estimate or tokenize", cfg.TokenCount)
+	}
+	retries := 1
+	if cfg.Retries != nil {
+		retries = max(0, *cfg.Retries)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{
+		cfg: cfg, pool: pool, sched: sched, retries: retries,
+		log: log.With("component", "gateway"),
+		// The dispatching client never retries on its own: kvgate decides.
+		client: &http.Client{Transport: &http.Transport{
+			MaxIdleConns:        1024,
+			MaxIdleConnsPerHost: 512,
+			IdleConnTimeout:     90 * time.Second,
+			DisableCompression:  true,
+		}},
+		est: newEstimator(),
+		m:   newMetrics(),
+		mux: http.NewServeMux(),
+	}
+	if err := s.m.register(reg); err != nil {
+		return nil, err
+	}
+	s.routes(reg)
+	return s, nil
+}
+
+func (s *Server) routes(reg *prometheus.Registry) {
+	s.mux.Handle("POST /v1/chat/completions", s.api("/v1/chat/completions", s.handleChat))
+	s.mux.Handle("POST /v1/completions", s.api("/v1/completions", s.handleCompletion))
+	s.mux.Handle("POST /v1/embeddings", s.api("/v1/embeddings", s.handleEmbeddings))
+	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
+	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain")
+		_, _ = w.Write([]byte("ok\n"))
+	})
+	s.mux.HandleFunc("GET /readyz", s.handleReady)
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error",
+			msg: fmt.Sprintf("Unknown request URL: %s %s.", r.Method, r.URL.Path)})
+	})
+}
+
+// ServeHTTP serves the API.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
+
+type tenantKey struct{}
+
+// tenantOf returns the tenant that api authenticated.
+func tenantOf(ctx context.Context) string {
+	t, _ := ctx.Value(tenantKey{}).(string)
+	return t
+}
+
+// api wraps an API handler: authentication, the body limit, and the
+// request metrics. A handler returns the status it wrote.
+func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request) int) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		tenant, err := s.authenticate(r)
+		if err != nil {
+			status := writeError(w, s.log, err)
+			s.m.request(route, "", status, time.Since(start))
+			return
+		}
+		r = r.WithContext(context.WithValue(r.Context(), tenantKey{}, tenant))
+		r.Body = http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes)
+		rw := &statusWriter{ResponseWriter: w}
+		s.m.inflight.Inc()
+		status := h(rw, r)
+		s.m.inflight.Dec()
+		s.m.request(route, rw.model, status, time.Since(start))
+	})
+}
+
+// statusWriter lets a handler name the model label for the request metrics.
+type statusWriter struct {
+	http.ResponseWriter
+	model string
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func (s *Server) authenticate(r *http.Request) (string, error) {
+	if len(s.cfg.APIKeys) == 0 {
+		return "default", nil
+	}
+	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok || token == "" {
+		return "", &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error",
+			msg: "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'."}
+	}
+	for key, tenant := range s.cfg.APIKeys {
+		if subtle.ConstantTimeCompare([]byte(key), []byte(token)) == 1 {
+			return tenant, nil
+		}
+	}
+	return "", &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
+		msg: "Incorrect API key provided."}
+}
+
+func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
+	type model struct {
+		ID          string `json:"id"`
+		Object      string `json:"object"`
+		Created     int64  `json:"created"`
+		OwnedBy     string `json:"owned_by"`
+		MaxModelLen int    `json:"max_model_len,omitempty"`
+	}
+	list := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{}}
+	for _, m := range s.pool.Models() {
+		list.Data = append(list.Data, model{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
+	}
+	writeJSON(w, http.StatusOK, list)
+	return http.StatusOK
+}
+
+var startTime = time.Now().Unix()
+
+// handleReady answers 200 while at least one backend can take work.
+func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
+	now := time.Now()
+	var reasons []string
+	for _, sn := range s.pool.Snapshots() {
+		switch {
+		case sn.Routable() && !sn.Stale(now):
+			w.Header().Set("Content-Type", "text/plain")
+			_, _ = w.Write([]byte("ready\n"))
+			return
+		case !sn.Routable():
+			reasons = append(reasons, sn.Name+": not routable")
+		default:
+			reasons = append(reasons, sn.Name+": metrics stale")
+		}
+	}
+	http.Error(w, "not ready: "+strings.Join(reasons, "; "), http.StatusServiceUnavailable)
+}
+
+var errClientGone = errors.New("client went away")

@@ -1,0 +1,477 @@
+package gpu
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// BackendConfig describes one vLLM server.
+type BackendConfig struct {
+	Name string `yaml:"name" json:"name"`
+	URL  string `yaml:"url" json:"url"` // base URL, e.g. http://10.0.0.5:8000
+	// Models restricts the served model names; empty means all of the
+	// server's /v1/models.
+	Models []string `yaml:"models" json:"models,omitempty"`
+	// GPUs are the NVML indexes or UUIDs the server runs on.
+	GPUs []string `yaml:"gpus" json:"gpus,omitempty"`
+	// MaxNumSeqs is the server's --max-num-seqs, which vLLM does not
+	// publish; 256 by default.
+	MaxNumSeqs int `yaml:"max_num_seqs" json:"max_num_seqs,omitempty"`
+	// CapacityTokens is the KV capacity to assume when the server does not
+	// publish vllm:cache_config_info.
+	CapacityTokens int `yaml:"capacity_tokens" json:"capacity_tokens,omitempty"`
+}
+
+// PoolConfig tunes a Pool. Zero values take the defaults in brackets.
+type PoolConfig struct {
+	ScrapeInterval   time.Duration // /metrics period [100ms]
+	StaleAfter       time.Duration // a snapshot older than this is stale [1s]
+	ProbeInterval    time.Duration // /health period [1s]
+	DiscoverInterval time.Duration // /v1/models period [30s]
+	EjectAfter       int           // consecutive failures that eject a backend [3]
+	EjectBase        time.Duration // first ejection [2s], doubling per repeat
+	EjectMax         time.Duration // longest ejection [1m]
+	Client           *http.Client  // for scrapes and probes [a client with no retries]
+	NVML             *NVML         // GPU health; nil or disabled means unknown
+	Logger           *slog.Logger
+	// OnChange is called, without locks held, after any snapshot changes;
+	// the scheduler uses it to retry admission.
+	OnChange func()
+}
+
+// Model is a model a backend serves.
+type Model struct {
+	ID          string
+	MaxModelLen int
+}
+
+// Snapshot is a backend's state at one instant. It is immutable: the pool
+// publishes a new one on each change.
+type Snapshot struct {
+	Name string
+	URL  string
+
+	Models     []Model // empty until discovered
+	Metrics    EngineMetrics
+	ScrapedAt  time.Time // zero: never scraped
+	ScrapeErr  string
+	MaxNumSeqs int
+	// CapacityTokens is num_gpu_blocks × block_size from the server, or the
+	// configured fallback; 0 when neither is known.
+	CapacityTokens int
+	// PreemptionRate is preemptions per second between the last two scrapes.
+	PreemptionRate float64
+	// DecodeRate is output tokens per second per running sequence between
+	// the last two scrapes; 0 when unknown.
+	DecodeRate float64
+
+	Ejected      bool
+	EjectedUntil time.Time
+	Failures     int // consecutive
+	HealthErr    string
+
+	GPUHealth  Health
+	GPUReasons []string
+	GPUs       []GPU
+
+	// StaleAfter is the staleness bound the snapshot is judged by.
+	StaleAfter time.Duration
+}
+
+// Stale reports whether the snapshot's metrics are older than the
+// staleness bound at now (or were never read).
+func (s *Snapshot) Stale(now time.Time) bool {
+	return s.ScrapedAt.IsZero() || now.Sub(s.ScrapedAt) > s.StaleAfter
+}
+
+// Age is how old the metrics are at now.
+func (s *Snapshot) Age(now time.Time) time.Duration {
+	if s.ScrapedAt.IsZero() {
+		return -1
+	}
+	return now.Sub(s.ScrapedAt)
+}
+
+// Serves reports whether the backend serves model.
+func (s *Snapshot) Serves(model string) (Model, bool) {
+	for _, m := range s.Models {
+		if m.ID == model {
+			return m, true
+		}
+	}
+	return Model{}, false
+}
+
+// Routable reports whether new work may go to the backend: models known,
+// not ejected, GPUs not failed. Staleness is the scheduler's call.
+func (s *Snapshot) Routable() bool {
+	return len(s.Models) > 0 && !s.Ejected && s.GPUHealth != Failed
+}
+
+// Pool watches a fixed set of backends. Its methods are safe for concurrent
+// use; Run does the watching.
+type Pool struct {
+	cfg      PoolConfig
+	log      *slog.Logger
+	backends []*backend
+	byName   map[string]*backend
+}
+
+type backend struct {
+	cfg  BackendConfig
+	snap atomic.Pointer[Snapshot]
+	mu   sync.Mutex // serialises snapshot updates
+	// ejections so far, for the backoff.
+	ejections  int
+	prevScrape struct {
+		at                      time.Time
+		preemptions, generation float64
+	}
+}
+
+// NewPool returns a pool for the given backends. Names default to the
+// URL's host; names and URLs must be unique and URLs absolute.
+func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
+	pc.ScrapeInterval = cmp.Or(pc.ScrapeInterval, 100*time.Millisecond)
+	pc.StaleAfter = cmp.Or(pc.StaleAfter, time.Second)
+	pc.ProbeInterval = cmp.Or(pc.ProbeInterval, time.Second)
+	pc.DiscoverInterval = cmp.Or(pc.DiscoverInterval, 30*time.Second)
+	pc.EjectAfter = cmp.Or(pc.EjectAfter, 3)
+	pc.EjectBase = cmp.Or(pc.EjectBase, 2*time.Second)
+	pc.EjectMax = cmp.Or(pc.EjectMax, time.Minute)
+	if pc.Client == nil {
+		pc.Client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: time.Minute}}
+	}
+	if pc.Logger == nil {
+		pc.Logger = slog.New(slog.DiscardHandler)
+	}
+	p := &Pool{cfg: pc, log: pc.Logger.With("component", "gpu"), byName: map[string]*backend{}}
+	urls := map[string]bool{}
+	for _, c := range cfgs {
+		u, err := url.Parse(c.URL)
+		if err != nil || u.Host == "" || (u.Scheme != "http" && u.Scheme != "https") {
+			return nil, fmt.Errorf("backend %q: url %q is not an absolute http(s) URL", c.Name, c.URL)
+		}
+		c.URL = strings.TrimRight(c.URL, "/")
+		c.Name = cmp.Or(c.Name, u.Host)
+		c.MaxNumSeqs = cmp.Or(c.MaxNumSeqs, 256)
+		if p.byName[c.Name] != nil || urls[c.URL] {
+			return nil, fmt.Errorf("backend %q (%s) is configured twice", c.Name, c.URL)
+		}
+		urls[c.URL] = true
+		b := &backend{cfg: c}
+		b.snap.Store(&Snapshot{
+			Name: c.Name, URL: c.URL, MaxNumSeqs: c.MaxNumSeqs, CapacityTokens: c.CapacityTokens,
+			StaleAfter: pc.StaleAfter,
+		})
+		p.backends = append(p.backends, b)
+		p.byName[c.Name] = b
+	}
+	if len(p.backends) == 0 {
+		return nil, errors.New("no backends configured")
+	}
+	return p, nil
+}
+
+// Snapshots returns every backend's latest snapshot, in configuration order.
+func (p *Pool) Snapshots() []*Snapshot {
+	out := make([]*Snapshot, len(p.backends))
+	for i, b := range p.backends {
+		out[i] = b.snap.Load()
+	}
+	return out
+}
+
+// Snapshot returns one backend's latest snapshot.
+func (p *Pool) Snapshot(name string) (*Snapshot, bool) {
+	b, ok := p.byName[name]
+	if !ok {
+		return nil, false
+	}
+	return b.snap.Load(), true
+}
+
+// StaleAfter is the pool's staleness bound.
+func (p *Pool) StaleAfter() time.Duration { return p.cfg.StaleAfter }
+
+// Models returns the union of the backends' models; a model served by
+// several backends appears once, with the smallest max_model_len.
+func (p *Pool) Models() []Model {
+	byID := map[string]Model{}
+	for _, b := range p.backends {
+		for _, m := range b.snap.Load().Models {
+			if have, ok := byID[m.ID]; !ok || m.MaxModelLen < have.MaxModelLen {
+				byID[m.ID] = m
+			}
+		}
+	}
+	out := make([]Model, 0, len(byID))
+	for _, m := range byID {
+		out = append(out, m)
+	}
+	slices.SortFunc(out, func(a, b Model) int { return strings.Compare(a.ID, b.ID) })
+	return out
+}
+
+// update publishes a changed copy of a backend's snapshot.
+func (p *Pool) update(b *backend, change func(s *Snapshot)) {
+	b.mu.Lock()
+	next := *b.snap.Load()
+	change(&next)
+	b.snap.Store(&next)
+	b.mu.Unlock()
+	if p.cfg.OnChange != nil {
+		p.cfg.OnChange()
+	}
+}
+
+// ReportFailure records a failed dispatch to a backend (connection error,
+// 5xx, stall). Enough of them in a row eject it.
+func (p *Pool) ReportFailure(name string, err error) {
+	if b, ok := p.byName[name]; ok {
+		p.fail(b, err)
+	}
+}
+
+// ReportSuccess records a dispatch that worked.
+func (p *Pool) ReportSuccess(name string) {
+	b, ok := p.byName[name]
+	if !ok || b.snap.Load().Failures == 0 {
+		return // the common case costs one atomic load
+	}
+	p.update(b, func(s *Snapshot) {
+		if !s.Ejected {
+			s.Failures = 0
+		}
+	})
+}
+
+func (p *Pool) fail(b *backend, err error) {
+	var ejected bool
+	p.update(b, func(s *Snapshot) {
+		s.Failures++
+		s.HealthErr = err.Error()
+		if !s.Ejected && s.Failures >= p.cfg.EjectAfter {
+			d := min(p.cfg.EjectBase<<min(b.ejections, 16), p.cfg.EjectMax)
+			b.ejections++
+			s.Ejected, s.EjectedUntil = true, time.Now().Add(d)
+			ejected = true
+		}
+	})
+	if ejected {
+		s := b.snap.Load()
+		p.log.Warn("backend ejected", "backend", b.cfg.Name, "failures", s.Failures, "until", s.EjectedUntil, "err", err)
+	}
+}
+
+// Run scrapes, probes and discovers every backend until ctx is done. It
+// returns after its goroutines have exited.
+func (p *Pool) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	for _, b := range p.backends {
+		wg.Go(func() { p.scrapeLoop(ctx, b) })
+		wg.Go(func() { p.probeLoop(ctx, b) })
+	}
+	wg.Wait()
+	return ctx.Err()
+}
+
+func (p *Pool) scrapeLoop(ctx context.Context, b *backend) {
+	t := time.NewTicker(p.cfg.ScrapeInterval)
+	defer t.Stop()
+	for {
+		p.scrape(ctx, b)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Scrape reads every backend's metrics once now; Run does it on a ticker.
+func (p *Pool) Scrape(ctx context.Context) {
+	for _, b := range p.backends {
+		p.scrape(ctx, b)
+	}
+}
+
+func (p *Pool) scrape(ctx context.Context, b *backend) {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.StaleAfter)
+	defer cancel()
+	m, err := p.fetchMetrics(ctx, b.cfg.URL)
+	now := time.Now()
+	if err != nil {
+		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+			return
+		}
+		p.update(b, func(s *Snapshot) { s.ScrapeErr = err.Error() })
+		return
+	}
+	rate, decode := 0.0, b.snap.Load().DecodeRate
+	if prev := b.prevScrape; !prev.at.IsZero() && m.Preemptions >= prev.preemptions && m.Generation >= prev.generation {
+		dt := now.Sub(prev.at).Seconds()
+		rate = (m.Preemptions - prev.preemptions) / dt
+		if m.Running > 0 && m.Generation > prev.generation {
+			decode = (m.Generation - prev.generation) / dt / m.Running
+		}
+	}
+	b.prevScrape.at, b.prevScrape.preemptions, b.prevScrape.generation = now, m.Preemptions, m.Generation
+	health, reasons, gpus := p.gpuHealth(b)
+	p.update(b, func(s *Snapshot) {
+		s.Metrics, s.ScrapedAt, s.ScrapeErr, s.PreemptionRate, s.DecodeRate = m, now, "", rate, decode
+		s.CapacityTokens = cmp.Or(m.CapacityTokens(), b.cfg.CapacityTokens)
+		s.GPUHealth, s.GPUReasons, s.GPUs = health, reasons, gpus
+	})
+}
+
+func (p *Pool) fetchMetrics(ctx context.Context, base string) (EngineMetrics, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
+	if err != nil {
+		return EngineMetrics{}, err
+	}
+	resp, err := p.cfg.Client.Do(req)
+	if err != nil {
+		return EngineMetrics{}, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		return EngineMetrics{}, fmt.Errorf("GET /metrics: status %d", resp.StatusCode)
+	}
+	return ParseEngineMetrics(io.LimitReader(resp.Body, 16<<20))
+}
+
+func (p *Pool) gpuHealth(b *backend) (Health, []string, []GPU) {
+	n := p.cfg.NVML
+	if n == nil || !n.Enabled() || len(b.cfg.GPUs) == 0 {
+		return Healthy, nil, nil
+	}
+	worst := Healthy
+	var reasons []string
+	var gpus []GPU
+	for _, id := range b.cfg.GPUs {
+		g, ok := n.Lookup(id)
+		if !ok {
+			worst = max(worst, Degraded)
+			reasons = append(reasons, fmt.Sprintf("GPU %s not found by NVML", id))
+			continue
+		}
+		gpus = append(gpus, g)
+		worst = max(worst, g.Health)
+		for _, r := range g.Reasons {
+			reasons = append(reasons, fmt.Sprintf("GPU %d: %s", g.Index, r))
+		}
+	}
+	return worst, reasons, gpus
+}
+
+func (p *Pool) probeLoop(ctx context.Context, b *backend) {
+	var nextDiscover time.Time
+	t := time.NewTicker(p.cfg.ProbeInterval)
+	defer t.Stop()
+	for {
+		s := b.snap.Load()
+		if len(s.Models) == 0 || time.Now().After(nextDiscover) {
+			if err := p.discover(ctx, b); err == nil {
+				nextDiscover = time.Now().Add(p.cfg.DiscoverInterval)
+			}
+		}
+		p.probe(ctx, b)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// Probe checks every backend's /health once now; Run does it on a ticker.
+func (p *Pool) Probe(ctx context.Context) {
+	for _, b := range p.backends {
+		if len(b.snap.Load().Models) == 0 {
+			_ = p.discover(ctx, b)
+		}
+		p.probe(ctx, b)
+	}
+}
+
+func (p *Pool) probe(ctx context.Context, b *backend) {
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeInterval)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.cfg.URL+"/health", nil)
+	resp, err := p.cfg.Client.Do(req)
+	if err == nil {
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			err = fmt.Errorf("GET /health: status %d", resp.StatusCode)
+		}
+	}
+	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
+		return
+	}
+	if err != nil {
+		p.fail(b, err)
+		return
+	}
+	s := b.snap.Load()
+	if s.Failures == 0 && !s.Ejected {
+		return
+	}
+	if s.Ejected && time.Now().Before(s.EjectedUntil) {
+		return // healthy again, but it waits out its ejection
+	}
+	p.update(b, func(s *Snapshot) { s.Failures, s.Ejected, s.HealthErr = 0, false, "" })
+	if s.Ejected {
+		p.log.Info("backend recovered", "backend", b.cfg.Name)
+	}
+}
+
+func (p *Pool) discover(ctx context.Context, b *backend) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.cfg.URL+"/v1/models", nil)
+	resp, err := p.cfg.Client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET /v1/models: status %d", resp.StatusCode)
+	}
+	var list struct {
+		Data []struct {
+			ID          string `json:"id"`
+			MaxModelLen int    `json:"max_model_len"`
+		} `json:"data"`
+	}
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 4<<20)).Decode(&list); err != nil {
+		return fmt.Errorf("GET /v1/models: %w", err)
+	}
+	var models []Model
+	for _, d := range list.Data {
+		if len(b.cfg.Models) > 0 && !slices.Contains(b.cfg.Models, d.ID) {
+			continue
+		}
+		models = append(models, Model{ID: d.ID, MaxModelLen: d.MaxModelLen})
+	}
+	old := b.snap.Load().Models
+	if !slices.Equal(old, models) {
+		p.update(b, func(s *Snapshot) { s.Models = models })
+		p.log.Info("backend models", "backend", b.cfg.Name, "models", len(models))
+	}
+	return nil
+}

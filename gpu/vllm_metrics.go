@@ -1,0 +1,183 @@
+package gpu
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+)
+
+// EngineMetrics are the parts of a vLLM server's /metrics that admission
+// needs, summed over the engine label (data-parallel ranks).
+type EngineMetrics struct {
+	Running float64 // vllm:num_requests_running
+	Waiting float64 // vllm:num_requests_waiting
+	// KVUsage is vllm:kv_cache_usage_perc (or the older
+	// vllm:gpu_cache_usage_perc), 0..1; averaged over engines weighted by
+	// their blocks.
+	KVUsage    float64
+	HasKVUsage bool
+	// BlockSize and NumGPUBlocks come from vllm:cache_config_info; zero
+	// when the server does not say.
+	BlockSize    int
+	NumGPUBlocks int
+	Preemptions  float64 // vllm:num_preemptions_total, cumulative
+	Generation   float64 // vllm:generation_tokens_total, cumulative
+	Prompt       float64 // vllm:prompt_tokens_total, cumulative
+	Legacy       bool    // the older metric names were found
+}
+
+// CapacityTokens is the KV cache size in tokens, or 0 when unknown.
+func (m EngineMetrics) CapacityTokens() int { return m.BlockSize * m.NumGPUBlocks }
+
+// wantedFamilies are the only families ParseEngineMetrics reads; every
+// other line of the page is skipped before parsing, so a large /metrics
+// page costs little (llm-d saw OOMs from parsing whole pages often).
+var wantedFamilies = map[string]bool{
+	"vllm:num_requests_running":    true,
+	"vllm:num_requests_waiting":    true,
+	"vllm:kv_cache_usage_perc":     true,
+	"vllm:gpu_cache_usage_perc":    true,
+	"vllm:cache_config_info":       true,
+	"vllm:num_preemptions_total":   true,
+	"vllm:num_preemptions":         true, // counter family name as some exporters print it
+	"vllm:generation_tokens_total": true,
+	"vllm:generation_tokens":       true,
+	"vllm:prompt_tokens_total":     true,
+	"vllm:prompt_tokens":           true,
+}
+
+// ErrNoEngineMetrics is returned for a page without vLLM's engine gauges.
+var ErrNoEngineMetrics = errors.New("no vllm engine metrics on the page")
+
+// ParseEngineMetrics reads the engine state from a Prometheus text page.
+// It accepts both the current and the older vLLM metric names, sums over
+// the engine label, and tolerates any extra labels on cache_config_info.
+func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
+	filtered, err := filterFamilies(r)
+	if err != nil {
+		return EngineMetrics{}, err
+	}
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(bytes.NewReader(filtered))
+	if err != nil {
+		return EngineMetrics{}, fmt.Errorf("parse vllm metrics: %w", err)
+	}
+	var m EngineMetrics
+	running, okRun := fams["vllm:num_requests_running"]
+	waiting, okWait := fams["vllm:num_requests_waiting"]
+	if !okRun || !okWait {
+		return EngineMetrics{}, ErrNoEngineMetrics
+	}
+	m.Running = sum(running)
+	m.Waiting = sum(waiting)
+
+	// Capacity per engine, to weight usage across data-parallel ranks.
+	blocksByEngine := map[string]float64{}
+	if info, ok := fams["vllm:cache_config_info"]; ok {
+		for _, s := range info.GetMetric() {
+			bs, _ := strconv.Atoi(label(s, "block_size"))
+			nb, _ := strconv.Atoi(label(s, "num_gpu_blocks"))
+			if bs > 0 && nb > 0 {
+				m.BlockSize = bs
+				m.NumGPUBlocks += nb
+				blocksByEngine[label(s, "engine")] = float64(nb)
+			}
+		}
+	}
+	usage, ok := fams["vllm:kv_cache_usage_perc"]
+	if !ok {
+		usage, ok = fams["vllm:gpu_cache_usage_perc"]
+		m.Legacy = ok
+	}
+	if ok {
+		m.HasKVUsage = true
+		var weighted, weights float64
+		for _, s := range usage.GetMetric() {
+			w := blocksByEngine[label(s, "engine")]
+			if w == 0 {
+				w = 1
+			}
+			weighted += w * value(s)
+			weights += w
+		}
+		if weights > 0 {
+			m.KVUsage = weighted / weights
+		}
+	}
+	m.Preemptions = sumFirst(fams, "vllm:num_preemptions_total", "vllm:num_preemptions")
+	m.Generation = sumFirst(fams, "vllm:generation_tokens_total", "vllm:generation_tokens")
+	m.Prompt = sumFirst(fams, "vllm:prompt_tokens_total", "vllm:prompt_tokens")
+	return m, nil
+}
+
+// filterFamilies keeps the comment and sample lines of the wanted families.
+func filterFamilies(r io.Reader) ([]byte, error) {
+	var out bytes.Buffer
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Bytes()
+		name := line
+		if bytes.HasPrefix(line, []byte("# HELP ")) || bytes.HasPrefix(line, []byte("# TYPE ")) {
+			name = line[len("# HELP "):]
+		} else if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		if i := bytes.IndexAny(name, "{ "); i >= 0 {
+			name = name[:i]
+		}
+		if wantedFamilies[string(name)] {
+			out.Write(line)
+			out.WriteByte('\n')
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("read vllm metrics: %w", err)
+	}
+	return out.Bytes(), nil
+}
+
+func label(m *dto.Metric, name string) string {
+	for _, l := range m.GetLabel() {
+		if l.GetName() == name {
+			return l.GetValue()
+		}
+	}
+	return ""
+}
+
+func value(m *dto.Metric) float64 {
+	switch {
+	case m.Gauge != nil:
+		return m.GetGauge().GetValue()
+	case m.Counter != nil:
+		return m.GetCounter().GetValue()
+	case m.Untyped != nil:
+		return m.GetUntyped().GetValue()
+	}
+	return 0
+}
+
+func sum(f *dto.MetricFamily) float64 {
+	var s float64
+	for _, m := range f.GetMetric() {
+		s += value(m)
+	}
+	return s
+}
+
+func sumFirst(fams map[string]*dto.MetricFamily, names ...string) float64 {
+	for _, n := range names {
+		if f, ok := fams[n]; ok {
+			return sum(f)
+		}
+	}
+	return 0
+}

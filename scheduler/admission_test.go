@@ -1,0 +1,140 @@
+package scheduler
+
+import "testing"
+
+func TestProjectPeak(t *testing.T) {
+	tests := []struct {
+		name    string
+		flights []flight
+		extra   flight
+		want    int
+	}{
+		{"alone", nil, flight{held: 100, remaining: 50}, 150},
+		// Two requests finishing together peak together.
+		{"same end", []flight{{100, 50}}, flight{100, 50}, 300},
+		// The short one is gone before the long one peaks.
+		{"staggered", []flight{{100, 10}}, flight{100, 500}, 600},
+		{"staggered, both grow", []flight{{1000, 10}}, flight{100, 20}, 1120},
+		// The naive bound Σ(held+remaining) would be 2270.
+		{"three phases", []flight{{500, 100}, {300, 300}, {50, 1000}}, flight{10, 10}, 1150},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := projectPeak(tc.flights, tc.extra); got != tc.want {
+				t.Errorf("projectPeak = %d, want %d", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestProjectPeakAgainstStepping checks the closed form against growing the
+// flights one token at a time.
+func TestProjectPeakAgainstStepping(t *testing.T) {
+	flights := []flight{{700, 30}, {20, 900}, {400, 400}, {0, 1}, {1000, 0}, {64, 64}}
+	for k := range flights {
+		fs, extra := append([]flight(nil), flights[:k]...), flights[k]
+		peak := 0
+		for step := 0; step <= 1000; step++ {
+			occ := 0
+			for _, f := range append(fs, extra) {
+				if step <= f.remaining {
+					occ += f.held + step
+				}
+			}
+			peak = max(peak, occ)
+		}
+		if got := projectPeak(fs, extra); got != peak {
+			t.Errorf("flights %v + %v: projectPeak %d, stepping %d", fs, extra, got, peak)
+		}
+	}
+}
+
+func TestDecide(t *testing.T) {
+	p := Policy{}
+	p.defaults() // target 0.9, degraded 0.7, backend waiting 2
+	base := func() load {
+		return load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true}
+	}
+	tests := []struct {
+		name        string
+		mod         func(*load)
+		prompt, out int
+		ok          bool
+		reason      string
+	}{
+		{name: "empty backend admits", prompt: 1000, out: 1000, ok: true},
+		{name: "unroutable", mod: func(l *load) { l.routable = false }, prompt: 10, out: 10, reason: reasonUnroutable},
+		{name: "stale metrics count as saturated", mod: func(l *load) { l.stale = true }, prompt: 10, out: 10, reason: reasonStale},
+		{name: "unknown capacity", mod: func(l *load) { l.capacity = 0 }, prompt: 10, out: 10, reason: reasonNoCapacity},
+		{name: "up to the target", prompt: 45_000, out: 45_000, ok: true},
+		{name: "over the target", prompt: 45_000, out: 45_001, reason: reasonKV},
+		{name: "degraded GPUs lower the target", mod: func(l *load) { l.degraded = true }, prompt: 40_000, out: 40_000, reason: reasonKV},
+		{name: "degraded still admits under the lowered target", mod: func(l *load) { l.degraded = true }, prompt: 30_000, out: 30_000, ok: true},
+		{
+			name: "max_num_seqs from kvgate's own count",
+			mod:  func(l *load) { l.maxNumSeqs = 3; l.inflight = 3 }, prompt: 1, out: 1, reason: reasonSeqs,
+		},
+		{
+			name: "max_num_seqs from the measurement plus what was sent since",
+			mod:  func(l *load) { l.maxNumSeqs = 10; l.measuredRunning = 8; l.newSinceScrape = 2 }, prompt: 1, out: 1, reason: reasonSeqs,
+		},
+		{name: "vLLM's own queue is not near zero", mod: func(l *load) { l.measuredWaiting = 3 }, prompt: 1, out: 1, reason: reasonWaiting},
+		{name: "a short vLLM queue is tolerated", mod: func(l *load) { l.measuredWaiting = 2 }, prompt: 1, out: 1, ok: true},
+		{
+			name: "load kvgate did not send counts",
+			mod:  func(l *load) { l.measuredUsed = 80_000 }, prompt: 6_000, out: 5_000, reason: reasonKV,
+		},
+		{
+			name: "kvgate's own measured load is not counted twice",
+			mod: func(l *load) {
+				l.measuredUsed = 60_000
+				l.heldBeforeScrape = 60_000
+				l.flights = []flight{{held: 60_000, remaining: 0}}
+				l.reserved, l.inflight = 60_000, 1
+			},
+			prompt: 10_000, out: 10_000, ok: true,
+		},
+		{
+			// Worst case 50k + 40k > 90k, but the in-flight request ends
+			// long before the new one grows: the projection admits.
+			name: "projection admits what the worst case refuses",
+			mod: func(l *load) {
+				l.flights = []flight{{held: 49_990, remaining: 10}}
+				l.reserved, l.inflight = 50_000, 1
+			},
+			prompt: 20_000, out: 30_000, ok: true,
+		},
+		{
+			// At t=20k both hold 50k and 41k: 91k > 90k.
+			name: "projection refuses a true overlap",
+			mod: func(l *load) {
+				l.flights = []flight{{held: 30_000, remaining: 20_000}}
+				l.reserved, l.inflight = 50_000, 1
+			},
+			prompt: 21_000, out: 30_000, reason: reasonKV,
+		},
+		{
+			name: "without the exact ledger, a tight fit asks for it",
+			mod: func(l *load) {
+				l.exact = false
+				l.reserved, l.inflight = 50_000, 1
+			},
+			prompt: 20_000, out: 30_000, reason: reasonKV,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			l := base()
+			if tc.mod != nil {
+				tc.mod(&l)
+			}
+			v := decide(&l, tc.prompt, tc.out, &p)
+			if v.ok != tc.ok || v.reason != tc.reason {
+				t.Errorf("decide = %+v, want ok=%v reason=%q", v, tc.ok, tc.reason)
+			}
+			if v.ok && (v.headroom < 0 || v.headroom > 1) {
+				t.Errorf("headroom %v outside [0, 1]", v.headroom)
+			}
+		})
+	}
+}
