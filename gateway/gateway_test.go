@@ -1,0 +1,497 @@
+package gateway
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	openai "github.com/sashabaranov/go-openai"
+
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+const llama = "meta-llama/Llama-3.1-8B-Instruct"
+
+// fleet is kvgate in front of simulated vLLM servers, all in-process and
+// on real HTTP.
+type fleet struct {
+	sims  []*vllmsim.Sim
+	urls  []string
+	pool  *gpu.Pool
+	sched *scheduler.Scheduler
+	api   *Server
+	srv   *httptest.Server
+}
+
+type fleetOpts struct {
+	profile  vllmsim.Profile
+	backends int
+	speedup  float64
+	policy   scheduler.Policy
+	gateway  Config
+}
+
+func llamaProfile(t testing.TB) vllmsim.Profile {
+	p, err := vllmsim.LookupProfile("h100-llama-3.1-8b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func startFleet(t testing.TB, o fleetOpts) *fleet {
+	t.Helper()
+	if o.profile.Name == "" {
+		o.profile = llamaProfile(t)
+	}
+	f := &fleet{}
+	var cfgs []gpu.BackendConfig
+	for i := range max(o.backends, 1) {
+		sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: o.profile, Speedup: o.speedup, Seed: uint64(i)})
+		f.sims = append(f.sims, sim)
+		f.urls = append(f.urls, srv.URL)
+		cfgs = append(cfgs, gpu.BackendConfig{Name: fmt.Sprintf("sim%d", i), URL: srv.URL})
+	}
+	var err error
+	f.pool, err = gpu.NewPool(cfgs, gpu.PoolConfig{
+		ScrapeInterval: 20 * time.Millisecond, ProbeInterval: 50 * time.Millisecond, StaleAfter: 2 * time.Second,
+		EjectBase: 200 * time.Millisecond,
+		OnChange: func() {
+			if f.sched != nil {
+				f.sched.Wake()
+			}
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.sched, err = scheduler.New(f.pool, scheduler.Options{Policy: o.policy})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(f.sched.Collectors()...)
+	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = f.pool.Run(ctx) })
+	wg.Go(func() { _ = f.sched.Run(ctx) })
+	f.srv = httptest.NewServer(f.api)
+	t.Cleanup(func() {
+		f.srv.Close()
+		cancel()
+		wg.Wait()
+	})
+	// Ready: every backend discovered and scraped.
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		ready := true
+		for _, sn := range f.pool.Snapshots() {
+			ready = ready && sn.Routable() && !sn.Stale(time.Now())
+		}
+		if ready {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("fleet never became ready")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return f
+}
+
+func (f *fleet) client(key string) *openai.Client {
+	cfg := openai.DefaultConfig(key)
+	cfg.BaseURL = f.srv.URL + "/v1"
+	return openai.NewClientWithConfig(cfg)
+}
+
+func (f *fleet) post(t testing.TB, path, body string, header ...string) (*http.Response, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, f.srv.URL+path, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, b
+}
+
+// inflight is what kvgate has admitted and not released, over all backends.
+func (f *fleet) inflight() int {
+	n := 0
+	for _, l := range f.sched.Loads() {
+		n += l.Inflight
+	}
+	return n
+}
+
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func TestChatAndCompletionsWithGoClient(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 2})
+	c := f.client("unused")
+	ctx := context.Background()
+
+	chat, err := c.CreateChatCompletion(ctx, openai.ChatCompletionRequest{
+		Model: llama, MaxTokens: 8,
+		Messages: []openai.ChatCompletionMessage{{Role: "user", Content: "Hello there"}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if chat.Choices[0].Message.Content == "" || chat.Usage.PromptTokens == 0 || chat.Usage.CompletionTokens > 8 {
+		t.Errorf("chat response %+v", chat)
+	}
+
+	comp, err := c.CreateCompletion(ctx, openai.CompletionRequest{Model: llama, Prompt: "Once upon", MaxTokens: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if comp.Usage.CompletionTokens == 0 || comp.Usage.CompletionTokens > 5 || comp.Choices[0].Text == "" {
+		t.Errorf("completion response %+v", comp)
+	}
+
+	models, err := c.ListModels(ctx)
+	if err != nil || len(models.Models) != 1 || models.Models[0].ID != llama {
+		t.Errorf("models %+v, %v", models, err)
+	}
+	if f.inflight() != 0 {
+		t.Errorf("reservations left after the calls: %d", f.inflight())
+	}
+}
+
+func TestStreamingWithGoClient(t *testing.T) {
+	f := startFleet(t, fleetOpts{})
+	c := f.client("unused")
+	for _, includeUsage := range []bool{false, true} {
+		t.Run(fmt.Sprintf("include_usage=%v", includeUsage), func(t *testing.T) {
+			req := openai.ChatCompletionRequest{
+				Model: llama, MaxTokens: 12, Stream: true,
+				Messages: []openai.ChatCompletionMessage{{Role: "user", Content: "Stream please"}},
+			}
+			if includeUsage {
+				req.StreamOptions = &openai.StreamOptions{IncludeUsage: true}
+			}
+			st, err := c.CreateChatCompletionStream(context.Background(), req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer st.Close()
+			var text strings.Builder
+			var usage *openai.Usage
+			finish := ""
+			for {
+				chunk, err := st.Recv()
+				if errors.Is(err, io.EOF) {
+					break
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if chunk.Usage != nil {
+					usage = chunk.Usage
+				}
+				for _, ch := range chunk.Choices {
+					text.WriteString(ch.Delta.Content)
+					if ch.FinishReason != "" {
+						finish = string(ch.FinishReason)
+					}
+				}
+			}
+			if text.Len() == 0 || finish == "" {
+				t.Errorf("stream text %q, finish %q", text.String(), finish)
+			}
+			if includeUsage != (usage != nil) {
+				t.Errorf("usage chunk %+v with include_usage=%v", usage, includeUsage)
+			}
+		})
+	}
+}
+
+// TestUnknownFieldsReachBackend sends vLLM extras: ignore_eos only works
+// if it reaches the backend, and then the output is exactly max_tokens.
+func TestUnknownFieldsReachBackend(t *testing.T) {
+	f := startFleet(t, fleetOpts{})
+	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"x","max_tokens":300,"ignore_eos":true,
+		"top_k":5,"min_p":0.1,"guided_json":{"type":"object"},"chat_template_kwargs":{"a":1},"structured_outputs":null}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	var out struct{ Usage usage }
+	_ = json.Unmarshal(body, &out)
+	if out.Usage.CompletionTokens != 300 {
+		t.Errorf("completion_tokens %d: ignore_eos did not reach the backend", out.Usage.CompletionTokens)
+	}
+}
+
+func TestErrors(t *testing.T) {
+	p := llamaProfile(t)
+	p.NumGPUBlocks, p.MaxModelLen = 1024, 8192 // 16k tokens of KV
+	f := startFleet(t, fleetOpts{profile: p, gateway: Config{MaxBodyBytes: 4096, APIKeys: map[string]string{"sk-good": "acme"}}})
+	auth := []string{"Authorization", "Bearer sk-good"}
+	big := strings.Repeat("x", 5000)
+	tests := []struct {
+		name   string
+		path   string
+		body   string
+		header []string
+		status int
+		typ    string
+		code   string
+		param  string
+	}{
+		{name: "no key", path: "/v1/chat/completions", body: `{}`, status: 401, typ: "invalid_request_error"},
+		{name: "wrong key", path: "/v1/chat/completions", body: `{}`, header: []string{"Authorization", "Bearer sk-bad"}, status: 401, code: "invalid_api_key"},
+		{name: "invalid JSON", path: "/v1/chat/completions", body: `{"model":`, header: auth, status: 400, typ: "invalid_request_error"},
+		{name: "wrong type", path: "/v1/chat/completions", body: `{"model":"` + llama + `","messages":[],"max_tokens":"many"}`, header: auth, status: 400, param: "max_tokens"},
+		{name: "missing model", path: "/v1/chat/completions", body: `{"messages":[{"role":"user","content":"hi"}]}`, header: auth, status: 400, param: "model"},
+		{name: "missing messages", path: "/v1/chat/completions", body: `{"model":"` + llama + `"}`, header: auth, status: 400, param: "messages"},
+		{name: "empty messages", path: "/v1/chat/completions", body: `{"model":"` + llama + `","messages":[]}`, header: auth, status: 400, param: "messages"},
+		{name: "missing prompt", path: "/v1/completions", body: `{"model":"` + llama + `"}`, header: auth, status: 400, param: "prompt"},
+		{name: "missing input", path: "/v1/embeddings", body: `{"model":"` + llama + `"}`, header: auth, status: 400, param: "input"},
+		{name: "zero max_tokens", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":0}`, header: auth, status: 400, param: "max_tokens"},
+		{name: "unknown model", path: "/v1/chat/completions", body: `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, header: auth, status: 404, code: "model_not_found", param: "model"},
+		{name: "body too large", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"` + big + `"}`, header: auth, status: 413},
+		{name: "backend's context length", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":9000}`, header: auth, status: 400, code: "context_length_exceeded"},
+		{name: "more KV than any backend holds", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":8000,"n":1}`, header: auth, status: 200},
+		{name: "unknown route", path: "/v1/nothing", body: `{}`, header: auth, status: 404},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			resp, body := f.post(t, tc.path, tc.body, tc.header...)
+			if resp.StatusCode != tc.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tc.status, body)
+			}
+			if tc.status == 200 {
+				return
+			}
+			var e struct {
+				Error struct {
+					Message string  `json:"message"`
+					Type    string  `json:"type"`
+					Code    any     `json:"code"`
+					Param   *string `json:"param"`
+				} `json:"error"`
+			}
+			if err := json.Unmarshal(body, &e); err != nil || e.Error.Message == "" || e.Error.Type == "" {
+				t.Fatalf("not an OpenAI error body: %s", body)
+			}
+			if tc.typ != "" && e.Error.Type != tc.typ {
+				t.Errorf("type %q, want %q", e.Error.Type, tc.typ)
+			}
+			if tc.code != "" && e.Error.Code != tc.code {
+				t.Errorf("code %v, want %q", e.Error.Code, tc.code)
+			}
+			if tc.param != "" && (e.Error.Param == nil || *e.Error.Param != tc.param) {
+				t.Errorf("param %v, want %q", e.Error.Param, tc.param)
+			}
+		})
+	}
+}
+
+func TestTooLargeFailsFast(t *testing.T) {
+	p := llamaProfile(t)
+	p.NumGPUBlocks, p.MaxModelLen = 600, 9000 // 9,584 tokens of KV; 8,625 under the 0.9 target
+	f := startFleet(t, fleetOpts{profile: p})
+	// Within the context, beyond what admission would ever allow.
+	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","max_tokens":8800}`)
+	if resp.StatusCode != 400 || !strings.Contains(string(body), "KV tokens") {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+}
+
+// TestQueueTimeout fills a small backend with one long request; the next
+// waits in kvgate and, past its wait, gets 503 with Retry-After.
+func TestQueueTimeout(t *testing.T) {
+	p := llamaProfile(t)
+	p.NumGPUBlocks, p.MaxModelLen = 600, 8192 // 9,584 tokens
+	f := startFleet(t, fleetOpts{profile: p, speedup: 1, policy: scheduler.Policy{MaxQueueWait: 100 * time.Millisecond}})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	hold, _ := http.NewRequestWithContext(ctx, http.MethodPost, f.srv.URL+"/v1/completions",
+		strings.NewReader(`{"model":"`+llama+`","prompt":"a","max_tokens":8000,"ignore_eos":true}`))
+	go func() {
+		if resp, err := http.DefaultClient.Do(hold); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	waitFor(t, "the long request to be admitted", func() bool { return f.inflight() == 1 })
+	// It would grow alongside the first: no room until that one ends.
+	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"b","max_tokens":8000}`)
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
+		t.Fatalf("status %d, Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	if !strings.Contains(string(body), "server_overloaded") {
+		t.Errorf("body %s", body)
+	}
+	cancel()
+	waitFor(t, "the cancelled request's reservation to be freed", func() bool { return f.inflight() == 0 })
+}
+
+// TestDisconnectCancelsUpstream: a client that hangs up mid-stream frees its
+// reservation and its backend request at once.
+func TestDisconnectCancelsUpstream(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 5})
+	for _, stream := range []bool{true, false} {
+		t.Run(fmt.Sprintf("stream=%v", stream), func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			body := fmt.Sprintf(`{"model":"%s","prompt":"long","max_tokens":5000,"ignore_eos":true,"stream":%v}`, llama, stream)
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, f.srv.URL+"/v1/completions", strings.NewReader(body))
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					return
+				}
+				defer resp.Body.Close()
+				br := bufio.NewReader(resp.Body)
+				for range 5 {
+					if _, err := br.ReadString('\n'); err != nil {
+						return
+					}
+				}
+				<-ctx.Done()
+			}()
+			waitFor(t, "the backend to run the request", func() bool { return f.sims[0].Engine().Load() == 1 })
+			cancel()
+			<-done
+			waitFor(t, "the reservation to be freed", func() bool { return f.inflight() == 0 })
+			waitFor(t, "the backend request to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
+		})
+	}
+}
+
+// TestBackendDiesMidStream: once bytes have reached the client, a failing
+// backend ends the stream with an error event, not a silent cut.
+func TestBackendDiesMidStream(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 5})
+	resp, err := http.Post(f.srv.URL+"/v1/chat/completions", "application/json", strings.NewReader(
+		`{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":5000,"ignore_eos":true,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	br := bufio.NewReader(resp.Body)
+	for range 4 {
+		if _, err := br.ReadString('\n'); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
+	rest, _ := io.ReadAll(br)
+	if !bytes.Contains(rest, []byte(`"error"`)) {
+		t.Errorf("stream ended without an error event: ...%s", tail(rest))
+	}
+	waitFor(t, "the reservation to be freed", func() bool { return f.inflight() == 0 })
+}
+
+func tail(b []byte) []byte { return b[max(0, len(b)-300):] }
+
+// TestRetryOnAnotherBackend: a backend failing before the first byte costs
+// the client nothing; the request lands on the other one.
+func TestRetryOnAnotherBackend(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 2})
+	f.sims[0].SetFaults(vllmsim.Faults{ServerErrorRate: 1})
+	f.sims[1].SetFaults(vllmsim.Faults{})
+	for i := range 6 {
+		resp, body := f.post(t, "/v1/completions", fmt.Sprintf(`{"model":"%s","prompt":"try %d","max_tokens":4}`, llama, i))
+		if resp.StatusCode != 200 {
+			t.Fatalf("request %d: status %d: %s", i, resp.StatusCode, body)
+		}
+	}
+	// Three failures in a row eject the bad backend.
+	waitFor(t, "the failing backend to be ejected", func() bool {
+		s, _ := f.pool.Snapshot("sim0")
+		return s.Ejected
+	})
+	// With both failing, the client gets the backend's error.
+	f.sims[1].SetFaults(vllmsim.Faults{UnavailableRate: 1})
+	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"x","max_tokens":4}`)
+	if resp.StatusCode < 500 {
+		t.Errorf("status %d with every backend failing: %s", resp.StatusCode, body)
+	}
+}
+
+func TestHealthReadyMetrics(t *testing.T) {
+	f := startFleet(t, fleetOpts{})
+	for _, path := range []string{"/healthz", "/readyz"} {
+		resp, err := http.Get(f.srv.URL + path)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("%s: %v %v", path, resp, err)
+		}
+		resp.Body.Close()
+	}
+	f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"x","max_tokens":4}`)
+	resp, err := http.Get(f.srv.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{
+		`kvgate_gateway_requests_total{model="` + llama + `",route="/v1/completions",status="200"} 1`,
+		"kvgate_gateway_request_duration_seconds_bucket",
+		`kvgate_scheduler_admissions_total{class="interactive",outcome="admitted"} 1`,
+		`kvgate_scheduler_backend_capacity_tokens{backend="sim0"} 439904`,
+		`kvgate_scheduler_backend_stale{backend="sim0"} 0`,
+		"kvgate_scheduler_queue_wait_seconds_bucket",
+	} {
+		if !strings.Contains(string(b), want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
+	waitFor(t, "/readyz to fail", func() bool {
+		resp, err := http.Get(f.srv.URL + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusServiceUnavailable
+	})
+}
+
+func TestEmbeddings(t *testing.T) {
+	p, _ := vllmsim.LookupProfile("h100-bge-m3")
+	f := startFleet(t, fleetOpts{profile: p})
+	c := f.client("unused")
+	res, err := c.CreateEmbeddings(context.Background(), openai.EmbeddingRequestStrings{
+		Model: "BAAI/bge-m3", Input: []string{"one", "two"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Data) != 2 || len(res.Data[0].Embedding) != 1024 || res.Usage.PromptTokens == 0 {
+		t.Errorf("embeddings: %d items, %d dims, usage %+v", len(res.Data), len(res.Data[0].Embedding), res.Usage)
+	}
+}
