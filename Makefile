@@ -5,19 +5,38 @@ PKGS     := ./...
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(shell $(GO) env GOPATH)/bin/staticcheck
 
-.PHONY: all build run test test-short lint fmt bench calibrate simcost clean
+.PHONY: all build run test test-short node-deps lint fmt bench calibrate simcost clean
 
 all: build
 
 build:
 	$(GO) build -o $(BIN) ./cmd/kvgate
 
-# Until the gateway lands, `make run` starts one simulated H100 on :8000.
+# kvgate on the embedded defaults: with no backend configured it fronts two
+# simulated H100s in-process.
 run: build
-	$(BIN) sim --profile h100-llama-3.1-8b --port 8000
+	$(BIN) serve
 
-test:
+# Every test under the race detector, then the overload experiment on its
+# own: it measures throughput in simulated time, which the race detector's
+# slowdown and parallel packages would distort.
+test: node-deps
 	$(GO) test -race -count=1 $(PKGS)
+	$(GO) test -count=1 -v -run '^TestOverloadNoPreemption$$' ./gateway/
+
+# The OpenAI Node SDK for cmd/kvgate's TestOpenAINodeSDK, installed from the
+# lockfile when it changed. Without node and npm the test skips (with
+# CI=true it fails); an npm failure is fatal only with CI=true.
+NODE_DIR := gateway/testdata/node
+node-deps:
+	@if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then \
+		echo "node-deps: node or npm not found; TestOpenAINodeSDK will skip (fail with CI=true)"; \
+	elif [ ! -f $(NODE_DIR)/node_modules/.package-lock.json ] || \
+		[ $(NODE_DIR)/package-lock.json -nt $(NODE_DIR)/node_modules/.package-lock.json ]; then \
+		echo "node-deps: npm ci in $(NODE_DIR)"; \
+		(cd $(NODE_DIR) && npm ci --no-audit --no-fund) || { \
+			echo "node-deps: npm ci failed"; [ "$$CI" != true ]; }; \
+	fi
 
 test-short:
 	$(GO) test -count=1 -short $(PKGS)
@@ -33,9 +52,12 @@ lint: $(STATICCHECK)
 fmt:
 	gofmt -w $$(git ls-files '*.go')
 
-# Go benchmarks, then the simulator's calibration table and CPU cost.
+# Go benchmarks, the gateway's overhead and throughput, then the
+# simulator's calibration table and CPU cost.
 bench: build
-	$(GO) test -run '^$$' -bench . -benchmem -count 5 ./bench/... | tee bin/bench.txt
+	$(GO) test -run '^$$' -bench . -benchmem -count 5 ./bench/... ./gpu/ | tee bin/bench.txt
+	$(GO) test -run '^$$' -bench 'Overhead' -benchtime 1x ./gateway/ | tee -a bin/bench.txt
+	$(GO) test -run '^$$' -bench 'Throughput' -benchtime 20000x -count 3 ./gateway/ | tee -a bin/bench.txt
 	$(BIN) sim calibrate
 	$(BIN) sim cost
 

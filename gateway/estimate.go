@@ -53,22 +53,22 @@ func (e *estimator) observe(model string, n, tokens int) {
 
 // countPrompt counts the call's prompt tokens: exactly through a backend's
 // /tokenize when so configured (falling back to the estimate if that
-// fails), by estimate otherwise.
-func (s *Server) countPrompt(ctx context.Context, c *call) int {
+// fails), by estimate otherwise. exact tells which.
+func (s *Server) countPrompt(ctx context.Context, c *call) (n int, exact bool) {
 	est := s.est.estimate(c.model, c.promptBytes)
 	if s.cfg.TokenCount != "tokenize" || c.ep == epEmbedding {
-		return est
+		return est, false
 	}
 	for _, sn := range s.pool.Snapshots() {
 		if _, ok := sn.Serves(c.model); !ok || !sn.Routable() {
 			continue
 		}
 		if n, err := s.tokenize(ctx, sn.URL, c); err == nil {
-			return n
+			return n, true
 		}
 		break
 	}
-	return est
+	return est, false
 }
 
 func (s *Server) tokenize(ctx context.Context, base string, c *call) (int, error) {

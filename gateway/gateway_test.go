@@ -162,7 +162,7 @@ func TestChatAndCompletionsWithGoClient(t *testing.T) {
 	ctx := context.Background()
 
 	chat, err := c.CreateChatCompletion(ctx, openai.ChatCompletionRequest{
-		Model: llama, MaxTokens: 8,
+		Model: llama, MaxCompletionTokens: 8,
 		Messages: []openai.ChatCompletionMessage{{Role: "user", Content: "Hello there"}},
 	})
 	if err != nil {
@@ -195,7 +195,7 @@ func TestStreamingWithGoClient(t *testing.T) {
 	for _, includeUsage := range []bool{false, true} {
 		t.Run(fmt.Sprintf("include_usage=%v", includeUsage), func(t *testing.T) {
 			req := openai.ChatCompletionRequest{
-				Model: llama, MaxTokens: 12, Stream: true,
+				Model: llama, MaxCompletionTokens: 12, Stream: true,
 				Messages: []openai.ChatCompletionMessage{{Role: "user", Content: "Stream please"}},
 			}
 			if includeUsage {
@@ -320,10 +320,10 @@ func TestErrors(t *testing.T) {
 
 func TestTooLargeFailsFast(t *testing.T) {
 	p := llamaProfile(t)
-	p.NumGPUBlocks, p.MaxModelLen = 600, 9000 // 9,584 tokens of KV; 8,625 under the 0.9 target
+	p.NumGPUBlocks, p.MaxModelLen = 600, 9500 // 9,584 tokens of KV; 9,120 under the 0.95 target
 	f := startFleet(t, fleetOpts{profile: p})
 	// Within the context, beyond what admission would ever allow.
-	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","max_tokens":8800}`)
+	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","max_tokens":9300}`)
 	if resp.StatusCode != 400 || !strings.Contains(string(body), "KV tokens") {
 		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}

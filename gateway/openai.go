@@ -147,11 +147,12 @@ func (s *Server) lookupModel(id string) (gpu.Model, bool) {
 	return gpu.Model{}, false
 }
 
-// reservation returns the prompt tokens and the output tokens to reserve.
-func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (prompt, maxOut int) {
-	prompt = s.countPrompt(ctx, c)
+// reservation returns the prompt tokens, the output tokens to reserve, and
+// whether the prompt count is exact rather than estimated.
+func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (prompt, maxOut int, exact bool) {
+	prompt, exact = s.countPrompt(ctx, c)
 	if c.ep == epEmbedding {
-		return prompt, 0
+		return prompt, 0, exact
 	}
 	room := model.MaxModelLen - prompt
 	if model.MaxModelLen <= 0 {
@@ -169,17 +170,20 @@ func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (pro
 	}
 	// The backend refuses what does not fit its context; the reservation
 	// need not be larger than what it could run.
-	return prompt, max(1, min(maxOut, room))
+	return prompt, max(1, min(maxOut, room)), exact
 }
 
 // proxy admits the call and passes it to a backend, retrying on another
 // backend while nothing has reached the client.
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gpu.Model) int {
 	ctx := r.Context()
-	prompt, maxOut := s.reservation(ctx, c, model)
+	prompt, maxOut, exact := s.reservation(ctx, c, model)
 	ticket := &scheduler.Ticket{
 		Tenant: tenantOf(ctx), Class: scheduler.Interactive, Model: model.ID,
 		PromptTokens: prompt, MaxTokens: maxOut,
+	}
+	if !exact {
+		ticket.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}
 	body, injected := c.body, false
 	if c.f.Stream && (c.f.StreamOptions == nil || c.f.StreamOptions.IncludeUsage == nil || !*c.f.StreamOptions.IncludeUsage) {
@@ -226,7 +230,7 @@ func (s *Server) hasOtherBackend(model string, exclude []string) bool {
 }
 
 // withStreamUsage sets stream_options.include_usage in a request body,
-// keeping every other field as it was.
+// keeping every other field as it was (but continuous_usage_stats).
 func withStreamUsage(body []byte) ([]byte, error) {
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(body, &m); err != nil {
@@ -239,6 +243,9 @@ func withStreamUsage(body []byte) ([]byte, error) {
 		}
 	}
 	opts["include_usage"] = json.RawMessage("true")
+	// The client asked for no usage: continuous stats, which vLLM sends
+	// only with include_usage, would now put usage on every chunk.
+	delete(opts, "continuous_usage_stats")
 	b, err := json.Marshal(opts)
 	if err != nil {
 		return nil, err

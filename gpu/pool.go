@@ -73,14 +73,20 @@ type Snapshot struct {
 	CapacityTokens int
 	// PreemptionRate is preemptions per second between the last two scrapes.
 	PreemptionRate float64
-	// DecodeRate is output tokens per second per running sequence between
-	// the last two scrapes; 0 when unknown.
+	// DecodeRate is output tokens per second per running sequence,
+	// smoothed over the last scrapes; 0 when unknown.
 	DecodeRate float64
+	// StepRate is engine steps per second, smoothed; 0 when unknown.
+	StepRate float64
 
 	Ejected      bool
 	EjectedUntil time.Time
-	Failures     int // consecutive
-	HealthErr    string
+	// Failures counts dispatches in a row that failed, ProbeFailures
+	// /health probes in a row. They are kept apart so that a backend that
+	// answers /health but fails every request is still ejected.
+	Failures      int
+	ProbeFailures int
+	HealthErr     string
 
 	GPUHealth  Health
 	GPUReasons []string
@@ -133,11 +139,13 @@ type backend struct {
 	cfg  BackendConfig
 	snap atomic.Pointer[Snapshot]
 	mu   sync.Mutex // serialises snapshot updates
-	// ejections so far, for the backoff.
-	ejections  int
-	prevScrape struct {
-		at                      time.Time
-		preemptions, generation float64
+	// The fields below are guarded by mu. ejections counts ejections in
+	// a row, for the backoff.
+	ejections   int
+	recoveredAt time.Time
+	prevScrape  struct {
+		at                             time.Time
+		preemptions, generation, steps float64
 	}
 }
 
@@ -238,10 +246,10 @@ func (p *Pool) update(b *backend, change func(s *Snapshot)) {
 }
 
 // ReportFailure records a failed dispatch to a backend (connection error,
-// 5xx, stall). Enough of them in a row eject it.
+// 5xx, stall). Enough of them in a row eject it, whatever /health says.
 func (p *Pool) ReportFailure(name string, err error) {
 	if b, ok := p.byName[name]; ok {
-		p.fail(b, err)
+		p.fail(b, err, false)
 	}
 }
 
@@ -253,17 +261,29 @@ func (p *Pool) ReportSuccess(name string) {
 	}
 	p.update(b, func(s *Snapshot) {
 		if !s.Ejected {
-			s.Failures = 0
+			s.Failures, s.HealthErr = 0, ""
 		}
 	})
 }
 
-func (p *Pool) fail(b *backend, err error) {
+func (p *Pool) fail(b *backend, err error, probe bool) {
+	if err == nil {
+		err = errors.New("unspecified failure")
+	}
 	var ejected bool
 	p.update(b, func(s *Snapshot) {
-		s.Failures++
+		n := &s.Failures
+		if probe {
+			n = &s.ProbeFailures
+		}
+		*n++
 		s.HealthErr = err.Error()
-		if !s.Ejected && s.Failures >= p.cfg.EjectAfter {
+		if !s.Ejected && *n >= p.cfg.EjectAfter {
+			// The backoff doubles per ejection, and starts over once the
+			// backend has stayed up for EjectMax since its last recovery.
+			if !b.recoveredAt.IsZero() && time.Since(b.recoveredAt) > p.cfg.EjectMax {
+				b.ejections = 0
+			}
 			d := min(p.cfg.EjectBase<<min(b.ejections, 16), p.cfg.EjectMax)
 			b.ejections++
 			s.Ejected, s.EjectedUntil = true, time.Now().Add(d)
@@ -272,7 +292,8 @@ func (p *Pool) fail(b *backend, err error) {
 	})
 	if ejected {
 		s := b.snap.Load()
-		p.log.Warn("backend ejected", "backend", b.cfg.Name, "failures", s.Failures, "until", s.EjectedUntil, "err", err)
+		p.log.Warn("backend ejected", "backend", b.cfg.Name, "failures", s.Failures, "probe_failures", s.ProbeFailures,
+			"until", s.EjectedUntil, "err", err)
 	}
 }
 
@@ -320,21 +341,49 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 		p.update(b, func(s *Snapshot) { s.ScrapeErr = err.Error() })
 		return
 	}
-	rate, decode := 0.0, b.snap.Load().DecodeRate
-	if prev := b.prevScrape; !prev.at.IsZero() && m.Preemptions >= prev.preemptions && m.Generation >= prev.generation {
-		dt := now.Sub(prev.at).Seconds()
-		rate = (m.Preemptions - prev.preemptions) / dt
-		if m.Running > 0 && m.Generation > prev.generation {
-			decode = (m.Generation - prev.generation) / dt / m.Running
-		}
-	}
-	b.prevScrape.at, b.prevScrape.preemptions, b.prevScrape.generation = now, m.Preemptions, m.Generation
 	health, reasons, gpus := p.gpuHealth(b)
 	p.update(b, func(s *Snapshot) {
-		s.Metrics, s.ScrapedAt, s.ScrapeErr, s.PreemptionRate, s.DecodeRate = m, now, "", rate, decode
+		// Rates between this scrape and the previous one; b.mu is held,
+		// so concurrent scrapes of one backend stay paired.
+		if now.Before(s.ScrapedAt) {
+			return // a later scrape already landed
+		}
+		prev := &b.prevScrape
+		s.PreemptionRate = 0
+		if !prev.at.IsZero() && m.Preemptions >= prev.preemptions && m.Generation >= prev.generation && m.Steps >= prev.steps && now.After(prev.at) {
+			dt := now.Sub(prev.at).Seconds()
+			s.PreemptionRate = (m.Preemptions - prev.preemptions) / dt
+			if m.Running > 0 && m.Generation > prev.generation {
+				s.DecodeRate = smooth(s.DecodeRate, (m.Generation-prev.generation)/dt/m.Running)
+			}
+			if m.Steps > prev.steps {
+				s.StepRate = smooth(s.StepRate, (m.Steps-prev.steps)/dt)
+			}
+		}
+		prev.at, prev.preemptions, prev.generation, prev.steps = now, m.Preemptions, m.Generation, m.Steps
+		s.Metrics, s.ScrapedAt, s.ScrapeErr = m, now, ""
 		s.CapacityTokens = cmp.Or(m.CapacityTokens(), b.cfg.CapacityTokens)
 		s.GPUHealth, s.GPUReasons, s.GPUs = health, reasons, gpus
 	})
+}
+
+// smooth folds a new rate into a running one (first value as is), so that
+// one short scrape interval does not swing estimates built on it.
+func smooth(old, cur float64) float64 {
+	if old == 0 {
+		return cur
+	}
+	return 0.7*old + 0.3*cur
+}
+
+// StepsAt extrapolates the backend's engine step counter to t, from the
+// last scrape and the step rate; ok is false when the server does not
+// publish steps.
+func (s *Snapshot) StepsAt(t time.Time) (steps float64, ok bool) {
+	if !s.Metrics.HasSteps || s.ScrapedAt.IsZero() {
+		return 0, false
+	}
+	return s.Metrics.Steps + s.StepRate*max(0, t.Sub(s.ScrapedAt).Seconds()), true
 }
 
 func (p *Pool) fetchMetrics(ctx context.Context, base string) (EngineMetrics, error) {
@@ -424,18 +473,29 @@ func (p *Pool) probe(ctx context.Context, b *backend) {
 		return
 	}
 	if err != nil {
-		p.fail(b, err)
+		p.fail(b, err, true)
 		return
 	}
-	s := b.snap.Load()
-	if s.Failures == 0 && !s.Ejected {
-		return
+	if s := b.snap.Load(); s.ProbeFailures == 0 && !s.Ejected {
+		return // the common case: no update, no wake-up
 	}
-	if s.Ejected && time.Now().Before(s.EjectedUntil) {
-		return // healthy again, but it waits out its ejection
-	}
-	p.update(b, func(s *Snapshot) { s.Failures, s.Ejected, s.HealthErr = 0, false, "" })
-	if s.Ejected {
+	recovered := false
+	p.update(b, func(s *Snapshot) {
+		s.ProbeFailures = 0
+		if !s.Ejected {
+			if s.Failures == 0 {
+				s.HealthErr = ""
+			}
+			return // dispatch failures stand until a dispatch succeeds
+		}
+		if time.Now().Before(s.EjectedUntil) {
+			return // healthy again, but it waits out its ejection
+		}
+		recovered = true
+		b.recoveredAt = time.Now()
+		s.Failures, s.Ejected, s.HealthErr = 0, false, ""
+	})
+	if recovered {
 		p.log.Info("backend recovered", "backend", b.cfg.Name)
 	}
 }

@@ -30,7 +30,14 @@ type EngineMetrics struct {
 	Preemptions  float64 // vllm:num_preemptions_total, cumulative
 	Generation   float64 // vllm:generation_tokens_total, cumulative
 	Prompt       float64 // vllm:prompt_tokens_total, cumulative
-	Legacy       bool    // the older metric names were found
+	// Steps is the engine steps taken so far: the sample count of the
+	// vllm:iteration_tokens_total histogram, which vLLM observes once per
+	// step. Each running sequence gains one token a step, so admission
+	// can follow requests whose output it cannot see. HasSteps is false
+	// when the server does not publish it.
+	Steps    float64
+	HasSteps bool
+	Legacy   bool // the older metric names were found
 }
 
 // CapacityTokens is the KV cache size in tokens, or 0 when unknown.
@@ -51,6 +58,7 @@ var wantedFamilies = map[string]bool{
 	"vllm:generation_tokens":       true,
 	"vllm:prompt_tokens_total":     true,
 	"vllm:prompt_tokens":           true,
+	"vllm:iteration_tokens_total":  true, // engine steps: its sample count
 }
 
 // ErrNoEngineMetrics is returned for a page without vLLM's engine gauges.
@@ -114,26 +122,35 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 	m.Preemptions = sumFirst(fams, "vllm:num_preemptions_total", "vllm:num_preemptions")
 	m.Generation = sumFirst(fams, "vllm:generation_tokens_total", "vllm:generation_tokens")
 	m.Prompt = sumFirst(fams, "vllm:prompt_tokens_total", "vllm:prompt_tokens")
+	if it, ok := fams["vllm:iteration_tokens_total"]; ok {
+		for _, s := range it.GetMetric() {
+			if h := s.GetHistogram(); h != nil {
+				m.Steps += float64(h.GetSampleCount())
+				m.HasSteps = true
+			}
+		}
+	}
 	return m, nil
 }
 
-// filterFamilies keeps the comment and sample lines of the wanted families.
+// filterFamilies keeps the comment and sample lines of the wanted families
+// (a histogram's _bucket, _count and _sum lines belong to its family).
 func filterFamilies(r io.Reader) ([]byte, error) {
 	var out bytes.Buffer
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
-		line := sc.Bytes()
+		line := bytes.TrimLeft(sc.Bytes(), " \t")
 		name := line
-		if bytes.HasPrefix(line, []byte("# HELP ")) || bytes.HasPrefix(line, []byte("# TYPE ")) {
-			name = line[len("# HELP "):]
+		if rest, ok := cutComment(line); ok {
+			name = rest
 		} else if len(line) == 0 || line[0] == '#' {
 			continue
 		}
-		if i := bytes.IndexAny(name, "{ "); i >= 0 {
+		if i := bytes.IndexAny(name, "{ \t"); i >= 0 {
 			name = name[:i]
 		}
-		if wantedFamilies[string(name)] {
+		if wanted(name) {
 			out.Write(line)
 			out.WriteByte('\n')
 		}
@@ -142,6 +159,28 @@ func filterFamilies(r io.Reader) ([]byte, error) {
 		return nil, fmt.Errorf("read vllm metrics: %w", err)
 	}
 	return out.Bytes(), nil
+}
+
+// cutComment returns what follows "# HELP" or "# TYPE" and its blanks.
+func cutComment(line []byte) ([]byte, bool) {
+	for _, p := range [][]byte{[]byte("# HELP"), []byte("# TYPE")} {
+		if rest, ok := bytes.CutPrefix(line, p); ok && len(rest) > 0 && (rest[0] == ' ' || rest[0] == '\t') {
+			return bytes.TrimLeft(rest, " \t"), true
+		}
+	}
+	return nil, false
+}
+
+func wanted(name []byte) bool {
+	if wantedFamilies[string(name)] {
+		return true
+	}
+	for _, suffix := range []string{"_bucket", "_count", "_sum"} {
+		if base, ok := bytes.CutSuffix(name, []byte(suffix)); ok && wantedFamilies[string(base)] {
+			return true
+		}
+	}
+	return false
 }
 
 func label(m *dto.Metric, name string) string {

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"math"
 	"slices"
 )
 
@@ -19,6 +20,9 @@ type load struct {
 
 	capacity   int // KV tokens
 	maxNumSeqs int
+	// blockSize is vLLM's KV block size: it allocates whole blocks, so
+	// each sequence holds up to block_size-1 tokens more than it has.
+	blockSize int
 
 	// From the backend's last scrape.
 	measuredUsed    int // KV tokens in use
@@ -31,7 +35,15 @@ type load struct {
 	reserved int
 	inflight int
 	exact    bool
-	flights  []flight
+	// Pacing applies when paced is set (tickets come from a backlog) and
+	// the backend publishes a step counter: engine steps since kvgate
+	// last admitted to it, and the flights' mean output budget and mean
+	// final size.
+	paced           bool
+	stepsSinceAdmit float64 // < 0: unknown
+	meanOut         float64
+	meanFinal       float64
+	flights         []flight
 	// newSinceScrape counts flights admitted after the last scrape, and
 	// heldBeforeScrape the tokens now held by the others: the measured
 	// usage already includes those, not these.
@@ -56,6 +68,7 @@ const (
 	reasonSeqs       = "max_num_seqs"
 	reasonWaiting    = "backend_queue"
 	reasonKV         = "kv_budget"
+	reasonPacing     = "pacing"
 )
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
@@ -93,18 +106,57 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	}
 	need := prompt + maxOut
 
+	if l.paced && l.stepsSinceAdmit >= 0 && l.stepsSinceAdmit < pacingGap(l, budget) {
+		return verdict{reason: reasonPacing}
+	}
+
 	// Fast path: every flight at its largest at once still fits.
-	if worst := external + l.reserved + need; worst <= budget {
+	slack := roundingSlack(l.inflight+1, l.blockSize)
+	if worst := external + l.reserved + need + slack; worst <= budget {
 		return verdict{ok: true, headroom: float64(budget-worst) / float64(l.capacity)}
 	}
 	if !l.exact {
 		return verdict{reason: reasonKV, needExact: true}
 	}
-	peak := external + projectPeak(l.flights, flight{held: prompt, remaining: maxOut})
+	peak := external + slack + projectPeak(l.flights, flight{held: prompt, remaining: maxOut})
 	if peak > budget {
 		return verdict{reason: reasonKV}
 	}
 	return verdict{ok: true, headroom: float64(budget-peak) / float64(l.capacity)}
+}
+
+// pacingGap is how many engine steps apart admissions from a backlog
+// should be. Requests admitted together grow together and peak together,
+// so a synchronized cohort can only fill the budget with the sum of its
+// final sizes, while requests spread evenly over their lifetimes hold
+// about half their output on average and fill it with many more. A cohort
+// that finishes together frees room together; refilled at once, it stays a
+// cohort forever. Refilling at about the rate an evenly spread population
+// replaces itself (mean output / concurrency steps apart; a little faster,
+// since the projection still guards the budget) spreads the phases out
+// within one lifetime. Without a backlog nothing is paced: a request that
+// finds the queue empty goes at once.
+func pacingGap(l *load, budget int) float64 {
+	occupancy := l.meanFinal - l.meanOut/2 // mean KV of a request over its life
+	if occupancy <= 0 || l.meanOut <= 0 {
+		return 0
+	}
+	concurrency := float64(budget) / occupancy
+	return 0.8 * l.meanOut / concurrency
+}
+
+// roundingSlack bounds the KV tokens that block rounding adds to n
+// sequences. Each wastes between 0 and bs-1 tokens of its last block, as
+// its length happens to fall: summed over n sequences that concentrates
+// around n(bs-1)/2, with a spread of about bs·sqrt(n/12). Half a block per
+// sequence plus three spreads (and a block for small n) holds with room to
+// spare, where n(bs-1) would reserve twice the waste there is.
+func roundingSlack(n, bs int) int {
+	if bs <= 1 || n <= 0 {
+		return 0
+	}
+	spread := float64(bs) * math.Sqrt(float64(n)/12)
+	return min(n*(bs-1), n*(bs-1)/2+int(math.Ceil(3*spread))+bs)
 }
 
 // projectPeak returns the most KV tokens the flights (plus extra) will hold

@@ -1,6 +1,9 @@
 package scheduler
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
 func TestProjectPeak(t *testing.T) {
 	tests := []struct {
@@ -51,7 +54,8 @@ func TestProjectPeakAgainstStepping(t *testing.T) {
 
 func TestDecide(t *testing.T) {
 	p := Policy{}
-	p.defaults() // target 0.9, degraded 0.7, backend waiting 2
+	p.defaults()
+	p.KVTarget = 0.9 // degraded 0.7, backend waiting 2
 	base := func() load {
 		return load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true}
 	}
@@ -134,6 +138,89 @@ func TestDecide(t *testing.T) {
 			}
 			if v.ok && (v.headroom < 0 || v.headroom > 1) {
 				t.Errorf("headroom %v outside [0, 1]", v.headroom)
+			}
+		})
+	}
+}
+
+func TestRoundingSlack(t *testing.T) {
+	for _, tc := range []struct{ n, bs, want int }{
+		{0, 16, 0},
+		{5, 1, 0},
+		{1, 16, 15}, // one sequence: its worst case
+		{40, 16, 0}, // checked by range below
+	} {
+		got := roundingSlack(tc.n, tc.bs)
+		if tc.n == 40 {
+			// Between the mean waste and the worst case.
+			if got <= tc.n*(tc.bs-1)/2 || got >= tc.n*(tc.bs-1) {
+				t.Errorf("roundingSlack(40, 16) = %d, want between %d and %d", got, tc.n*(tc.bs-1)/2, tc.n*(tc.bs-1))
+			}
+			continue
+		}
+		if got != tc.want {
+			t.Errorf("roundingSlack(%d, %d) = %d, want %d", tc.n, tc.bs, got, tc.want)
+		}
+	}
+}
+
+func TestProgressBracket(t *testing.T) {
+	g := &Grant{maxOut: 400}
+	// A stream reports exactly; a token may be in the making.
+	g.generated.Store(100)
+	if lo, hi := g.progress(time.Time{}, -1, 0, 0.95); lo != 100 || hi != 101 {
+		t.Errorf("reported 100: bracket [%d, %d], want [100, 101]", lo, hi)
+	}
+	g.generated.Store(-1)
+	g.admittedStep = 1000
+	// 201 steps since admission: at most 201 tokens, at least 0.95×200.
+	if lo, hi := g.progress(time.Time{}, 1201, 0, 0.95); lo != 190 || hi != 202 {
+		t.Errorf("201 steps: bracket [%d, %d], want [190, 202]", lo, hi)
+	}
+	// Never past the output budget; never negative.
+	if lo, hi := g.progress(time.Time{}, 9999, 0, 0.95); lo != 399 || hi != 400 {
+		t.Errorf("long past the end: bracket [%d, %d], want [399, 400]", lo, hi)
+	}
+	if lo, hi := g.progress(time.Time{}, 1000, 0, 0.95); lo != 0 || hi != 1 {
+		t.Errorf("just admitted: bracket [%d, %d], want [0, 1]", lo, hi)
+	}
+	// Without a step counter: time × decode rate, bracketed twice as wide.
+	g.admittedStep = -1
+	g.admittedAt = time.Unix(100, 0)
+	lo, hi := g.progress(time.Unix(102, 0), -1, 50, 0.95) // estimate 100
+	if lo != 90 || hi != 111 {
+		t.Errorf("time-based 100: bracket [%d, %d], want [90, 111]", lo, hi)
+	}
+}
+
+func TestPacing(t *testing.T) {
+	p := Policy{}
+	p.defaults()
+	base := load{routable: true, capacity: 100_000, maxNumSeqs: 1024, exact: true,
+		meanOut: 400, meanFinal: 1000, inflight: 10, reserved: 10_000}
+	// 95k budget / 800 per request ≈ 119 at once; 400 steps each: one
+	// admission every ~3.4 steps keeps them evenly spread (0.8 of it paced).
+	gap := pacingGap(&base, 95_000)
+	if gap < 2.5 || gap > 3 {
+		t.Fatalf("pacingGap = %v, want about 2.7", gap)
+	}
+	for _, tc := range []struct {
+		name  string
+		paced bool
+		since float64
+		ok    bool
+	}{
+		{"no backlog: never paced", false, 0, true},
+		{"backlog, just admitted", true, 1, false},
+		{"backlog, gap passed", true, 3, true},
+		{"backlog, no step counter", true, -1, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := base
+			l.paced, l.stepsSinceAdmit = tc.paced, tc.since
+			v := decide(&l, 100, 100, &p)
+			if v.ok != tc.ok || (!v.ok && v.reason != reasonPacing) {
+				t.Errorf("decide = %+v, want ok=%v", v, tc.ok)
 			}
 		})
 	}

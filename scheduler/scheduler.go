@@ -37,7 +37,9 @@ func (c Class) String() string {
 // brackets.
 type Policy struct {
 	// KVTarget is the share of a backend's KV capacity that admitted work
-	// may be predicted to fill [0.9].
+	// may be predicted to fill [0.95]. The prediction counts whole KV
+	// blocks, as vLLM allocates them, so the target need only cover
+	// what the prediction cannot see: prompt estimates and progress.
 	KVTarget float64 `yaml:"kv_target"`
 	// DegradedFactor scales KVTarget for a backend whose GPUs are degraded
 	// (throttling, running hot) [0.7].
@@ -53,19 +55,21 @@ type Policy struct {
 	// StarvationGuard is how long the oldest ticket of a model may be
 	// passed over by smaller ones before it blocks them [2s].
 	StarvationGuard time.Duration `yaml:"starvation_guard"`
-	// ProgressFactor discounts the decode progress estimated from time
-	// for requests that do not report it (non-streaming) [0.8].
+	// ProgressFactor sets how wide admission brackets the decode progress
+	// of a request that does not report it (non-streaming): from factor to
+	// 2-factor times the estimate, since a request may wait in vLLM's
+	// queue before its first step [0.95].
 	ProgressFactor float64 `yaml:"progress_factor"`
 }
 
 func (p *Policy) defaults() {
-	p.KVTarget = cmp.Or(p.KVTarget, 0.9)
+	p.KVTarget = cmp.Or(p.KVTarget, 0.95)
 	p.DegradedFactor = cmp.Or(p.DegradedFactor, 0.7)
 	p.MaxBackendWaiting = cmp.Or(p.MaxBackendWaiting, 2)
 	p.MaxQueue = cmp.Or(p.MaxQueue, 4096)
 	p.MaxQueueWait = cmp.Or(p.MaxQueueWait, 30*time.Second)
 	p.StarvationGuard = cmp.Or(p.StarvationGuard, 2*time.Second)
-	p.ProgressFactor = cmp.Or(p.ProgressFactor, 0.8)
+	p.ProgressFactor = cmp.Or(p.ProgressFactor, 0.95)
 }
 
 // Validate reports a policy that cannot work.
@@ -75,8 +79,8 @@ func (p Policy) Validate() error {
 		return fmt.Errorf("kv_target %g must be in (0, 1]", p.KVTarget)
 	case p.DegradedFactor < 0 || p.DegradedFactor > 1:
 		return fmt.Errorf("degraded_factor %g must be in (0, 1]", p.DegradedFactor)
-	case p.ProgressFactor < 0 || p.ProgressFactor > 1:
-		return fmt.Errorf("progress_factor %g must be in (0, 1]", p.ProgressFactor)
+	case p.ProgressFactor < 0 || p.ProgressFactor > 1 || (p.ProgressFactor != 0 && p.ProgressFactor < 0.5):
+		return fmt.Errorf("progress_factor %g must be in [0.5, 1]", p.ProgressFactor)
 	case p.MaxQueue < 0 || p.MaxBackendWaiting < 0 || p.MaxQueueWait < 0:
 		return errors.New("max_queue, max_backend_waiting and max_queue_wait must not be negative")
 	}
@@ -94,6 +98,10 @@ type Ticket struct {
 	Deadline time.Time
 	// Exclude lists backends not to use, such as one that just failed.
 	Exclude []string
+	// PromptEstimate, when set, re-counts the prompt: PromptTokens is an
+	// estimate that improves as backends report usage, and a ticket that
+	// waits, or a request that runs, should not keep a cold guess.
+	PromptEstimate func() int
 
 	enqueued time.Time
 	done     chan struct{}
@@ -167,7 +175,23 @@ type Scheduler struct {
 type ledger struct {
 	grants   []*Grant // in admission order
 	reserved int      // Σ prompt + maxOut
+	sumOut   int      // Σ maxOut
+	// lastAdmitStep is the backend's engine step count at kvgate's last
+	// admission to it, for pacing; < 0 when unknown.
+	lastAdmitStep float64
+	// released are recent releases: the backend's last scrape may still
+	// show their KV, which is kvgate's own and not foreign load.
+	released []release
 }
+
+type release struct {
+	at     time.Time
+	tokens int
+}
+
+// maxReleases bounds the releases a ledger remembers between two scrapes of
+// its backend, should scrapes stop.
+const maxReleases = 4096
 
 // Grant is an admitted ticket: the backend to call and the reservation to
 // release when the call ends.
@@ -178,11 +202,15 @@ type Grant struct {
 
 	s          *Scheduler
 	l          *ledger
+	estimate   func() int // re-counts prompt; nil when exact
 	prompt     int
 	maxOut     int
 	admittedAt time.Time
-	generated  atomic.Int64 // -1 until reported
-	released   bool         // guarded by s.mu
+	// admittedStep is the backend's engine step count at admission, when
+	// the backend publishes one (else -1).
+	admittedStep float64
+	generated    atomic.Int64 // -1 until reported
+	released     bool         // guarded by s.mu
 }
 
 // Options configure a Scheduler.
@@ -250,7 +278,7 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 		}
 	}
 	if ahead == 0 {
-		if g := s.tryAdmit(t, snaps, now); g != nil {
+		if g := s.tryAdmit(t, snaps, now, false); g != nil {
 			s.mu.Unlock()
 			s.m.outcome(t.Class, outcomeAdmitted)
 			s.m.waited(t.Class, 0)
@@ -363,8 +391,8 @@ func (s *Scheduler) retryAfterLocked() time.Duration {
 }
 
 // tryAdmit grants t on the backend with the most headroom that can take
-// it, or returns nil.
-func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time) *Grant {
+// it, or returns nil. paced says t comes from a backlog.
+func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool) *Grant {
 	var best *gpu.Snapshot
 	bestHead := math.Inf(-1)
 	for _, sn := range snaps {
@@ -376,9 +404,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time) *G
 		}
 		l := s.ledgers[sn.Name]
 		ld := s.loadOf(sn, l, now, false)
+		ld.paced = paced
 		v := decide(&ld, t.PromptTokens, t.MaxTokens, &s.policy)
 		if v.needExact {
 			ld = s.loadOf(sn, l, now, true)
+			ld.paced = paced
 			v = decide(&ld, t.PromptTokens, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
@@ -394,16 +424,22 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time) *G
 	}
 	l := s.ledgers[best.Name]
 	if l == nil {
-		l = &ledger{}
+		l = &ledger{lastAdmitStep: -1}
 		s.ledgers[best.Name] = l
 	}
 	g := &Grant{
 		Backend: best.Name, URL: best.URL, Waited: now.Sub(t.enqueued),
-		s: s, l: l, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
+		s: s, l: l, estimate: t.PromptEstimate, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
 	}
 	g.generated.Store(-1)
+	g.admittedStep = -1
+	if st, ok := best.StepsAt(now); ok {
+		g.admittedStep = st
+	}
+	l.lastAdmitStep = g.admittedStep
 	l.grants = append(l.grants, g)
 	l.reserved += t.Need()
+	l.sumOut += t.MaxTokens
 	// Admissions per second, smoothed over about a second.
 	if dt := now.Sub(s.lastAdm).Seconds(); dt > 0 {
 		alpha := 1 - math.Exp(-dt)
@@ -426,7 +462,9 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		measuredUsed:    int(m.KVUsage * float64(sn.CapacityTokens)),
 		measuredRunning: int(m.Running),
 		measuredWaiting: int(m.Waiting),
+		blockSize:       m.BlockSize,
 		exact:           exact,
+		stepsSinceAdmit: -1,
 	}
 	if l == nil {
 		return ld
@@ -435,29 +473,77 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
 		ld.newSinceScrape++
 	}
+	stepsNow, hasSteps := sn.StepsAt(now)
+	if !hasSteps {
+		stepsNow = -1
+	} else if l.lastAdmitStep >= 0 {
+		ld.stepsSinceAdmit = max(0, stepsNow-l.lastAdmitStep)
+	}
+	if n := len(l.grants); n > 0 {
+		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved)/float64(n)
+	}
 	if !exact {
 		return ld
 	}
 	ld.flights = make([]flight, len(l.grants))
 	for i, g := range l.grants {
-		gen := g.progress(now, sn.DecodeRate, s.policy.ProgressFactor)
-		ld.flights[i] = flight{held: g.prompt + gen, remaining: g.maxOut - gen}
-		if i < len(l.grants)-ld.newSinceScrape {
-			ld.heldBeforeScrape += g.prompt + gen
+		if g.estimate != nil {
+			if p := g.estimate(); p != g.prompt {
+				l.reserved += p - g.prompt
+				g.prompt = p
+			}
 		}
+		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, s.policy.ProgressFactor)
+		ld.flights[i] = flight{held: g.prompt + hi, remaining: g.maxOut - lo}
+		if i < len(l.grants)-ld.newSinceScrape {
+			// The low end: what the measurement surely includes, so that
+			// the load kvgate did not send is not underestimated.
+			ld.heldBeforeScrape += g.prompt + lo
+		}
+	}
+	ld.reserved = l.reserved // prompts may have been re-estimated
+	// Releases before the scrape are out of the measurement; after it,
+	// still in it, as kvgate's own.
+	i, _ := slices.BinarySearchFunc(l.released, sn.ScrapedAt, func(r release, t time.Time) int {
+		if r.at.After(t) {
+			return 1
+		}
+		return -1
+	})
+	l.released = l.released[i:]
+	for _, r := range l.released {
+		ld.heldBeforeScrape += r.tokens
 	}
 	return ld
 }
 
-// progress is the output a grant has produced: as reported by a stream, or
-// estimated from the time since admission and the backend's per-sequence
-// decode rate, discounted and short of the last token.
-func (g *Grant) progress(now time.Time, decodeRate, factor float64) int {
+// progress brackets the output a grant has produced: lo and hi tokens.
+// A stream reports it exactly. Otherwise, with the backend's engine step
+// counter, a sequence has made at most one token per step since its
+// admission (hi), and at least ProgressFactor of that less the prefill
+// step (lo), since it may have waited in vLLM's queue. Without a step
+// counter the estimate is the time since admission times the per-sequence
+// decode rate, bracketed twice as wide on both sides. Admission projects a
+// flight from the high end (what it may hold now) to the low end (how long
+// it may still grow), which is safe both ways.
+func (g *Grant) progress(now time.Time, stepsNow, decodeRate, factor float64) (lo, hi int) {
 	if n := g.generated.Load(); n >= 0 {
-		return min(int(n), g.maxOut)
+		n := min(int(n), g.maxOut)
+		return n, min(n+1, g.maxOut) // a token may be in the making
 	}
-	est := int(factor * decodeRate * now.Sub(g.admittedAt).Seconds())
-	return max(0, min(est, g.maxOut-1))
+	var loF, hiF float64
+	if stepsNow >= 0 && g.admittedStep >= 0 {
+		steps := max(0, stepsNow-g.admittedStep)
+		loF, hiF = factor*(steps-1), steps+1
+	} else {
+		est := decodeRate * now.Sub(g.admittedAt).Seconds()
+		wide := 2 * (1 - factor)
+		loF, hiF = (1-wide)*est, (1+wide)*est+1
+	}
+	const eps = 1e-9 // so that 0.9×100 is 90, not 89
+	lo = max(0, min(int(loF+eps), g.maxOut-1))
+	hi = max(lo, min(int(math.Ceil(hiF-eps)), g.maxOut))
+	return lo, hi
 }
 
 // Progress reports how many output tokens the request has produced so
@@ -477,7 +563,14 @@ func (g *Grant) Release() {
 	l := g.l
 	l.grants = slices.DeleteFunc(l.grants, func(x *Grant) bool { return x == g })
 	l.reserved -= g.prompt + g.maxOut
-	s.pumpLocked(s.src.Snapshots(), s.now())
+	l.sumOut -= g.maxOut
+	now := s.now()
+	// In time order; loadOf drops those the next scrape no longer shows.
+	if len(l.released) >= maxReleases {
+		l.released = append(l.released[:0], l.released[len(l.released)/2:]...)
+	}
+	l.released = append(l.released, release{at: now, tokens: g.prompt + g.maxOut})
+	s.pumpLocked(s.src.Snapshots(), now)
 	s.mu.Unlock()
 }
 
@@ -516,7 +609,10 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				kept = append(kept, t)
 				continue
 			}
-			if g := s.tryAdmit(t, snaps, now); g != nil {
+			if t.PromptEstimate != nil {
+				t.PromptTokens = t.PromptEstimate()
+			}
+			if g := s.tryAdmit(t, snaps, now, true); g != nil {
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
 				close(t.done)

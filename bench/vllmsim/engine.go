@@ -454,7 +454,9 @@ func (e *Engine) schedule() time.Duration {
 			prefill += s.numNew
 		}
 	}
-	e.m.iteration(batch)
+	if batch > 0 {
+		e.m.iteration(batch)
+	}
 	return p.StepTime(seqs, ctxTokens, prefill)
 }
 

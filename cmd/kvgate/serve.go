@@ -157,8 +157,10 @@ func startSimFleet(ctx context.Context, g *errgroup.Group, cfg *config, log *slo
 		return nil, err
 	}
 	var urls []string
-	for i := range max(cfg.Sim.Count, 1) {
-		sim, err := vllmsim.New(vllmsim.Config{Profile: p, Speedup: cfg.Sim.Speedup, Seed: uint64(i), Logger: log})
+	for range max(cfg.Sim.Count, 1) {
+		// One seed for all: the same model answers the same prompt alike
+		// on every backend, as real replicas of one model do.
+		sim, err := vllmsim.New(vllmsim.Config{Profile: p, Speedup: cfg.Sim.Speedup, Logger: log})
 		if err != nil {
 			return nil, err
 		}

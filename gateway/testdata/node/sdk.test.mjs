@@ -1,0 +1,454 @@
+// End-to-end test of kvgate with the official OpenAI Node SDK.
+//
+// cmd/kvgate's TestOpenAINodeSDK starts the gateways and runs this file with
+// `node --test`; by hand, start them yourself and set:
+//
+//   KVGATE_URL        base URL of a gateway serving a chat model, ending in /v1,
+//                     started with --api-key KVGATE_KEY=TENANT
+//   KVGATE_KEY        that API key
+//   KVGATE_EMBED_URL  base URL of a gateway serving an embedding model (no
+//                     authentication), ending in /v1, over ONE backend: the
+//                     simulator seeds its embeddings per backend, and the
+//                     embedding tests compare vectors across requests
+//   KVGATE_MODEL      the chat model [meta-llama/Llama-3.1-8B-Instruct]
+//   KVGATE_EMBED_MODEL the embedding model [BAAI/bge-m3]
+//   KVGATE_EMBED_DIM  its dimensions [1024]
+//
+// A known kvgate bug is written as t.skip('BUG: ...') next to the assertion
+// that shows it.
+
+import assert from 'node:assert/strict';
+import { describe, test } from 'node:test';
+
+import OpenAI, {
+  APIError,
+  AuthenticationError,
+  BadRequestError,
+  NotFoundError,
+} from 'openai';
+
+function required(name) {
+  const v = process.env[name];
+  if (!v) {
+    throw new Error(`${name} is not set; see the comment at the top of sdk.test.mjs`);
+  }
+  return v;
+}
+
+const baseURL = required('KVGATE_URL');
+const apiKey = required('KVGATE_KEY');
+const embedURL = required('KVGATE_EMBED_URL');
+const model = process.env.KVGATE_MODEL || 'meta-llama/Llama-3.1-8B-Instruct';
+const embedModel = process.env.KVGATE_EMBED_MODEL || 'BAAI/bge-m3';
+const embedDim = Number(process.env.KVGATE_EMBED_DIM || 1024);
+
+// No retries: a failure must show as it happened, not be papered over.
+const opts = { maxRetries: 0, timeout: 20_000 };
+const client = new OpenAI({ baseURL, apiKey, ...opts });
+// The embedding gateway runs without authentication; the SDK insists on a
+// key all the same, and kvgate must ignore it.
+const embedClient = new OpenAI({ baseURL: embedURL, apiKey: 'unused', ...opts });
+
+const messages = [
+  { role: 'system', content: 'You are a terse assistant.' },
+  { role: 'user', content: 'Say hello to kvgate.' },
+];
+
+// ignore_eos is vLLM's: the output then runs to max_tokens exactly, so the
+// token counts below are exact. The SDK passes unknown fields through.
+const N = 6;
+
+function assertUsage(usage, completion) {
+  assert.ok(usage, 'usage is missing');
+  assert.ok(Number.isInteger(usage.prompt_tokens) && usage.prompt_tokens > 0, `prompt_tokens ${usage.prompt_tokens}`);
+  assert.equal(usage.completion_tokens, completion);
+  assert.equal(usage.total_tokens, usage.prompt_tokens + usage.completion_tokens);
+}
+
+// expectError runs fn, which must throw an instance of cls with status.
+async function expectError(fn, cls, status) {
+  let err;
+  try {
+    await fn();
+  } catch (e) {
+    err = e;
+  }
+  assert.ok(err, `expected ${cls.name}, nothing was thrown`);
+  assert.ok(err instanceof cls, `expected ${cls.name}, got ${err?.constructor?.name}: ${err?.message}`);
+  assert.ok(err instanceof APIError);
+  assert.equal(err.status, status);
+  assert.equal(typeof err.error?.message, 'string', 'the error body has no message');
+  assert.ok(err.error.message.length > 0);
+  return err;
+}
+
+async function collect(stream) {
+  const chunks = [];
+  for await (const chunk of stream) {
+    chunks.push(chunk);
+  }
+  return chunks;
+}
+
+describe('models', () => {
+  test('models.list() lists the chat model with max_model_len', async () => {
+    const ids = [];
+    let found;
+    for await (const m of client.models.list()) {
+      ids.push(m.id);
+      assert.equal(m.object, 'model');
+      assert.equal(typeof m.owned_by, 'string');
+      assert.ok(Number.isInteger(m.created));
+      if (m.id === model) {
+        found = m;
+      }
+    }
+    assert.ok(found, `${model} not in ${JSON.stringify(ids)}`);
+    assert.ok(Number.isInteger(found.max_model_len) && found.max_model_len > 0, `max_model_len ${found.max_model_len}`);
+  });
+
+  test('models.list() on the embedding gateway', async () => {
+    const page = await embedClient.models.list();
+    const m = page.data.find((m) => m.id === embedModel);
+    assert.ok(m, `${embedModel} not listed: ${JSON.stringify(page.data)}`);
+    assert.ok(m.max_model_len > 0);
+  });
+});
+
+describe('chat completions', () => {
+  test('non-streaming', async () => {
+    const { data: res, response } = await client.chat.completions
+      .create({ model, messages, max_tokens: N, ignore_eos: true })
+      .withResponse();
+    assert.equal(response.status, 200);
+    assert.match(response.headers.get('content-type'), /^application\/json/);
+    assert.equal(res.object, 'chat.completion');
+    assert.equal(typeof res.id, 'string');
+    assert.equal(res.model, model);
+    assert.equal(res.choices.length, 1);
+    const [choice] = res.choices;
+    assert.equal(choice.index, 0);
+    assert.equal(choice.message.role, 'assistant');
+    assert.equal(typeof choice.message.content, 'string');
+    assert.ok(choice.message.content.length > 0);
+    assert.equal(choice.finish_reason, 'length');
+    assertUsage(res.usage, N);
+  });
+
+  test('streaming with stream_options.include_usage', async () => {
+    const stream = await client.chat.completions.create({
+      model, messages, max_tokens: N, ignore_eos: true, stream: true,
+      stream_options: { include_usage: true },
+    });
+    const chunks = await collect(stream);
+    assert.ok(chunks.length >= 2, `${chunks.length} chunks`);
+    const last = chunks.at(-1);
+    // OpenAI's contract: one extra chunk before [DONE], with no choices and
+    // the whole request's usage; every other chunk has usage null.
+    assert.deepEqual(last.choices, []);
+    assertUsage(last.usage, N);
+    const body = chunks.slice(0, -1);
+    let text = '';
+    let finish = null;
+    for (const c of body) {
+      assert.equal(c.object, 'chat.completion.chunk');
+      assert.equal(c.model, model);
+      assert.equal(c.id, chunks[0].id, 'chunks of one stream share an id');
+      assert.equal(c.choices.length, 1);
+      assert.ok(c.usage == null, `usage on a content chunk: ${JSON.stringify(c)}`);
+      text += c.choices[0].delta.content ?? '';
+      finish = c.choices[0].finish_reason ?? finish;
+    }
+    assert.equal(body[0].choices[0].delta.role, 'assistant');
+    assert.ok(text.length > 0);
+    assert.equal(finish, 'length');
+  });
+
+  for (const [name, extra] of [
+    ['streaming without stream_options', {}],
+    ['streaming with stream_options.include_usage false', { stream_options: { include_usage: false } }],
+  ]) {
+    test(`${name}: no usage chunk reaches the client`, async () => {
+      // kvgate asks the backend for usage itself; it must drop that chunk.
+      const stream = await client.chat.completions.create({
+        model, messages, max_tokens: N, ignore_eos: true, stream: true, ...extra,
+      });
+      const chunks = await collect(stream);
+      assert.ok(chunks.length >= 2, `${chunks.length} chunks`);
+      let text = '';
+      for (const c of chunks) {
+        assert.equal(c.object, 'chat.completion.chunk');
+        assert.equal(c.choices.length, 1, `a chunk without choices: ${JSON.stringify(c)}`);
+        assert.ok(c.usage == null, `usage leaked to the client: ${JSON.stringify(c)}`);
+        text += c.choices[0].delta.content ?? '';
+      }
+      assert.ok(text.length > 0);
+      assert.equal(chunks.at(-1).choices[0].finish_reason, 'length');
+    });
+  }
+
+  test('continuous_usage_stats without include_usage: no usage reaches the client', async (t) => {
+    // vLLM's extension: continuous_usage_stats puts usage on every chunk, but
+    // only when include_usage is on. The client turned it off here.
+    const stream = await client.chat.completions.create({
+      model, messages, max_tokens: N, ignore_eos: true, stream: true,
+      stream_options: { include_usage: false, continuous_usage_stats: true },
+    });
+    const chunks = await collect(stream);
+    const leaked = chunks.filter((c) => c.usage != null).length;
+    if (leaked > 0) {
+      // BUG: gateway/openai.go (*Server).proxy/withStreamUsage forces
+      // include_usage=true upstream but keeps continuous_usage_stats, so
+      // vLLM puts usage on every content chunk; relay only drops the final
+      // choice-less usage chunk. Fix: when injecting, also drop (or set
+      // false) continuous_usage_stats in the upstream stream_options.
+      t.skip(`BUG: kvgate leaks usage to ${leaked} of ${chunks.length} chunks when the client sets ` +
+        'include_usage false with continuous_usage_stats true');
+      return;
+    }
+    for (const c of chunks) {
+      assert.equal(c.choices.length, 1, `a chunk without choices: ${JSON.stringify(c)}`);
+    }
+  });
+
+  test('max_completion_tokens bounds the output', async () => {
+    const res = await client.chat.completions.create({ model, messages, max_completion_tokens: 3, ignore_eos: true });
+    assert.equal(res.choices[0].finish_reason, 'length');
+    assertUsage(res.usage, 3);
+  });
+
+  test('the SDK stream helper assembles the same completion', async () => {
+    const runner = client.chat.completions.stream({
+      model, messages, max_tokens: N, ignore_eos: true, stream_options: { include_usage: true },
+    });
+    let deltas = '';
+    runner.on('content', (delta) => {
+      deltas += delta;
+    });
+    const final = await runner.finalChatCompletion();
+    assert.equal(final.choices[0].message.role, 'assistant');
+    assert.equal(final.choices[0].message.content, deltas);
+    assert.equal(final.choices[0].finish_reason, 'length');
+    assertUsage(final.usage, N);
+  });
+});
+
+describe('completions', () => {
+  test('non-streaming', async () => {
+    const res = await client.completions.create({ model, prompt: 'Once upon a time', max_tokens: N, ignore_eos: true });
+    assert.equal(res.object, 'text_completion');
+    assert.equal(res.model, model);
+    assert.equal(res.choices.length, 1);
+    assert.equal(typeof res.choices[0].text, 'string');
+    assert.ok(res.choices[0].text.length > 0);
+    assert.equal(res.choices[0].finish_reason, 'length');
+    assertUsage(res.usage, N);
+  });
+
+  test('the default max_tokens is 16', async () => {
+    const res = await client.completions.create({ model, prompt: 'Once upon a time', ignore_eos: true });
+    assertUsage(res.usage, 16);
+  });
+
+  test('streaming with stream_options.include_usage', async () => {
+    const stream = await client.completions.create({
+      model, prompt: 'Once upon a time', max_tokens: N, ignore_eos: true, stream: true,
+      stream_options: { include_usage: true },
+    });
+    const chunks = await collect(stream);
+    const last = chunks.at(-1);
+    assert.deepEqual(last.choices, []);
+    assertUsage(last.usage, N);
+    let text = '';
+    for (const c of chunks.slice(0, -1)) {
+      assert.equal(c.object, 'text_completion');
+      assert.equal(c.choices.length, 1);
+      assert.ok(c.usage == null, `usage on a content chunk: ${JSON.stringify(c)}`);
+      text += c.choices[0].text;
+    }
+    assert.ok(text.length > 0);
+    assert.equal(chunks.at(-2).choices[0].finish_reason, 'length');
+  });
+
+  test('streaming without stream_options: no usage chunk', async () => {
+    const stream = await client.completions.create({
+      model, prompt: 'Once upon a time', max_tokens: N, ignore_eos: true, stream: true,
+    });
+    const chunks = await collect(stream);
+    assert.ok(chunks.length >= 1);
+    for (const c of chunks) {
+      assert.equal(c.object, 'text_completion');
+      assert.equal(c.choices.length, 1, `a chunk without choices: ${JSON.stringify(c)}`);
+      assert.ok(c.usage == null, `usage leaked to the client: ${JSON.stringify(c)}`);
+    }
+    assert.equal(chunks.at(-1).choices[0].finish_reason, 'length');
+  });
+});
+
+describe('embeddings', () => {
+  const input = 'The quick brown fox jumped over the lazy dog';
+
+  function assertUnitVector(v) {
+    assert.ok(Array.isArray(v), `embedding is a ${typeof v}, not an array`);
+    assert.equal(v.length, embedDim);
+    for (const x of v) {
+      assert.equal(typeof x, 'number');
+      assert.ok(Number.isFinite(x));
+    }
+    const norm = Math.sqrt(v.reduce((s, x) => s + x * x, 0));
+    assert.ok(Math.abs(norm - 1) < 1e-3, `norm ${norm}`);
+  }
+
+  test('default: the SDK asks for base64 and decodes it', async () => {
+    const res = await embedClient.embeddings.create({ model: embedModel, input });
+    assert.equal(res.object, 'list');
+    assert.equal(res.model, embedModel);
+    assert.equal(res.data.length, 1);
+    assert.equal(res.data[0].object, 'embedding');
+    assert.equal(res.data[0].index, 0);
+    assertUnitVector(res.data[0].embedding);
+    assert.ok(res.usage.prompt_tokens > 0);
+    assert.equal(res.usage.total_tokens, res.usage.prompt_tokens);
+  });
+
+  test('float, base64 and the SDK default agree', async () => {
+    const asFloat = await embedClient.embeddings.create({ model: embedModel, input, encoding_format: 'float' });
+    const asBase64 = await embedClient.embeddings.create({ model: embedModel, input, encoding_format: 'base64' });
+    const byDefault = await embedClient.embeddings.create({ model: embedModel, input });
+    const f = asFloat.data[0].embedding;
+    assertUnitVector(f);
+    // An explicit encoding_format comes back as the server sent it.
+    const b64 = asBase64.data[0].embedding;
+    assert.equal(typeof b64, 'string');
+    const buf = Buffer.from(b64, 'base64');
+    assert.equal(buf.length, 4 * embedDim);
+    const decoded = Array.from(new Float32Array(buf.buffer, buf.byteOffset, embedDim));
+    // float32 values in JSON decimal round-trip exactly through Math.fround.
+    assert.deepEqual(decoded, f.map(Math.fround));
+    assert.deepEqual(byDefault.data[0].embedding, decoded);
+  });
+
+  test('a batch of inputs keeps its order', async () => {
+    const res = await embedClient.embeddings.create({ model: embedModel, input: ['alpha', 'beta', input] });
+    assert.deepEqual(res.data.map((d) => d.index), [0, 1, 2]);
+    for (const d of res.data) {
+      assertUnitVector(d.embedding);
+    }
+    const single = await embedClient.embeddings.create({ model: embedModel, input: 'beta' });
+    assert.deepEqual(res.data[1].embedding, single.data[0].embedding);
+  });
+
+  test('chat on the embedding model is a BadRequestError', async () => {
+    await expectError(
+      () => embedClient.chat.completions.create({ model: embedModel, messages, max_tokens: 4 }),
+      BadRequestError, 400,
+    );
+  });
+
+  test('an empty input is a BadRequestError', async () => {
+    const err = await expectError(
+      () => embedClient.embeddings.create({ model: embedModel, input: '' }),
+      BadRequestError, 400,
+    );
+    assert.equal(err.param, 'input');
+  });
+});
+
+describe('errors', () => {
+  test('an unknown model is a NotFoundError', async () => {
+    const err = await expectError(
+      () => client.chat.completions.create({ model: 'no-such-model', messages, max_tokens: 4 }),
+      NotFoundError, 404,
+    );
+    assert.equal(err.code, 'model_not_found');
+    assert.equal(err.param, 'model');
+    assert.equal(err.type, 'invalid_request_error');
+    assert.match(err.message, /no-such-model/);
+  });
+
+  test('an unknown model on a stream fails before the first chunk', async () => {
+    await expectError(
+      () => client.chat.completions.create({ model: 'no-such-model', messages, max_tokens: 4, stream: true }),
+      NotFoundError, 404,
+    );
+  });
+
+  test('an unknown model for embeddings is a NotFoundError', async () => {
+    await expectError(
+      () => embedClient.embeddings.create({ model: 'no-such-model', input: 'x' }),
+      NotFoundError, 404,
+    );
+  });
+
+  test('empty messages is a BadRequestError', async () => {
+    const err = await expectError(
+      () => client.chat.completions.create({ model, messages: [], max_tokens: 4 }),
+      BadRequestError, 400,
+    );
+    assert.equal(err.type, 'invalid_request_error');
+    assert.equal(err.param, 'messages');
+  });
+
+  test('max_tokens 0 is a BadRequestError', async () => {
+    const err = await expectError(
+      () => client.chat.completions.create({ model, messages, max_tokens: 0 }),
+      BadRequestError, 400,
+    );
+    assert.equal(err.param, 'max_tokens');
+  });
+
+  test('stream_options without stream is a BadRequestError', async () => {
+    const err = await expectError(
+      () => client.chat.completions.create({ model, messages, max_tokens: 4, stream_options: { include_usage: true } }),
+      BadRequestError, 400,
+    );
+    assert.equal(err.param, 'stream_options');
+  });
+
+  test('max_tokens beyond the context is a BadRequestError', async () => {
+    const err = await expectError(
+      () => client.completions.create({ model, prompt: 'hello', max_tokens: 10_000_000 }),
+      BadRequestError, 400,
+    );
+    assert.equal(err.code, 'context_length_exceeded');
+  });
+
+  test('a stream that does not fit the context fails before the first chunk', async () => {
+    const err = await expectError(
+      () => client.chat.completions.create({ model, messages, max_tokens: 10_000_000, stream: true }),
+      BadRequestError, 400,
+    );
+    assert.equal(err.code, 'context_length_exceeded');
+  });
+
+  test('an unknown path is a NotFoundError', async () => {
+    await expectError(() => client.get('/no/such/route'), NotFoundError, 404);
+  });
+});
+
+describe('authentication', () => {
+  test('a wrong key is an AuthenticationError', async () => {
+    const bad = new OpenAI({ baseURL, apiKey: 'sk-wrong', ...opts });
+    const err = await expectError(
+      () => bad.chat.completions.create({ model, messages, max_tokens: 4 }),
+      AuthenticationError, 401,
+    );
+    assert.equal(err.code, 'invalid_api_key');
+    await expectError(() => bad.models.list(), AuthenticationError, 401);
+  });
+
+  test('no Authorization header is an AuthenticationError', async () => {
+    // A null header removes the one the SDK would send.
+    const none = new OpenAI({ baseURL, apiKey: 'unused', defaultHeaders: { Authorization: null }, ...opts });
+    const err = await expectError(
+      () => none.completions.create({ model, prompt: 'hi', max_tokens: 4 }),
+      AuthenticationError, 401,
+    );
+    assert.match(err.message, /didn't provide an API key/);
+  });
+
+  test('the right key works', async () => {
+    const res = await client.chat.completions.create({ model, messages, max_tokens: 2, ignore_eos: true });
+    assertUsage(res.usage, 2);
+  });
+});
