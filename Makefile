@@ -56,8 +56,8 @@ fmt:
 # simulator's calibration table and CPU cost.
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem -count 5 ./bench/... ./gpu/ | tee bin/bench.txt
-	$(GO) test -run '^$$' -bench 'Overhead' -benchtime 1x ./gateway/ | tee -a bin/bench.txt
-	$(GO) test -run '^$$' -bench 'Throughput' -benchtime 20000x -count 3 ./gateway/ | tee -a bin/bench.txt
+	$(GO) test -run '^$$' -bench 'GatewayOverhead' -benchtime 1x ./cmd/kvgate/ | tee -a bin/bench.txt
+	$(GO) test -run '^$$' -bench 'GatewayThroughput' -benchtime 20000x -count 3 ./cmd/kvgate/ | tee -a bin/bench.txt
 	$(BIN) sim calibrate
 	$(BIN) sim cost
 

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -16,6 +17,8 @@ import (
 type estimator struct {
 	mu    sync.Mutex
 	ratio map[string]float64 // tokens per byte
+	seen  map[string]int     // observations per model
+	calls atomic.Uint64
 }
 
 const (
@@ -23,7 +26,26 @@ const (
 	estimateSmoothing    = 0.1 // weight of each new observation
 )
 
-func newEstimator() *estimator { return &estimator{ratio: map[string]float64{}} }
+func newEstimator() *estimator {
+	return &estimator{ratio: map[string]float64{}, seen: map[string]int{}}
+}
+
+// Streams carry usage only when asked, and asking costs every stream a
+// rewritten body and an extra event. The estimate needs a sample, not
+// every stream: all of them while a model has few observations, then one
+// in sampleEvery.
+const (
+	warmObservations = 32
+	sampleEvery      = 16
+)
+
+// wantSample reports whether a stream of model should ask for usage.
+func (e *estimator) wantSample(model string) bool {
+	e.mu.Lock()
+	n := e.seen[model]
+	e.mu.Unlock()
+	return n < warmObservations || e.calls.Add(1)%sampleEvery == 0
+}
 
 func (e *estimator) estimate(model string, n int) int {
 	e.mu.Lock()
@@ -43,6 +65,7 @@ func (e *estimator) observe(model string, n, tokens int) {
 	obs := float64(tokens) / float64(n)
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.seen[model]++
 	r, ok := e.ratio[model]
 	if !ok {
 		e.ratio[model] = obs

@@ -42,6 +42,9 @@ type fleetOpts struct {
 	speedup  float64
 	policy   scheduler.Policy
 	gateway  Config
+	// production uses the pool's default scrape and probe intervals
+	// rather than the tests' fast ones.
+	production bool
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -66,7 +69,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		cfgs = append(cfgs, gpu.BackendConfig{Name: fmt.Sprintf("sim%d", i), URL: srv.URL})
 	}
 	var err error
-	f.pool, err = gpu.NewPool(cfgs, gpu.PoolConfig{
+	pc := gpu.PoolConfig{
 		ScrapeInterval: 20 * time.Millisecond, ProbeInterval: 50 * time.Millisecond, StaleAfter: 2 * time.Second,
 		EjectBase: 200 * time.Millisecond,
 		OnChange: func() {
@@ -74,7 +77,11 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 				f.sched.Wake()
 			}
 		},
-	})
+	}
+	if o.production {
+		pc = gpu.PoolConfig{OnChange: pc.OnChange}
+	}
+	f.pool, err = gpu.NewPool(cfgs, pc)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -186,9 +187,10 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		ticket.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}
 	body, injected := c.body, false
-	if c.f.Stream && (c.f.StreamOptions == nil || c.f.StreamOptions.IncludeUsage == nil || !*c.f.StreamOptions.IncludeUsage) {
+	clientUsage := c.f.StreamOptions != nil && c.f.StreamOptions.IncludeUsage != nil && *c.f.StreamOptions.IncludeUsage
+	if c.f.Stream && !clientUsage && !exact && s.est.wantSample(model.ID) {
 		// Ask for usage to settle the estimate; the client does not see it.
-		if b, err := withStreamUsage(c.body); err == nil {
+		if b, err := withStreamUsage(c.body, c.f.StreamOptions != nil || bytes.Contains(c.body, []byte(`"stream_options"`))); err == nil {
 			body, injected = b, true
 		}
 	}
@@ -231,7 +233,22 @@ func (s *Server) hasOtherBackend(model string, exclude []string) bool {
 
 // withStreamUsage sets stream_options.include_usage in a request body,
 // keeping every other field as it was (but continuous_usage_stats).
-func withStreamUsage(body []byte) ([]byte, error) {
+func withStreamUsage(body []byte, hasOptions bool) ([]byte, error) {
+	if !hasOptions {
+		// The common case: splice the field in after the opening brace
+		// rather than decode and re-encode the whole body.
+		if i := bytes.IndexByte(body, '{'); i >= 0 {
+			const field = `"stream_options":{"include_usage":true}`
+			rest := bytes.TrimLeft(body[i+1:], " \t\r\n")
+			out := make([]byte, 0, len(body)+len(field)+1)
+			out = append(out, body[:i+1]...)
+			out = append(out, field...)
+			if len(rest) > 0 && rest[0] != '}' {
+				out = append(out, ',')
+			}
+			return append(out, body[i+1:]...), nil
+		}
+	}
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(body, &m); err != nil {
 		return nil, err
@@ -377,6 +394,9 @@ func isEventStream(ct string) bool {
 	return len(ct) >= len("text/event-stream") && ct[:len("text/event-stream")] == "text/event-stream"
 }
 
+// readers are the relay's read buffers, reused across streams.
+var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 8<<10) }}
+
 var (
 	dataPrefix = []byte("data:")
 	doneData   = []byte("[DONE]")
@@ -404,7 +424,13 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 	})
 	defer watchdog.Stop()
 
-	br := bufio.NewReaderSize(resp.Body, 16<<10)
+	br := readers.Get().(*bufio.Reader)
+	br.Reset(resp.Body)
+	defer func() {
+		br.Reset(nil)
+		readers.Put(br)
+	}()
+	ttft, itl := s.m.ttft.WithLabelValues(c.model), s.m.itl.WithLabelValues(c.model)
 	var (
 		event   []byte
 		u       *usage
@@ -454,9 +480,9 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		if chunks > 0 && write && !done {
 			now := time.Now()
 			if last.IsZero() {
-				s.m.firstToken(c.model, now.Sub(start))
+				ttft.Observe(now.Sub(start).Seconds())
 			} else {
-				s.m.interToken(c.model, now.Sub(last))
+				itl.Observe(now.Sub(last).Seconds())
 			}
 			last = now
 			g.Progress(chunks)
@@ -497,6 +523,10 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 // eventData returns the data of an SSE event (its data: lines joined), or
 // nil for an event without data.
 func eventData(event []byte) []byte {
+	if rest, ok := bytes.CutPrefix(event, dataPrefix); ok && bytes.IndexByte(rest, '\n') == len(bytes.TrimRight(rest, "\r\n")) {
+		// One data line, the way every OpenAI-compatible server sends.
+		return bytes.TrimPrefix(bytes.TrimRight(rest, "\r\n"), []byte(" "))
+	}
 	var data []byte
 	for len(event) > 0 {
 		line := event

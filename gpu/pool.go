@@ -133,6 +133,7 @@ type Pool struct {
 	log      *slog.Logger
 	backends []*backend
 	byName   map[string]*backend
+	models   atomic.Pointer[[]Model] // the union, rebuilt when discovery changes it
 }
 
 type backend struct {
@@ -160,7 +161,9 @@ func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
 	pc.EjectBase = cmp.Or(pc.EjectBase, 2*time.Second)
 	pc.EjectMax = cmp.Or(pc.EjectMax, time.Minute)
 	if pc.Client == nil {
-		pc.Client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: time.Minute}}
+		// No gzip: on a LAN compressing /metrics costs both ends more CPU
+		// than the bytes it saves.
+		pc.Client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: time.Minute, DisableCompression: true}}
 	}
 	if pc.Logger == nil {
 		pc.Logger = slog.New(slog.DiscardHandler)
@@ -215,8 +218,16 @@ func (p *Pool) Snapshot(name string) (*Snapshot, bool) {
 func (p *Pool) StaleAfter() time.Duration { return p.cfg.StaleAfter }
 
 // Models returns the union of the backends' models; a model served by
-// several backends appears once, with the smallest max_model_len.
+// several backends appears once, with the smallest max_model_len. The
+// slice is shared: do not modify it.
 func (p *Pool) Models() []Model {
+	if m := p.models.Load(); m != nil {
+		return *m
+	}
+	return nil
+}
+
+func (p *Pool) unionModels() []Model {
 	byID := map[string]Model{}
 	for _, b := range p.backends {
 		for _, m := range b.snap.Load().Models {
@@ -531,6 +542,8 @@ func (p *Pool) discover(ctx context.Context, b *backend) error {
 	old := b.snap.Load().Models
 	if !slices.Equal(old, models) {
 		p.update(b, func(s *Snapshot) { s.Models = models })
+		union := p.unionModels()
+		p.models.Store(&union)
 		p.log.Info("backend models", "backend", b.cfg.Name, "models", len(models))
 	}
 	return nil

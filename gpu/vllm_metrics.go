@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"sync"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -68,7 +69,9 @@ var ErrNoEngineMetrics = errors.New("no vllm engine metrics on the page")
 // It accepts both the current and the older vLLM metric names, sums over
 // the engine label, and tolerates any extra labels on cache_config_info.
 func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
-	filtered, err := filterFamilies(r)
+	buf := scanBuffers.Get().(*scanBuffer)
+	defer scanBuffers.Put(buf)
+	filtered, err := buf.filter(r)
 	if err != nil {
 		return EngineMetrics{}, err
 	}
@@ -133,12 +136,22 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 	return m, nil
 }
 
-// filterFamilies keeps the comment and sample lines of the wanted families
-// (a histogram's _bucket, _count and _sum lines belong to its family).
-func filterFamilies(r io.Reader) ([]byte, error) {
-	var out bytes.Buffer
+// scanBuffer holds the buffers of one parse, reused across scrapes.
+type scanBuffer struct {
+	line []byte
+	out  bytes.Buffer
+}
+
+var scanBuffers = sync.Pool{New: func() any { return &scanBuffer{line: make([]byte, 64<<10)} }}
+
+// filter keeps the comment and sample lines of the wanted families (a
+// histogram's _bucket, _count and _sum lines belong to its family). The
+// result is valid until the buffer is reused.
+func (b *scanBuffer) filter(r io.Reader) ([]byte, error) {
+	b.out.Reset()
+	out := &b.out
 	sc := bufio.NewScanner(r)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	sc.Buffer(b.line, 1<<20)
 	for sc.Scan() {
 		line := bytes.TrimLeft(sc.Bytes(), " \t")
 		name := line

@@ -570,7 +570,9 @@ func (g *Grant) Release() {
 		l.released = append(l.released[:0], l.released[len(l.released)/2:]...)
 	}
 	l.released = append(l.released, release{at: now, tokens: g.prompt + g.maxOut})
-	s.pumpLocked(s.src.Snapshots(), now)
+	if s.queued > 0 {
+		s.pumpLocked(s.src.Snapshots(), now)
+	}
 	s.mu.Unlock()
 }
 

@@ -1,0 +1,173 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/bench"
+)
+
+// TestMain lets the test binary act as the kvgate command, so that the
+// benchmarks below can run kvgate and the simulator as processes of their
+// own, as they are deployed, apart from the load generator.
+func TestMain(m *testing.M) {
+	if args := os.Getenv("KVGATE_CHILD_ARGS"); args != "" {
+		var argv []string
+		if err := json.Unmarshal([]byte(args), &argv); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(2)
+		}
+		ctx, stop := signalContext()
+		err := run(ctx, argv, os.Getenv, os.Stdout, os.Stderr)
+		stop()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "kvgate:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// child runs the test binary as `kvgate args...` and returns the base URL
+// it prints; the process stops when the benchmark ends.
+func child(tb testing.TB, args ...string) string {
+	tb.Helper()
+	argv, _ := json.Marshal(args)
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), "KVGATE_CHILD_ARGS="+string(argv), "GOMAXPROCS=2")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+	})
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)`)
+	lines := bufio.NewScanner(out)
+	for lines.Scan() {
+		if m := addr.FindStringSubmatch(lines.Text()); m != nil {
+			go func() { _, _ = io.Copy(io.Discard, out) }()
+			return "http://" + m[1]
+		}
+	}
+	tb.Fatalf("kvgate %v printed no address", args)
+	return ""
+}
+
+func waitReady(tb testing.TB, url string) {
+	tb.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if resp, err := http.Get(url); err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("%s never became ready", url)
+		}
+	}
+}
+
+// startStack runs an unpaced (zero-delay) simulated backend and a kvgate in
+// front of it, each in its own process.
+func startStack(tb testing.TB) (direct, via string) {
+	sim := child(tb, "sim", "--port", "0", "--speedup", "0", "--max-model-len", "8192")
+	gw := child(tb, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--log-level", "error")
+	waitReady(tb, gw+"/readyz")
+	return sim, gw
+}
+
+const benchModel = "meta-llama/Llama-3.1-8B-Instruct"
+
+// BenchmarkGatewayOverhead measures the latency kvgate adds over calling the
+// backend directly, at 1,000 requests/s, non-streaming and streaming, with
+// kvgate, the backend (an unpaced simulator) and the load generator in
+// three processes. Direct and gateway traffic alternate in one-second
+// slices so both see the same machine.
+//
+//	go test -run '^$' -bench GatewayOverhead -benchtime 1x ./cmd/kvgate/
+func BenchmarkGatewayOverhead(b *testing.B) {
+	direct, via := startStack(b)
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 512}}
+	for _, stream := range []bool{false, true} {
+		b.Run(fmt.Sprintf("stream=%v", stream), func(b *testing.B) {
+			body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":4,"ignore_eos":true,"stream":%v}`, benchModel, stream)
+			var d, v bench.Result
+			for range 5 {
+				d.Merge(bench.OpenLoop(context.Background(), client, direct+"/v1/completions", body, 1000, time.Second))
+				v.Merge(bench.OpenLoop(context.Background(), client, via+"/v1/completions", body, 1000, time.Second))
+			}
+			if d.Failed+v.Failed > 0 {
+				b.Errorf("%d direct and %d gateway requests failed", d.Failed, v.Failed)
+			}
+			ms := func(x time.Duration) float64 { return float64(x) / float64(time.Millisecond) }
+			b.ReportMetric(ms(d.Percentile(0.5)), "direct-p50-ms")
+			b.ReportMetric(ms(d.Percentile(0.99)), "direct-p99-ms")
+			b.ReportMetric(ms(v.Percentile(0.5)), "kvgate-p50-ms")
+			b.ReportMetric(ms(v.Percentile(0.99)), "kvgate-p99-ms")
+			b.ReportMetric(ms(v.Percentile(0.5)-d.Percentile(0.5)), "added-p50-ms")
+			b.ReportMetric(ms(v.Percentile(0.99)-d.Percentile(0.99)), "added-p99-ms")
+		})
+	}
+}
+
+// BenchmarkGatewayThroughput measures requests per second through one
+// kvgate process with 64 clients in a closed loop, against the same
+// backend called directly.
+//
+//	go test -run '^$' -bench GatewayThroughput -benchtime 20000x ./cmd/kvgate/
+func BenchmarkGatewayThroughput(b *testing.B) {
+	direct, via := startStack(b)
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 512}}
+	body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":1}`, benchModel)
+	for _, target := range []struct{ name, url string }{{"direct", direct}, {"kvgate", via}} {
+		b.Run(target.name, func(b *testing.B) {
+			const workers = 64
+			jobs := make(chan struct{}, b.N)
+			for range b.N {
+				jobs <- struct{}{}
+			}
+			close(jobs)
+			var wg sync.WaitGroup
+			b.ResetTimer()
+			start := time.Now()
+			for range workers {
+				wg.Go(func() {
+					for range jobs {
+						resp, err := client.Post(target.url+"/v1/completions", "application/json", strings.NewReader(body))
+						if err != nil {
+							b.Error(err)
+							return
+						}
+						_, _ = io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+						if resp.StatusCode != http.StatusOK {
+							b.Errorf("status %d", resp.StatusCode)
+							return
+						}
+					}
+				})
+			}
+			wg.Wait()
+			b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "req/s")
+		})
+	}
+}
