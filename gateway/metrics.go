@@ -62,13 +62,8 @@ func (m *metrics) request(route, model string, status int, d time.Duration) {
 	m.duration.WithLabelValues(route, model).Observe(d.Seconds())
 }
 
-func (m *metrics) firstToken(model string, d time.Duration) {
-	m.ttft.WithLabelValues(model).Observe(d.Seconds())
-}
-func (m *metrics) interToken(model string, d time.Duration) {
-	m.itl.WithLabelValues(model).Observe(d.Seconds())
-}
 func (m *metrics) upstreamError(backend, kind string) {
 	m.upstream.WithLabelValues(backend, kind).Inc()
 }
+
 func (m *metrics) retry(model string) { m.retries.WithLabelValues(model).Inc() }
