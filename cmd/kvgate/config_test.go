@@ -1,0 +1,130 @@
+package main
+
+import (
+	"flag"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/bench/vllmsim"
+)
+
+func loadConfig(t *testing.T, args []string, env map[string]string) (*config, error) {
+	t.Helper()
+	fs := flag.NewFlagSet("test", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	var cf configFlags
+	cf.register(fs)
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	return cf.load(fs, func(k string) string { return env[k] })
+}
+
+func TestConfigPrecedence(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "kvgate.yaml")
+	yaml := `addr: 0.0.0.0:9000
+api_keys:
+  - {key: sk-file, tenant: filetenant}
+backends:
+  - {name: gpu0, url: "http://10.0.0.5:8000", gpus: ["0"], max_num_seqs: 128}
+admission:
+  kv_target: 0.8
+  max_queue_wait: 5s
+gateway:
+  token_count: tokenize
+metrics: {scrape_interval: 250ms}
+`
+	if err := os.WriteFile(file, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	cfg, err := loadConfig(t, []string{"--config", file}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Addr != "0.0.0.0:9000" || len(cfg.Backends) != 1 || cfg.Backends[0].MaxNumSeqs != 128 ||
+		cfg.Admission.KVTarget != 0.8 || cfg.Admission.MaxQueueWait != 5*time.Second ||
+		cfg.Gateway.TokenCount != "tokenize" || cfg.Metrics.ScrapeInterval != 250*time.Millisecond ||
+		len(cfg.APIKeys) != 1 || cfg.APIKeys[0].Tenant != "filetenant" {
+		t.Errorf("from the file: %+v", cfg)
+	}
+
+	// The environment overrides the file; flags override both.
+	env := map[string]string{"KVGATE_CONFIG": file, "KVGATE_ADDR": "127.0.0.1:7000",
+		"KVGATE_BACKENDS": "http://a:8000, http://b:8000", "KVGATE_API_KEYS": "sk-env=envtenant", "KVGATE_KV_TARGET": "0.85"}
+	cfg, err = loadConfig(t, nil, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Addr != "127.0.0.1:7000" || len(cfg.Backends) != 2 || cfg.Backends[1].URL != "http://b:8000" ||
+		cfg.APIKeys[0].Tenant != "envtenant" || cfg.Admission.KVTarget != 0.85 {
+		t.Errorf("from the environment: %+v", cfg)
+	}
+	cfg, err = loadConfig(t, []string{"--addr", "127.0.0.1:6000", "--backend", "http://c:8000", "--api-key", "sk-flag=flagtenant", "--kv-target", "0.9"}, env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Addr != "127.0.0.1:6000" || len(cfg.Backends) != 1 || cfg.Backends[0].URL != "http://c:8000" ||
+		cfg.APIKeys[0].Tenant != "flagtenant" || cfg.Admission.KVTarget != 0.9 {
+		t.Errorf("from the flags: %+v", cfg)
+	}
+}
+
+func TestConfigErrors(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{"missing file", []string{"--config", filepath.Join(dir, "nope.yaml")}, nil, "read config"},
+		{"unknown field", []string{"--config", write("bad.yaml", "adress: x\n")}, nil, "adress"},
+		{"bad key flag", []string{"--api-key", "novalue"}, nil, "TOKEN=TENANT"},
+		{"bad key env", nil, map[string]string{"KVGATE_API_KEYS": "=x"}, "TOKEN=TENANT"},
+		{"bad target", []string{"--kv-target", "1.5"}, nil, "kv_target"},
+		{"bad target env", nil, map[string]string{"KVGATE_KV_TARGET": "high"}, "KVGATE_KV_TARGET"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := loadConfig(t, tc.args, tc.env)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("err = %v, want one mentioning %q", err, tc.want)
+			}
+		})
+	}
+	if cfg, err := loadConfig(t, []string{"--config", write("empty.yaml", "")}, nil); err != nil || cfg.Addr != "127.0.0.1:8080" {
+		t.Errorf("an empty file: %v, %+v", err, cfg)
+	}
+}
+
+// TestGPUsCommand prints the GPU and backend tables against a simulated
+// backend on a machine without NVML.
+func TestGPUsCommand(t *testing.T) {
+	p, _ := vllmsim.LookupProfile("h100-llama-3.1-8b")
+	_, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p})
+	var stdout, stderr syncBuffer
+	if err := run(t.Context(), []string{"gpus", "--backend", srv.URL}, noenv, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	out := stdout.String()
+	for _, want := range []string{"NVML is not available", "BACKEND", srv.URL, "meta-llama/Llama-3.1-8B-Instruct (131072)", "439904 tokens", "ok"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+	var none syncBuffer
+	if err := run(t.Context(), []string{"gpus"}, noenv, &none, &stderr); err != nil || !strings.Contains(none.String(), "none configured") {
+		t.Errorf("without backends: %v\n%s", err, none.String())
+	}
+}
