@@ -25,23 +25,8 @@ import (
 )
 
 func runServe(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("kvgate serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var cf configFlags
-	cf.register(fs)
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: kvgate serve [flags]\n\nServes the OpenAI-compatible API in front of vLLM backends. "+
-			"With no backend configured, starts simulated ones in-process.\n\nFlags:\n")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	cfg, err := cf.load(fs, getenv)
-	if err != nil {
-		return err
-	}
-	log, err := newLogger(stderr, cfg.LogLevel)
+	cfg, log, err := parseConfig("serve", "Serves the OpenAI-compatible API in front of vLLM backends. "+
+		"With no backend configured, starts simulated ones in-process.", args, getenv, stderr)
 	if err != nil {
 		return err
 	}
@@ -127,6 +112,31 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	return g.Wait()
 }
 
+// parseConfig parses the flags that serve and gpus share and builds the
+// configuration and the logger.
+func parseConfig(cmd, about string, args []string, getenv func(string) string, stderr io.Writer) (*config, *slog.Logger, error) {
+	fs := flag.NewFlagSet("kvgate "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var cf configFlags
+	cf.register(fs)
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: kvgate %s [flags]\n\n%s\n\nFlags:\n", cmd, about)
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, nil, err
+	}
+	cfg, err := cf.load(fs, getenv)
+	if err != nil {
+		return nil, nil, err
+	}
+	log, err := newLogger(stderr, cfg.LogLevel)
+	if err != nil {
+		return nil, nil, err
+	}
+	return cfg, log, nil
+}
+
 func waitDone(ctx context.Context) error {
 	<-ctx.Done()
 	return nil
@@ -186,18 +196,8 @@ func startSimFleet(ctx context.Context, g *errgroup.Group, cfg *config, log *slo
 // runGPUs prints the machine's GPUs and the configured backends with their
 // live capacity.
 func runGPUs(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("kvgate gpus", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	var cf configFlags
-	cf.register(fs)
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	cfg, err := cf.load(fs, getenv)
-	if err != nil {
-		return err
-	}
-	log, err := newLogger(stderr, cfg.LogLevel)
+	cfg, log, err := parseConfig("gpus", "Prints the GPUs (through NVML) and the configured backends with their live KV capacity.",
+		args, getenv, stderr)
 	if err != nil {
 		return err
 	}
