@@ -1,0 +1,74 @@
+// Package postgres is the PostgreSQL store.Store, through pgx: the
+// production backend, safe for any number of kvgate replicas (claims use
+// FOR UPDATE SKIP LOCKED; every write of a worker is fenced).
+package postgres
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// Dialect is PostgreSQL's SQL.
+var Dialect = sqlstore.Dialect{
+	Name:           "postgres",
+	Positional:     func(n int) string { return fmt.Sprintf("$%d", n) },
+	LockRunnable:   "FOR UPDATE SKIP LOCKED",
+	Unavailable:    unavailable,
+	LockMigrations: "SELECT pg_advisory_xact_lock(7403153941)", // any fixed key: kvgate's migrations
+}
+
+func unavailable(err error) bool {
+	var connErr *pgconn.ConnectError
+	var netErr net.Error
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &connErr), errors.As(err, &netErr):
+		return true
+	case errors.As(err, &pgErr):
+		// Class 08: connection exception; 57P0x: the server shutting down.
+		return pgErr.Code[:2] == "08" || pgErr.Code == "57P01" || pgErr.Code == "57P02" || pgErr.Code == "57P03"
+	}
+	return false
+}
+
+// Open connects to url (postgres://...) and checks the connection.
+func Open(ctx context.Context, url string) (*sqlstore.Store, error) {
+	cfg, err := pgconnConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	db := stdlib.OpenDB(*cfg)
+	db.SetMaxOpenConns(32)
+	db.SetMaxIdleConns(32)
+	db.SetConnMaxIdleTime(5 * time.Minute)
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := db.PingContext(pctx); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("connect to postgres: %w", err)
+	}
+	return sqlstore.New(db, Dialect), nil
+}
+
+// Migrate applies the embedded migrations the database lacks.
+func Migrate(ctx context.Context, s *sqlstore.Store) ([]int, error) {
+	sub, _ := fs.Sub(migrations, "migrations")
+	ms, err := sqlstore.LoadMigrations(sub)
+	if err != nil {
+		return nil, err
+	}
+	return sqlstore.Migrate(ctx, s.DB(), Dialect, ms)
+}

@@ -1,0 +1,62 @@
+// Package sqlite is the embedded store.Store: a single SQLite file under
+// the data directory, pure Go (modernc.org/sqlite), for one kvgate
+// process. Writers are serialised by SQLite, so claims need no row locks.
+package sqlite
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	_ "modernc.org/sqlite" // the database/sql driver "sqlite"
+
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// Dialect is SQLite's SQL.
+var Dialect = sqlstore.Dialect{
+	Name:        "sqlite",
+	Positional:  func(int) string { return "?" },
+	Unavailable: func(err error) bool { return errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission) },
+}
+
+// Open opens (creating it if needed) the database file at path.
+func Open(ctx context.Context, path string) (*sqlstore.Store, error) {
+	if dir := filepath.Dir(path); dir != "" {
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			return nil, fmt.Errorf("sqlite: %w", err)
+		}
+	}
+	// WAL lets readers run beside the writer; immediate transactions take
+	// the write lock at BEGIN, so two writers queue instead of deadlocking.
+	dsn := "file:" + path + "?_pragma=journal_mode(WAL)&_pragma=busy_timeout(10000)&_pragma=foreign_keys(ON)" +
+		"&_pragma=synchronous(NORMAL)&_txlock=immediate"
+	db, err := sql.Open("sqlite", dsn)
+	if err != nil {
+		return nil, fmt.Errorf("sqlite: %w", err)
+	}
+	db.SetMaxOpenConns(4)
+	if err := db.PingContext(ctx); err != nil {
+		db.Close()
+		return nil, fmt.Errorf("sqlite %s: %w", path, err)
+	}
+	return sqlstore.New(db, Dialect), nil
+}
+
+// Migrate applies the embedded migrations the database lacks.
+func Migrate(ctx context.Context, s *sqlstore.Store) ([]int, error) {
+	sub, _ := fs.Sub(migrations, "migrations")
+	ms, err := sqlstore.LoadMigrations(sub)
+	if err != nil {
+		return nil, err
+	}
+	return sqlstore.Migrate(ctx, s.DB(), Dialect, ms)
+}

@@ -1,0 +1,634 @@
+package sqlstore
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Dialect is what differs between the SQL backends.
+type Dialect struct {
+	Name string
+	// Positional renders the nth (1-based) placeholder: "$1" or "?".
+	Positional func(n int) string
+	// LockRunnable is appended to the claim's candidate query: "FOR
+	// UPDATE SKIP LOCKED" where several claimers may race, "" where the
+	// database serialises writers.
+	LockRunnable string
+	// Unavailable reports whether a driver error means the database could
+	// not be reached, so nothing was written.
+	Unavailable func(error) bool
+	// LockMigrations, run first in the migration transaction, keeps
+	// several processes from migrating at once ("" where the database
+	// serialises writers anyway).
+	LockMigrations string
+}
+
+// Store is store.Store over a *sql.DB.
+type Store struct {
+	db *sql.DB
+	d  Dialect
+	q  queries
+}
+
+// New returns a store over db, whose schema is already migrated.
+func New(db *sql.DB, d Dialect) *Store {
+	s := &Store{db: db, d: d}
+	s.q = buildQueries(d)
+	return s
+}
+
+// DB returns the underlying database.
+func (s *Store) DB() *sql.DB { return s.db }
+
+// Close closes the database.
+func (s *Store) Close() error { return s.db.Close() }
+
+var _ store.Store = (*Store)(nil)
+
+// rebind turns ? placeholders into the dialect's.
+func rebind(d Dialect, q string) string {
+	var sb strings.Builder
+	n := 0
+	for _, c := range q {
+		if c == '?' {
+			n++
+			sb.WriteString(d.Positional(n))
+			continue
+		}
+		sb.WriteRune(c)
+	}
+	return sb.String()
+}
+
+const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
+	state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at, created_at, updated_at,
+	error_class, last_error`
+
+type queries struct {
+	insertJob, selectByKey, selectJob, claim, heartbeat, finish, insertAttempt, insertEvent,
+	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
+	events, eventsOfJob, insertInbox, selectInbox, list string
+}
+
+func buildQueries(d Dialect) queries {
+	r := func(q string) string { return rebind(d, q) }
+	return queries{
+		insertJob: r(`INSERT INTO jobs (` + jobColumns + `)
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+			ON CONFLICT (tenant, idempotency_key) DO NOTHING`),
+		selectByKey: r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND idempotency_key = ?`),
+		selectJob:   r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND id = ?`),
+		claim: r(`UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
+				lease_until = ?, state_version = state_version + 1, updated_at = ?
+			WHERE id IN (SELECT id FROM jobs
+				WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
+				ORDER BY priority, available_at, id LIMIT ? ` + d.LockRunnable + `)
+			RETURNING ` + jobColumns),
+		heartbeat: r(`UPDATE jobs SET lease_until = ?
+			WHERE id = ? AND state = 'RUNNING' AND fence = ? AND lease_until > ?`),
+		finish: r(`UPDATE jobs SET state = ?, state_version = state_version + 1, updated_at = ?, lease_until = 0,
+				available_at = ?, result = COALESCE(?, result), error_class = ?, last_error = ?
+			WHERE id = ? AND state = 'RUNNING' AND fence = ? AND lease_until > ?
+			RETURNING tenant, state_version`),
+		insertAttempt: r(`INSERT INTO attempts (job_id, attempt, fence, backend, outcome, error_class, error,
+				prompt_tokens, completion_tokens, started_at, ended_at)
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
+		insertEvent: r(`INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+			VALUES (?, ?, ?, ?, ?, ?, ?)`),
+		// Expired leases: retry with a new fence while attempts and the
+		// deadline allow, else fail for good.
+		reapLeases: r(`UPDATE jobs SET
+				state = CASE WHEN attempt < max_attempts AND deadline_at > ? THEN 'RETRY_SCHEDULED' ELSE 'FAILED_TERMINAL' END,
+				fence = fence + 1, state_version = state_version + 1, updated_at = ?, lease_until = 0, available_at = ?,
+				error_class = 'lease_expired', last_error = 'the worker stopped renewing its lease'
+			WHERE id IN (SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable + `)
+			RETURNING id, tenant, state, state_version, attempt, fence`),
+		reapDeadlines: r(`UPDATE jobs SET state = 'FAILED_TERMINAL', state_version = state_version + 1, updated_at = ?,
+				error_class = 'deadline_exceeded', last_error = 'the deadline passed before the job could run'
+			WHERE id IN (SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND deadline_at <= ? LIMIT ? ` + d.LockRunnable + `)
+			RETURNING id, tenant, state, state_version, attempt, fence`),
+		cancel: r(`UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
+			WHERE tenant = ? AND id = ? AND state NOT IN ('SUCCEEDED', 'REVIEW_REQUIRED', 'FAILED_TERMINAL', 'CANCELLED')
+			RETURNING ` + jobColumns),
+		result:        r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
+		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY attempt, fence`),
+		saveStage:     r(`INSERT INTO stages (job_id, stage, fence, data, created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (job_id, stage) DO NOTHING`),
+		stage:         r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
+		unpublished:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?`),
+		markPublished: r(`UPDATE outbox SET published_at = ? WHERE id = ? AND published_at = 0`),
+		events:        r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?`),
+		eventsOfJob:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE tenant = ? AND job_id = ? AND seq > ? ORDER BY seq LIMIT ?`),
+		insertInbox:   r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
+		selectInbox:   r(`SELECT digest FROM inbox WHERE event_id = ?`),
+		list:          `SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ?`,
+	}
+}
+
+func micros(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
+	}
+	return t.UnixMicro()
+}
+
+func fromMicros(v int64) time.Time {
+	if v == 0 {
+		return time.Time{}
+	}
+	return time.UnixMicro(v).UTC()
+}
+
+// err turns a driver error into a store error, in one place.
+func (s *Store) err(op string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+		return err
+	case errors.Is(err, sql.ErrNoRows):
+		return store.ErrNotFound
+	case s.d.Unavailable != nil && s.d.Unavailable(err):
+		return fmt.Errorf("%s: %w: %v", op, store.ErrUnavailable, err)
+	}
+	return fmt.Errorf("%s: %w", op, err)
+}
+
+// tx runs fn in a transaction and commits it, or rolls it back on error.
+func (s *Store) tx(ctx context.Context, op string, fn func(*sql.Tx) error) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return s.err(op, err)
+	}
+	if err := fn(tx); err != nil {
+		_ = tx.Rollback()
+		if isStoreErr(err) {
+			return err
+		}
+		return s.err(op, err)
+	}
+	return s.err(op, tx.Commit())
+}
+
+func isStoreErr(err error) bool {
+	for _, e := range []error{store.ErrNotFound, store.ErrConflict, store.ErrLeaseLost, store.ErrFinal, store.ErrDigestMismatch, store.ErrUnavailable} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+type scanner interface{ Scan(dest ...any) error }
+
+func scanJob(r scanner) (store.Job, error) {
+	var j store.Job
+	var state string
+	var lease, avail, deadline, created, updated int64
+	var body, meta []byte
+	err := r.Scan(&j.ID, &j.Tenant, &j.IdempotencyKey, &j.RequestHash, &j.Endpoint, &j.Model, &body, &meta,
+		&j.Priority, &j.TokenEstimate, &state, &j.StateVersion, &j.Attempt, &j.MaxAttempts, &j.Fence,
+		&lease, &avail, &deadline, &created, &updated, &j.ErrorClass, &j.LastError)
+	if err != nil {
+		return j, err
+	}
+	j.State = store.State(state)
+	j.Body, j.Metadata = body, meta
+	j.LeaseUntil, j.AvailableAt, j.Deadline = fromMicros(lease), fromMicros(avail), fromMicros(deadline)
+	j.CreatedAt, j.UpdatedAt = fromMicros(created), fromMicros(updated)
+	return j, nil
+}
+
+// eventType names the event that reports a job entering state.
+func eventType(st store.State) string {
+	switch st {
+	case store.Ready:
+		return "job.accepted"
+	case store.FailedTerminal:
+		return "job.dead_lettered"
+	}
+	return "job." + strings.ToLower(string(st))
+}
+
+func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant string, st store.State, version int64, now time.Time) error {
+	if id == "" {
+		id = uuid.Must(uuid.NewV7()).String()
+	}
+	_, err := tx.ExecContext(ctx, s.q.insertEvent, id, jobID, tenant, eventType(st), string(st), version, micros(now))
+	return err
+}
+
+// Accept implements store.Store.
+func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
+	var job store.Job
+	created := false
+	err := s.tx(ctx, "accept job", func(tx *sql.Tx) error {
+		now := micros(n.Now)
+		meta := []byte(n.Metadata)
+		res, err := tx.ExecContext(ctx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
+			[]byte(n.Body), meta, n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
+			0, now, micros(n.Deadline), now, now, "", "")
+		if err != nil {
+			return err
+		}
+		rows, err := res.RowsAffected()
+		if err != nil {
+			return err
+		}
+		job, err = scanJob(tx.QueryRowContext(ctx, s.q.selectByKey, n.Tenant, n.IdempotencyKey))
+		if err != nil {
+			return err
+		}
+		if rows == 0 {
+			if job.RequestHash != n.RequestHash {
+				return store.ErrConflict
+			}
+			return nil
+		}
+		created = true
+		return s.addEvent(ctx, tx, n.EventID, job.ID, job.Tenant, store.Ready, job.StateVersion, n.Now)
+	})
+	return job, created, err
+}
+
+// Get implements store.Store.
+func (s *Store) Get(ctx context.Context, tenant, id string) (store.Job, error) {
+	j, err := scanJob(s.db.QueryRowContext(ctx, s.q.selectJob, tenant, id))
+	return j, s.err("get job", err)
+}
+
+// List implements store.Store.
+func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]store.Job, string, error) {
+	limit := f.Limit
+	if limit <= 0 || limit > 1000 {
+		limit = 100
+	}
+	q := s.q.list
+	args := []any{tenant}
+	if f.After != "" {
+		q += ` AND id < ?`
+		args = append(args, f.After)
+	}
+	if len(f.States) > 0 {
+		q += ` AND state IN (` + strings.TrimSuffix(strings.Repeat("?, ", len(f.States)), ", ") + `)`
+		for _, st := range f.States {
+			args = append(args, string(st))
+		}
+	}
+	q += ` ORDER BY id DESC LIMIT ?`
+	args = append(args, limit+1)
+	rows, err := s.db.QueryContext(ctx, rebind(s.d, q), args...)
+	if err != nil {
+		return nil, "", s.err("list jobs", err)
+	}
+	defer rows.Close()
+	var jobs []store.Job
+	for rows.Next() {
+		j, err := scanJob(rows)
+		if err != nil {
+			return nil, "", s.err("list jobs", err)
+		}
+		jobs = append(jobs, j)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, "", s.err("list jobs", err)
+	}
+	next := ""
+	if len(jobs) > limit {
+		jobs = jobs[:limit]
+		next = jobs[limit-1].ID
+	}
+	return jobs, next, nil
+}
+
+// Claim implements store.Store.
+func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
+	var jobs []store.Job
+	err := s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
+		rows, err := tx.QueryContext(ctx, s.q.claim, micros(now.Add(lease)), micros(now), micros(now), micros(now), limit)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			j, err := scanJob(rows)
+			if err != nil {
+				rows.Close()
+				return err
+			}
+			jobs = append(jobs, j)
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		// RETURNING keeps no order: hand them out in claim order.
+		slices.SortFunc(jobs, func(a, b store.Job) int {
+			return cmp.Or(cmp.Compare(a.Priority, b.Priority), a.AvailableAt.Compare(b.AvailableAt), cmp.Compare(a.ID, b.ID))
+		})
+		for _, j := range jobs {
+			if err := s.addEvent(ctx, tx, "", j.ID, j.Tenant, store.Running, j.StateVersion, now); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return jobs, nil
+}
+
+// Heartbeat implements store.Store.
+func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+	res, err := s.db.ExecContext(ctx, s.q.heartbeat, micros(now.Add(lease)), id, fence, micros(now))
+	if err != nil {
+		return s.err("heartbeat", err)
+	}
+	if n, err := res.RowsAffected(); err != nil || n == 0 {
+		return store.ErrLeaseLost
+	}
+	return nil
+}
+
+// finish applies a worker's end of an attempt under the fence: the state,
+// the attempt record and the event, in one transaction.
+func (s *Store) finish(ctx context.Context, op, id string, fence int64, st store.State, availableAt time.Time,
+	result []byte, a store.Attempt, eventID string, now time.Time) error {
+	return s.tx(ctx, op, func(tx *sql.Tx) error {
+		var tenant string
+		var version int64
+		var res any
+		if result != nil {
+			res = result
+		}
+		err := tx.QueryRowContext(ctx, s.q.finish, string(st), micros(now), micros(availableAt), res,
+			a.ErrorClass, a.Error, id, fence, micros(now)).Scan(&tenant, &version)
+		if errors.Is(err, sql.ErrNoRows) {
+			return store.ErrLeaseLost
+		}
+		if err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.ErrorClass, a.Error,
+			a.PromptTokens, a.CompletionTokens, micros(a.StartedAt), micros(a.EndedAt)); err != nil {
+			return err
+		}
+		return s.addEvent(ctx, tx, eventID, id, tenant, st, version, now)
+	})
+}
+
+// Complete implements store.Store.
+func (s *Store) Complete(ctx context.Context, c store.Completion) error {
+	if c.State != store.Succeeded && c.State != store.ReviewRequired {
+		return fmt.Errorf("complete job %s: state %s is not a completion", c.JobID, c.State)
+	}
+	result := []byte(c.Result)
+	if result == nil {
+		result = []byte("null")
+	}
+	return s.finish(ctx, "complete job "+c.JobID, c.JobID, c.Fence, c.State, c.Now, result, c.Attempt, c.EventID, c.Now)
+}
+
+// Fail implements store.Store. A retry the deadline or the attempt budget
+// cannot hold becomes terminal here rather than in the caller.
+func (s *Store) Fail(ctx context.Context, f store.Failure) error {
+	st, at := store.FailedTerminal, f.Now
+	if !f.RetryAt.IsZero() {
+		j, err := s.jobByID(ctx, f.JobID)
+		if err != nil {
+			return err
+		}
+		if j.Attempt < j.MaxAttempts && f.RetryAt.Before(j.Deadline) {
+			st, at = store.RetryScheduled, f.RetryAt
+		}
+	}
+	return s.finish(ctx, "fail job "+f.JobID, f.JobID, f.Fence, st, at, nil, f.Attempt, f.EventID, f.Now)
+}
+
+func (s *Store) jobByID(ctx context.Context, id string) (store.Job, error) {
+	q := rebind(s.d, `SELECT `+jobColumns+` FROM jobs WHERE id = ?`)
+	j, err := scanJob(s.db.QueryRowContext(ctx, q, id))
+	return j, s.err("get job", err)
+}
+
+// Reap implements store.Store.
+func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error) {
+	n := 0
+	err := s.tx(ctx, "reap", func(tx *sql.Tx) error {
+		for _, q := range []struct {
+			sql  string
+			args []any
+		}{
+			{s.q.reapLeases, []any{micros(now), micros(now), micros(now), micros(now), limit}},
+			{s.q.reapDeadlines, []any{micros(now), micros(now), limit}},
+		} {
+			rows, err := tx.QueryContext(ctx, q.sql, q.args...)
+			if err != nil {
+				return err
+			}
+			type reaped struct {
+				id, tenant, state string
+				version           int64
+				attempt           int
+				fence             int64
+			}
+			var rs []reaped
+			for rows.Next() {
+				var r reaped
+				if err := rows.Scan(&r.id, &r.tenant, &r.state, &r.version, &r.attempt, &r.fence); err != nil {
+					rows.Close()
+					return err
+				}
+				rs = append(rs, r)
+			}
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			for _, r := range rs {
+				if q.sql == s.q.reapLeases {
+					// The lost attempt is part of the job's history.
+					if _, err := tx.ExecContext(ctx, s.q.insertAttempt, r.id, r.attempt, r.fence-1, "", "lease_expired",
+						"lease_expired", "the worker stopped renewing its lease", 0, 0, 0, micros(now)); err != nil {
+						return err
+					}
+				}
+				if err := s.addEvent(ctx, tx, "", r.id, r.tenant, store.State(r.state), r.version, now); err != nil {
+					return err
+				}
+			}
+			n += len(rs)
+		}
+		return nil
+	})
+	return n, err
+}
+
+// Cancel implements store.Store.
+func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error) {
+	var j store.Job
+	err := s.tx(ctx, "cancel job", func(tx *sql.Tx) error {
+		var err error
+		j, err = scanJob(tx.QueryRowContext(ctx, s.q.cancel, micros(now), tenant, id))
+		if errors.Is(err, sql.ErrNoRows) {
+			if _, gerr := scanJob(tx.QueryRowContext(ctx, s.q.selectJob, tenant, id)); gerr == nil {
+				return store.ErrFinal
+			}
+			return store.ErrNotFound
+		}
+		if err != nil {
+			return err
+		}
+		return s.addEvent(ctx, tx, eventID, j.ID, j.Tenant, store.Cancelled, j.StateVersion, now)
+	})
+	return j, err
+}
+
+// Result implements store.Store.
+func (s *Store) Result(ctx context.Context, tenant, id string) (json.RawMessage, error) {
+	var res []byte
+	if err := s.db.QueryRowContext(ctx, s.q.result, tenant, id).Scan(&res); err != nil {
+		return nil, s.err("get result", err)
+	}
+	if res == nil {
+		return nil, store.ErrNotFound
+	}
+	return res, nil
+}
+
+// Attempts implements store.Store.
+func (s *Store) Attempts(ctx context.Context, id string) ([]store.Attempt, error) {
+	rows, err := s.db.QueryContext(ctx, s.q.attempts, id)
+	if err != nil {
+		return nil, s.err("list attempts", err)
+	}
+	defer rows.Close()
+	var out []store.Attempt
+	for rows.Next() {
+		var a store.Attempt
+		var started, ended int64
+		if err := rows.Scan(&a.JobID, &a.Attempt, &a.Fence, &a.Backend, &a.Outcome, &a.ErrorClass, &a.Error,
+			&a.PromptTokens, &a.CompletionTokens, &started, &ended); err != nil {
+			return nil, s.err("list attempts", err)
+		}
+		a.StartedAt, a.EndedAt = fromMicros(started), fromMicros(ended)
+		out = append(out, a)
+	}
+	return out, s.err("list attempts", rows.Err())
+}
+
+// SaveStage implements store.Store.
+func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error {
+	return s.tx(ctx, "save stage "+stage, func(tx *sql.Tx) error {
+		// Only the current owner checkpoints.
+		var cur int64
+		var st string
+		q := rebind(s.d, `SELECT fence, state FROM jobs WHERE id = ?`)
+		if err := tx.QueryRowContext(ctx, q, id).Scan(&cur, &st); err != nil {
+			if errors.Is(err, sql.ErrNoRows) {
+				return store.ErrNotFound
+			}
+			return err
+		}
+		if cur != fence || store.State(st) != store.Running {
+			return store.ErrLeaseLost
+		}
+		_, err := tx.ExecContext(ctx, s.q.saveStage, id, stage, fence, data, micros(time.Now()))
+		return err
+	})
+}
+
+// Stage implements store.Store.
+func (s *Store) Stage(ctx context.Context, id, stage string) ([]byte, error) {
+	var data []byte
+	err := s.db.QueryRowContext(ctx, s.q.stage, id, stage).Scan(&data)
+	return data, s.err("get stage "+stage, err)
+}
+
+func scanEvents(rows *sql.Rows) ([]store.Event, error) {
+	defer rows.Close()
+	var out []store.Event
+	for rows.Next() {
+		var e store.Event
+		var st string
+		var created, published int64
+		if err := rows.Scan(&e.Seq, &e.ID, &e.JobID, &e.Tenant, &e.Type, &st, &e.StateVersion, &created, &published); err != nil {
+			return nil, err
+		}
+		e.State, e.CreatedAt, e.PublishedAt = store.State(st), fromMicros(created), fromMicros(published)
+		out = append(out, e)
+	}
+	return out, rows.Err()
+}
+
+// Unpublished implements store.Store.
+func (s *Store) Unpublished(ctx context.Context, limit int) ([]store.Event, error) {
+	rows, err := s.db.QueryContext(ctx, s.q.unpublished, limit)
+	if err != nil {
+		return nil, s.err("list unpublished events", err)
+	}
+	evs, err := scanEvents(rows)
+	return evs, s.err("list unpublished events", err)
+}
+
+// MarkPublished implements store.Store.
+func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) error {
+	return s.tx(ctx, "mark events published", func(tx *sql.Tx) error {
+		for _, id := range ids {
+			if _, err := tx.ExecContext(ctx, s.q.markPublished, micros(at), id); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// Events implements store.Store.
+func (s *Store) Events(ctx context.Context, tenant, jobID string, afterSeq int64, limit int) ([]store.Event, error) {
+	var rows *sql.Rows
+	var err error
+	if jobID != "" {
+		rows, err = s.db.QueryContext(ctx, s.q.eventsOfJob, tenant, jobID, afterSeq, limit)
+	} else {
+		rows, err = s.db.QueryContext(ctx, s.q.events, tenant, afterSeq, limit)
+	}
+	if err != nil {
+		return nil, s.err("list events", err)
+	}
+	evs, err := scanEvents(rows)
+	return evs, s.err("list events", err)
+}
+
+// RecordInbox implements store.Store.
+func (s *Store) RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (bool, error) {
+	dup := false
+	err := s.tx(ctx, "record inbox event", func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, s.q.insertInbox, eventID, digest, micros(now))
+		if err != nil {
+			return err
+		}
+		if n, err := res.RowsAffected(); err != nil || n == 1 {
+			return err
+		}
+		dup = true
+		var have string
+		if err := tx.QueryRowContext(ctx, s.q.selectInbox, eventID).Scan(&have); err != nil {
+			return err
+		}
+		if have != digest {
+			return store.ErrDigestMismatch
+		}
+		return nil
+	})
+	return dup, err
+}

@@ -1,0 +1,213 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"time"
+)
+
+// Errors the backends return; callers branch on them with errors.Is.
+var (
+	// ErrNotFound: no such job for this tenant (another tenant's job is
+	// not found either).
+	ErrNotFound = errors.New("store: not found")
+	// ErrConflict: an idempotency key reused for a different request.
+	ErrConflict = errors.New("store: idempotency key reused with a different request")
+	// ErrLeaseLost: the caller no longer owns the job (fence moved, lease
+	// expired, or the job left RUNNING); its write was discarded.
+	ErrLeaseLost = errors.New("store: lease lost")
+	// ErrFinal: the job is already in a final state.
+	ErrFinal = errors.New("store: job is final")
+	// ErrDigestMismatch: an event id seen before with a different payload.
+	ErrDigestMismatch = errors.New("store: event id seen with a different payload")
+	// ErrUnavailable: the database cannot be reached; nothing was written.
+	ErrUnavailable = errors.New("store: unavailable")
+)
+
+// State is a job's state.
+type State string
+
+// Job states. READY and RETRY_SCHEDULED are runnable once available;
+// RUNNING is leased; the rest are final.
+const (
+	Ready          State = "READY"
+	Running        State = "RUNNING"
+	RetryScheduled State = "RETRY_SCHEDULED"
+	Succeeded      State = "SUCCEEDED"
+	ReviewRequired State = "REVIEW_REQUIRED"
+	FailedTerminal State = "FAILED_TERMINAL"
+	Cancelled      State = "CANCELLED"
+)
+
+// Final reports whether no further transition can happen.
+func (s State) Final() bool {
+	switch s {
+	case Succeeded, ReviewRequired, FailedTerminal, Cancelled:
+		return true
+	}
+	return false
+}
+
+// Job is a durable unit of deferred work.
+type Job struct {
+	ID             string
+	Tenant         string
+	IdempotencyKey string
+	RequestHash    string
+	Endpoint       string // /v1/chat/completions, /v1/completions or /v1/embeddings
+	Model          string
+	Body           json.RawMessage // the request body for the endpoint
+	Metadata       json.RawMessage // the caller's, returned as given; may be nil
+	Priority       int             // lower runs first
+	TokenEstimate  int
+
+	State        State
+	StateVersion int64 // +1 on every change; never goes backwards
+	Attempt      int   // attempts started
+	MaxAttempts  int
+	Fence        int64 // +1 on every claim and every reap
+	LeaseUntil   time.Time
+	AvailableAt  time.Time
+	Deadline     time.Time
+	CreatedAt    time.Time
+	UpdatedAt    time.Time
+	ErrorClass   string // of the last failure
+	LastError    string
+}
+
+// NewJob is what Accept needs.
+type NewJob struct {
+	ID             string // chosen by the caller (UUIDv7)
+	EventID        string // id of the outbox event written with the job
+	Tenant         string
+	IdempotencyKey string
+	RequestHash    string
+	Endpoint       string
+	Model          string
+	Body           json.RawMessage
+	Metadata       json.RawMessage
+	Priority       int
+	TokenEstimate  int
+	MaxAttempts    int
+	Deadline       time.Time
+	Now            time.Time
+}
+
+// Event is an outbox event: committed with the state change it reports,
+// published to the broker by the relay.
+type Event struct {
+	Seq          int64 // monotonic per store: the replay cursor
+	ID           string
+	JobID        string
+	Tenant       string
+	Type         string // job.accepted, job.running, job.succeeded, ...
+	State        State
+	StateVersion int64
+	CreatedAt    time.Time
+	PublishedAt  time.Time // zero until published
+}
+
+// Attempt records one execution attempt, written with its outcome.
+type Attempt struct {
+	JobID            string
+	Attempt          int
+	Fence            int64
+	Backend          string
+	Outcome          string // succeeded, retry, failed, review, lease_lost
+	ErrorClass       string
+	Error            string
+	PromptTokens     int
+	CompletionTokens int
+	StartedAt        time.Time
+	EndedAt          time.Time
+}
+
+// Completion is a worker's successful (or review-required) end of a job.
+type Completion struct {
+	JobID   string
+	Fence   int64
+	State   State // Succeeded or ReviewRequired
+	Result  json.RawMessage
+	Attempt Attempt
+	EventID string
+	Now     time.Time
+}
+
+// Failure is a worker's failed attempt. With RetryAt set (and before the
+// deadline, with attempts left) the job goes to RETRY_SCHEDULED; otherwise
+// to FAILED_TERMINAL with a dead-letter event.
+type Failure struct {
+	JobID   string
+	Fence   int64
+	RetryAt time.Time // zero: terminal
+	Attempt Attempt
+	EventID string
+	Now     time.Time
+}
+
+// ListFilter selects a page of a tenant's jobs, newest first.
+type ListFilter struct {
+	States []State
+	After  string // cursor: the last job id of the previous page
+	Limit  int
+}
+
+// Store is the durable job store. Implementations are safe for concurrent
+// use. Every method that changes state writes its outbox event in the same
+// transaction; every tenant-scoped read treats another tenant's job as
+// not found. A backend that cannot reach its database returns an error
+// wrapping ErrUnavailable, having written nothing.
+type Store interface {
+	// Accept inserts a job and its job.accepted event, or returns the
+	// existing job for the same tenant and key (created false). A
+	// different RequestHash for an existing key is ErrConflict.
+	Accept(ctx context.Context, j NewJob) (job Job, created bool, err error)
+	// Get returns a tenant's job.
+	Get(ctx context.Context, tenant, id string) (Job, error)
+	// List returns a page of a tenant's jobs and the cursor of the next
+	// page ("" at the end).
+	List(ctx context.Context, tenant string, f ListFilter) ([]Job, string, error)
+	// Claim leases up to limit runnable jobs (READY or RETRY_SCHEDULED,
+	// available, before their deadline), lowest priority value first,
+	// then oldest available: RUNNING, attempt+1, fence+1, lease until
+	// now+lease. Several claimers never get the same job.
+	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]Job, error)
+	// Heartbeat extends a lease while the fence matches and the lease
+	// holds; ErrLeaseLost otherwise.
+	Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
+	// Complete ends an attempt with a result, under the fence.
+	Complete(ctx context.Context, c Completion) error
+	// Fail ends an attempt with a failure, under the fence.
+	Fail(ctx context.Context, f Failure) error
+	// Reap returns expired leases to RETRY_SCHEDULED with a new fence, or
+	// fails them terminally when attempts or the deadline are spent. It
+	// also fails runnable jobs whose deadline passed. It returns how many
+	// jobs it changed.
+	Reap(ctx context.Context, now time.Time, limit int) (int, error)
+	// Cancel moves a tenant's non-final job to CANCELLED; ErrFinal when
+	// it already ended.
+	Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (Job, error)
+	// Result returns a tenant's job result; ErrNotFound until there is one.
+	Result(ctx context.Context, tenant, id string) (json.RawMessage, error)
+	// Attempts returns a job's attempt records in order.
+	Attempts(ctx context.Context, id string) ([]Attempt, error)
+	// SaveStage checkpoints a stage's output under the fence, so that a
+	// later retry need not redo it. Saving a stage twice keeps the first.
+	SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error
+	// Stage returns a checkpointed stage's output; ErrNotFound if none.
+	Stage(ctx context.Context, id, stage string) ([]byte, error)
+	// Unpublished returns up to limit outbox events not yet published,
+	// oldest first.
+	Unpublished(ctx context.Context, limit int) ([]Event, error)
+	// MarkPublished records the publication of events.
+	MarkPublished(ctx context.Context, ids []string, at time.Time) error
+	// Events returns a tenant's events after the cursor, oldest first;
+	// jobID narrows them to one job.
+	Events(ctx context.Context, tenant, jobID string, afterSeq int64, limit int) ([]Event, error)
+	// RecordInbox records a delivered event once: duplicate reports a
+	// redelivery; ErrDigestMismatch a redelivery with other content.
+	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
+	// Close releases the store's connections.
+	Close() error
+}

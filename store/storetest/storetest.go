@@ -1,0 +1,511 @@
+// Package storetest is the conformance suite every store.Store backend
+// must pass: Exercise runs it against a fresh, migrated store per test.
+package storetest
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Exercise runs the suite. newStore returns an empty, migrated store that
+// the test may close.
+func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
+	tests := []struct {
+		name string
+		fn   func(*testing.T, store.Store)
+	}{
+		{"Accept", testAccept},
+		{"TenantScoping", testTenantScoping},
+		{"List", testList},
+		{"ClaimOrderAndLease", testClaimOrder},
+		{"ClaimConcurrent", testClaimConcurrent},
+		{"Heartbeat", testHeartbeat},
+		{"Complete", testComplete},
+		{"Fail", testFail},
+		{"Reap", testReap},
+		{"StaleWorkerAfterReap", testStaleWorker},
+		{"Cancel", testCancel},
+		{"Stages", testStages},
+		{"Outbox", testOutbox},
+		{"Inbox", testInbox},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStore(t)
+			t.Cleanup(func() { _ = s.Close() })
+			tc.fn(t, s)
+		})
+	}
+}
+
+var t0 = time.Date(2026, 11, 30, 12, 0, 0, 0, time.UTC)
+
+func newJob(tenant, key string, mods ...func(*store.NewJob)) store.NewJob {
+	n := store.NewJob{
+		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+		Tenant: tenant, IdempotencyKey: key, RequestHash: "hash-" + key,
+		Endpoint: "/v1/chat/completions", Model: "m", Body: json.RawMessage(`{"model":"m"}`),
+		Metadata: json.RawMessage(`{"doc":"` + key + `"}`), TokenEstimate: 100, MaxAttempts: 3,
+		Deadline: t0.Add(time.Hour), Now: t0,
+	}
+	for _, m := range mods {
+		m(&n)
+	}
+	return n
+}
+
+func accept(t *testing.T, s store.Store, n store.NewJob) store.Job {
+	t.Helper()
+	j, created, err := s.Accept(context.Background(), n)
+	if err != nil || !created {
+		t.Fatalf("accept %s: created %v, %v", n.IdempotencyKey, created, err)
+	}
+	return j
+}
+
+func claimOne(t *testing.T, s store.Store, now time.Time) store.Job {
+	t.Helper()
+	js, err := s.Claim(context.Background(), now, time.Minute, 1)
+	if err != nil || len(js) != 1 {
+		t.Fatalf("claim: %d jobs, %v", len(js), err)
+	}
+	return js[0]
+}
+
+func testAccept(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	n := newJob("acme", "k1")
+	j, created, err := s.Accept(ctx, n)
+	if err != nil || !created {
+		t.Fatalf("accept: %v, created %v", err, created)
+	}
+	if j.ID != n.ID || j.State != store.Ready || j.StateVersion != 1 || j.Attempt != 0 || j.Fence != 0 ||
+		string(j.Body) != string(n.Body) || string(j.Metadata) != string(n.Metadata) || !j.Deadline.Equal(n.Deadline) {
+		t.Errorf("accepted job %+v", j)
+	}
+	// Same key, same request: the same job, nothing new.
+	again := newJob("acme", "k1")
+	j2, created, err := s.Accept(ctx, again)
+	if err != nil || created || j2.ID != j.ID {
+		t.Errorf("same key and hash: %s created %v err %v, want the first job %s", j2.ID, created, err, j.ID)
+	}
+	// Same key, different request: conflict.
+	diff := newJob("acme", "k1", func(n *store.NewJob) { n.RequestHash = "other" })
+	if _, _, err := s.Accept(ctx, diff); !errors.Is(err, store.ErrConflict) {
+		t.Errorf("same key, different hash: %v, want ErrConflict", err)
+	}
+	// Another tenant may use the same key.
+	if _, created, err := s.Accept(ctx, newJob("globex", "k1")); err != nil || !created {
+		t.Errorf("other tenant, same key: created %v, %v", created, err)
+	}
+	evs, err := s.Unpublished(ctx, 10)
+	if err != nil || len(evs) != 2 || evs[0].ID != n.EventID || evs[0].Type != "job.accepted" || evs[0].JobID != j.ID {
+		t.Errorf("outbox after two acceptances: %+v, %v", evs, err)
+	}
+}
+
+func testTenantScoping(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	j := accept(t, s, newJob("acme", "k"))
+	if _, err := s.Get(ctx, "globex", j.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant's job: %v, want ErrNotFound", err)
+	}
+	if _, err := s.Cancel(ctx, "globex", j.ID, "", t0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("cancelling another tenant's job: %v, want ErrNotFound", err)
+	}
+	if _, err := s.Result(ctx, "globex", j.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant's result: %v", err)
+	}
+	if evs, err := s.Events(ctx, "globex", "", 0, 10); err != nil || len(evs) != 0 {
+		t.Errorf("another tenant's events: %v %v", evs, err)
+	}
+	if got, err := s.Get(ctx, "acme", j.ID); err != nil || got.ID != j.ID {
+		t.Errorf("own job: %v", err)
+	}
+}
+
+func testList(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	var ids []string
+	for i := range 7 {
+		ids = append(ids, accept(t, s, newJob("acme", fmt.Sprint("k", i))).ID)
+	}
+	accept(t, s, newJob("globex", "x"))
+	var got []string
+	cursor := ""
+	for pages := 0; ; pages++ {
+		page, next, err := s.List(ctx, "acme", store.ListFilter{After: cursor, Limit: 3})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, j := range page {
+			got = append(got, j.ID)
+		}
+		if next == "" {
+			break
+		}
+		cursor = next
+		if pages > 5 {
+			t.Fatal("pagination does not end")
+		}
+	}
+	slices.Reverse(ids) // newest first
+	if !slices.Equal(got, ids) {
+		t.Errorf("pages gave %v, want %v", got, ids)
+	}
+	claimOne(t, s, t0)
+	running, _, err := s.List(ctx, "acme", store.ListFilter{States: []store.State{store.Running}})
+	if err != nil || len(running) != 1 || running[0].State != store.Running {
+		t.Errorf("filter by state: %+v, %v", running, err)
+	}
+}
+
+func testClaimOrder(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	late := accept(t, s, newJob("acme", "late", func(n *store.NewJob) { n.Now = t0.Add(time.Second) }))
+	early := accept(t, s, newJob("acme", "early"))
+	urgent := accept(t, s, newJob("acme", "urgent", func(n *store.NewJob) { n.Priority = -1; n.Now = t0.Add(2 * time.Second) }))
+	future := accept(t, s, newJob("acme", "future", func(n *store.NewJob) { n.Now = t0.Add(time.Hour) }))
+	expired := accept(t, s, newJob("acme", "expired", func(n *store.NewJob) { n.Deadline = t0.Add(time.Minute) }))
+
+	now := t0.Add(2 * time.Minute)
+	js, err := s.Claim(ctx, now, 30*time.Second, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, j := range js {
+		got = append(got, j.ID)
+		if j.State != store.Running || j.Attempt != 1 || j.Fence != 1 || !j.LeaseUntil.Equal(now.Add(30*time.Second)) || j.StateVersion != 2 {
+			t.Errorf("claimed %s: %+v", j.IdempotencyKey, j)
+		}
+	}
+	if want := []string{urgent.ID, early.ID, late.ID}; !slices.Equal(got, want) {
+		t.Errorf("claimed %v, want priority then age: %v (not the future %s nor the expired %s)", got, want, future.ID, expired.ID)
+	}
+	if more, err := s.Claim(ctx, now, time.Minute, 10); err != nil || len(more) != 0 {
+		t.Errorf("a second claim took %d jobs", len(more))
+	}
+}
+
+func testClaimConcurrent(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const jobs = 120
+	for i := range jobs {
+		accept(t, s, newJob("acme", fmt.Sprint("k", i)))
+	}
+	var mu sync.Mutex
+	seen := map[string]int{}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for range 8 {
+		wg.Go(func() {
+			for {
+				js, err := s.Claim(ctx, t0, time.Minute, 7)
+				if err != nil {
+					errs <- err
+					return
+				}
+				if len(js) == 0 {
+					return
+				}
+				mu.Lock()
+				for _, j := range js {
+					seen[j.ID]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if len(seen) != jobs {
+		t.Errorf("claimed %d distinct jobs, want %d", len(seen), jobs)
+	}
+	for id, n := range seen {
+		if n != 1 {
+			t.Errorf("job %s claimed %d times", id, n)
+		}
+	}
+}
+
+func testHeartbeat(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "k"))
+	j := claimOne(t, s, t0)
+	if err := s.Heartbeat(ctx, j.ID, j.Fence, t0.Add(30*time.Second), time.Minute); err != nil {
+		t.Fatalf("heartbeat: %v", err)
+	}
+	got, _ := s.Get(ctx, "acme", j.ID)
+	if !got.LeaseUntil.Equal(t0.Add(90 * time.Second)) {
+		t.Errorf("lease until %v, want extended to %v", got.LeaseUntil, t0.Add(90*time.Second))
+	}
+	if err := s.Heartbeat(ctx, j.ID, j.Fence+1, t0.Add(40*time.Second), time.Minute); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("heartbeat with another fence: %v", err)
+	}
+	if err := s.Heartbeat(ctx, j.ID, j.Fence, t0.Add(2*time.Minute), time.Minute); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("heartbeat after the lease expired: %v", err)
+	}
+}
+
+func testComplete(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "k"))
+	j := claimOne(t, s, t0)
+	if _, err := s.Result(ctx, "acme", j.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("result before completion: %v", err)
+	}
+	// A stale fence changes nothing.
+	stale := store.Completion{JobID: j.ID, Fence: j.Fence - 1, State: store.Succeeded, Result: json.RawMessage(`"no"`), Now: t0}
+	if err := s.Complete(ctx, stale); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("complete with a stale fence: %v", err)
+	}
+	c := store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: json.RawMessage(`{"ok":true}`),
+		Attempt: store.Attempt{Attempt: 1, Backend: "gpu0", Outcome: "succeeded", PromptTokens: 10, CompletionTokens: 20,
+			StartedAt: t0, EndedAt: t0.Add(time.Second)},
+		EventID: uuid.Must(uuid.NewV7()).String(), Now: t0.Add(time.Second)}
+	if err := s.Complete(ctx, c); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := s.Get(ctx, "acme", j.ID)
+	if got.State != store.Succeeded || got.StateVersion != 3 || !got.LeaseUntil.IsZero() {
+		t.Errorf("after completion: %+v", got)
+	}
+	if res, err := s.Result(ctx, "acme", j.ID); err != nil || string(res) != `{"ok":true}` {
+		t.Errorf("result %s, %v", res, err)
+	}
+	as, err := s.Attempts(ctx, j.ID)
+	if err != nil || len(as) != 1 || as[0].Backend != "gpu0" || as[0].CompletionTokens != 20 || as[0].Fence != j.Fence {
+		t.Errorf("attempts %+v, %v", as, err)
+	}
+	// Completing twice is a lost lease: the job is no longer RUNNING.
+	if err := s.Complete(ctx, c); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("second completion: %v", err)
+	}
+}
+
+func testFail(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "k", func(n *store.NewJob) { n.MaxAttempts = 2 }))
+	j := claimOne(t, s, t0)
+	retryAt := t0.Add(10 * time.Second)
+	f := store.Failure{JobID: j.ID, Fence: j.Fence, RetryAt: retryAt, Now: t0.Add(time.Second),
+		Attempt: store.Attempt{Attempt: 1, Outcome: "retry", ErrorClass: "backend_5xx", Error: "503"}}
+	if err := s.Fail(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := s.Get(ctx, "acme", j.ID)
+	if got.State != store.RetryScheduled || !got.AvailableAt.Equal(retryAt) || got.ErrorClass != "backend_5xx" {
+		t.Errorf("after a retryable failure: %+v", got)
+	}
+	if js, _ := s.Claim(ctx, t0.Add(5*time.Second), time.Minute, 1); len(js) != 0 {
+		t.Error("claimed before its retry time")
+	}
+	j2 := claimOne(t, s, retryAt)
+	if j2.Attempt != 2 || j2.Fence != 2 {
+		t.Errorf("retry claim: attempt %d fence %d", j2.Attempt, j2.Fence)
+	}
+	// The last attempt: even with RetryAt the failure is terminal.
+	f2 := store.Failure{JobID: j.ID, Fence: j2.Fence, RetryAt: retryAt.Add(time.Minute), Now: retryAt,
+		Attempt: store.Attempt{Attempt: 2, Outcome: "failed", ErrorClass: "backend_5xx"}}
+	if err := s.Fail(ctx, f2); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal {
+		t.Errorf("attempts spent: %s, want FAILED_TERMINAL", got.State)
+	}
+	evs, _ := s.Events(ctx, "acme", j.ID, 0, 20)
+	if len(evs) == 0 || evs[len(evs)-1].Type != "job.dead_lettered" {
+		t.Errorf("no dead-letter event: %+v", evs)
+	}
+
+	// A retry that would start after the deadline is terminal at once.
+	accept(t, s, newJob("acme", "k2", func(n *store.NewJob) { n.Deadline = t0.Add(time.Minute) }))
+	j3 := claimOne(t, s, t0.Add(time.Second))
+	late := store.Failure{JobID: j3.ID, Fence: j3.Fence, RetryAt: t0.Add(2 * time.Minute), Now: t0.Add(2 * time.Second)}
+	if err := s.Fail(ctx, late); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", j3.ID); got.State != store.FailedTerminal {
+		t.Errorf("retry past the deadline: %s, want FAILED_TERMINAL", got.State)
+	}
+}
+
+func testReap(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "a", func(n *store.NewJob) { n.MaxAttempts = 2; n.Now = t0.Add(-2 * time.Hour) }))
+	accept(t, s, newJob("acme", "stale-deadline", func(n *store.NewJob) { n.Deadline = t0.Add(time.Second); n.Now = t0.Add(-time.Hour) }))
+	j := claimOne(t, s, t0)
+	if n, err := s.Reap(ctx, t0.Add(30*time.Second), 100); err != nil || n != 1 {
+		// Only the runnable job past its deadline is due; the lease holds.
+		t.Fatalf("reap before the lease expired: %d, %v", n, err)
+	}
+	n, err := s.Reap(ctx, t0.Add(2*time.Minute), 100)
+	if err != nil || n != 1 {
+		t.Fatalf("reap after the lease expired: %d, %v", n, err)
+	}
+	got, _ := s.Get(ctx, "acme", j.ID)
+	if got.State != store.RetryScheduled || got.Fence != j.Fence+1 || got.Attempt != 1 || got.ErrorClass != "lease_expired" {
+		t.Errorf("reaped: %+v", got)
+	}
+	as, _ := s.Attempts(ctx, j.ID)
+	if len(as) != 1 || as[0].Outcome != "lease_expired" {
+		t.Errorf("the lost attempt is not recorded: %+v", as)
+	}
+	// Second attempt, lease lost again: attempts spent, terminal.
+	j2 := claimOne(t, s, t0.Add(3*time.Minute))
+	if j2.Attempt != 2 {
+		t.Fatalf("attempt %d after a reap, want 2 (a reap never resets it)", j2.Attempt)
+	}
+	if _, err := s.Reap(ctx, t0.Add(10*time.Minute), 100); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal {
+		t.Errorf("second lost lease with 2 attempts max: %s", got.State)
+	}
+}
+
+func testStaleWorker(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "k"))
+	old := claimOne(t, s, t0)
+	if _, err := s.Reap(ctx, t0.Add(2*time.Minute), 10); err != nil {
+		t.Fatal(err)
+	}
+	cur := claimOne(t, s, t0.Add(2*time.Minute))
+	// The first worker wakes up with its answer: discarded.
+	err := s.Complete(ctx, store.Completion{JobID: old.ID, Fence: old.Fence, State: store.Succeeded,
+		Result: json.RawMessage(`"stale"`), Now: t0.Add(2 * time.Minute)})
+	if !errors.Is(err, store.ErrLeaseLost) {
+		t.Fatalf("stale completion: %v, want ErrLeaseLost", err)
+	}
+	if err := s.SaveStage(ctx, old.ID, old.Fence, "inference", []byte("stale")); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("stale checkpoint: %v", err)
+	}
+	if err := s.Complete(ctx, store.Completion{JobID: cur.ID, Fence: cur.Fence, State: store.Succeeded,
+		Result: json.RawMessage(`"fresh"`), Now: t0.Add(150 * time.Second)}); err != nil {
+		t.Fatal(err)
+	}
+	if res, _ := s.Result(ctx, "acme", cur.ID); string(res) != `"fresh"` {
+		t.Errorf("result %s, want the current worker's", res)
+	}
+}
+
+func testCancel(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	j := accept(t, s, newJob("acme", "k"))
+	got, err := s.Cancel(ctx, "acme", j.ID, "", t0)
+	if err != nil || got.State != store.Cancelled {
+		t.Fatalf("cancel: %+v %v", got, err)
+	}
+	if _, err := s.Cancel(ctx, "acme", j.ID, "", t0); !errors.Is(err, store.ErrFinal) {
+		t.Errorf("cancel twice: %v, want ErrFinal", err)
+	}
+	if js, _ := s.Claim(ctx, t0, time.Minute, 10); len(js) != 0 {
+		t.Error("a cancelled job was claimed")
+	}
+	// Cancelling a running job makes its worker's completion stale.
+	accept(t, s, newJob("acme", "k2"))
+	r := claimOne(t, s, t0)
+	if _, err := s.Cancel(ctx, "acme", r.ID, "", t0); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Complete(ctx, store.Completion{JobID: r.ID, Fence: r.Fence, State: store.Succeeded, Now: t0}); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("completing a cancelled job: %v", err)
+	}
+}
+
+func testStages(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "k"))
+	j := claimOne(t, s, t0)
+	if _, err := s.Stage(ctx, j.ID, "inference"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("missing stage: %v", err)
+	}
+	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`{"text":"hi"}`)); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`{"text":"other"}`)); err != nil {
+		t.Fatal(err)
+	}
+	// The next attempt finds the checkpoint and need not infer again.
+	if err := s.Fail(ctx, store.Failure{JobID: j.ID, Fence: j.Fence, RetryAt: t0.Add(time.Second), Now: t0}); err != nil {
+		t.Fatal(err)
+	}
+	j2 := claimOne(t, s, t0.Add(time.Second))
+	data, err := s.Stage(ctx, j2.ID, "inference")
+	if err != nil || string(data) != `{"text":"hi"}` {
+		t.Errorf("stage after a retry: %s, %v; want the first checkpoint", data, err)
+	}
+}
+
+func testOutbox(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	j := accept(t, s, newJob("acme", "k"))
+	accept(t, s, newJob("globex", "k"))
+	c := claimOne(t, s, t0)
+	_ = s.Complete(ctx, store.Completion{JobID: c.ID, Fence: c.Fence, State: store.Succeeded, Now: t0})
+	evs, err := s.Unpublished(ctx, 100)
+	if err != nil || len(evs) != 4 {
+		t.Fatalf("unpublished: %d, %v", len(evs), err)
+	}
+	for i := 1; i < len(evs); i++ {
+		if evs[i].Seq <= evs[i-1].Seq {
+			t.Errorf("events out of order: %v then %v", evs[i-1].Seq, evs[i].Seq)
+		}
+	}
+	if err := s.MarkPublished(ctx, []string{evs[0].ID, evs[1].ID}, t0); err != nil {
+		t.Fatal(err)
+	}
+	if rest, _ := s.Unpublished(ctx, 100); len(rest) != 2 || rest[0].ID != evs[2].ID {
+		t.Errorf("after marking two: %+v", rest)
+	}
+	// Marking again is harmless.
+	if err := s.MarkPublished(ctx, []string{evs[0].ID}, t0.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	mine, err := s.Events(ctx, "acme", j.ID, 0, 100)
+	if err != nil || len(mine) != 3 {
+		t.Fatalf("job events: %d, %v", len(mine), err)
+	}
+	var last int64
+	for _, e := range mine {
+		if e.StateVersion <= last {
+			t.Errorf("state_version went from %d to %d", last, e.StateVersion)
+		}
+		last = e.StateVersion
+	}
+	if want := []string{"job.accepted", "job.running", "job.succeeded"}; mine[0].Type != want[0] || mine[1].Type != want[1] || mine[2].Type != want[2] {
+		t.Errorf("event types %s %s %s, want %v", mine[0].Type, mine[1].Type, mine[2].Type, want)
+	}
+	after, _ := s.Events(ctx, "acme", "", mine[0].Seq, 100)
+	if len(after) != 2 {
+		t.Errorf("events after the cursor: %d, want 2", len(after))
+	}
+}
+
+func testInbox(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	if dup, err := s.RecordInbox(ctx, "e1", "d1", t0); err != nil || dup {
+		t.Fatalf("first delivery: dup %v, %v", dup, err)
+	}
+	if dup, err := s.RecordInbox(ctx, "e1", "d1", t0); err != nil || !dup {
+		t.Errorf("redelivery: dup %v, %v", dup, err)
+	}
+	if _, err := s.RecordInbox(ctx, "e1", "other", t0); !errors.Is(err, store.ErrDigestMismatch) {
+		t.Errorf("same id, other content: %v, want ErrDigestMismatch", err)
+	}
+}
