@@ -37,6 +37,9 @@ type fleet struct {
 }
 
 type fleetOpts struct {
+	// wrap, when set, stands between kvgate and backend i: a backend
+	// that misbehaves in ways the simulator's faults do not cover.
+	wrap     func(i int, h http.Handler) http.Handler
 	profile  vllmsim.Profile
 	backends int
 	speedup  float64
@@ -64,6 +67,10 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	var cfgs []gpu.BackendConfig
 	for i := range max(o.backends, 1) {
 		sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: o.profile, Speedup: o.speedup, Seed: uint64(i)})
+		if o.wrap != nil {
+			srv = httptest.NewServer(o.wrap(i, sim))
+			t.Cleanup(srv.Close)
+		}
 		f.sims = append(f.sims, sim)
 		f.urls = append(f.urls, srv.URL)
 		cfgs = append(cfgs, gpu.BackendConfig{Name: fmt.Sprintf("sim%d", i), URL: srv.URL})
@@ -500,5 +507,82 @@ func TestEmbeddings(t *testing.T) {
 	}
 	if len(res.Data) != 2 || len(res.Data[0].Embedding) != 1024 || res.Usage.PromptTokens == 0 {
 		t.Errorf("embeddings: %d items, %d dims, usage %+v", len(res.Data), len(res.Data[0].Embedding), res.Usage)
+	}
+}
+
+// TestStalledBackendIsCut: a backend that accepts requests and never
+// answers (while its /health stays fine) is cut after the request timeout,
+// counted as failed, and the request goes to the other backend.
+func TestStalledBackendIsCut(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 2, gateway: Config{RequestTimeout: 200 * time.Millisecond, StreamIdleTimeout: 200 * time.Millisecond}})
+	f.sims[0].SetFaults(vllmsim.Faults{HangRate: 1})
+	f.sims[1].SetFaults(vllmsim.Faults{})
+	for _, stream := range []bool{false, true} {
+		for i := range 3 {
+			resp, body := f.post(t, "/v1/completions", fmt.Sprintf(`{"model":"%s","prompt":"p%d","max_tokens":4,"stream":%v}`, llama, i, stream))
+			if resp.StatusCode != 200 {
+				t.Fatalf("stream=%v request %d: status %d: %s", stream, i, resp.StatusCode, body)
+			}
+		}
+	}
+	if f.inflight() != 0 {
+		t.Errorf("%d reservations held after the stalls", f.inflight())
+	}
+	s, _ := f.pool.Snapshot("sim0")
+	if s.Failures == 0 && !s.Ejected {
+		t.Error("the stalled backend was not counted as failed")
+	}
+}
+
+// TestStreamFailingBeforeFirstEventIsRetried: a backend that sends its
+// stream headers and dies has sent the client nothing yet; the request is
+// retried on the other backend and the client never sees the failure.
+func TestStreamFailingBeforeFirstEventIsRetried(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 2, wrap: func(i int, h http.Handler) http.Handler {
+		if i != 0 {
+			return h
+		}
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/completions") {
+				w.Header().Set("Content-Type", "text/event-stream")
+				w.WriteHeader(http.StatusOK)
+				_ = http.NewResponseController(w).Flush()
+				panic(http.ErrAbortHandler)
+			}
+			h.ServeHTTP(w, r)
+		})
+	}})
+	for i := range 4 {
+		resp, body := f.post(t, "/v1/completions", fmt.Sprintf(`{"model":"%s","prompt":"p%d","max_tokens":3,"stream":true}`, llama, i))
+		if resp.StatusCode != 200 || bytes.Contains(body, []byte(`"error"`)) || !bytes.Contains(body, []byte("data: [DONE]")) {
+			t.Fatalf("request %d: status %d: %s", i, resp.StatusCode, tail(body))
+		}
+	}
+}
+
+func TestNSequencesReserveEach(t *testing.T) {
+	f := startFleet(t, fleetOpts{})
+	for _, tc := range []struct {
+		body string
+		want int
+	}{
+		{`{"prompt":"a","max_tokens":10}`, 1},
+		{`{"prompt":"a","max_tokens":10,"n":3}`, 3},
+		{`{"prompt":["a","b"],"max_tokens":10,"n":2}`, 4},
+		{`{"prompt":[1,2,3],"max_tokens":10}`, 1},
+		{`{"prompt":[[1,2],[3]],"max_tokens":10}`, 2},
+	} {
+		c, err := f.api.readCall(httptest.NewRequest(http.MethodPost, "/v1/completions",
+			strings.NewReader(strings.Replace(tc.body, "{", `{"model":"`+llama+`",`, 1))), epCompletion)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.sequences != tc.want {
+			t.Errorf("%s: %d sequences, want %d", tc.body, c.sequences, tc.want)
+		}
+	}
+	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","n":0}`)
+	if resp.StatusCode != 400 {
+		t.Errorf("n=0: status %d: %s", resp.StatusCode, body)
 	}
 }

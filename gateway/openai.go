@@ -12,7 +12,6 @@ import (
 	"slices"
 	"strconv"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/gpu"
@@ -25,6 +24,7 @@ type reqFields struct {
 	Model               *string         `json:"model"`
 	MaxTokens           *int            `json:"max_tokens"`
 	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	N                   *int            `json:"n"`
 	Stream              bool            `json:"stream"`
 	StreamOptions       *streamOptions  `json:"stream_options"`
 	Messages            json.RawMessage `json:"messages"`
@@ -55,6 +55,27 @@ type call struct {
 	f           reqFields
 	model       string
 	promptBytes int // size of the prompt's JSON, for the token estimate
+	// sequences is how many sequences the backend will run: n times the
+	// number of prompts of a batched completion.
+	sequences int
+}
+
+// promptCount is how many prompts a completion's prompt field holds: a
+// list of strings or of token lists is several, anything else one.
+func promptCount(raw json.RawMessage) int {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) < 2 || raw[0] != '[' {
+		return 1
+	}
+	inner := bytes.TrimSpace(raw[1:])
+	if len(inner) == 0 || (inner[0] != '"' && inner[0] != '[') {
+		return 1 // one prompt of token ids
+	}
+	var items []json.RawMessage
+	if json.Unmarshal(raw, &items) != nil || len(items) == 0 {
+		return 1
+	}
+	return len(items)
 }
 
 func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
@@ -99,6 +120,16 @@ func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
 		if v != nil && *v < 1 {
 			return nil, badRequest("max_tokens", fmt.Sprintf("max_tokens must be at least 1, got %d.", *v))
 		}
+	}
+	if c.f.N != nil && *c.f.N < 1 {
+		return nil, badRequest("n", fmt.Sprintf("n must be at least 1, got %d.", *c.f.N))
+	}
+	c.sequences = 1
+	if c.f.N != nil {
+		c.sequences = *c.f.N
+	}
+	if ep == epCompletion {
+		c.sequences *= promptCount(c.f.Prompt)
 	}
 	if c.f.StreamOptions != nil && !c.f.Stream {
 		return nil, badRequest("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
@@ -170,8 +201,9 @@ func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (pro
 		maxOut = s.cfg.DefaultMaxTokens
 	}
 	// The backend refuses what does not fit its context; the reservation
-	// need not be larger than what it could run.
-	return prompt, max(1, min(maxOut, room)), exact
+	// need not be larger than what it could run. Each sequence of a
+	// request with n > 1 or several prompts grows its own output.
+	return prompt, max(1, min(maxOut, room)) * c.sequences, exact
 }
 
 // proxy admits the call and passes it to a backend, retrying on another
@@ -285,8 +317,36 @@ type result struct {
 	usage     *usage
 }
 
+// errStalled cancels an attempt whose backend went silent for too long.
+var errStalled = errors.New("backend stalled")
+
 func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, body []byte, injected bool) result {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+endpointPath[c.ep], bytes.NewReader(body))
+	// A backend that goes silent is cut: a stream after StreamIdleTimeout
+	// without a byte (before its headers too), any other request after
+	// RequestTimeout in all.
+	actx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	limit := s.cfg.RequestTimeout
+	if c.f.Stream {
+		limit = s.cfg.StreamIdleTimeout
+	}
+	watchdog := time.AfterFunc(limit, func() { cancel(errStalled) })
+	defer watchdog.Stop()
+	// failed reports a transport failure: the client's leaving, a stall,
+	// or a broken backend.
+	failed := func(kind string, err error) result {
+		switch {
+		case ctx.Err() != nil:
+			return result{status: 499, err: errClientGone}
+		case errors.Is(context.Cause(actx), errStalled):
+			kind, err = "stall", errStalled
+		}
+		s.pool.ReportFailure(g.Backend, err)
+		s.m.upstreamError(g.Backend, kind)
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), retryable: true}
+	}
+
+	req, err := http.NewRequestWithContext(actx, http.MethodPost, g.URL+endpointPath[c.ep], bytes.NewReader(body))
 	if err != nil {
 		return result{status: http.StatusInternalServerError, err: err}
 	}
@@ -297,28 +357,18 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	start := time.Now()
 	resp, err := s.client.Do(req)
 	if err != nil {
-		if ctx.Err() != nil {
-			return result{status: 499, err: errClientGone}
-		}
-		s.pool.ReportFailure(g.Backend, err)
-		s.m.upstreamError(g.Backend, "connect")
-		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), retryable: true}
+		return failed("connect", err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 400 {
 		return s.upstreamFailure(g, resp)
 	}
 	if c.f.Stream && isEventStream(resp.Header.Get("Content-Type")) {
-		return s.relay(ctx, w, g, c, resp, injected, start)
+		return s.relay(ctx, w, g, c, resp, injected, start, watchdog, failed)
 	}
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
-		if ctx.Err() != nil {
-			return result{status: 499, err: errClientGone}
-		}
-		s.pool.ReportFailure(g.Backend, err)
-		s.m.upstreamError(g.Backend, "read")
-		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: read response: %w", g.Backend, err), retryable: true}
+		return failed("read", err)
 	}
 	var parsed struct {
 		Usage *usage `json:"usage"`
@@ -406,24 +456,13 @@ var (
 // relay copies a backend's event stream to the client event by event,
 // flushing whenever the backend has nothing more buffered. It reads usage
 // on the way (and drops the usage event when kvgate asked for it and the
-// client did not), reports decode progress to the grant, and ends the
-// stream with an error event if the backend fails or stalls mid-way.
-func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, resp *http.Response, injected bool, start time.Time) result {
+// client did not), and reports decode progress to the grant. The client's
+// status line goes out with the first event: a backend that fails before
+// it can still be retried elsewhere. After it, a failing or stalling
+// backend ends the stream with an error event.
+func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, resp *http.Response,
+	injected bool, start time.Time, watchdog *time.Timer, failed func(string, error) result) result {
 	rc := http.NewResponseController(w)
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream; charset=utf-8")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no")
-	w.WriteHeader(http.StatusOK)
-
-	// A stalled backend is cut after StreamIdleTimeout of silence.
-	var stalled atomic.Bool
-	watchdog := time.AfterFunc(s.cfg.StreamIdleTimeout, func() {
-		stalled.Store(true)
-		resp.Body.Close()
-	})
-	defer watchdog.Stop()
-
 	br := readers.Get().(*bufio.Reader)
 	br.Reset(resp.Body)
 	defer func() {
@@ -431,12 +470,16 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		readers.Put(br)
 	}()
 	ttft, itl := s.m.ttft.WithLabelValues(c.model), s.m.itl.WithLabelValues(c.model)
+	// Progress counts one sequence's tokens; with several sequences the
+	// chunks interleave, and admission estimates progress instead.
+	report := c.sequences == 1
 	var (
 		event   []byte
 		u       *usage
 		chunks  int
 		last    time.Time
 		done    bool
+		started bool
 		readErr error
 	)
 	for !done {
@@ -485,15 +528,25 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 				itl.Observe(now.Sub(last).Seconds())
 			}
 			last = now
-			g.Progress(chunks)
+			if report {
+				g.Progress(chunks)
+			}
 		}
 		if write {
+			if !started {
+				started = true
+				h := w.Header()
+				h.Set("Content-Type", "text/event-stream; charset=utf-8")
+				h.Set("Cache-Control", "no-cache")
+				h.Set("X-Accel-Buffering", "no")
+				w.WriteHeader(http.StatusOK)
+			}
 			if _, err := w.Write(event); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
 		}
 		event = event[:0]
-		if br.Buffered() == 0 || done {
+		if started && (br.Buffered() == 0 || done) {
 			if err := rc.Flush(); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
@@ -503,21 +556,18 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		s.pool.ReportSuccess(g.Backend)
 		return result{status: http.StatusOK, usage: u, wrote: true}
 	}
-	if ctx.Err() != nil {
-		return result{status: 499, err: errClientGone, wrote: true}
+	if readErr == io.EOF {
+		readErr = io.ErrUnexpectedEOF // the stream ended without [DONE]
 	}
-	// The backend ended or stalled without [DONE]: tell the client in the
-	// stream, since the status line is long gone.
-	kind := "stream_cut"
-	if stalled.Load() {
-		kind = "stream_stall"
+	res := failed("stream_cut", readErr)
+	if !started || res.err == errClientGone {
+		return res // nothing reached the client: retryable elsewhere
 	}
-	s.m.upstreamError(g.Backend, kind)
-	err := fmt.Errorf("backend %s: stream ended early: %v", g.Backend, readErr)
-	s.pool.ReportFailure(g.Backend, err)
+	// The status line is long gone: tell the client in the stream.
 	_, _ = w.Write([]byte(`data: {"error":{"message":"The model backend failed mid-stream; the response is incomplete.","type":"server_error","param":null,"code":"upstream_error"}}` + "\n\n"))
 	_ = rc.Flush()
-	return result{status: http.StatusBadGateway, err: err, wrote: true}
+	res.wrote = true
+	return res
 }
 
 // eventData returns the data of an SSE event (its data: lines joined), or

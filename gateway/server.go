@@ -36,8 +36,11 @@ type Config struct {
 	// before its first byte reaches the client [1].
 	Retries *int
 	// StreamIdleTimeout ends a stream whose backend sends nothing for this
-	// long [2m].
+	// long, before its first byte too [2m].
 	StreamIdleTimeout time.Duration
+	// RequestTimeout ends a non-streaming request whose backend has not
+	// answered in this long [10m]; a stalled backend counts as failed.
+	RequestTimeout time.Duration
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -75,6 +78,7 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.DefaultMaxTokens = cmp.Or(cfg.DefaultMaxTokens, 1024)
 	cfg.TokenCount = cmp.Or(cfg.TokenCount, "estimate")
 	cfg.StreamIdleTimeout = cmp.Or(cfg.StreamIdleTimeout, 2*time.Minute)
+	cfg.RequestTimeout = cmp.Or(cfg.RequestTimeout, 10*time.Minute)
 	if cfg.TokenCount != "estimate" && cfg.TokenCount != "tokenize" {
 		return nil, fmt.Errorf("token count %q is not estimate or tokenize", cfg.TokenCount)
 	}
@@ -149,8 +153,8 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		r.Body = http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes)
 		rw := &statusWriter{ResponseWriter: w}
 		s.m.inflight.Inc()
+		defer s.m.inflight.Dec()
 		status := h(rw, r)
-		s.m.inflight.Dec()
 		s.m.request(route, rw.model, status, time.Since(start))
 	})
 }

@@ -134,6 +134,7 @@ type Pool struct {
 	backends []*backend
 	byName   map[string]*backend
 	models   atomic.Pointer[[]Model] // the union, rebuilt when discovery changes it
+	unionMu  sync.Mutex              // serialises rebuilds, so an older union never lands last
 }
 
 type backend struct {
@@ -343,8 +344,11 @@ func (p *Pool) Scrape(ctx context.Context) {
 func (p *Pool) scrape(ctx context.Context, b *backend) {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.StaleAfter)
 	defer cancel()
-	m, err := p.fetchMetrics(ctx, b.cfg.URL)
+	// The page shows the backend at some moment during the fetch: stamp
+	// it with the start, so that work sent during the fetch counts as
+	// not yet in it.
 	now := time.Now()
+	m, err := p.fetchMetrics(ctx, b.cfg.URL)
 	if err != nil {
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 			return
@@ -542,8 +546,10 @@ func (p *Pool) discover(ctx context.Context, b *backend) error {
 	old := b.snap.Load().Models
 	if !slices.Equal(old, models) {
 		p.update(b, func(s *Snapshot) { s.Models = models })
+		p.unionMu.Lock()
 		union := p.unionModels()
 		p.models.Store(&union)
+		p.unionMu.Unlock()
 		p.log.Info("backend models", "backend", b.cfg.Name, "models", len(models))
 	}
 	return nil

@@ -14,9 +14,10 @@ type flight struct {
 
 // load is what admission knows of one backend at one instant.
 type load struct {
-	routable bool
-	stale    bool
-	degraded bool
+	routable   bool
+	stale      bool
+	degraded   bool
+	preempting bool // the backend preempted since its previous scrape
 
 	capacity   int // KV tokens
 	maxNumSeqs int
@@ -69,6 +70,7 @@ const (
 	reasonWaiting    = "backend_queue"
 	reasonKV         = "kv_budget"
 	reasonPacing     = "pacing"
+	reasonPreempting = "preempting"
 )
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
@@ -82,6 +84,10 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		return verdict{reason: reasonStale}
 	case l.capacity <= 0:
 		return verdict{reason: reasonNoCapacity}
+	case l.preempting:
+		// Something overfills it (load kvgate does not see, or a wrong
+		// prediction): sending more would only preempt more.
+		return verdict{reason: reasonPreempting}
 	}
 	target := p.KVTarget
 	if l.degraded {
@@ -166,19 +172,33 @@ func roundingSlack(n, bs int) int {
 //
 //	peak = max_j Σ_{i: r_i >= r_j} (held_i + r_j)
 //
-// which one pass over the flights sorted by remaining computes.
+// which one pass over the flights in order of remaining computes. flights
+// must be sorted by remaining, largest first (sortFlights); extra is
+// merged in without copying them.
 func projectPeak(flights []flight, extra flight) int {
-	all := make([]flight, 0, len(flights)+1)
-	all = append(all, flights...)
-	all = append(all, extra)
-	slices.SortFunc(all, func(a, b flight) int { return b.remaining - a.remaining })
 	peak, held, n := 0, 0, 0
-	for _, f := range all {
+	add := func(f flight) {
 		held += f.held
 		n++
 		if occ := held + n*f.remaining; occ > peak {
 			peak = occ
 		}
 	}
+	merged := false
+	for _, f := range flights {
+		if !merged && extra.remaining >= f.remaining {
+			add(extra)
+			merged = true
+		}
+		add(f)
+	}
+	if !merged {
+		add(extra)
+	}
 	return peak
+}
+
+// sortFlights orders flights as projectPeak needs them.
+func sortFlights(flights []flight) {
+	slices.SortFunc(flights, func(a, b flight) int { return b.remaining - a.remaining })
 }

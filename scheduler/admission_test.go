@@ -23,6 +23,7 @@ func TestProjectPeak(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
+			sortFlights(tc.flights)
 			if got := projectPeak(tc.flights, tc.extra); got != tc.want {
 				t.Errorf("projectPeak = %d, want %d", got, tc.want)
 			}
@@ -46,6 +47,7 @@ func TestProjectPeakAgainstStepping(t *testing.T) {
 			}
 			peak = max(peak, occ)
 		}
+		sortFlights(fs)
 		if got := projectPeak(fs, extra); got != peak {
 			t.Errorf("flights %v + %v: projectPeak %d, stepping %d", fs, extra, got, peak)
 		}

@@ -14,6 +14,8 @@ const (
 	outcomeQueueFull      = "queue_full"
 	outcomeTooLarge       = "too_large"
 	outcomeCancelled      = "cancelled"
+	outcomeNoBackend      = "no_backend"
+	outcomeShutdown       = "shutting_down"
 )
 
 type metrics struct {
@@ -37,7 +39,7 @@ func newMetrics(s *Scheduler) *metrics {
 		}, []string{"class"}),
 		blocks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvgate_scheduler_backend_refusals_total",
-			Help: "Admission checks a backend refused, by reason (kv_budget, max_num_seqs, backend_queue, metrics_stale, ...).",
+			Help: "Admission checks a backend refused, by reason (kv_budget, max_num_seqs, backend_queue, metrics_stale, pacing, preempting, ...); a queued ticket is checked again on every release, scrape and tick, so this counts checks, not tickets.",
 		}, []string{"backend", "reason"}),
 	}
 }

@@ -263,11 +263,16 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
+		s.m.outcome(t.Class, outcomeShutdown)
 		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
 	}
 	if err := s.checkFits(t, snaps); err != nil {
 		s.mu.Unlock()
-		s.m.outcome(t.Class, outcomeTooLarge)
+		if errors.Is(err, ErrNoBackend) {
+			s.m.outcome(t.Class, outcomeNoBackend)
+		} else {
+			s.m.outcome(t.Class, outcomeTooLarge)
+		}
 		return nil, err
 	}
 	counts := s.byModel[t.Model]
@@ -278,7 +283,7 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 		}
 	}
 	if ahead == 0 {
-		if g := s.tryAdmit(t, snaps, now, false); g != nil {
+		if g := s.tryAdmit(t, snaps, now, false, nil); g != nil {
 			s.mu.Unlock()
 			s.m.outcome(t.Class, outcomeAdmitted)
 			s.m.waited(t.Class, 0)
@@ -323,6 +328,7 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 		s.m.outcome(t.Class, outcomeCancelled)
 		return nil, ctx.Err()
 	case closed:
+		s.m.outcome(t.Class, outcomeShutdown)
 		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
 	}
 	s.m.outcome(t.Class, outcomeTimeout)
@@ -391,8 +397,10 @@ func (s *Scheduler) retryAfterLocked() time.Duration {
 }
 
 // tryAdmit grants t on the backend with the most headroom that can take
-// it, or returns nil. paced says t comes from a backlog.
-func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool) *Grant {
+// it, or returns nil. paced says t comes from a backlog. exact, when not
+// nil, keeps each backend's exact load across the tickets of one pass (the
+// costly part of a decision); an admission drops its backend's.
+func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
 	var best *gpu.Snapshot
 	bestHead := math.Inf(-1)
 	for _, sn := range snaps {
@@ -407,9 +415,16 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		ld.paced = paced
 		v := decide(&ld, t.PromptTokens, t.MaxTokens, &s.policy)
 		if v.needExact {
-			ld = s.loadOf(sn, l, now, true)
-			ld.paced = paced
-			v = decide(&ld, t.PromptTokens, t.MaxTokens, &s.policy)
+			ex := exact[sn.Name]
+			if ex == nil {
+				e := s.loadOf(sn, l, now, true)
+				ex = &e
+				if exact != nil {
+					exact[sn.Name] = ex
+				}
+			}
+			ex.paced = paced
+			v = decide(ex, t.PromptTokens, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
@@ -422,6 +437,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	if best == nil {
 		return nil
 	}
+	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
 		l = &ledger{lastAdmitStep: -1}
@@ -454,6 +470,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact bool) load {
 	m := sn.Metrics
 	ld := load{
+		preempting:      sn.PreemptionRate > 0,
 		routable:        sn.Routable(),
 		stale:           sn.Stale(now),
 		degraded:        sn.GPUHealth == gpu.Degraded,
@@ -501,6 +518,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 			ld.heldBeforeScrape += g.prompt + lo
 		}
 	}
+	sortFlights(ld.flights)
 	ld.reserved = l.reserved // prompts may have been re-estimated
 	// Releases before the scrape are out of the measurement; after it,
 	// still in it, as kvgate's own.
@@ -565,11 +583,18 @@ func (g *Grant) Release() {
 	l.reserved -= g.prompt + g.maxOut
 	l.sumOut -= g.maxOut
 	now := s.now()
+	// What the backend's last scrape surely showed of it: its prompt and
+	// the output a stream reported, not its whole budget, which would
+	// hide other load.
+	held := g.prompt
+	if n := g.generated.Load(); n >= 0 {
+		held += min(int(n), g.maxOut)
+	}
 	// In time order; loadOf drops those the next scrape no longer shows.
 	if len(l.released) >= maxReleases {
 		l.released = append(l.released[:0], l.released[len(l.released)/2:]...)
 	}
-	l.released = append(l.released, release{at: now, tokens: g.prompt + g.maxOut})
+	l.released = append(l.released, release{at: now, tokens: held})
 	if s.queued > 0 {
 		s.pumpLocked(s.src.Snapshots(), now)
 	}
@@ -598,6 +623,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 		return
 	}
 	var blocked map[string]bool
+	exact := map[string]*load{}
 	misses := 0
 	for c := range s.queues {
 		q := s.queues[c]
@@ -614,7 +640,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			if t.PromptEstimate != nil {
 				t.PromptTokens = t.PromptEstimate()
 			}
-			if g := s.tryAdmit(t, snaps, now, true); g != nil {
+			if g := s.tryAdmit(t, snaps, now, true, exact); g != nil {
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
 				close(t.done)

@@ -31,6 +31,7 @@ type config struct {
 		TokenCount        string        `yaml:"token_count"`
 		Retries           *int          `yaml:"retries"`
 		StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"`
+		RequestTimeout    time.Duration `yaml:"request_timeout"`
 	} `yaml:"gateway"`
 	Metrics struct {
 		ScrapeInterval time.Duration `yaml:"scrape_interval"`
@@ -80,7 +81,7 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
 	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, repeatable (env KVGATE_API_KEYS, comma-separated); none means no authentication")
 	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
-	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.9)")
+	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
 	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
 	fs.StringVar(&c.simProf, "sim-profile", "", "profile of the simulated backends (default h100-llama-3.1-8b)")
 	fs.Float64Var(&c.speedup, "sim-speedup", 0, "speed-up of the simulated backends (default 1)")

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"io"
 	"net/http"
 	"regexp"
 	"strings"
@@ -115,6 +116,75 @@ func TestSimServesAndStops(t *testing.T) {
 	case err := <-done:
 		if err != nil {
 			t.Errorf("sim returned %v after cancel", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("sim did not stop")
+	}
+}
+
+// TestSimDrainsOnShutdown cancels a running `kvgate sim` while a request is
+// in flight: the request completes (the engine runs until the server has
+// drained) and the command returns cleanly, without waiting out the drain
+// timeout.
+func TestSimDrainsOnShutdown(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	var stdout, stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"sim", "--port", "0", "--speedup", "20", "--max-model-len", "4096"}, noenv, &stdout, &stderr)
+	}()
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/`)
+	var base string
+	for deadline := time.Now().Add(10 * time.Second); base == ""; time.Sleep(5 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
+			base = "http://" + m[1]
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("sim printed no address")
+		}
+	}
+	type answer struct {
+		status int
+		err    error
+	}
+	got := make(chan answer, 1)
+	go func() {
+		// 300 steps of ~6.5 ms at 20x: about 0.1 s of wall time.
+		resp, err := http.Post(base+"/v1/completions", "application/json",
+			strings.NewReader(`{"prompt":"hello","max_tokens":300,"ignore_eos":true}`))
+		if err != nil {
+			got <- answer{err: err}
+			return
+		}
+		_, err = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		got <- answer{resp.StatusCode, err}
+	}()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		resp, err := http.Get(base + "/load")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if strings.Contains(string(b), `"server_load":1`) {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the request never reached the engine")
+		}
+	}
+	start := time.Now()
+	cancel()
+	if a := <-got; a.err != nil || a.status != http.StatusOK {
+		t.Errorf("in-flight request during shutdown: status %d, %v", a.status, a.err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("sim returned %v", err)
+		}
+		if el := time.Since(start); el > 5*time.Second {
+			t.Errorf("shutdown took %v: it waited out the drain timeout", el)
 		}
 	case <-time.After(15 * time.Second):
 		t.Fatal("sim did not stop")

@@ -44,12 +44,20 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	if err != nil {
 		return err
 	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	g, gctx := errgroup.WithContext(ctx)
+	// fail undoes a half-started server: the listener, and whatever g runs.
+	fail := func(err error) error {
+		ln.Close()
+		cancel()
+		_ = g.Wait()
+		return err
+	}
 	if len(cfg.Backends) == 0 {
 		urls, err := startSimFleet(gctx, g, cfg, log)
 		if err != nil {
-			ln.Close()
-			return err
+			return fail(err)
 		}
 		for _, u := range urls {
 			cfg.Backends = append(cfg.Backends, gpu.BackendConfig{URL: u})
@@ -75,22 +83,20 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		},
 	})
 	if err != nil {
-		ln.Close()
-		return err
+		return fail(err)
 	}
 	sched, err = scheduler.New(pool, scheduler.Options{Policy: cfg.Admission, Logger: log})
 	if err != nil {
-		ln.Close()
-		return err
+		return fail(err)
 	}
 	reg.MustRegister(sched.Collectors()...)
 	api, err := gateway.New(gateway.Config{
 		APIKeys: keys, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
+		RequestTimeout: cfg.Gateway.RequestTimeout,
 	}, pool, sched, reg, log)
 	if err != nil {
-		ln.Close()
-		return err
+		return fail(err)
 	}
 
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })

@@ -14,8 +14,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"golang.org/x/sync/errgroup"
-
 	"github.com/kvgate/kvgate/bench/vllmsim"
 )
 
@@ -110,30 +108,47 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 }
 
 // serve runs h on ln and the component's loop until ctx is done, then
-// drains open requests for up to ten seconds.
+// drains open requests for up to ten seconds before it stops the loop, so
+// that a simulator's engine finishes the requests its server drains. What
+// has not drained by then is cut. It returns once both have stopped.
 func serve(ctx context.Context, ln net.Listener, h http.Handler, loop func(context.Context) error) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error {
-		err := loop(gctx)
-		if errors.Is(err, context.Canceled) {
-			return nil
+	loopCtx, stopLoop := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopLoop()
+	loopDone := make(chan error, 1)
+	go func() { loopDone <- loop(loopCtx) }()
+	serveDone := make(chan error, 1)
+	go func() { serveDone <- srv.Serve(ln) }()
+
+	var err error
+	loopEnded, serveEnded := false, false
+	select {
+	case <-ctx.Done():
+	case err = <-serveDone:
+		serveEnded = true
+	case err = <-loopDone:
+		loopEnded = true
+	}
+	drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	if serr := srv.Shutdown(drainCtx); serr != nil {
+		_ = srv.Close() // requests still open after the drain are cut
+	}
+	cancel()
+	stopLoop()
+	if !serveEnded {
+		if serr := <-serveDone; err == nil && !errors.Is(serr, http.ErrServerClosed) {
+			err = serr
 		}
-		return err
-	})
-	g.Go(func() error {
-		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
-			return err
+	}
+	if !loopEnded {
+		if lerr := <-loopDone; err == nil && !errors.Is(lerr, context.Canceled) {
+			err = lerr
 		}
-		return nil
-	})
-	g.Go(func() error {
-		<-gctx.Done()
-		shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		defer cancel()
-		return srv.Shutdown(shutdownCtx)
-	})
-	return g.Wait()
+	}
+	if errors.Is(err, http.ErrServerClosed) || errors.Is(err, context.Canceled) {
+		err = nil
+	}
+	return err
 }
 
 func writeProfiles(w io.Writer) {
