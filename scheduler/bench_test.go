@@ -1,0 +1,48 @@
+package scheduler
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// BenchmarkWakeSaturated measures one pass over a queue that cannot be
+// admitted: 8 backends with 256 requests in flight each and 40 tickets
+// waiting. Every ticket needs the exact projection on every backend.
+//
+//	go test -run '^$' -bench WakeSaturated -benchmem ./scheduler/
+func BenchmarkWakeSaturated(b *testing.B) {
+	var snaps []*gpu.Snapshot
+	for i := range 8 {
+		sn := backendSnap(fmt.Sprint("b", i), 275_000) // 261k under the target: the 256 fit, a 10k ticket does not
+		sn.MaxNumSeqs = 1024
+		sn.Metrics.BlockSize = 16
+		snaps = append(snaps, sn)
+	}
+	s, err := New(&staticSource{snaps: snaps}, Options{Policy: Policy{MaxQueueWait: time.Hour}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx := context.Background()
+	for range 8 * 256 {
+		if _, err := s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 600, MaxTokens: 400}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for range 40 {
+		go func() { _, _ = s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 5000, MaxTokens: 5000}) }()
+	}
+	for s.Queued()[Interactive] < 40 {
+		time.Sleep(time.Millisecond)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		s.Wake()
+	}
+}
