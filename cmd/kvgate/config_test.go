@@ -128,3 +128,20 @@ func TestGPUsCommand(t *testing.T) {
 		t.Errorf("without backends: %v\n%s", err, none.String())
 	}
 }
+
+func TestMigrateCommand(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "jobs.db")
+	for i, want := range []string{"applied migrations [1]", "is up to date"} {
+		var stdout, stderr syncBuffer
+		if err := run(t.Context(), []string{"migrate", "--store", "sqlite://" + path}, noenv, &stdout, &stderr); err != nil {
+			t.Fatalf("run %d: %v\n%s", i, err, stderr.String())
+		}
+		if !strings.Contains(stdout.String(), want) {
+			t.Errorf("run %d: %q lacks %q", i, stdout.String(), want)
+		}
+	}
+	var stdout, stderr syncBuffer
+	if err := run(t.Context(), []string{"migrate", "--store", "mysql://x"}, noenv, &stdout, &stderr); err == nil {
+		t.Error("migrate accepted a mysql:// store")
+	}
+}

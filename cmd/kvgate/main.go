@@ -4,6 +4,7 @@
 //
 //	kvgate serve [flags]          serve the OpenAI-compatible API in front of vLLM
 //	kvgate gpus [flags]           print the GPUs and the backends' live capacity
+//	kvgate migrate [flags]        apply the job store's migrations
 //	kvgate sim [flags]            run a simulated vLLM server
 //	kvgate sim calibrate          compare the simulator with published GPU figures
 //	kvgate sim profiles           list the simulator's profiles
@@ -43,6 +44,7 @@ const usage = `kvgate: an inference gateway for vLLM servers on local GPUs
 Commands:
   serve        serve the OpenAI-compatible API in front of vLLM (kvgate serve --help)
   gpus         print the GPUs and the backends with their live capacity
+  migrate      apply the job store's migrations (--store postgres://... or sqlite://PATH)
   sim          run a simulated vLLM server (kvgate sim --help)
   sim calibrate
                replay published H100 experiments on the simulator
@@ -63,6 +65,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return runServe(ctx, args[1:], getenv, stdout, stderr)
 	case "gpus":
 		return runGPUs(ctx, args[1:], getenv, stdout, stderr)
+	case "migrate":
+		return runMigrate(ctx, args[1:], getenv, stdout, stderr)
 	case "sim":
 		return runSim(ctx, args[1:], getenv, stdout, stderr)
 	case "version", "--version":
