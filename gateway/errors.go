@@ -12,6 +12,7 @@ import (
 	openai "github.com/sashabaranov/go-openai"
 
 	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
 )
 
 // apiError is an error that kvgate answers itself, in OpenAI's shape.
@@ -82,6 +83,16 @@ func toAPIError(err error) *apiError {
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_overloaded",
 			retryAfter: rejected.RetryAfter,
 			msg:        "The gateway is at capacity (" + rejected.Reason + "); retry after the Retry-After delay."}
+	case errors.Is(err, store.ErrNotFound):
+		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", msg: "No such job."}
+	case errors.Is(err, store.ErrConflict):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "idempotency_key_reused",
+			msg: "This Idempotency-Key was used for a different request; use a new key for a new request."}
+	case errors.Is(err, store.ErrFinal):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_final", msg: "The job has already ended."}
+	case errors.Is(err, store.ErrUnavailable):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "store_unavailable", retryAfter: time.Second,
+			msg: "Jobs cannot be accepted right now; nothing was recorded. Retry with the same Idempotency-Key."}
 	case errors.Is(err, scheduler.ErrNoBackend):
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
 			msg: "No backend serves this model."}

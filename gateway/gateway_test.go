@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -21,6 +22,8 @@ import (
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store/sqlite"
+	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
 const llama = "meta-llama/Llama-3.1-8B-Instruct"
@@ -28,6 +31,7 @@ const llama = "meta-llama/Llama-3.1-8B-Instruct"
 // fleet is kvgate in front of simulated vLLM servers, all in-process and
 // on real HTTP.
 type fleet struct {
+	store *sqlstore.Store
 	sims  []*vllmsim.Sim
 	urls  []string
 	pool  *gpu.Pool
@@ -48,6 +52,8 @@ type fleetOpts struct {
 	// production uses the pool's default scrape and probe intervals
 	// rather than the tests' fast ones.
 	production bool
+	// jobs enables durable jobs on a SQLite store; runner also runs them.
+	jobs, runner bool
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -98,19 +104,48 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	}
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(f.sched.Collectors()...)
+	var runner *scheduler.Runner
+	if o.jobs {
+		f.store, err = sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := sqlite.Migrate(context.Background(), f.store); err != nil {
+			t.Fatal(err)
+		}
+		o.gateway.Jobs.Store = f.store
+		o.gateway.Jobs.Wake = func() {
+			if runner != nil {
+				runner.Wake()
+			}
+		}
+	}
 	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if o.runner {
+		runner = scheduler.NewRunner(f.store, f.sched, f.api, scheduler.RunnerConfig{
+			Concurrency: 16, Lease: 10 * time.Second, Poll: 20 * time.Millisecond, ReapEvery: 100 * time.Millisecond,
+			Backoff: scheduler.Backoff{Base: 20 * time.Millisecond, Max: 100 * time.Millisecond},
+		})
+		reg.MustRegister(runner.Collectors()...)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	wg.Go(func() { _ = f.pool.Run(ctx) })
 	wg.Go(func() { _ = f.sched.Run(ctx) })
+	if runner != nil {
+		wg.Go(func() { _ = runner.Run(ctx) })
+	}
 	f.srv = httptest.NewServer(f.api)
 	t.Cleanup(func() {
 		f.srv.Close()
 		cancel()
 		wg.Wait()
+		if f.store != nil {
+			f.store.Close()
+		}
 	})
 	// Ready: every backend discovered and scraped.
 	for deadline := time.Now().Add(10 * time.Second); ; {

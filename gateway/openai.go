@@ -87,6 +87,12 @@ func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
 		}
 		return nil, badRequest("", "Could not read the request body.")
 	}
+	return parseCall(body, ep)
+}
+
+// parseCall validates a request body for an endpoint and reads the fields
+// admission needs.
+func parseCall(body []byte, ep endpoint) (*call, error) {
 	c := &call{ep: ep, body: body}
 	if err := json.Unmarshal(body, &c.f); err != nil {
 		var typeErr *json.UnmarshalTypeError

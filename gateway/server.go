@@ -41,6 +41,9 @@ type Config struct {
 	// RequestTimeout ends a non-streaming request whose backend has not
 	// answered in this long [10m]; a stalled backend counts as failed.
 	RequestTimeout time.Duration
+	// Jobs enables the durable jobs API (/v1/jobs); without a store it
+	// answers 404.
+	Jobs Jobs
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -66,6 +69,7 @@ type Server struct {
 	log     *slog.Logger
 	client  *http.Client
 	est     *estimator
+	jobs    Jobs
 	m       *metrics
 	mux     *http.ServeMux
 	retries int
@@ -79,6 +83,9 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.TokenCount = cmp.Or(cfg.TokenCount, "estimate")
 	cfg.StreamIdleTimeout = cmp.Or(cfg.StreamIdleTimeout, 2*time.Minute)
 	cfg.RequestTimeout = cmp.Or(cfg.RequestTimeout, 10*time.Minute)
+	cfg.Jobs.MaxAttempts = cmp.Or(cfg.Jobs.MaxAttempts, 5)
+	cfg.Jobs.DefaultDeadline = cmp.Or(cfg.Jobs.DefaultDeadline, 24*time.Hour)
+	cfg.Jobs.MaxDeadline = cmp.Or(cfg.Jobs.MaxDeadline, 7*24*time.Hour)
 	if cfg.TokenCount != "estimate" && cfg.TokenCount != "tokenize" {
 		return nil, fmt.Errorf("token count %q is not estimate or tokenize", cfg.TokenCount)
 	}
@@ -99,9 +106,10 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 			IdleConnTimeout:     90 * time.Second,
 			DisableCompression:  true,
 		}},
-		est: newEstimator(),
-		m:   newMetrics(),
-		mux: http.NewServeMux(),
+		est:  newEstimator(),
+		jobs: cfg.Jobs,
+		m:    newMetrics(),
+		mux:  http.NewServeMux(),
 	}
 	if err := s.m.register(reg); err != nil {
 		return nil, err
@@ -115,6 +123,9 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("POST /v1/completions", s.api("/v1/completions", s.handleCompletion))
 	s.mux.Handle("POST /v1/embeddings", s.api("/v1/embeddings", s.handleEmbeddings))
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
+	if s.jobs.Store != nil {
+		s.jobRoutes()
+	}
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = w.Write([]byte("ok\n"))

@@ -19,10 +19,13 @@ import (
 // config is kvgate serve's configuration: defaults, then the YAML file,
 // then KVGATE_* environment variables, then flags.
 type config struct {
-	Addr     string              `yaml:"addr"`
-	Backends []gpu.BackendConfig `yaml:"backends"`
-	APIKeys  []apiKey            `yaml:"api_keys"`
-	LogLevel string              `yaml:"log_level"`
+	Addr      string              `yaml:"addr"`
+	Store     string              `yaml:"store"`    // postgres://... or sqlite://PATH; SQLite under DataDir by default
+	DataDir   string              `yaml:"data_dir"` // the embedded store (and, later, broker) live here
+	NoMigrate bool                `yaml:"no_migrate"`
+	Backends  []gpu.BackendConfig `yaml:"backends"`
+	APIKeys   []apiKey            `yaml:"api_keys"`
+	LogLevel  string              `yaml:"log_level"`
 
 	Admission scheduler.Policy `yaml:"admission"`
 	Gateway   struct {
@@ -42,6 +45,12 @@ type config struct {
 		Disabled bool          `yaml:"disabled"`
 		Interval time.Duration `yaml:"interval"`
 	} `yaml:"nvml"`
+	Jobs struct {
+		Concurrency     int           `yaml:"concurrency"`
+		Lease           time.Duration `yaml:"lease"`
+		MaxAttempts     int           `yaml:"max_attempts"`
+		DefaultDeadline time.Duration `yaml:"default_deadline"`
+	} `yaml:"jobs"`
 	// Sim is the development fleet started when no backend is configured.
 	Sim struct {
 		Profile string  `yaml:"profile"`
@@ -73,6 +82,9 @@ type configFlags struct {
 	simProf  string
 	speedup  float64
 	noNVML   bool
+	store    string
+	dataDir  string
+	noMig    bool
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
@@ -86,12 +98,15 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.simProf, "sim-profile", "", "profile of the simulated backends (default h100-llama-3.1-8b)")
 	fs.Float64Var(&c.speedup, "sim-speedup", 0, "speed-up of the simulated backends (default 1)")
 	fs.BoolVar(&c.noNVML, "no-nvml", false, "do not read GPUs through NVML")
+	fs.StringVar(&c.store, "store", "", "job store: postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
+	fs.StringVar(&c.dataDir, "data-dir", "", "directory of the embedded store (env KVGATE_DATA_DIR; default ./data)")
+	fs.BoolVar(&c.noMig, "no-migrate", false, "do not apply the store's migrations on start (run kvgate migrate)")
 }
 
 // load builds the configuration from the file, the environment and the
 // flags that were set on fs.
 func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*config, error) {
-	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info"}
+	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data"}
 	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -122,6 +137,12 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if v, ok := env("KVGATE_LOG_LEVEL"); ok {
 		cfg.LogLevel = v
 	}
+	if v, ok := env("KVGATE_STORE"); ok {
+		cfg.Store = v
+	}
+	if v, ok := env("KVGATE_DATA_DIR"); ok {
+		cfg.DataDir = v
+	}
 	if v, ok := env("KVGATE_BACKENDS"); ok {
 		cfg.Backends = nil
 		for _, u := range splitList(v) {
@@ -148,6 +169,15 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["log-level"] {
 		cfg.LogLevel = c.logLevel
+	}
+	if set["store"] {
+		cfg.Store = c.store
+	}
+	if set["data-dir"] {
+		cfg.DataDir = c.dataDir
+	}
+	if set["no-migrate"] {
+		cfg.NoMigrate = c.noMig
 	}
 	if set["backend"] {
 		cfg.Backends = nil

@@ -1,10 +1,14 @@
 package main
 
 import (
+	"context"
+	"encoding/json"
 	"flag"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -143,5 +147,74 @@ func TestMigrateCommand(t *testing.T) {
 	var stdout, stderr syncBuffer
 	if err := run(t.Context(), []string{"migrate", "--store", "mysql://x"}, noenv, &stdout, &stderr); err == nil {
 		t.Error("migrate accepted a mysql:// store")
+	}
+}
+
+// TestServeRunsJobs starts `kvgate serve` on its embedded defaults (SQLite
+// under --data-dir, simulated backends) and runs one durable job through it.
+func TestServeRunsJobs(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	var stdout, stderr syncBuffer
+	done := make(chan error, 1)
+	dir := t.TempDir()
+	go func() {
+		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", dir}, noenv, &stdout, &stderr)
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}()
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
+	var base string
+	for deadline := time.Now().Add(10 * time.Second); base == ""; time.Sleep(5 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
+			base = "http://" + m[1]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("serve printed no address:\n%s", stderr.String())
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if r, err := http.Get(base + "/readyz"); err == nil {
+			r.Body.Close()
+			if r.StatusCode == 200 {
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("never ready")
+		}
+	}
+	req, _ := http.NewRequest(http.MethodPost, base+"/v1/jobs", strings.NewReader(
+		`{"endpoint":"/v1/completions","body":{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"hi","max_tokens":3}}`))
+	req.Header.Set("Idempotency-Key", "one")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	loc := resp.Header.Get("Location")
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusAccepted || loc == "" {
+		t.Fatalf("submit: %d %q", resp.StatusCode, loc)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		r, err := http.Get(base + loc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v struct{ State string }
+		_ = json.NewDecoder(r.Body).Decode(&v)
+		r.Body.Close()
+		if v.State == "SUCCEEDED" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("job still %s", v.State)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "kvgate.db")); err != nil {
+		t.Errorf("no SQLite store under the data directory: %v", err)
 	}
 }

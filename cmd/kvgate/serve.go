@@ -90,17 +90,37 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		return fail(err)
 	}
 	reg.MustRegister(sched.Collectors()...)
+	st, loc, applied, err := openStore(ctx, cfg.Store, cfg.DataDir, !cfg.NoMigrate)
+	if err != nil {
+		return fail(fmt.Errorf("job store: %w", err))
+	}
+	defer st.Close()
+	log.Info("job store open", "kind", loc.Kind, "store", redact(loc), "migrations_applied", applied)
+	var runner *scheduler.Runner
 	api, err := gateway.New(gateway.Config{
 		APIKeys: keys, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout,
+		Jobs: gateway.Jobs{
+			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
+			Wake: func() {
+				if runner != nil {
+					runner.Wake()
+				}
+			},
+		},
 	}, pool, sched, reg, log)
 	if err != nil {
 		return fail(err)
 	}
+	runner = scheduler.NewRunner(st, sched, api, scheduler.RunnerConfig{
+		Concurrency: cfg.Jobs.Concurrency, Lease: cfg.Jobs.Lease, Logger: log,
+	})
+	reg.MustRegister(runner.Collectors()...)
 
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })
 	g.Go(func() error { return ignoreCanceled(sched.Run(gctx)) })
+	g.Go(func() error { return ignoreCanceled(runner.Run(gctx)) })
 	g.Go(func() error { return serve(gctx, ln, api, waitDone) })
 
 	addr := ln.Addr().String()

@@ -1,0 +1,324 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
+)
+
+// jobStore is what the jobs API needs of the durable store.
+type jobStore interface {
+	Accept(ctx context.Context, j store.NewJob) (store.Job, bool, error)
+	Get(ctx context.Context, tenant, id string) (store.Job, error)
+	List(ctx context.Context, tenant string, f store.ListFilter) ([]store.Job, string, error)
+	Result(ctx context.Context, tenant, id string) (json.RawMessage, error)
+	Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error)
+}
+
+// Jobs configures the durable jobs API. Zero values take the defaults in
+// brackets.
+type Jobs struct {
+	Store jobStore
+	// Wake tells the runner that work arrived; nil if none listens.
+	Wake            func()
+	MaxAttempts     int           // per job [5]
+	DefaultDeadline time.Duration // when a job gives none [24h]
+	MaxDeadline     time.Duration // the latest a job may ask for [7 days]
+}
+
+var jobEndpoints = map[string]endpoint{
+	"/v1/chat/completions": epChat, "/v1/completions": epCompletion, "/v1/embeddings": epEmbedding,
+}
+
+type jobRequest struct {
+	Endpoint        string          `json:"endpoint"`
+	Body            json.RawMessage `json:"body"`
+	Deadline        *time.Time      `json:"deadline"`
+	DeadlineSeconds *int            `json:"deadline_seconds"`
+	Metadata        json.RawMessage `json:"metadata"`
+}
+
+// jobView is a job as its tenant sees it. Retry details (attempts,
+// backends, error classes) are for operators and are not shown here.
+type jobView struct {
+	ID           string          `json:"id"`
+	Object       string          `json:"object"`
+	Endpoint     string          `json:"endpoint"`
+	Model        string          `json:"model"`
+	State        string          `json:"state"`
+	StateVersion int64           `json:"state_version"`
+	CreatedAt    int64           `json:"created_at"`
+	UpdatedAt    int64           `json:"updated_at"`
+	Deadline     int64           `json:"deadline"`
+	Metadata     json.RawMessage `json:"metadata,omitempty"`
+	ResultURL    string          `json:"result_url,omitempty"`
+}
+
+func viewOf(j store.Job) jobView {
+	v := jobView{
+		ID: j.ID, Object: "job", Endpoint: j.Endpoint, Model: j.Model, State: string(j.State), StateVersion: j.StateVersion,
+		CreatedAt: j.CreatedAt.Unix(), UpdatedAt: j.UpdatedAt.Unix(), Deadline: j.Deadline.Unix(), Metadata: j.Metadata,
+	}
+	if j.State == store.Succeeded {
+		v.ResultURL = "/v1/jobs/" + j.ID + "/result"
+	}
+	return v
+}
+
+func (s *Server) jobRoutes() {
+	s.mux.Handle("POST /v1/jobs", s.api("/v1/jobs", s.handleSubmitJob))
+	s.mux.Handle("GET /v1/jobs", s.api("/v1/jobs", s.handleListJobs))
+	s.mux.Handle("GET /v1/jobs/{id}", s.api("/v1/jobs/{id}", s.handleGetJob))
+	s.mux.Handle("GET /v1/jobs/{id}/result", s.api("/v1/jobs/{id}/result", s.handleJobResult))
+	s.mux.Handle("POST /v1/jobs/{id}/cancel", s.api("/v1/jobs/{id}/cancel", s.handleCancelJob))
+}
+
+// requestHash identifies a job's result-affecting input: the endpoint and
+// the body, whitespace aside.
+func requestHash(endpoint string, body []byte) string {
+	var compact bytes.Buffer
+	if json.Compact(&compact, body) != nil {
+		compact.Reset()
+		compact.Write(body)
+	}
+	h := sha256.New()
+	h.Write([]byte(endpoint))
+	h.Write([]byte{0})
+	h.Write(compact.Bytes())
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
+	key := r.Header.Get("Idempotency-Key")
+	if key == "" || len(key) > 255 {
+		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_required",
+			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 characters: the same key returns the same job."})
+	}
+	raw, err := io.ReadAll(r.Body)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	var req jobRequest
+	if err := json.Unmarshal(raw, &req); err != nil {
+		return writeError(w, s.log, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")"))
+	}
+	ep, ok := jobEndpoints[req.Endpoint]
+	if !ok {
+		return writeError(w, s.log, badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings."))
+	}
+	if len(req.Metadata) > 16<<10 {
+		return writeError(w, s.log, badRequest("metadata", "metadata is limited to 16 KiB."))
+	}
+	c, err := parseCall(req.Body, ep)
+	if err != nil {
+		var api *apiError
+		if errors.As(err, &api) && api.param != "" {
+			api.param = "body." + api.param
+		}
+		return writeError(w, s.log, err)
+	}
+	if c.f.Stream {
+		return writeError(w, s.log, badRequest("body.stream", "A job's result is stored, not streamed: leave stream unset."))
+	}
+	model, ok := s.lookupModel(c.model)
+	if !ok {
+		return writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
+			param: "body.model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
+	}
+	now := time.Now()
+	deadline := now.Add(s.jobs.DefaultDeadline)
+	switch {
+	case req.Deadline != nil:
+		deadline = *req.Deadline
+	case req.DeadlineSeconds != nil:
+		deadline = now.Add(time.Duration(*req.DeadlineSeconds) * time.Second)
+	}
+	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
+		return writeError(w, s.log, badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
+	}
+	prompt, maxOut, _ := s.reservation(r.Context(), c, model)
+	job, created, err := s.jobs.Store.Accept(r.Context(), store.NewJob{
+		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: requestHash(req.Endpoint, req.Body),
+		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
+		Priority: 0, TokenEstimate: prompt + maxOut, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
+	})
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	if created && s.jobs.Wake != nil {
+		s.jobs.Wake()
+	}
+	if !created {
+		w.Header().Set("Idempotent-Replayed", "true")
+	}
+	w.Header().Set("Location", "/v1/jobs/"+job.ID)
+	writeJSON(w, http.StatusAccepted, viewOf(job))
+	return http.StatusAccepted
+}
+
+func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {
+	j, err := s.jobs.Store.Get(r.Context(), tenantOf(r.Context()), r.PathValue("id"))
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, viewOf(j))
+	return http.StatusOK
+}
+
+func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
+	q := r.URL.Query()
+	f := store.ListFilter{After: q.Get("after")}
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n < 1 || n > 1000 {
+			return writeError(w, s.log, badRequest("limit", "limit must be a number from 1 to 1000."))
+		}
+		f.Limit = n
+	}
+	for _, st := range q["state"] {
+		switch store.State(st) {
+		case store.Ready, store.Running, store.RetryScheduled, store.Succeeded, store.ReviewRequired, store.FailedTerminal, store.Cancelled:
+			f.States = append(f.States, store.State(st))
+		default:
+			return writeError(w, s.log, badRequest("state", fmt.Sprintf("state %q is not a job state.", st)))
+		}
+	}
+	jobs, next, err := s.jobs.Store.List(r.Context(), tenantOf(r.Context()), f)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	page := struct {
+		Object     string    `json:"object"`
+		Data       []jobView `json:"data"`
+		HasMore    bool      `json:"has_more"`
+		NextCursor string    `json:"next_cursor,omitempty"`
+	}{Object: "list", Data: make([]jobView, len(jobs)), HasMore: next != "", NextCursor: next}
+	for i, j := range jobs {
+		page.Data[i] = viewOf(j)
+	}
+	writeJSON(w, http.StatusOK, page)
+	return http.StatusOK
+}
+
+func (s *Server) handleJobResult(w http.ResponseWriter, r *http.Request) int {
+	tenant, id := tenantOf(r.Context()), r.PathValue("id")
+	j, err := s.jobs.Store.Get(r.Context(), tenant, id)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	if j.State != store.Succeeded {
+		return writeError(w, s.log, &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_not_succeeded",
+			msg: fmt.Sprintf("The job is %s; a result exists once it has SUCCEEDED.", j.State)})
+	}
+	res, err := s.jobs.Store.Result(r.Context(), tenant, id)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(res)
+	return http.StatusOK
+}
+
+func (s *Server) handleCancelJob(w http.ResponseWriter, r *http.Request) int {
+	j, err := s.jobs.Store.Cancel(r.Context(), tenantOf(r.Context()), r.PathValue("id"), uuid.Must(uuid.NewV7()).String(), time.Now())
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, viewOf(j))
+	return http.StatusOK
+}
+
+// Ticket implements scheduler.Executor: a job's admission ticket, counted
+// as its request would be on the interactive path.
+func (s *Server) Ticket(j store.Job) (*scheduler.Ticket, error) {
+	ep, ok := jobEndpoints[j.Endpoint]
+	if !ok {
+		return nil, fmt.Errorf("job %s: unknown endpoint %q", j.ID, j.Endpoint)
+	}
+	c, err := parseCall(j.Body, ep)
+	if err != nil {
+		return nil, fmt.Errorf("job %s: %w", j.ID, err)
+	}
+	model, ok := s.lookupModel(c.model)
+	if !ok {
+		model = gpu.Model{ID: c.model} // the scheduler waits for a backend to serve it
+	}
+	prompt, maxOut, exact := s.reservation(context.Background(), c, model)
+	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut}
+	if !exact {
+		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
+	}
+	return t, nil
+}
+
+// Execute implements scheduler.Executor: the job's request, sent to the
+// granted backend and read whole.
+func (s *Server) Execute(ctx context.Context, j store.Job, g *scheduler.Grant) (scheduler.Outcome, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	fail := func(class scheduler.ErrorClass, status int, retryAfter time.Duration, err error) (scheduler.Outcome, error) {
+		return scheduler.Outcome{}, &scheduler.ExecError{Class: class, Status: status, RetryAfter: retryAfter, Err: err}
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+j.Endpoint, bytes.NewReader(j.Body))
+	if err != nil {
+		return fail(scheduler.ClassInvalid, 0, 0, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := s.client.Do(req)
+	if err != nil {
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			s.pool.ReportFailure(g.Backend, errStalled)
+			return fail(scheduler.ClassTimeout, 0, 0, err)
+		}
+		s.pool.ReportFailure(g.Backend, err)
+		return fail(scheduler.ClassBackend, 0, 0, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		s.pool.ReportFailure(g.Backend, err)
+		return fail(scheduler.ClassBackend, resp.StatusCode, 0, err)
+	}
+	switch {
+	case resp.StatusCode == http.StatusTooManyRequests:
+		return fail(scheduler.ClassRateLimited, resp.StatusCode, parseRetryAfter(resp.Header.Get("Retry-After")), errors.New(errorMessage(body)))
+	case resp.StatusCode >= 500:
+		s.pool.ReportFailure(g.Backend, fmt.Errorf("status %d", resp.StatusCode))
+		return fail(scheduler.ClassBackend, resp.StatusCode, parseRetryAfter(resp.Header.Get("Retry-After")), errors.New(errorMessage(body)))
+	case resp.StatusCode >= 400:
+		s.pool.ReportSuccess(g.Backend)
+		return fail(scheduler.ClassInvalid, resp.StatusCode, 0, errors.New(errorMessage(body)))
+	}
+	var parsed struct {
+		Usage *usage `json:"usage"`
+	}
+	if err := json.Unmarshal(body, &parsed); err != nil {
+		s.pool.ReportFailure(g.Backend, err)
+		return fail(scheduler.ClassBackend, resp.StatusCode, 0, fmt.Errorf("malformed response: %w", err))
+	}
+	s.pool.ReportSuccess(g.Backend)
+	out := scheduler.Outcome{Body: body}
+	if parsed.Usage != nil {
+		out.PromptTokens, out.CompletionTokens = parsed.Usage.PromptTokens, parsed.Usage.CompletionTokens
+		if p, err := parseCall(j.Body, jobEndpoints[j.Endpoint]); err == nil && p.promptBytes > 0 {
+			s.est.observe(j.Model, p.promptBytes, out.PromptTokens)
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,214 @@
+package gateway
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/store"
+)
+
+func submitJob(t *testing.T, f *fleet, key, body string, header ...string) (*http.Response, jobView) {
+	t.Helper()
+	h := append([]string{"Idempotency-Key", key}, header...)
+	if key == "" {
+		h = header
+	}
+	resp, b := f.post(t, "/v1/jobs", body, h...)
+	var v jobView
+	_ = json.Unmarshal(b, &v)
+	return resp, v
+}
+
+func chatJob(prompt string, maxTokens int) string {
+	return fmt.Sprintf(`{"endpoint":"/v1/chat/completions","metadata":{"doc":"d1"},"body":{"model":"%s","messages":[{"role":"user","content":%q}],"max_tokens":%d}}`,
+		llama, prompt, maxTokens)
+}
+
+func getJob(t *testing.T, f *fleet, id string, header ...string) (int, jobView) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, f.srv.URL+"/v1/jobs/"+id, nil)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v jobView
+	_ = json.NewDecoder(resp.Body).Decode(&v)
+	return resp.StatusCode, v
+}
+
+func waitState(t *testing.T, f *fleet, id string, want store.State) jobView {
+	t.Helper()
+	var v jobView
+	waitFor(t, "job "+id+" to reach "+string(want), func() bool {
+		_, v = getJob(t, f, id)
+		return v.State == string(want)
+	})
+	return v
+}
+
+func TestJobRunsToCompletion(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 2, jobs: true, runner: true})
+	resp, v := submitJob(t, f, "k1", chatJob("summarise this", 8))
+	if resp.StatusCode != http.StatusAccepted || resp.Header.Get("Location") != "/v1/jobs/"+v.ID || v.State != "READY" {
+		t.Fatalf("submit: %d %q %+v", resp.StatusCode, resp.Header.Get("Location"), v)
+	}
+	done := waitState(t, f, v.ID, store.Succeeded)
+	if done.ResultURL == "" || done.StateVersion < 3 || string(done.Metadata) != `{"doc":"d1"}` {
+		t.Errorf("finished job %+v", done)
+	}
+	r, err := http.Get(f.srv.URL + done.ResultURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var result struct {
+		Object string `json:"object"`
+		Usage  usage  `json:"usage"`
+	}
+	_ = json.NewDecoder(r.Body).Decode(&result)
+	r.Body.Close()
+	if r.StatusCode != 200 || result.Object != "chat.completion" || result.Usage.CompletionTokens == 0 {
+		t.Errorf("result: %d %+v", r.StatusCode, result)
+	}
+	as, _ := f.store.Attempts(t.Context(), v.ID)
+	if len(as) != 1 || as[0].Outcome != "succeeded" || as[0].Backend == "" || as[0].CompletionTokens == 0 {
+		t.Errorf("attempts %+v", as)
+	}
+	if f.inflight() != 0 {
+		t.Errorf("%d reservations held", f.inflight())
+	}
+}
+
+func TestJobIdempotencyAndScoping(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, gateway: Config{APIKeys: map[string]string{"sk-a": "acme", "sk-g": "globex"}}})
+	acme, globex := []string{"Authorization", "Bearer sk-a"}, []string{"Authorization", "Bearer sk-g"}
+	_, first := submitJob(t, f, "k", chatJob("hello", 4), acme...)
+	resp, again := submitJob(t, f, "k", chatJob("hello", 4), acme...)
+	if resp.StatusCode != http.StatusAccepted || again.ID != first.ID || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Errorf("same key, same request: %d, %s vs %s", resp.StatusCode, again.ID, first.ID)
+	}
+	// Whitespace does not make a different request.
+	resp, _ = submitJob(t, f, "k", strings.ReplaceAll(chatJob("hello", 4), ",", " , "), acme...)
+	if resp.StatusCode != http.StatusAccepted {
+		t.Errorf("same request, other whitespace: %d", resp.StatusCode)
+	}
+	if resp, _ := submitJob(t, f, "k", chatJob("goodbye", 4), acme...); resp.StatusCode != http.StatusConflict {
+		t.Errorf("same key, different request: %d, want 409", resp.StatusCode)
+	}
+	if resp, _ := submitJob(t, f, "", chatJob("hello", 4), acme...); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("no key: %d, want 400", resp.StatusCode)
+	}
+	// Another tenant: the same key is its own, and the job is not found.
+	if resp, other := submitJob(t, f, "k", chatJob("hello", 4), globex...); resp.StatusCode != http.StatusAccepted || other.ID == first.ID {
+		t.Errorf("other tenant, same key: %d %s", resp.StatusCode, other.ID)
+	}
+	if code, _ := getJob(t, f, first.ID, globex...); code != http.StatusNotFound {
+		t.Errorf("another tenant's job: %d, want 404", code)
+	}
+	if code, v := getJob(t, f, first.ID, acme...); code != 200 || v.ID != first.ID {
+		t.Errorf("own job: %d", code)
+	}
+	for _, tc := range []struct{ name, body string }{
+		{"unknown endpoint", `{"endpoint":"/v1/images","body":{}}`},
+		{"invalid inner body", `{"endpoint":"/v1/chat/completions","body":{"model":"` + llama + `"}}`},
+		{"streaming", `{"endpoint":"/v1/completions","body":{"model":"` + llama + `","prompt":"x","stream":true}}`},
+		{"deadline in the past", `{"endpoint":"/v1/completions","deadline_seconds":-5,"body":{"model":"` + llama + `","prompt":"x"}}`},
+	} {
+		if resp, _ := submitJob(t, f, "bad-"+tc.name, tc.body, acme...); resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("%s: %d, want 400", tc.name, resp.StatusCode)
+		}
+	}
+	if resp, _ := submitJob(t, f, "nomodel", `{"endpoint":"/v1/completions","body":{"model":"nope","prompt":"x"}}`, acme...); resp.StatusCode != http.StatusNotFound {
+		t.Errorf("unknown model: %d, want 404", resp.StatusCode)
+	}
+
+	// No runner here: the job waits, and can be cancelled once.
+	resp, b := f.post(t, "/v1/jobs/"+first.ID+"/cancel", "", acme...)
+	if resp.StatusCode != 200 || !strings.Contains(string(b), `"CANCELLED"`) {
+		t.Errorf("cancel: %d %s", resp.StatusCode, b)
+	}
+	if resp, _ := f.post(t, "/v1/jobs/"+first.ID+"/cancel", "", acme...); resp.StatusCode != http.StatusConflict {
+		t.Errorf("cancel twice: %d, want 409", resp.StatusCode)
+	}
+	req, _ := http.NewRequest(http.MethodGet, f.srv.URL+"/v1/jobs/"+first.ID+"/result", nil)
+	req.Header.Set("Authorization", "Bearer sk-a")
+	if r, err := http.DefaultClient.Do(req); err != nil || r.StatusCode != http.StatusConflict {
+		t.Errorf("result of a cancelled job: %v %v", r.StatusCode, err)
+	}
+}
+
+func TestJobList(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true})
+	var ids []string
+	for i := range 5 {
+		_, v := submitJob(t, f, fmt.Sprint("k", i), chatJob(fmt.Sprint("p", i), 4))
+		ids = append(ids, v.ID)
+	}
+	var got []string
+	url := f.srv.URL + "/v1/jobs?limit=2&state=READY"
+	for range 5 {
+		resp, err := http.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var page struct {
+			Data       []jobView `json:"data"`
+			HasMore    bool      `json:"has_more"`
+			NextCursor string    `json:"next_cursor"`
+		}
+		_ = json.NewDecoder(resp.Body).Decode(&page)
+		resp.Body.Close()
+		for _, v := range page.Data {
+			got = append(got, v.ID)
+		}
+		if !page.HasMore {
+			break
+		}
+		url = f.srv.URL + "/v1/jobs?limit=2&state=READY&after=" + page.NextCursor
+	}
+	if len(got) != 5 || got[0] != ids[4] || got[4] != ids[0] {
+		t.Errorf("listed %v, want newest first %v", got, ids)
+	}
+	if resp, err := http.Get(f.srv.URL + "/v1/jobs?state=DONE"); err != nil || resp.StatusCode != 400 {
+		t.Errorf("bad state filter: %v", resp.StatusCode)
+	}
+}
+
+// TestJobRetriesThroughBackendErrors: 503s from every backend are retried
+// with backoff, and the job completes once the backends recover; its
+// attempts explain its history.
+func TestJobRetriesThroughBackendErrors(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true})
+	f.sims[0].SetFaults(vllmsim.Faults{UnavailableRate: 1})
+	_, v := submitJob(t, f, "k", chatJob("retry me", 4))
+	waitFor(t, "two failed attempts", func() bool {
+		as, _ := f.store.Attempts(t.Context(), v.ID)
+		return len(as) >= 2
+	})
+	f.sims[0].SetFaults(vllmsim.Faults{})
+	waitState(t, f, v.ID, store.Succeeded)
+	as, _ := f.store.Attempts(t.Context(), v.ID)
+	last := as[len(as)-1]
+	if last.Outcome != "succeeded" || as[0].Outcome != "retry" || as[0].ErrorClass != "backend_error" {
+		t.Errorf("attempts %+v", as)
+	}
+}
+
+// TestJobInvalidRequestFailsAtOnce: a request the backend rejects as
+// invalid is not retried.
+func TestJobInvalidRequestFailsAtOnce(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true})
+	_, v := submitJob(t, f, "k", chatJob("too long", 200_000))
+	waitState(t, f, v.ID, store.FailedTerminal)
+	as, _ := f.store.Attempts(t.Context(), v.ID)
+	if len(as) != 1 || as[0].ErrorClass != "invalid_request" {
+		t.Errorf("attempts %+v", as)
+	}
+}
