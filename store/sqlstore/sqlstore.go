@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
@@ -39,20 +40,91 @@ type Store struct {
 	db *sql.DB
 	d  Dialect
 	q  queries
+
+	// Statements prepared on first use: parsing and planning the claim's
+	// UPDATE ... RETURNING on every call would cost more than running it,
+	// and inside a write transaction that time holds the write lock.
+	mu    sync.Mutex
+	stmts map[string]*sql.Stmt
 }
 
 // New returns a store over db, whose schema is already migrated.
 func New(db *sql.DB, d Dialect) *Store {
-	s := &Store{db: db, d: d}
+	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}}
 	s.q = buildQueries(d)
 	return s
 }
 
+// stmt returns q prepared, bound to tx when tx is not nil.
+func (s *Store) stmt(ctx context.Context, tx *sql.Tx, q string) (*sql.Stmt, error) {
+	s.mu.Lock()
+	st, ok := s.stmts[q]
+	s.mu.Unlock()
+	if !ok {
+		var err error
+		if st, err = s.db.PrepareContext(ctx, q); err != nil {
+			return nil, err
+		}
+		s.mu.Lock()
+		if have, dup := s.stmts[q]; dup {
+			_ = st.Close()
+			st = have
+		} else {
+			s.stmts[q] = st
+		}
+		s.mu.Unlock()
+	}
+	if tx != nil {
+		return tx.StmtContext(ctx, st), nil
+	}
+	return st, nil
+}
+
+func (s *Store) exec(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
+	st, err := s.stmt(ctx, tx, q)
+	if err != nil {
+		return nil, err
+	}
+	return st.ExecContext(ctx, args...)
+}
+
+func (s *Store) query(ctx context.Context, tx *sql.Tx, q string, args ...any) (*sql.Rows, error) {
+	st, err := s.stmt(ctx, tx, q)
+	if err != nil {
+		return nil, err
+	}
+	return st.QueryContext(ctx, args...)
+}
+
+// queryRow is QueryRowContext on q prepared; a preparation error comes
+// back from Scan.
+func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any) rowScanner {
+	st, err := s.stmt(ctx, tx, q)
+	if err != nil {
+		return errRow{err}
+	}
+	return st.QueryRowContext(ctx, args...)
+}
+
+type rowScanner interface{ Scan(dest ...any) error }
+
+type errRow struct{ err error }
+
+func (r errRow) Scan(...any) error { return r.err }
+
 // DB returns the underlying database.
 func (s *Store) DB() *sql.DB { return s.db }
 
-// Close closes the database.
-func (s *Store) Close() error { return s.db.Close() }
+// Close closes the prepared statements and the database.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	for _, st := range s.stmts {
+		_ = st.Close()
+	}
+	clear(s.stmts)
+	s.mu.Unlock()
+	return s.db.Close()
+}
 
 var _ store.Store = (*Store)(nil)
 
@@ -76,7 +148,7 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 	error_class, last_error`
 
 type queries struct {
-	insertJob, selectByKey, selectJob, claim, heartbeat, finish, insertAttempt, insertEvent,
+	insertJob, selectByKey, selectJob, anyRunnable, claim, heartbeat, finish, insertAttempt, insertEvent,
 	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
 	events, eventsOfJob, insertInbox, selectInbox, list string
 }
@@ -89,6 +161,7 @@ func buildQueries(d Dialect) queries {
 			ON CONFLICT (tenant, idempotency_key) DO NOTHING`),
 		selectByKey: r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND idempotency_key = ?`),
 		selectJob:   r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND id = ?`),
+		anyRunnable: r(`SELECT 1 FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ? LIMIT 1`),
 		claim: r(`UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
 				lease_until = ?, state_version = state_version + 1, updated_at = ?
 			WHERE id IN (SELECT id FROM jobs
@@ -224,7 +297,7 @@ func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant stri
 	if id == "" {
 		id = uuid.Must(uuid.NewV7()).String()
 	}
-	_, err := tx.ExecContext(ctx, s.q.insertEvent, id, jobID, tenant, eventType(st), string(st), version, micros(now))
+	_, err := s.exec(ctx, tx, s.q.insertEvent, id, jobID, tenant, eventType(st), string(st), version, micros(now))
 	return err
 }
 
@@ -235,7 +308,7 @@ func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, er
 	err := s.tx(ctx, "accept job", func(tx *sql.Tx) error {
 		now := micros(n.Now)
 		meta := []byte(n.Metadata)
-		res, err := tx.ExecContext(ctx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
+		res, err := s.exec(ctx, tx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
 			[]byte(n.Body), meta, n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
 			0, now, micros(n.Deadline), now, now, "", "")
 		if err != nil {
@@ -245,7 +318,7 @@ func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, er
 		if err != nil {
 			return err
 		}
-		job, err = scanJob(tx.QueryRowContext(ctx, s.q.selectByKey, n.Tenant, n.IdempotencyKey))
+		job, err = scanJob(s.queryRow(ctx, tx, s.q.selectByKey, n.Tenant, n.IdempotencyKey))
 		if err != nil {
 			return err
 		}
@@ -263,7 +336,7 @@ func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, er
 
 // Get implements store.Store.
 func (s *Store) Get(ctx context.Context, tenant, id string) (store.Job, error) {
-	j, err := scanJob(s.db.QueryRowContext(ctx, s.q.selectJob, tenant, id))
+	j, err := scanJob(s.queryRow(ctx, nil, s.q.selectJob, tenant, id))
 	return j, s.err("get job", err)
 }
 
@@ -287,7 +360,7 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	}
 	q += ` ORDER BY id DESC LIMIT ?`
 	args = append(args, limit+1)
-	rows, err := s.db.QueryContext(ctx, rebind(s.d, q), args...)
+	rows, err := s.query(ctx, nil, rebind(s.d, q), args...) // one statement per filter shape
 	if err != nil {
 		return nil, "", s.err("list jobs", err)
 	}
@@ -311,11 +384,20 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	return jobs, next, nil
 }
 
-// Claim implements store.Store.
+// Claim implements store.Store. An idle poll finds nothing runnable with
+// one read and takes no write lock.
 func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
+	var one int
+	err := s.queryRow(ctx, nil, s.q.anyRunnable, micros(now), micros(now)).Scan(&one)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, s.err("claim jobs", err)
+	}
 	var jobs []store.Job
-	err := s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
-		rows, err := tx.QueryContext(ctx, s.q.claim, micros(now.Add(lease)), micros(now), micros(now), micros(now), limit)
+	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
+		rows, err := s.query(ctx, tx, s.q.claim, micros(now.Add(lease)), micros(now), micros(now), micros(now), limit)
 		if err != nil {
 			return err
 		}
@@ -350,7 +432,7 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 
 // Heartbeat implements store.Store.
 func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
-	res, err := s.db.ExecContext(ctx, s.q.heartbeat, micros(now.Add(lease)), id, fence, micros(now))
+	res, err := s.exec(ctx, nil, s.q.heartbeat, micros(now.Add(lease)), id, fence, micros(now))
 	if err != nil {
 		return s.err("heartbeat", err)
 	}
@@ -371,7 +453,7 @@ func (s *Store) finish(ctx context.Context, op, id string, fence int64, st store
 		if result != nil {
 			res = result
 		}
-		err := tx.QueryRowContext(ctx, s.q.finish, string(st), micros(now), micros(availableAt), res,
+		err := s.queryRow(ctx, tx, s.q.finish, string(st), micros(now), micros(availableAt), res,
 			a.ErrorClass, a.Error, id, fence, micros(now)).Scan(&tenant, &version)
 		if errors.Is(err, sql.ErrNoRows) {
 			return store.ErrLeaseLost
@@ -379,7 +461,7 @@ func (s *Store) finish(ctx context.Context, op, id string, fence int64, st store
 		if err != nil {
 			return err
 		}
-		if _, err := tx.ExecContext(ctx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.ErrorClass, a.Error,
+		if _, err := s.exec(ctx, tx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.ErrorClass, a.Error,
 			a.PromptTokens, a.CompletionTokens, micros(a.StartedAt), micros(a.EndedAt)); err != nil {
 			return err
 		}
@@ -417,7 +499,7 @@ func (s *Store) Fail(ctx context.Context, f store.Failure) error {
 
 func (s *Store) jobByID(ctx context.Context, id string) (store.Job, error) {
 	q := rebind(s.d, `SELECT `+jobColumns+` FROM jobs WHERE id = ?`)
-	j, err := scanJob(s.db.QueryRowContext(ctx, q, id))
+	j, err := scanJob(s.queryRow(ctx, nil, q, id))
 	return j, s.err("get job", err)
 }
 
@@ -432,7 +514,7 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			{s.q.reapLeases, []any{micros(now), micros(now), micros(now), micros(now), limit}},
 			{s.q.reapDeadlines, []any{micros(now), micros(now), limit}},
 		} {
-			rows, err := tx.QueryContext(ctx, q.sql, q.args...)
+			rows, err := s.query(ctx, tx, q.sql, q.args...)
 			if err != nil {
 				return err
 			}
@@ -458,7 +540,7 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			for _, r := range rs {
 				if q.sql == s.q.reapLeases {
 					// The lost attempt is part of the job's history.
-					if _, err := tx.ExecContext(ctx, s.q.insertAttempt, r.id, r.attempt, r.fence-1, "", "lease_expired",
+					if _, err := s.exec(ctx, tx, s.q.insertAttempt, r.id, r.attempt, r.fence-1, "", "lease_expired",
 						"lease_expired", "the worker stopped renewing its lease", 0, 0, 0, micros(now)); err != nil {
 						return err
 					}
@@ -479,9 +561,9 @@ func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time
 	var j store.Job
 	err := s.tx(ctx, "cancel job", func(tx *sql.Tx) error {
 		var err error
-		j, err = scanJob(tx.QueryRowContext(ctx, s.q.cancel, micros(now), tenant, id))
+		j, err = scanJob(s.queryRow(ctx, tx, s.q.cancel, micros(now), tenant, id))
 		if errors.Is(err, sql.ErrNoRows) {
-			if _, gerr := scanJob(tx.QueryRowContext(ctx, s.q.selectJob, tenant, id)); gerr == nil {
+			if _, gerr := scanJob(s.queryRow(ctx, tx, s.q.selectJob, tenant, id)); gerr == nil {
 				return store.ErrFinal
 			}
 			return store.ErrNotFound
@@ -497,7 +579,7 @@ func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time
 // Result implements store.Store.
 func (s *Store) Result(ctx context.Context, tenant, id string) (json.RawMessage, error) {
 	var res []byte
-	if err := s.db.QueryRowContext(ctx, s.q.result, tenant, id).Scan(&res); err != nil {
+	if err := s.queryRow(ctx, nil, s.q.result, tenant, id).Scan(&res); err != nil {
 		return nil, s.err("get result", err)
 	}
 	if res == nil {
@@ -508,7 +590,7 @@ func (s *Store) Result(ctx context.Context, tenant, id string) (json.RawMessage,
 
 // Attempts implements store.Store.
 func (s *Store) Attempts(ctx context.Context, id string) ([]store.Attempt, error) {
-	rows, err := s.db.QueryContext(ctx, s.q.attempts, id)
+	rows, err := s.query(ctx, nil, s.q.attempts, id)
 	if err != nil {
 		return nil, s.err("list attempts", err)
 	}
@@ -534,7 +616,7 @@ func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage str
 		var cur int64
 		var st string
 		q := rebind(s.d, `SELECT fence, state FROM jobs WHERE id = ?`)
-		if err := tx.QueryRowContext(ctx, q, id).Scan(&cur, &st); err != nil {
+		if err := s.queryRow(ctx, tx, q, id).Scan(&cur, &st); err != nil {
 			if errors.Is(err, sql.ErrNoRows) {
 				return store.ErrNotFound
 			}
@@ -543,7 +625,7 @@ func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage str
 		if cur != fence || store.State(st) != store.Running {
 			return store.ErrLeaseLost
 		}
-		_, err := tx.ExecContext(ctx, s.q.saveStage, id, stage, fence, data, micros(time.Now()))
+		_, err := s.exec(ctx, tx, s.q.saveStage, id, stage, fence, data, micros(time.Now()))
 		return err
 	})
 }
@@ -551,7 +633,7 @@ func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage str
 // Stage implements store.Store.
 func (s *Store) Stage(ctx context.Context, id, stage string) ([]byte, error) {
 	var data []byte
-	err := s.db.QueryRowContext(ctx, s.q.stage, id, stage).Scan(&data)
+	err := s.queryRow(ctx, nil, s.q.stage, id, stage).Scan(&data)
 	return data, s.err("get stage "+stage, err)
 }
 
@@ -573,7 +655,7 @@ func scanEvents(rows *sql.Rows) ([]store.Event, error) {
 
 // Unpublished implements store.Store.
 func (s *Store) Unpublished(ctx context.Context, limit int) ([]store.Event, error) {
-	rows, err := s.db.QueryContext(ctx, s.q.unpublished, limit)
+	rows, err := s.query(ctx, nil, s.q.unpublished, limit)
 	if err != nil {
 		return nil, s.err("list unpublished events", err)
 	}
@@ -585,7 +667,7 @@ func (s *Store) Unpublished(ctx context.Context, limit int) ([]store.Event, erro
 func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) error {
 	return s.tx(ctx, "mark events published", func(tx *sql.Tx) error {
 		for _, id := range ids {
-			if _, err := tx.ExecContext(ctx, s.q.markPublished, micros(at), id); err != nil {
+			if _, err := s.exec(ctx, tx, s.q.markPublished, micros(at), id); err != nil {
 				return err
 			}
 		}
@@ -598,9 +680,9 @@ func (s *Store) Events(ctx context.Context, tenant, jobID string, afterSeq int64
 	var rows *sql.Rows
 	var err error
 	if jobID != "" {
-		rows, err = s.db.QueryContext(ctx, s.q.eventsOfJob, tenant, jobID, afterSeq, limit)
+		rows, err = s.query(ctx, nil, s.q.eventsOfJob, tenant, jobID, afterSeq, limit)
 	} else {
-		rows, err = s.db.QueryContext(ctx, s.q.events, tenant, afterSeq, limit)
+		rows, err = s.query(ctx, nil, s.q.events, tenant, afterSeq, limit)
 	}
 	if err != nil {
 		return nil, s.err("list events", err)
@@ -613,7 +695,7 @@ func (s *Store) Events(ctx context.Context, tenant, jobID string, afterSeq int64
 func (s *Store) RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (bool, error) {
 	dup := false
 	err := s.tx(ctx, "record inbox event", func(tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, s.q.insertInbox, eventID, digest, micros(now))
+		res, err := s.exec(ctx, tx, s.q.insertInbox, eventID, digest, micros(now))
 		if err != nil {
 			return err
 		}
@@ -622,7 +704,7 @@ func (s *Store) RecordInbox(ctx context.Context, eventID, digest string, now tim
 		}
 		dup = true
 		var have string
-		if err := tx.QueryRowContext(ctx, s.q.selectInbox, eventID).Scan(&have); err != nil {
+		if err := s.queryRow(ctx, tx, s.q.selectInbox, eventID).Scan(&have); err != nil {
 			return err
 		}
 		if have != digest {
