@@ -150,12 +150,13 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
 		return writeError(w, s.log, badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
 	}
-	prompt, maxOut, _ := s.reservation(r.Context(), c, model)
+	// Acceptance must not wait on a backend: the estimate, never /tokenize.
+	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
 	job, created, err := s.jobs.Store.Accept(r.Context(), store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
 		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: requestHash(req.Endpoint, req.Body),
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
-		Priority: 0, TokenEstimate: prompt + maxOut, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
+		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
 	})
 	if err != nil {
 		return writeError(w, s.log, err)

@@ -189,8 +189,15 @@ func (s *Server) lookupModel(id string) (gpu.Model, bool) {
 // whether the prompt count is exact rather than estimated.
 func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (prompt, maxOut int, exact bool) {
 	prompt, exact = s.countPrompt(ctx, c)
+	_, maxOut = s.reservationWith(c, model, prompt)
+	return prompt, maxOut, exact
+}
+
+// reservationWith returns a call's total reservation and its output part,
+// given its prompt tokens.
+func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, maxOut int) {
 	if c.ep == epEmbedding {
-		return prompt, 0, exact
+		return prompt, 0
 	}
 	room := model.MaxModelLen - prompt
 	if model.MaxModelLen <= 0 {
@@ -209,7 +216,8 @@ func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (pro
 	// The backend refuses what does not fit its context; the reservation
 	// need not be larger than what it could run. Each sequence of a
 	// request with n > 1 or several prompts grows its own output.
-	return prompt, max(1, min(maxOut, room)) * c.sequences, exact
+	maxOut = max(1, min(maxOut, room)) * c.sequences
+	return prompt + maxOut, maxOut
 }
 
 // proxy admits the call and passes it to a backend, retrying on another

@@ -47,7 +47,8 @@ type Policy struct {
 	// MaxBackendWaiting is how many requests may wait in vLLM's own queue
 	// before kvgate stops sending more [2].
 	MaxBackendWaiting int `yaml:"max_backend_waiting"`
-	// MaxQueue caps the tickets waiting in kvgate; beyond it, 503 [4096].
+	// MaxQueue caps the tickets waiting in kvgate, per class; beyond it,
+	// 503 [4096].
 	MaxQueue int `yaml:"max_queue"`
 	// MaxQueueWait is how long a ticket may wait when it has no deadline
 	// of its own [30s].
@@ -290,7 +291,8 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 			return g, nil
 		}
 	}
-	if s.queued >= s.policy.MaxQueue {
+	// Per class: a batch backlog never fills interactive traffic's queue.
+	if len(s.queues[t.Class]) >= s.policy.MaxQueue {
 		retry := s.retryAfterLocked()
 		s.mu.Unlock()
 		s.m.outcome(t.Class, outcomeQueueFull)
