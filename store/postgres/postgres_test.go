@@ -28,7 +28,7 @@ func adminURL() string {
 // freshDatabase creates an empty database for one test and drops it after.
 // Without a server the test is skipped, but in CI (CI=true) it fails:
 // CI must exercise PostgreSQL.
-func freshDatabase(t *testing.T) string {
+func freshDatabase(t testing.TB) string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

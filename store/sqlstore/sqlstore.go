@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -41,11 +42,15 @@ type Store struct {
 	d  Dialect
 	q  queries
 
-	// Statements prepared on first use: parsing and planning the claim's
-	// UPDATE ... RETURNING on every call would cost more than running it,
-	// and inside a write transaction that time holds the write lock.
-	mu    sync.Mutex
-	stmts map[string]*sql.Stmt
+	// Statements prepared once, before the first operation: parsing and
+	// planning the claim's UPDATE ... RETURNING on every call would cost
+	// more than running it, and inside a write transaction that time holds
+	// the write lock. They are prepared before any transaction begins: a
+	// preparation needs a connection of its own, and with every
+	// connection held by a transaction waiting on it, none would come.
+	mu       sync.Mutex
+	prepared bool
+	stmts    map[string]*sql.Stmt
 }
 
 // New returns a store over db, whose schema is already migrated.
@@ -55,32 +60,53 @@ func New(db *sql.DB, d Dialect) *Store {
 	return s
 }
 
-// stmt returns q prepared, bound to tx when tx is not nil.
+// ready prepares the static statements, once; every operation calls it
+// before it takes a connection. It fails, to be tried again, while the
+// schema is missing.
+func (s *Store) ready(ctx context.Context) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.prepared {
+		return nil
+	}
+	v := reflect.ValueOf(s.q)
+	for i := range v.NumField() {
+		q := v.Field(i).String()
+		if _, ok := s.stmts[q]; ok {
+			continue
+		}
+		st, err := s.db.PrepareContext(ctx, q)
+		if err != nil {
+			return s.err("prepare statements", err)
+		}
+		s.stmts[q] = st
+	}
+	s.prepared = true
+	return nil
+}
+
+// stmt returns q prepared (bound to tx when tx is not nil). A query that
+// was not prepared up front is prepared on tx's own connection, never on
+// a new one.
 func (s *Store) stmt(ctx context.Context, tx *sql.Tx, q string) (*sql.Stmt, error) {
 	s.mu.Lock()
 	st, ok := s.stmts[q]
 	s.mu.Unlock()
-	if !ok {
-		var err error
-		if st, err = s.db.PrepareContext(ctx, q); err != nil {
-			return nil, err
-		}
-		s.mu.Lock()
-		if have, dup := s.stmts[q]; dup {
-			_ = st.Close()
-			st = have
-		} else {
-			s.stmts[q] = st
-		}
-		s.mu.Unlock()
-	}
-	if tx != nil {
+	switch {
+	case ok && tx != nil:
 		return tx.StmtContext(ctx, st), nil
+	case ok:
+		return st, nil
+	case tx != nil:
+		return tx.PrepareContext(ctx, q)
 	}
-	return st, nil
+	return s.db.PrepareContext(ctx, q)
 }
 
 func (s *Store) exec(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
+	if err := s.ready(ctx); err != nil {
+		return nil, err
+	}
 	st, err := s.stmt(ctx, tx, q)
 	if err != nil {
 		return nil, err
@@ -89,6 +115,9 @@ func (s *Store) exec(ctx context.Context, tx *sql.Tx, q string, args ...any) (sq
 }
 
 func (s *Store) query(ctx context.Context, tx *sql.Tx, q string, args ...any) (*sql.Rows, error) {
+	if err := s.ready(ctx); err != nil {
+		return nil, err
+	}
 	st, err := s.stmt(ctx, tx, q)
 	if err != nil {
 		return nil, err
@@ -99,6 +128,9 @@ func (s *Store) query(ctx context.Context, tx *sql.Tx, q string, args ...any) (*
 // queryRow is QueryRowContext on q prepared; a preparation error comes
 // back from Scan.
 func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any) rowScanner {
+	if err := s.ready(ctx); err != nil {
+		return errRow{err}
+	}
 	st, err := s.stmt(ctx, tx, q)
 	if err != nil {
 		return errRow{err}
@@ -150,8 +182,11 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 type queries struct {
 	insertJob, selectByKey, selectJob, anyRunnable, claim, heartbeat, finish, insertAttempt, insertEvent,
 	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
-	events, eventsOfJob, insertInbox, selectInbox, list string
+	events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
 }
+
+// listJobs starts a List query; the filters complete it per call.
+const listJobs = `SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ?`
 
 func buildQueries(d Dialect) queries {
 	r := func(q string) string { return rebind(d, q) }
@@ -204,7 +239,8 @@ func buildQueries(d Dialect) queries {
 		eventsOfJob:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE tenant = ? AND job_id = ? AND seq > ? ORDER BY seq LIMIT ?`),
 		insertInbox:   r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
 		selectInbox:   r(`SELECT digest FROM inbox WHERE event_id = ?`),
-		list:          `SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ?`,
+		jobByID:       r(`SELECT ` + jobColumns + ` FROM jobs WHERE id = ?`),
+		fenceState:    r(`SELECT fence, state FROM jobs WHERE id = ?`),
 	}
 }
 
@@ -239,6 +275,9 @@ func (s *Store) err(op string, err error) error {
 
 // tx runs fn in a transaction and commits it, or rolls it back on error.
 func (s *Store) tx(ctx context.Context, op string, fn func(*sql.Tx) error) error {
+	if err := s.ready(ctx); err != nil {
+		return err
+	}
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
 		return s.err(op, err)
@@ -346,7 +385,7 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	if limit <= 0 || limit > 1000 {
 		limit = 100
 	}
-	q := s.q.list
+	q := listJobs
 	args := []any{tenant}
 	if f.After != "" {
 		q += ` AND id < ?`
@@ -360,7 +399,7 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	}
 	q += ` ORDER BY id DESC LIMIT ?`
 	args = append(args, limit+1)
-	rows, err := s.query(ctx, nil, rebind(s.d, q), args...) // one statement per filter shape
+	rows, err := s.db.QueryContext(ctx, rebind(s.d, q), args...)
 	if err != nil {
 		return nil, "", s.err("list jobs", err)
 	}
@@ -498,8 +537,7 @@ func (s *Store) Fail(ctx context.Context, f store.Failure) error {
 }
 
 func (s *Store) jobByID(ctx context.Context, id string) (store.Job, error) {
-	q := rebind(s.d, `SELECT `+jobColumns+` FROM jobs WHERE id = ?`)
-	j, err := scanJob(s.queryRow(ctx, nil, q, id))
+	j, err := scanJob(s.queryRow(ctx, nil, s.q.jobByID, id))
 	return j, s.err("get job", err)
 }
 
@@ -615,8 +653,7 @@ func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage str
 		// Only the current owner checkpoints.
 		var cur int64
 		var st string
-		q := rebind(s.d, `SELECT fence, state FROM jobs WHERE id = ?`)
-		if err := s.queryRow(ctx, tx, q, id).Scan(&cur, &st); err != nil {
+		if err := s.queryRow(ctx, tx, s.q.fenceState, id).Scan(&cur, &st); err != nil {
 			if errors.Is(err, sql.ErrNoRows) {
 				return store.ErrNotFound
 			}

@@ -29,6 +29,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"List", testList},
 		{"ClaimOrderAndLease", testClaimOrder},
 		{"ClaimConcurrent", testClaimConcurrent},
+		{"ManyWriters", testManyWriters},
 		{"Heartbeat", testHeartbeat},
 		{"Complete", testComplete},
 		{"Fail", testFail},
@@ -239,6 +240,46 @@ func testClaimConcurrent(t *testing.T, s store.Store) {
 		if n != 1 {
 			t.Errorf("job %s claimed %d times", id, n)
 		}
+	}
+}
+
+// testManyWriters runs more concurrent writers than either backend has
+// connections: a store that needs a second connection inside a
+// transaction deadlocks here.
+func testManyWriters(t *testing.T, s store.Store) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for w := range 64 {
+		wg.Go(func() {
+			for i := range 3 {
+				if _, _, err := s.Accept(ctx, newJob("acme", fmt.Sprint("w", w, "-", i))); err != nil {
+					errs <- err
+					return
+				}
+				js, err := s.Claim(ctx, t0, time.Minute, 1)
+				if err != nil {
+					errs <- err
+					return
+				}
+				for _, j := range js {
+					if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Now: t0}); err != nil {
+						errs <- err
+						return
+					}
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	page, _, err := s.List(ctx, "acme", store.ListFilter{Limit: 1000})
+	if err != nil || len(page) != 192 {
+		t.Errorf("%d jobs after 64 writers accepted 3 each, %v", len(page), err)
 	}
 }
 

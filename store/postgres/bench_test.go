@@ -1,0 +1,153 @@
+package postgres_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/postgres"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+func benchJob(i int) store.NewJob {
+	return store.NewJob{
+		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+		Tenant: fmt.Sprint("t", i%100), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h",
+		Endpoint: "/v1/chat/completions", Model: "m",
+		Body:        json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"Extract the line items of this invoice."}],"max_tokens":256}`),
+		MaxAttempts: 5, TokenEstimate: 300, Deadline: time.Now().Add(time.Hour), Now: time.Now(),
+	}
+}
+
+func reportLatency(b *testing.B, lat []time.Duration, name string) {
+	slices.Sort(lat)
+	if len(lat) == 0 {
+		return
+	}
+	ms := func(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+	b.ReportMetric(ms(lat[len(lat)/2]), name+"-p50-ms")
+	b.ReportMetric(ms(lat[min(len(lat)-1, len(lat)*99/100)]), name+"-p99-ms")
+}
+
+// BenchmarkAccept measures durable acceptance (job row and outbox event in
+// one transaction) from 32 concurrent clients.
+//
+//	go test -run '^$' -bench Accept -benchtime 20000x ./store/postgres/
+func BenchmarkAccept(b *testing.B) {
+	s := openB(b)
+	ctx := context.Background()
+	var n atomic.Int64
+	var mu sync.Mutex
+	var lat []time.Duration
+	b.SetParallelism(16) // 32 goroutines on 2 cores
+	b.ResetTimer()
+	start := time.Now()
+	b.RunParallel(func(pb *testing.PB) {
+		var mine []time.Duration
+		for pb.Next() {
+			t0 := time.Now()
+			if _, _, err := s.Accept(ctx, benchJob(int(n.Add(1)))); err != nil {
+				b.Error(err)
+				return
+			}
+			mine = append(mine, time.Since(t0))
+		}
+		mu.Lock()
+		lat = append(lat, mine...)
+		mu.Unlock()
+	})
+	b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "jobs/s")
+	reportLatency(b, lat, "accept")
+}
+
+// BenchmarkClaimComplete measures the worker side with a zero-delay
+// backend: claim one job, complete it under its fence, from 32 workers.
+//
+//	go test -run '^$' -bench ClaimComplete -benchtime 20000x ./store/postgres/
+func BenchmarkClaimComplete(b *testing.B) {
+	s := openB(b)
+	ctx := context.Background()
+	for i := range b.N {
+		if _, _, err := s.Accept(ctx, benchJob(i)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var done atomic.Int64
+	b.SetParallelism(16)
+	b.ResetTimer()
+	start := time.Now()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			js, err := s.Claim(ctx, time.Now(), time.Minute, 1)
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			if len(js) == 0 {
+				continue
+			}
+			j := js[0]
+			if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded,
+				Result: json.RawMessage(`{"ok":true}`), Attempt: store.Attempt{Attempt: j.Attempt}, Now: time.Now()}); err != nil {
+				b.Error(err)
+				return
+			}
+			done.Add(1)
+		}
+	})
+	b.ReportMetric(float64(done.Load())/time.Since(start).Seconds(), "jobs/s")
+}
+
+// BenchmarkClaimMillionReady measures one claim's latency with a million
+// READY jobs queued (inserted in bulk first, which takes a while).
+//
+//	go test -run '^$' -bench ClaimMillionReady -benchtime 2000x -timeout 20m ./store/postgres/
+func BenchmarkClaimMillionReady(b *testing.B) {
+	s := openB(b)
+	ctx := context.Background()
+	now := time.Now().UnixMicro()
+	_, err := s.DB().ExecContext(ctx, `INSERT INTO jobs (id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata,
+		priority, token_estimate, state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at,
+		created_at, updated_at, error_class, last_error)
+		SELECT lpad(g::text, 12, '0'), 't' || (g % 1000), 'k' || g, 'h', '/v1/completions', 'm', '\x7b7d'::bytea, NULL,
+			0, 300, 'READY', 1, 0, 5, 0, 0, $1 + g, $2, $1, $1, '', ''
+		FROM generate_series(1, 1000000) g`, now, time.Now().Add(24*time.Hour).UnixMicro())
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := s.DB().ExecContext(ctx, `ANALYZE jobs`); err != nil {
+		b.Fatal(err)
+	}
+	lat := make([]time.Duration, 0, b.N)
+	claimAt := time.UnixMicro(now + 2_000_000)
+	b.ResetTimer()
+	for range b.N {
+		t0 := time.Now()
+		js, err := s.Claim(ctx, claimAt, time.Minute, 1)
+		if err != nil || len(js) != 1 {
+			b.Fatal(len(js), err)
+		}
+		lat = append(lat, time.Since(t0))
+	}
+	reportLatency(b, lat, "claim")
+}
+
+func openB(b *testing.B) *sqlstore.Store {
+	s, err := postgres.Open(context.Background(), freshDatabase(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, err := postgres.Migrate(context.Background(), s); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { s.Close() })
+	return s
+}
