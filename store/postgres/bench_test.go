@@ -118,7 +118,7 @@ func BenchmarkClaimMillionReady(b *testing.B) {
 		priority, token_estimate, state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at,
 		created_at, updated_at, error_class, last_error)
 		SELECT lpad(g::text, 12, '0'), 't' || (g % 1000), 'k' || g, 'h', '/v1/completions', 'm', '\x7b7d'::bytea, NULL,
-			0, 300, 'READY', 1, 0, 5, 0, 0, $1 + g, $2, $1, $1, '', ''
+			0, 300, 'READY', 1, 0, 5, 0, 0, $1::bigint + g, $2::bigint, $1::bigint, $1::bigint, '', ''
 		FROM generate_series(1, 1000000) g`, now, time.Now().Add(24*time.Hour).UnixMicro())
 	if err != nil {
 		b.Fatal(err)
