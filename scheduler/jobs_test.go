@@ -118,8 +118,11 @@ func TestRunnerCompletesAJob(t *testing.T) {
 	if err != nil || string(res) != `{"answer":42}` {
 		t.Errorf("result %s, %v", res, err)
 	}
-	if testutil.ToFloat64(f.runner.m.finished.WithLabelValues("succeeded")) != 1 {
-		t.Error("finished counter not incremented")
+	// The counter moves just after the completion commits.
+	for deadline := time.Now().Add(5 * time.Second); testutil.ToFloat64(f.runner.m.finished.WithLabelValues("succeeded")) != 1; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("finished counter not incremented")
+		}
 	}
 }
 
