@@ -8,7 +8,6 @@ import (
 	"embed"
 	"errors"
 	"fmt"
-	"io/fs"
 	"net"
 	"time"
 
@@ -65,10 +64,5 @@ func Open(ctx context.Context, url string) (*sqlstore.Store, error) {
 
 // Migrate applies the embedded migrations the database lacks.
 func Migrate(ctx context.Context, s *sqlstore.Store) ([]int, error) {
-	sub, _ := fs.Sub(migrations, "migrations")
-	ms, err := sqlstore.LoadMigrations(sub)
-	if err != nil {
-		return nil, err
-	}
-	return sqlstore.Migrate(ctx, s.DB(), Dialect, ms)
+	return s.MigrateFrom(ctx, migrations, "migrations")
 }

@@ -46,6 +46,20 @@ func LoadMigrations(fsys fs.FS) ([]Migration, error) {
 	return ms, nil
 }
 
+// MigrateFrom applies the NNNN_name.sql migrations under dir in fsys that
+// the store's database lacks, and returns the versions it applied.
+func (s *Store) MigrateFrom(ctx context.Context, fsys fs.FS, dir string) ([]int, error) {
+	sub, err := fs.Sub(fsys, dir)
+	if err != nil {
+		return nil, err
+	}
+	ms, err := LoadMigrations(sub)
+	if err != nil {
+		return nil, err
+	}
+	return Migrate(ctx, s.db, s.d, ms)
+}
+
 // Migrate applies the migrations db lacks, each in its own transaction,
 // and returns the versions it applied.
 func Migrate(ctx context.Context, db *sql.DB, d Dialect, ms []Migration) ([]int, error) {
