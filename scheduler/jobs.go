@@ -180,7 +180,6 @@ var errLeaseLost = errors.New("lease lost")
 // work runs one claimed attempt to its recorded end.
 func (r *Runner) work(parent context.Context, j store.Job) {
 	ctx, cancel := context.WithCancelCause(parent)
-	defer cancel(nil)
 	log := r.log.With("job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt, "fence", j.Fence)
 	var hb sync.WaitGroup
 	hb.Go(func() { r.heartbeat(ctx, cancel, j) })

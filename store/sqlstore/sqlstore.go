@@ -127,7 +127,7 @@ func (s *Store) query(ctx context.Context, tx *sql.Tx, q string, args ...any) (*
 
 // queryRow is QueryRowContext on q prepared; a preparation error comes
 // back from Scan.
-func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any) rowScanner {
+func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any) scanner {
 	if err := s.ready(ctx); err != nil {
 		return errRow{err}
 	}
@@ -137,8 +137,6 @@ func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any)
 	}
 	return st.QueryRowContext(ctx, args...)
 }
-
-type rowScanner interface{ Scan(dest ...any) error }
 
 type errRow struct{ err error }
 
