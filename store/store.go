@@ -97,7 +97,8 @@ type NewJob struct {
 // Event is an outbox event: committed with the state change it reports,
 // published to the broker by the relay.
 type Event struct {
-	Seq          int64 // monotonic per store: the replay cursor
+	Seq          int64 // insertion order: the relay's publishing order
+	Cursor       int64 // place in the published feed (0 until published): the replay cursor
 	ID           string
 	JobID        string
 	Tenant       string
@@ -200,11 +201,16 @@ type Store interface {
 	// Unpublished returns up to limit outbox events not yet published,
 	// oldest first.
 	Unpublished(ctx context.Context, limit int) ([]Event, error)
-	// MarkPublished records the publication of events.
+	// MarkPublished records the publication of events, giving each its
+	// place in the published feed (Cursor) in the order of ids. Places
+	// follow commit order, even with several relays marking at once: a
+	// reader never finds a new event behind a cursor it has passed.
+	// Marking an event again changes nothing.
 	MarkPublished(ctx context.Context, ids []string, at time.Time) error
-	// Events returns a tenant's events after the cursor, oldest first;
-	// jobID narrows them to one job.
-	Events(ctx context.Context, tenant, jobID string, afterSeq int64, limit int) ([]Event, error)
+	// Events returns a tenant's published events with a Cursor after the
+	// given one, in feed order; jobID narrows them to one job. Events not
+	// yet published are not in the feed.
+	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]Event, error)
 	// RecordInbox records a delivered event once: duplicate reports a
 	// redelivery; ErrDigestMismatch a redelivery with other content.
 	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)

@@ -17,8 +17,10 @@ import (
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
+// Migrations are the schema's migrations, embedded in the binary.
+//
 //go:embed migrations/*.sql
-var migrations embed.FS
+var Migrations embed.FS
 
 // Dialect is PostgreSQL's SQL.
 var Dialect = sqlstore.Dialect{
@@ -27,6 +29,7 @@ var Dialect = sqlstore.Dialect{
 	LockRunnable:   "FOR UPDATE SKIP LOCKED",
 	Unavailable:    unavailable,
 	LockMigrations: "SELECT pg_advisory_xact_lock(7403153941)", // any fixed key: kvgate's migrations
+	LockFeed:       "SELECT pg_advisory_xact_lock(7403153942)", // and the feed's
 }
 
 func unavailable(err error) bool {
@@ -64,5 +67,5 @@ func Open(ctx context.Context, url string) (*sqlstore.Store, error) {
 
 // Migrate applies the embedded migrations the database lacks.
 func Migrate(ctx context.Context, s *sqlstore.Store) ([]int, error) {
-	return s.MigrateFrom(ctx, migrations, "migrations")
+	return s.MigrateFrom(ctx, Migrations, "migrations")
 }

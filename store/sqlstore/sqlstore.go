@@ -34,6 +34,10 @@ type Dialect struct {
 	// several processes from migrating at once ("" where the database
 	// serialises writers anyway).
 	LockMigrations string
+	// LockFeed, run first in MarkPublished's transaction, makes feed
+	// places follow commit order where several relays may mark at once
+	// ("" where the database serialises writers anyway).
+	LockFeed string
 }
 
 // Store is store.Store over a *sql.DB.
@@ -180,7 +184,7 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 type queries struct {
 	insertJob, selectByKey, selectJob, anyRunnable, claim, heartbeat, finish, insertAttempt, insertEvent,
 	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
-	events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
+	feedHead, events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -231,10 +235,11 @@ func buildQueries(d Dialect) queries {
 		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY attempt, fence`),
 		saveStage:     r(`INSERT INTO stages (job_id, stage, fence, data, created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (job_id, stage) DO NOTHING`),
 		stage:         r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
-		unpublished:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?`),
-		markPublished: r(`UPDATE outbox SET published_at = ? WHERE id = ? AND published_at = 0`),
-		events:        r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?`),
-		eventsOfJob:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at FROM outbox WHERE tenant = ? AND job_id = ? AND seq > ? ORDER BY seq LIMIT ?`),
+		unpublished:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, 0 FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?`),
+		markPublished: r(`UPDATE outbox SET published_at = ?, feed_seq = ? WHERE id = ? AND published_at = 0`),
+		feedHead:      r(`SELECT COALESCE(MAX(feed_seq), 0) FROM outbox WHERE feed_seq IS NOT NULL`),
+		events:        r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
+		eventsOfJob:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND job_id = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
 		insertInbox:   r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
 		selectInbox:   r(`SELECT digest FROM inbox WHERE event_id = ?`),
 		jobByID:       r(`SELECT ` + jobColumns + ` FROM jobs WHERE id = ?`),
@@ -679,7 +684,7 @@ func scanEvents(rows *sql.Rows) ([]store.Event, error) {
 		var e store.Event
 		var st string
 		var created, published int64
-		if err := rows.Scan(&e.Seq, &e.ID, &e.JobID, &e.Tenant, &e.Type, &st, &e.StateVersion, &created, &published); err != nil {
+		if err := rows.Scan(&e.Seq, &e.ID, &e.JobID, &e.Tenant, &e.Type, &st, &e.StateVersion, &created, &published, &e.Cursor); err != nil {
 			return nil, err
 		}
 		e.State, e.CreatedAt, e.PublishedAt = store.State(st), fromMicros(created), fromMicros(published)
@@ -698,12 +703,28 @@ func (s *Store) Unpublished(ctx context.Context, limit int) ([]store.Event, erro
 	return evs, s.err("list unpublished events", err)
 }
 
-// MarkPublished implements store.Store.
+// MarkPublished implements store.Store. The events get the next feed
+// places in the order given; an event published before keeps its place.
 func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) error {
 	return s.tx(ctx, "mark events published", func(tx *sql.Tx) error {
-		for _, id := range ids {
-			if _, err := s.exec(ctx, tx, s.q.markPublished, micros(at), id); err != nil {
+		if s.d.LockFeed != "" {
+			if _, err := tx.ExecContext(ctx, s.d.LockFeed); err != nil {
 				return err
+			}
+		}
+		var head int64
+		if err := s.queryRow(ctx, tx, s.q.feedHead).Scan(&head); err != nil {
+			return err
+		}
+		for _, id := range ids {
+			res, err := s.exec(ctx, tx, s.q.markPublished, micros(at), head+1, id)
+			if err != nil {
+				return err
+			}
+			if n, err := res.RowsAffected(); err != nil {
+				return err
+			} else if n == 1 {
+				head++
 			}
 		}
 		return nil
@@ -711,13 +732,13 @@ func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) e
 }
 
 // Events implements store.Store.
-func (s *Store) Events(ctx context.Context, tenant, jobID string, afterSeq int64, limit int) ([]store.Event, error) {
+func (s *Store) Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error) {
 	var rows *sql.Rows
 	var err error
 	if jobID != "" {
-		rows, err = s.query(ctx, nil, s.q.eventsOfJob, tenant, jobID, afterSeq, limit)
+		rows, err = s.query(ctx, nil, s.q.eventsOfJob, tenant, jobID, after, limit)
 	} else {
-		rows, err = s.query(ctx, nil, s.q.events, tenant, afterSeq, limit)
+		rows, err = s.query(ctx, nil, s.q.events, tenant, after, limit)
 	}
 	if err != nil {
 		return nil, s.err("list events", err)

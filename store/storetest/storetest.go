@@ -368,8 +368,8 @@ func testFail(t *testing.T, s store.Store) {
 	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal {
 		t.Errorf("attempts spent: %s, want FAILED_TERMINAL", got.State)
 	}
-	evs, _ := s.Events(ctx, "acme", j.ID, 0, 20)
-	if len(evs) == 0 || evs[len(evs)-1].Type != "job.dead_lettered" {
+	evs, _ := s.Unpublished(ctx, 100)
+	if len(evs) == 0 || evs[len(evs)-1].Type != "job.dead_lettered" || evs[len(evs)-1].JobID != j.ID {
 		t.Errorf("no dead-letter event: %+v", evs)
 	}
 
@@ -508,33 +508,57 @@ func testOutbox(t *testing.T, s store.Store) {
 			t.Errorf("events out of order: %v then %v", evs[i-1].Seq, evs[i].Seq)
 		}
 	}
+	// Not yet published: not in the feed.
+	if feed, err := s.Events(ctx, "acme", "", 0, 100); err != nil || len(feed) != 0 {
+		t.Errorf("feed before publishing: %+v, %v", feed, err)
+	}
 	if err := s.MarkPublished(ctx, []string{evs[0].ID, evs[1].ID}, t0); err != nil {
 		t.Fatal(err)
 	}
 	if rest, _ := s.Unpublished(ctx, 100); len(rest) != 2 || rest[0].ID != evs[2].ID {
 		t.Errorf("after marking two: %+v", rest)
 	}
-	// Marking again is harmless.
+	first, _ := s.Events(ctx, "acme", "", 0, 100)
+	if len(first) != 1 || first[0].ID != evs[0].ID || first[0].Cursor == 0 || first[0].PublishedAt.IsZero() {
+		t.Fatalf("acme's feed after one publication: %+v", first)
+	}
+	// Marking again is harmless: the event keeps its place.
 	if err := s.MarkPublished(ctx, []string{evs[0].ID}, t0.Add(time.Hour)); err != nil {
+		t.Fatal(err)
+	}
+	if again, _ := s.Events(ctx, "acme", "", 0, 100); len(again) != 1 || again[0].Cursor != first[0].Cursor {
+		t.Errorf("marked twice: %+v, want cursor %d kept", again, first[0].Cursor)
+	}
+	// The rest, published in an order other than insertion: the feed
+	// follows publication.
+	if err := s.MarkPublished(ctx, []string{evs[3].ID, evs[2].ID}, t0); err != nil {
 		t.Fatal(err)
 	}
 	mine, err := s.Events(ctx, "acme", j.ID, 0, 100)
 	if err != nil || len(mine) != 3 {
 		t.Fatalf("job events: %d, %v", len(mine), err)
 	}
-	var last int64
-	for _, e := range mine {
-		if e.StateVersion <= last {
-			t.Errorf("state_version went from %d to %d", last, e.StateVersion)
+	for i := 1; i < len(mine); i++ {
+		if mine[i].Cursor <= mine[i-1].Cursor {
+			t.Errorf("feed out of order: cursor %d then %d", mine[i-1].Cursor, mine[i].Cursor)
 		}
-		last = e.StateVersion
 	}
-	if want := []string{"job.accepted", "job.running", "job.succeeded"}; mine[0].Type != want[0] || mine[1].Type != want[1] || mine[2].Type != want[2] {
-		t.Errorf("event types %s %s %s, want %v", mine[0].Type, mine[1].Type, mine[2].Type, want)
+	if mine[1].ID != evs[3].ID || mine[2].ID != evs[2].ID {
+		t.Errorf("feed order %s %s, want publication order %s %s", mine[1].ID, mine[2].ID, evs[3].ID, evs[2].ID)
 	}
-	after, _ := s.Events(ctx, "acme", "", mine[0].Seq, 100)
+	types := map[string]int64{}
+	for _, e := range mine {
+		types[e.Type] = e.StateVersion
+	}
+	if types["job.accepted"] == 0 || types["job.running"] <= types["job.accepted"] || types["job.succeeded"] <= types["job.running"] {
+		t.Errorf("event state versions: %v", types)
+	}
+	after, _ := s.Events(ctx, "acme", "", mine[0].Cursor, 100)
 	if len(after) != 2 {
 		t.Errorf("events after the cursor: %d, want 2", len(after))
+	}
+	if other, _ := s.Events(ctx, "globex", "", 0, 100); len(other) != 1 || other[0].Cursor <= mine[0].Cursor {
+		t.Errorf("globex's feed: %+v", other)
 	}
 }
 
