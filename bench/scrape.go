@@ -1,0 +1,156 @@
+package bench
+
+import (
+	"bufio"
+	"cmp"
+	"context"
+	"io"
+	"net/http"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// scrapedMetrics maps the Prometheus families a run follows to the series
+// names in Sample.Values, and whether several series (engines, backends,
+// GPUs) are averaged (ratios) or summed (counts).
+var scrapedMetrics = map[string]struct {
+	name string
+	mean bool
+}{
+	"vllm:kv_cache_usage_perc":                   {"kv_usage", true},
+	"vllm:gpu_cache_usage_perc":                  {"kv_usage", true}, // before vLLM V1
+	"vllm:num_requests_running":                  {"running", false},
+	"vllm:num_requests_waiting":                  {"waiting", false},
+	"vllm:num_preemptions_total":                 {"preemptions_total", false},
+	"kvgate_scheduler_queue_depth":               {"queue_depth", false},
+	"kvgate_scheduler_backend_kv_usage_ratio":    {"kv_usage", true},
+	"kvgate_scheduler_backend_inflight_requests": {"inflight", false},
+	"kvgate_gpu_utilization_ratio":               {"gpu_utilization", true},
+	"kvgate_gpu_memory_used_bytes":               {"gpu_memory_used_bytes", false},
+	"kvgate_gpu_power_watts":                     {"gpu_power_watts", false},
+}
+
+// parseMetrics reads Prometheus text exposition and returns the followed
+// families, summed or averaged over their series.
+func parseMetrics(r io.Reader) map[string]float64 {
+	sum, count := map[string]float64{}, map[string]int{}
+	mean := map[string]bool{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name, rest := line, ""
+		if i := strings.IndexAny(line, "{ "); i >= 0 {
+			name, rest = line[:i], line[i:]
+		}
+		m, ok := scrapedMetrics[name]
+		if !ok {
+			continue
+		}
+		if strings.HasPrefix(rest, "{") {
+			j := strings.LastIndexByte(rest, '}')
+			if j < 0 {
+				continue
+			}
+			rest = rest[j+1:]
+		}
+		f := strings.Fields(rest)
+		if len(f) == 0 {
+			continue
+		}
+		v, err := strconv.ParseFloat(f[0], 64)
+		if err != nil {
+			continue
+		}
+		sum[m.name] += v
+		count[m.name]++
+		mean[m.name] = m.mean
+	}
+	for k, n := range count {
+		if mean[k] && n > 0 {
+			sum[k] /= float64(n)
+		}
+	}
+	return sum
+}
+
+// scraper reads /metrics endpoints on a timer.
+type scraper struct {
+	client  *http.Client
+	urls    []string
+	every   time.Duration
+	t0      time.Time
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	samples []Sample
+}
+
+func newScraper(client *http.Client, urls []string, every time.Duration, t0 time.Time) *scraper {
+	return &scraper{client: client, urls: urls, every: every, t0: t0}
+}
+
+// start scrapes every endpoint at once and then every interval until stop.
+func (s *scraper) start() {
+	ctx, cancel := context.WithCancel(context.Background())
+	s.cancel = cancel
+	for _, u := range s.urls {
+		s.wg.Go(func() {
+			t := time.NewTicker(s.every)
+			defer t.Stop()
+			for {
+				s.scrape(ctx, u)
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+				}
+			}
+		})
+	}
+}
+
+func (s *scraper) scrape(ctx context.Context, u string) {
+	ctx, cancel := context.WithTimeout(ctx, s.every)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+	if err != nil {
+		return
+	}
+	resp, err := s.client.Do(req)
+	if err != nil {
+		return
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return
+	}
+	vals := parseMetrics(resp.Body)
+	if len(vals) == 0 {
+		return
+	}
+	s.mu.Lock()
+	s.samples = append(s.samples, Sample{T: time.Since(s.t0).Seconds(), Source: u, Values: vals})
+	s.mu.Unlock()
+}
+
+// stop ends scraping, after one last scrape of each endpoint, and returns
+// the samples in time order.
+func (s *scraper) stop() []Sample {
+	s.cancel()
+	s.wg.Wait()
+	for _, u := range s.urls {
+		s.scrape(context.Background(), u)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := s.samples
+	slices.SortStableFunc(out, func(a, b Sample) int { return cmp.Compare(a.T, b.T) })
+	return out
+}
