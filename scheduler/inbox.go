@@ -1,0 +1,187 @@
+package scheduler
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// inboxStore is what the inbox needs of the store.
+type inboxStore interface {
+	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
+}
+
+// InboxConfig tunes the inbox consumer.
+type InboxConfig struct {
+	Batch   int           // messages fetched at once [128]
+	MaxWait time.Duration // longest wait of one fetch [1s]
+	Logger  *slog.Logger
+	Now     func() time.Time
+	// Publish, when set, is used to set a quarantined message aside on
+	// the QuarantineSubj subject (the wiring passes JetStream's publish).
+	Publish func(ctx context.Context, m *nats.Msg) error
+	// OnEvent is called once per event, after it is recorded and acked:
+	// the wiring wakes the runner with it.
+	OnEvent func(Event)
+}
+
+// Event is a job event as the inbox delivers it.
+type Event struct {
+	ID           string
+	JobID        string
+	Tenant       string
+	Type         string
+	State        store.State
+	StateVersion int64
+}
+
+// Inbox consumes the job events from JetStream through the shared durable
+// consumer. Each event is recorded in the store's inbox by id and payload
+// digest before it is acknowledged, so a redelivery (the consumer died
+// between commit and ack, or the broker retried) is recognised and handled
+// once; an id seen again with another payload is quarantined and counted,
+// never acted on. An event the store cannot record now is left
+// unacknowledged and comes back.
+type Inbox struct {
+	st   inboxStore
+	cons jetstream.Consumer
+	cfg  InboxConfig
+	log  *slog.Logger
+	m    *inboxMetrics
+}
+
+// NewInbox returns an inbox over the consumer SetupSignals made.
+func NewInbox(st inboxStore, cons jetstream.Consumer, cfg InboxConfig) *Inbox {
+	cfg.Batch = cmp.Or(cfg.Batch, 128)
+	cfg.MaxWait = cmp.Or(cfg.MaxWait, time.Second)
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Inbox{st: st, cons: cons, cfg: cfg, log: log.With("component", "inbox"), m: newInboxMetrics()}
+}
+
+// Collectors returns the inbox's metrics.
+func (in *Inbox) Collectors() []prometheus.Collector { return in.m.collectors() }
+
+// Run consumes until ctx ends and returns ctx's error. Broker and store
+// errors are logged and retried with backoff.
+func (in *Inbox) Run(ctx context.Context) error {
+	failures := 0
+	for ctx.Err() == nil {
+		batch, err := in.cons.Fetch(in.cfg.Batch, jetstream.FetchMaxWait(in.cfg.MaxWait))
+		if err == nil {
+			for msg := range batch.Messages() {
+				in.handle(ctx, msg)
+			}
+			err = batch.Error()
+		}
+		if err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			failures++
+			in.m.errors.Inc()
+			wait := retryWait(failures)
+			in.log.Warn("inbox fetch failed", "err", err, "retry_in", wait)
+			sleepCtx(ctx, wait)
+			continue
+		}
+		failures = 0
+	}
+	return ctx.Err()
+}
+
+// handle records one delivery, then acks it. It never returns an error:
+// what cannot be done now is left for redelivery.
+func (in *Inbox) handle(ctx context.Context, msg jetstream.Msg) {
+	data := msg.Data()
+	var w wireEvent
+	err := json.Unmarshal(data, &w)
+	id := w.ID
+	if h := msg.Headers().Get(jetstream.MsgIDHeader); err != nil || id == "" || h != "" && h != id {
+		in.quarantine(ctx, msg, cmp.Or(id, h), "malformed event")
+		return
+	}
+	dup, err := in.st.RecordInbox(ctx, id, digest(data), in.cfg.Now())
+	switch {
+	case errors.Is(err, store.ErrDigestMismatch):
+		in.quarantine(ctx, msg, id, "event id seen before with a different payload")
+		return
+	case err != nil:
+		if ctx.Err() == nil {
+			in.m.errors.Inc()
+			in.log.Warn("inbox record failed; left for redelivery", "event_id", id, "err", err)
+			_ = msg.NakWithDelay(time.Second)
+		}
+		return
+	}
+	// Recorded: from here a redelivery is a duplicate. An ack lost now
+	// costs one more delivery, recognised as such.
+	if err := msg.Ack(); err != nil {
+		in.log.Debug("inbox ack failed", "event_id", id, "err", err)
+	}
+	if dup {
+		in.m.duplicates.Inc()
+		return
+	}
+	in.m.recorded.Inc()
+	if in.cfg.OnEvent != nil {
+		in.cfg.OnEvent(Event{ID: w.ID, JobID: w.JobID, Tenant: w.Tenant, Type: w.Type, State: w.State, StateVersion: w.StateVersion})
+	}
+}
+
+// quarantine sets a message aside on the quarantine subject, counts it and
+// terminates its delivery; if it cannot be set aside it is left for
+// redelivery instead, never dropped.
+func (in *Inbox) quarantine(ctx context.Context, msg jetstream.Msg, id, why string) {
+	in.log.Error("event quarantined", "event_id", id, "subject", msg.Subject(), "reason", why)
+	if in.cfg.Publish != nil {
+		q := nats.NewMsg(QuarantineSubj + "." + subjectToken(msg.Subject()))
+		for k, vs := range msg.Headers() {
+			if k != jetstream.MsgIDHeader { // the original id would be deduplicated away
+				q.Header[k] = vs
+			}
+		}
+		q.Header.Set("Kvgate-Original-Msg-Id", id)
+		q.Header.Set("Kvgate-Quarantine-Reason", why)
+		q.Data = msg.Data()
+		if err := in.cfg.Publish(ctx, q); err != nil {
+			in.log.Warn("quarantine publish failed; left for redelivery", "event_id", id, "err", err)
+			_ = msg.NakWithDelay(time.Second)
+			return
+		}
+	}
+	in.m.quarantined.Inc()
+	_ = msg.TermWithReason(why)
+}
+
+type inboxMetrics struct {
+	recorded, duplicates, quarantined, errors prometheus.Counter
+}
+
+func newInboxMetrics() *inboxMetrics {
+	return &inboxMetrics{
+		recorded: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_inbox_recorded_total",
+			Help: "Job events recorded in the inbox for the first time."}),
+		duplicates: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_inbox_duplicates_total",
+			Help: "Redelivered job events the inbox recognised and acknowledged without acting again."}),
+		quarantined: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_inbox_quarantined_total",
+			Help: "Events set aside: malformed, or an id seen before with a different payload."}),
+		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_inbox_errors_total",
+			Help: "Fetches or records that failed and were retried."}),
+	}
+}
+
+func (m *inboxMetrics) collectors() []prometheus.Collector {
+	return []prometheus.Collector{m.recorded, m.duplicates, m.quarantined, m.errors}
+}

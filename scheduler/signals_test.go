@@ -1,0 +1,367 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"net"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlite"
+)
+
+// startNATS runs a real NATS server with JetStream on a loopback port,
+// keeping its files in dir; port 0 picks a free one.
+func startNATS(t *testing.T, dir string, port int) *server.Server {
+	t.Helper()
+	if port == 0 {
+		port = server.RANDOM_PORT
+	}
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: dir,
+		NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns.Start()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats server did not start")
+	}
+	t.Cleanup(ns.Shutdown)
+	return ns
+}
+
+// connect dials the server the way kvgate does, reconnecting for ever.
+func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
+	t.Helper()
+	nc, err := nats.Connect(url, nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return nc, js
+}
+
+func openSQLite(t *testing.T) store.Store {
+	t.Helper()
+	st, err := sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := sqlite.Migrate(context.Background(), st); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
+}
+
+func acceptJobs(t *testing.T, st store.Store, tenant string, n int) {
+	t.Helper()
+	for i := range n {
+		_, _, err := st.Accept(context.Background(), store.NewJob{
+			ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: tenant, IdempotencyKey: uuid.NewString(), RequestHash: "h", Endpoint: "/v1/completions",
+			Model: model, Body: []byte(`{}`), MaxAttempts: 3, Deadline: time.Now().Add(time.Hour), Now: time.Now(),
+			TokenEstimate: i,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// eventLog counts the events an inbox hands on, by id.
+type eventLog struct {
+	mu   sync.Mutex
+	seen map[string]int
+}
+
+func (l *eventLog) add(e Event) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.seen == nil {
+		l.seen = map[string]int{}
+	}
+	l.seen[e.ID]++
+}
+
+func (l *eventLog) count() (distinct, total int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, n := range l.seen {
+		distinct++
+		total += n
+	}
+	return distinct, total
+}
+
+// eventually polls cond for up to 20s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func runBG(t *testing.T, run func(context.Context) error) context.CancelFunc {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return cancel
+}
+
+type signalsFixture struct {
+	st    store.Store
+	nc    *nats.Conn
+	js    jetstream.JetStream
+	cons  jetstream.Consumer
+	feed  *Feed
+	log   *eventLog
+	inbox *Inbox
+}
+
+func startSignals(t *testing.T, st store.Store, url string) *signalsFixture {
+	t.Helper()
+	nc, js := connect(t, url)
+	cons, err := SetupSignals(context.Background(), js, SignalsConfig{AckWait: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &signalsFixture{st: st, nc: nc, js: js, cons: cons, feed: NewFeed(), log: &eventLog{}}
+	f.inbox = NewInbox(st, cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add,
+		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := js.PublishMsg(ctx, m); return err }})
+	return f
+}
+
+func (f *signalsFixture) relay() *Relay {
+	return NewRelay(f.st, f.js, RelayConfig{Batch: 16, Poll: 10 * time.Millisecond, AckTimeout: time.Second,
+		Announce: func() { _ = f.nc.Publish(FeedSubject, nil) }})
+}
+
+func unpublished(t *testing.T, st store.Store) int {
+	t.Helper()
+	evs, err := st.Unpublished(context.Background(), 100_000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(evs)
+}
+
+// Every committed event reaches the inbox exactly once, in bounded
+// batches, and the feed notice reaches a follower.
+func TestRelayAndInbox(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := openSQLite(t)
+	f := startSignals(t, st, ns.ClientURL())
+	changed := f.feed.Changed()
+	runBG(t, func(ctx context.Context) error { return FollowFeed(ctx, f.nc, f.feed) })
+	acceptJobs(t, st, "acme", 50)
+	r := f.relay()
+	runBG(t, r.Run)
+	runBG(t, f.inbox.Run)
+	eventually(t, "50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
+	eventually(t, "the outbox drained", func() bool { return unpublished(t, st) == 0 })
+	select {
+	case <-changed:
+	case <-time.After(10 * time.Second):
+		t.Error("no feed notice after publishing")
+	}
+	if _, total := f.log.count(); total != 50 {
+		t.Errorf("inbox handed on %d events for 50 distinct", total)
+	}
+	feed, err := st.Events(context.Background(), "acme", "", 0, 1000)
+	if err != nil || len(feed) != 50 {
+		t.Fatalf("published feed: %d events, %v", len(feed), err)
+	}
+	if got := testutil.ToFloat64(r.m.published); got != 50 {
+		t.Errorf("relay published %v, want 50", got)
+	}
+}
+
+// crashAfterPublish is the real store with MarkPublished failing until
+// allowed: the relay has published and dies before recording it.
+type crashAfterPublish struct {
+	store.Store
+	allow atomic.Bool
+	tries atomic.Int64
+}
+
+func (c *crashAfterPublish) MarkPublished(ctx context.Context, ids []string, at time.Time) error {
+	c.tries.Add(1)
+	if !c.allow.Load() {
+		return errors.New("relay process killed before marking")
+	}
+	return c.Store.MarkPublished(ctx, ids, at)
+}
+
+// A relay that dies between publish and mark publishes again; JetStream
+// drops the copies by Nats-Msg-Id and the inbox sees each event once.
+func TestRelayDiesBetweenPublishAndMark(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := openSQLite(t)
+	acceptJobs(t, st, "acme", 20)
+	crashy := &crashAfterPublish{Store: st}
+	f := startSignals(t, st, ns.ClientURL())
+	first := NewRelay(crashy, f.js, RelayConfig{Batch: 100})
+	if _, err := first.Once(context.Background()); err == nil {
+		t.Fatal("the crashing relay reported success")
+	}
+	if n := unpublished(t, st); n != 20 {
+		t.Fatalf("%d unpublished after the crash, want all 20", n)
+	}
+	// A second relay (the restarted process, or another replica).
+	crashy.allow.Store(true)
+	second := NewRelay(crashy, f.js, RelayConfig{Batch: 100})
+	if n, err := second.Once(context.Background()); err != nil || n != 20 {
+		t.Fatalf("second relay: %d, %v", n, err)
+	}
+	if got := testutil.ToFloat64(second.m.duplicates); got != 20 {
+		t.Errorf("JetStream flagged %v duplicates, want 20", got)
+	}
+	runBG(t, f.inbox.Run)
+	eventually(t, "20 events in the inbox", func() bool { d, _ := f.log.count(); return d == 20 })
+	info, err := f.js.Stream(context.Background(), StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if msgs := info.CachedInfo().State.Msgs; msgs != 20 {
+		t.Errorf("stream holds %d messages, want 20: duplicates were stored", msgs)
+	}
+	if _, total := f.log.count(); total != 20 {
+		t.Errorf("inbox handed on %d events, want 20", total)
+	}
+}
+
+// crashAfterCommit is the real store with RecordInbox committing and then
+// failing once per event: the consumer died between commit and ack.
+type crashAfterCommit struct {
+	store.Store
+	mu      sync.Mutex
+	crashed map[string]bool
+}
+
+func (c *crashAfterCommit) RecordInbox(ctx context.Context, id, digest string, now time.Time) (bool, error) {
+	dup, err := c.Store.RecordInbox(ctx, id, digest, now)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err == nil && !c.crashed[id] {
+		c.crashed[id] = true
+		return false, errors.New("consumer killed after commit, before ack")
+	}
+	return dup, err
+}
+
+// The redelivery after a consumer died between commit and ack is
+// recognised as a duplicate: recorded once, acted on at most once.
+func TestConsumerDiesBetweenCommitAndAck(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := openSQLite(t)
+	acceptJobs(t, st, "acme", 10)
+	f := startSignals(t, st, ns.ClientURL())
+	if n, err := f.relay().Once(context.Background()); err != nil || n != 10 {
+		t.Fatalf("relay: %d, %v", n, err)
+	}
+	crashy := &crashAfterCommit{Store: st, crashed: map[string]bool{}}
+	in := NewInbox(crashy, f.cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add})
+	runBG(t, in.Run)
+	eventually(t, "10 redeliveries recognised", func() bool { return testutil.ToFloat64(in.m.duplicates) == 10 })
+	if d, total := f.log.count(); d != 0 || total != 0 {
+		t.Errorf("events acted on after a crash before ack: %d distinct, %d in all; want none acted on twice", d, total)
+	}
+	eventually(t, "the consumer to have nothing pending", func() bool {
+		ci, err := f.cons.Info(context.Background())
+		return err == nil && ci.NumAckPending == 0 && ci.NumPending == 0
+	})
+}
+
+// An event id that comes again with another payload is quarantined and
+// counted, never acted on; the original stands.
+func TestInboxQuarantinesDigestMismatch(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := openSQLite(t)
+	acceptJobs(t, st, "acme", 1)
+	f := startSignals(t, st, ns.ClientURL())
+	if n, err := f.relay().Once(context.Background()); err != nil || n != 1 {
+		t.Fatalf("relay: %d, %v", n, err)
+	}
+	runBG(t, f.inbox.Run)
+	eventually(t, "the event in the inbox", func() bool { d, _ := f.log.count(); return d == 1 })
+	var id string
+	f.log.mu.Lock()
+	for k := range f.log.seen {
+		id = k
+	}
+	f.log.mu.Unlock()
+	// The same id, another payload, under another message id (a buggy or
+	// hostile publisher).
+	forged := nats.NewMsg("kvgate.events.job.succeeded")
+	forged.Data = []byte(`{"id":"` + id + `","job_id":"x","tenant":"acme","type":"job.succeeded","state":"SUCCEEDED","state_version":9}`)
+	if _, err := f.js.PublishMsg(context.Background(), forged); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the forgery quarantined", func() bool { return testutil.ToFloat64(f.inbox.m.quarantined) == 1 })
+	if _, total := f.log.count(); total != 1 {
+		t.Errorf("events acted on: %d, want the original only", total)
+	}
+	q, err := f.js.Stream(context.Background(), StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	msg, err := q.GetLastMsgForSubject(context.Background(), QuarantineSubj+".>")
+	if err != nil {
+		t.Fatalf("quarantined message not kept: %v", err)
+	}
+	if msg.Header.Get("Kvgate-Original-Msg-Id") != id {
+		t.Errorf("quarantined message headers: %v", msg.Header)
+	}
+}
+
+// With the broker down, acceptance goes on (it only touches the store);
+// when it returns, the relay drains the backlog and the inbox sees every
+// event once.
+func TestNATSDownThenBacklogDrains(t *testing.T) {
+	dir := t.TempDir()
+	ns := startNATS(t, dir, 0)
+	port := ns.Addr().(*net.TCPAddr).Port
+	st := openSQLite(t)
+	f := startSignals(t, st, ns.ClientURL())
+	r := f.relay()
+	runBG(t, r.Run)
+	runBG(t, f.inbox.Run)
+	acceptJobs(t, st, "acme", 10)
+	eventually(t, "the first 10 events", func() bool { d, _ := f.log.count(); return d == 10 })
+
+	ns.Shutdown()
+	ns.WaitForShutdown()
+	acceptJobs(t, st, "acme", 40) // acceptance does not need the broker
+	eventually(t, "the relay to notice the outage", func() bool { return testutil.ToFloat64(r.m.errors) > 0 })
+	if n := unpublished(t, st); n != 40 {
+		t.Fatalf("%d unpublished during the outage, want 40", n)
+	}
+
+	startNATS(t, dir, port) // the same files, the same address
+	eventually(t, "the backlog relayed", func() bool { return unpublished(t, st) == 0 })
+	eventually(t, "all 50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
+	if _, total := f.log.count(); total != 50 {
+		t.Errorf("inbox acted on %d events, want 50", total)
+	}
+}
