@@ -211,6 +211,9 @@ type Store interface {
 	// given one, in feed order; jobID narrows them to one job. Events not
 	// yet published are not in the feed.
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]Event, error)
+	// FeedHead returns the cursor of a tenant's latest published event, 0
+	// when there is none: where a reader without a cursor starts.
+	FeedHead(ctx context.Context, tenant string) (int64, error)
 	// RecordInbox records a delivered event once: duplicate reports a
 	// redelivery; ErrDigestMismatch a redelivery with other content.
 	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)

@@ -560,6 +560,12 @@ func testOutbox(t *testing.T, s store.Store) {
 	if other, _ := s.Events(ctx, "globex", "", 0, 100); len(other) != 1 || other[0].Cursor <= mine[0].Cursor {
 		t.Errorf("globex's feed: %+v", other)
 	}
+	if head, err := s.FeedHead(ctx, "acme"); err != nil || head != mine[2].Cursor {
+		t.Errorf("acme's feed head: %d, %v; want %d", head, err, mine[2].Cursor)
+	}
+	if head, err := s.FeedHead(ctx, "nobody"); err != nil || head != 0 {
+		t.Errorf("an empty feed's head: %d, %v", head, err)
+	}
 }
 
 func testInbox(t *testing.T, s store.Store) {
