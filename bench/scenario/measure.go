@@ -1,0 +1,136 @@
+package scenario
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/kvgate/kvgate/bench"
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// fleetCounters are a fleet's cumulative engine counters at one instant.
+type fleetCounters struct {
+	wall        time.Time
+	sim         []time.Duration // each engine's simulated clock
+	generation  float64         // vllm:generation_tokens_total, summed
+	preemptions float64         // vllm:num_preemptions_total, summed
+}
+
+// readFleet reads every backend's /metrics, as a monitoring system would,
+// and the engines' simulated clocks.
+func readFleet(ctx context.Context, s *stack) (fleetCounters, error) {
+	c := fleetCounters{wall: time.Now()}
+	for i, b := range s.backends {
+		c.sim = append(c.sim, s.sims[i].Engine().Now())
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, b+"/metrics", nil)
+		if err != nil {
+			return c, err
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return c, fmt.Errorf("read fleet counters: %w", err)
+		}
+		m, err := gpu.ParseEngineMetrics(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			return c, fmt.Errorf("read fleet counters of %s: %w", b, err)
+		}
+		c.generation += m.Generation
+		c.preemptions += m.Preemptions
+	}
+	return c, nil
+}
+
+// elapsed is the simulated time since an earlier reading, averaged over
+// the engines.
+func (c fleetCounters) elapsed(from fleetCounters) time.Duration {
+	var sum time.Duration
+	for i := range c.sim {
+		sum += c.sim[i] - from.sim[i]
+	}
+	return sum / time.Duration(max(1, len(c.sim)))
+}
+
+// tokPerSec is the fleet's output tokens per simulated second since from.
+func (c fleetCounters) tokPerSec(from fleetCounters) float64 {
+	if d := c.elapsed(from).Seconds(); d > 0 {
+		return (c.generation - from.generation) / d
+	}
+	return 0
+}
+
+// speedup is how many simulated seconds passed per wall second since from.
+// A host that cannot keep a speed-up stretches simulated time rather than
+// skip it, so this stays close to the one asked for; the figure records it.
+func (c fleetCounters) speedup(from fleetCounters) float64 {
+	if w := c.wall.Sub(from.wall).Seconds(); w > 0 {
+		return c.elapsed(from).Seconds() / w
+	}
+	return 1
+}
+
+// toSimTime rescales a report measured in wall time on a fleet that ran k
+// times faster into simulated time: every offset and latency is multiplied
+// by k and every summary recomputed, so that its throughputs are per
+// simulated second and its latencies what a client of real GPUs would see
+// (kvgate's own sub-millisecond overhead is scaled along, a negligible
+// bias). cfg, the load in simulated units, replaces the wall-clock config.
+func toSimTime(rep *bench.Report, k float64, cfg bench.Config) {
+	scale := func(d time.Duration) time.Duration { return time.Duration(float64(d) * k) }
+	for i := range rep.Requests {
+		r := &rep.Requests[i]
+		r.Intended, r.Sent, r.TTFT, r.TPOT, r.E2EL = scale(r.Intended), scale(r.Sent), scale(r.TTFT), scale(r.TPOT), scale(r.E2EL)
+		for j := range r.ITLs {
+			r.ITLs[j] = scale(r.ITLs[j])
+		}
+	}
+	if vc, err := cfg.Validate(); err == nil {
+		vc.Target, vc.Scrape, vc.Metadata, vc.Label = rep.Config.Target, rep.Config.Scrape, rep.Config.Metadata, rep.Config.Label
+		vc.ScrapeInterval = scale(rep.Config.ScrapeInterval)
+		vc.JobPollInterval = scale(rep.Config.JobPollInterval)
+		rep.Config = vc
+	}
+	for i := range rep.LoadPoints {
+		pt := &rep.LoadPoints[i]
+		pt.Start *= k
+		pt.RequestRate = bench.Rate(float64(pt.RequestRate) / k)
+		dur := time.Duration(pt.Summary.Duration * k * float64(time.Second))
+		var all []bench.Record
+		for _, r := range rep.Requests {
+			if r.Point == pt.Index {
+				all = append(all, r)
+			}
+		}
+		pt.Summary = bench.Summarize(all, dur, rep.Config.SLO, rep.Config.Percentiles)
+		shares := make([]float64, 0, len(pt.Tenants))
+		for j := range pt.Tenants {
+			ts := &pt.Tenants[j]
+			var own []bench.Record
+			for _, r := range all {
+				if r.Tenant == ts.Name {
+					own = append(own, r)
+				}
+			}
+			ts.Summary = bench.Summarize(own, dur, rep.Config.SLO, rep.Config.Percentiles)
+			shares = append(shares, ts.Summary.OutputThroughput/ts.Weight)
+		}
+		pt.JainIndex = bench.JainIndex(shares)
+	}
+	for i := range rep.TimeSeries {
+		rep.TimeSeries[i].T *= k
+	}
+	if rep.Headline >= 0 && rep.Headline < len(rep.LoadPoints) {
+		h := rep.LoadPoints[rep.Headline]
+		rep.Summary, rep.Tenants, rep.JainIndex, rep.RequestRate = h.Summary, h.Tenants, h.JainIndex, h.RequestRate
+	}
+	for i := range rep.TTFTs {
+		rep.TTFTs[i] *= k
+	}
+	for i := range rep.ITLs {
+		for j := range rep.ITLs[i] {
+			rep.ITLs[i][j] *= k
+		}
+	}
+}

@@ -1,0 +1,376 @@
+package scenario
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kvgate/kvgate/bench"
+	"github.com/kvgate/kvgate/bench/vllmsim"
+)
+
+// Options size and place a scenario run. Zero values take the defaults in
+// brackets.
+type Options struct {
+	// Scale multiplies a scenario's simulated duration and job counts
+	// [1: a minute of simulated traffic, burst's 10,000 jobs]; make bench
+	// runs a fraction of it.
+	Scale float64
+	// Speedup runs the simulated GPUs' clock this many times faster than
+	// wall time [4]; arrival rates are multiplied by it.
+	Speedup float64
+	// Seed makes arrivals and prompts reproducible [1].
+	Seed uint64
+	// Out is the directory reports are written under, as
+	// Out/<scenario>/<target>/; empty writes none.
+	Out string
+	// Targets are the targets to run, a subset of Targets [all].
+	Targets []string
+	// Log receives progress lines [discarded].
+	Log *slog.Logger
+}
+
+func (o *Options) defaults() error {
+	o.Scale = cmp.Or(o.Scale, 1)
+	o.Speedup = cmp.Or(o.Speedup, 4)
+	o.Seed = cmp.Or(o.Seed, 1)
+	if len(o.Targets) == 0 {
+		o.Targets = Targets
+	}
+	if o.Log == nil {
+		o.Log = slog.New(slog.DiscardHandler)
+	}
+	switch {
+	case !(o.Scale > 0) || math.IsInf(o.Scale, 0):
+		return fmt.Errorf("scale %v must be a positive number", o.Scale)
+	case !(o.Speedup >= 1) || math.IsInf(o.Speedup, 0):
+		return fmt.Errorf("speed-up %v must be a number of at least 1", o.Speedup)
+	}
+	for _, t := range o.Targets {
+		if !slices.Contains(Targets, t) {
+			return fmt.Errorf("unknown target %q (have %s)", t, strings.Join(Targets, ", "))
+		}
+	}
+	return nil
+}
+
+// Scenario is a named, reproducible benchmark.
+type Scenario struct {
+	Name  string
+	About string
+	plan  func(o Options) (plan, error)
+}
+
+// plan is a scenario at one size, in simulated time: rates are per
+// simulated second and durations simulated.
+type plan struct {
+	fleet fleetSpec
+	// cfg is the load, without a target; tenants marked Deferred submit
+	// jobs to kvgate and plain requests to the baselines, which have no
+	// job API.
+	cfg bench.Config
+	// keys maps kvgate API keys to tenants.
+	keys map[string]string
+	// focus names the tenants whose latency and errors the verdict shows
+	// (the interactive ones); empty means all.
+	focus []string
+	// sending is how long arrivals last; throughput is measured from
+	// measureFrom to its end, past the warm-up.
+	sending, measureFrom time.Duration
+	// events happen during the run, at simulated offsets.
+	events []event
+	// describe is the verdict's heading.
+	describe string
+}
+
+// event is something done to the fleet mid-run.
+type event struct {
+	at   time.Duration
+	what string
+	do   func(ctx context.Context, s *stack) error
+}
+
+// registry is every scenario, in the order List gives them.
+var registry = []Scenario{
+	{Name: "overload", About: "twice the fleet's capacity of 600-in/400-out streamed requests: throughput, preemptions, TTFT, errors", plan: planOverload},
+	{Name: "mixed", About: "interactive chat streaming at a moderate rate plus batch jobs filling the rest: interactive TTFT and total throughput", plan: planMixed},
+	{Name: "burst", About: "tenant A submits 10,000 jobs at once while tenant B chats: B's TTFT and latency", plan: planBurst},
+	{Name: "backend-failure", About: "one of three backends dies a third of the way in: errors and throughput", plan: planBackendFailure},
+}
+
+// List returns the scenarios in a stable order.
+func List() []Scenario { return slices.Clone(registry) }
+
+// Lookup returns the scenario with the given name.
+func Lookup(name string) (Scenario, error) {
+	for _, s := range registry {
+		if s.Name == name {
+			return s, nil
+		}
+	}
+	names := make([]string, len(registry))
+	for i, s := range registry {
+		names[i] = s.Name
+	}
+	return Scenario{}, fmt.Errorf("unknown scenario %q (have %s)", name, strings.Join(names, ", "))
+}
+
+// TargetResult is what one target measured, in simulated time.
+type TargetResult struct {
+	Target string
+	Report *bench.Report // rescaled to simulated time
+	// FleetTokPerSec is the output tokens per simulated second the fleet
+	// generated over the measurement window (from vllm:generation_tokens_total).
+	FleetTokPerSec float64
+	// Preemptions is the fleet's vllm:num_preemptions_total over the run.
+	Preemptions float64
+	// Speedup is how much faster than wall time the fleet's clock ran.
+	Speedup float64
+	// Focus is the summary of the focus tenants (all, when none is named).
+	Focus bench.Summary
+	// Events are the scenario's mid-run events that happened, in order.
+	Events []string
+	Dir    string // where its reports are, or ""
+}
+
+// Result is a scenario run: one result per target and the verdict.
+type Result struct {
+	Scenario string
+	Describe string
+	Focus    []string // the tenants latency and error rows show; empty: all
+	Targets  []TargetResult
+	Verdict  Verdict
+}
+
+// Run runs the scenario against each target in turn and returns what they
+// measured. It returns an error when a target cannot be started or a run
+// fails outright (failed requests are measurements, not errors), or ctx's
+// error when ctx ends first.
+func (sc Scenario) Run(ctx context.Context, o Options) (*Result, error) {
+	if err := o.defaults(); err != nil {
+		return nil, err
+	}
+	p, err := sc.plan(o)
+	if err != nil {
+		return nil, err
+	}
+	res := &Result{Scenario: sc.Name, Describe: p.describe, Focus: p.focus}
+	for _, target := range o.Targets {
+		o.Log.Info("scenario target starting", "scenario", sc.Name, "target", target)
+		tr, err := runTarget(ctx, sc.Name, target, p, o)
+		if err != nil {
+			return nil, fmt.Errorf("%s against %s: %w", sc.Name, target, err)
+		}
+		o.Log.Info("scenario target done", "scenario", sc.Name, "target", target,
+			"completed", tr.Report.Summary.Completed, "failed", tr.Report.Summary.Failed,
+			"fleet_tok_per_s", math.Round(tr.FleetTokPerSec), "speedup", fmt.Sprintf("%.2f", tr.Speedup))
+		res.Targets = append(res.Targets, *tr)
+	}
+	res.Verdict = newVerdict(res)
+	if o.Out != "" {
+		if err := res.Verdict.writeFiles(filepath.Join(o.Out, sc.Name)); err != nil {
+			return nil, err
+		}
+	}
+	return res, nil
+}
+
+// runTarget runs the plan against one target on a fresh fleet.
+func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *TargetResult, err error) {
+	dataDir := ""
+	if target == TargetKVGate {
+		if dataDir, err = os.MkdirTemp("", "kvgate-scenario-"); err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(dataDir)
+	}
+	st, err := startStack(ctx, target, p.fleet, p.keys, dataDir, o.Log)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if serr := st.stop(); serr != nil && err == nil {
+			err = serr
+		}
+	}()
+
+	speed := p.fleet.speedup
+	cfg := toWall(p.cfg, speed)
+	cfg.Target = st.url
+	cfg.Scrape = nil
+	for _, b := range st.backends {
+		cfg.Scrape = append(cfg.Scrape, b+"/metrics")
+	}
+	cfg.ScrapeInterval = wall(time.Second, speed, 50*time.Millisecond)
+	cfg.Label = name + "/" + target
+	cfg.Metadata = map[string]string{"scenario": name, "target": target, "time": "simulated",
+		"speedup": fmt.Sprint(speed), "fleet": fmt.Sprintf("%d × %s", p.fleet.backends, p.fleet.profile.Name)}
+	if !st.jobs {
+		for i := range cfg.Tenants {
+			cfg.Tenants[i].Deferred = false // no job API: batch goes as plain requests
+		}
+	}
+
+	c0, err := readFleet(ctx, st)
+	if err != nil {
+		return nil, err
+	}
+	w0 := time.Now()
+	runCtx, cancelRun := context.WithCancel(ctx)
+	defer cancelRun()
+	type ran struct {
+		rep *bench.Report
+		err error
+	}
+	done := make(chan ran, 1)
+	go func() {
+		rep, err := bench.Run(runCtx, cfg)
+		done <- ran{rep, err}
+	}()
+
+	// Timeline, in wall time from the start: events, then the edges of the
+	// throughput window.
+	type mark struct {
+		at time.Duration
+		do func() error
+	}
+	var (
+		c1, c2 fleetCounters
+		fired  []string
+	)
+	marks := []mark{
+		{p.measureFrom, func() (err error) { c1, err = readFleet(ctx, st); return err }},
+		{p.sending, func() (err error) { c2, err = readFleet(ctx, st); return err }},
+	}
+	for _, e := range p.events {
+		marks = append(marks, mark{e.at, func() error {
+			o.Log.Info("scenario event", "scenario", name, "target", target, "event", e.what)
+			fired = append(fired, e.what)
+			return e.do(ctx, st)
+		}})
+	}
+	slices.SortStableFunc(marks, func(a, b mark) int { return cmp.Compare(a.at, b.at) })
+	var r ran
+	got := false
+	for _, m := range marks {
+		timer := time.NewTimer(time.Until(w0.Add(time.Duration(float64(m.at) / speed))))
+		select {
+		case r = <-done:
+			got = true
+		case <-timer.C:
+		}
+		timer.Stop()
+		if got {
+			break
+		}
+		if err := m.do(); err != nil {
+			cancelRun()
+			<-done
+			return nil, err
+		}
+	}
+	if !got {
+		r = <-done
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	if c2.wall.IsZero() { // the run ended before its sending time was up
+		if c2, err = readFleet(ctx, st); err != nil {
+			return nil, err
+		}
+	}
+	if c1.wall.IsZero() {
+		c1 = c0
+	}
+	c3, err := readFleet(ctx, st)
+	if err != nil {
+		return nil, err
+	}
+	k := c3.speedup(c0)
+	tr := &TargetResult{
+		Target: target, Report: r.rep, Speedup: k, Events: fired,
+		FleetTokPerSec: c2.tokPerSec(c1),
+		Preemptions:    c3.preemptions - c0.preemptions,
+	}
+	toSimTime(tr.Report, k, p.cfg)
+	tr.Report.Metadata["effective_speedup"] = fmt.Sprintf("%.3f", k)
+	tr.Focus = focusSummary(tr.Report, p.focus)
+	if o.Out != "" {
+		tr.Dir = filepath.Join(o.Out, name, target)
+		if err := tr.Report.WriteFiles(tr.Dir); err != nil {
+			return nil, err
+		}
+	}
+	return tr, nil
+}
+
+// toWall turns a plan's load, in simulated time, into the wall-clock load
+// the harness sends to a fleet running speed times faster.
+func toWall(c bench.Config, speed float64) bench.Config {
+	c.Tenants = slices.Clone(c.Tenants)
+	c.Arrival.Rate *= speed
+	for i := range c.Tenants {
+		c.Tenants[i].Arrival.Rate *= speed
+	}
+	c.Duration = time.Duration(float64(c.Duration) / speed)
+	c.RequestTimeout = time.Duration(float64(c.RequestTimeout) / speed)
+	c.JobPollInterval = wall(c.JobPollInterval, speed, 50*time.Millisecond)
+	return c
+}
+
+// putFaults sets a simulated backend's faults over its HTTP admin API.
+func putFaults(ctx context.Context, backend, body string) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, backend+"/admin/faults", strings.NewReader(body))
+	if err != nil {
+		return err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("set faults on %s: status %d", backend, resp.StatusCode)
+	}
+	return nil
+}
+
+// focusSummary is the summary of the named tenants' requests (all when
+// none is named).
+func focusSummary(rep *bench.Report, focus []string) bench.Summary {
+	if len(focus) == 0 {
+		return rep.Summary
+	}
+	var recs []bench.Record
+	for _, r := range rep.Requests {
+		if r.Point == rep.Headline && slices.Contains(focus, r.Tenant) {
+			recs = append(recs, r)
+		}
+	}
+	pt := rep.LoadPoints[rep.Headline]
+	return bench.Summarize(recs, time.Duration(pt.Summary.Duration*float64(time.Second)), rep.Config.SLO, rep.Config.Percentiles)
+}
+
+// llama is the simulated fleet's model.
+func llamaProfile() (vllmsim.Profile, error) {
+	p, err := vllmsim.LookupProfile("h100-llama-3.1-8b")
+	if err != nil {
+		return p, err
+	}
+	// A 32k-token KV cache per GPU (vLLM's --num-gpu-blocks-override) so
+	// that a fleet fills in seconds and a run stays short; everything else
+	// is the H100's.
+	p.NumGPUBlocks, p.MaxModelLen = 2048, 8192
+	return p, nil
+}

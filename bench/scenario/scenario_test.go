@@ -1,0 +1,190 @@
+package scenario
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/bench"
+)
+
+func TestRegistry(t *testing.T) {
+	var names []string
+	for _, s := range List() {
+		names = append(names, s.Name)
+		if s.About == "" {
+			t.Errorf("%s has no description", s.Name)
+		}
+		got, err := Lookup(s.Name)
+		if err != nil || got.Name != s.Name {
+			t.Errorf("Lookup(%q) = %q, %v", s.Name, got.Name, err)
+		}
+		p, err := s.plan(Options{Scale: 1, Speedup: 4, Seed: 1})
+		if err != nil {
+			t.Errorf("%s: %v", s.Name, err)
+			continue
+		}
+		cfg := p.cfg
+		cfg.Target = "http://127.0.0.1:1"
+		if _, err := cfg.Validate(); err != nil {
+			t.Errorf("%s: its load does not validate: %v", s.Name, err)
+		}
+		if p.sending <= 0 || p.measureFrom >= p.sending || p.describe == "" {
+			t.Errorf("%s: sending %v, measured from %v, describe %q", s.Name, p.sending, p.measureFrom, p.describe)
+		}
+		for _, f := range p.focus {
+			if !slices.ContainsFunc(p.cfg.Tenants, func(tn bench.Tenant) bool { return tn.Name == f }) {
+				t.Errorf("%s: focus tenant %s is not in the load", s.Name, f)
+			}
+		}
+	}
+	for _, want := range []string{"overload", "mixed", "burst", "backend-failure"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("no %s scenario in %v", want, names)
+		}
+	}
+	if _, err := Lookup("nope"); err == nil || !strings.Contains(err.Error(), "overload") {
+		t.Errorf("Lookup of an unknown name: %v", err)
+	}
+}
+
+func TestPlanSizes(t *testing.T) {
+	burst, _ := Lookup("burst")
+	full, err := burst.plan(Options{Scale: 1, Speedup: 4, Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := full.cfg.Tenants[0].NumPrompts; n != 10000 || !full.cfg.Tenants[0].Deferred {
+		t.Errorf("burst at scale 1: tenant A sends %d (deferred %v), want 10,000 jobs", n, full.cfg.Tenants[0].Deferred)
+	}
+	small, _ := burst.plan(Options{Scale: 0.1, Speedup: 4, Seed: 1})
+	if n := small.cfg.Tenants[0].NumPrompts; n != 1000 {
+		t.Errorf("burst at scale 0.1: %d jobs, want 1,000", n)
+	}
+	over, _ := Lookup("overload")
+	p, _ := over.plan(Options{Scale: 0.5, Speedup: 4, Seed: 1})
+	if rate := p.cfg.Tenants[0].Arrival.Rate; rate != 2*perBackendRate*float64(p.fleet.backends) {
+		t.Errorf("overload rate %v is not twice the fleet's capacity", rate)
+	}
+	if p.sending != 30*time.Second {
+		t.Errorf("overload at scale 0.5 sends for %v, want 30s", p.sending)
+	}
+	w := toWall(p.cfg, 4)
+	if w.Tenants[0].Arrival.Rate != 4*p.cfg.Tenants[0].Arrival.Rate || w.RequestTimeout != p.cfg.RequestTimeout/4 {
+		t.Errorf("wall config at 4x: rate %v, timeout %v", w.Tenants[0].Arrival.Rate, w.RequestTimeout)
+	}
+	if p.cfg.Tenants[0].Arrival.Rate == w.Tenants[0].Arrival.Rate {
+		t.Error("toWall changed the plan's own tenants")
+	}
+}
+
+func TestOptionsRejectBadValues(t *testing.T) {
+	for _, o := range []Options{{Scale: -1}, {Speedup: 0.5}, {Targets: []string{"nginx"}}} {
+		if err := o.defaults(); err == nil {
+			t.Errorf("%+v: no error", o)
+		}
+	}
+}
+
+func TestVerdictRatios(t *testing.T) {
+	res := &Result{Scenario: "x", Describe: "d", Targets: []TargetResult{
+		{Target: TargetKVGate, Report: &bench.Report{Summary: bench.Summary{OutputThroughput: 90, Completed: 10}}, FleetTokPerSec: 100, Preemptions: 0,
+			Focus: bench.Summary{Failed: 2, TTFT: bench.Latency{Median: 50, Percentiles: map[float64]float64{99: 100}}}},
+		{Target: TargetRoundRobin, Report: &bench.Report{Summary: bench.Summary{OutputThroughput: 60, Completed: 8}}, FleetTokPerSec: 80, Preemptions: 300,
+			Focus: bench.Summary{Failed: 0, TTFT: bench.Latency{Median: 100, Percentiles: map[float64]float64{99: 400}}}},
+	}}
+	v := newVerdict(res)
+	for _, c := range []struct {
+		row  string
+		want float64
+		ok   bool
+	}{{RowFleetTokPerSec, 1.25, true}, {RowDoneTokPerSec, 1.5, true}, {RowTTFTp99, 0.25, true}, {RowPreemptions, 0, true}, {RowErrors, 0, false}} {
+		r, found := v.Row(c.row)
+		if !found {
+			t.Fatalf("no row %q", c.row)
+		}
+		got, ok := r.Ratios[TargetRoundRobin]
+		if ok != c.ok || got != c.want {
+			t.Errorf("%s: ratio %v (%v), want %v (%v)", c.row, got, ok, c.want, c.ok)
+		}
+	}
+	var sb strings.Builder
+	if err := v.WriteText(&sb); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(sb.String(), "kvgate/round-robin") || strings.Contains(sb.String(), "kvgate/threshold") || !strings.Contains(sb.String(), "n/a") {
+		t.Errorf("verdict text:\n%s", sb.String())
+	}
+}
+
+// TestScenarioEndToEnd runs the smallest backend-failure scenario against all
+// three targets on real HTTP and checks that it wrote the reports and a
+// verdict with every row. It asserts what happened, never how fast.
+func TestScenarioEndToEnd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts three fleets")
+	}
+	out := t.TempDir()
+	sc, err := Lookup("backend-failure")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	res, err := sc.Run(ctx, Options{Scale: 0.05, Speedup: 5, Seed: 3, Out: out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Targets) != 3 {
+		t.Fatalf("%d targets ran, want 3", len(res.Targets))
+	}
+	for _, tr := range res.Targets {
+		s := tr.Report.Summary
+		if s.Completed == 0 {
+			t.Errorf("%s completed nothing: %v", tr.Target, s.Errors)
+		}
+		if s.Completed+s.Failed != res.Targets[0].Report.Summary.Completed+res.Targets[0].Report.Summary.Failed {
+			t.Errorf("%s saw %d requests, kvgate %d: not the same arrivals", tr.Target, s.Completed+s.Failed,
+				res.Targets[0].Report.Summary.Completed+res.Targets[0].Report.Summary.Failed)
+		}
+		if !slices.Equal(tr.Events, []string{"backend 0 dies"}) {
+			t.Errorf("%s: events %v, want the backend's death", tr.Target, tr.Events)
+		}
+		if tr.FleetTokPerSec <= 0 {
+			t.Errorf("%s: fleet throughput %v", tr.Target, tr.FleetTokPerSec)
+		}
+		for _, f := range []string{bench.FileJSON, bench.FileSummaryCSV, bench.FileRequestsCSV, bench.FileMarkdown, bench.FileHTML} {
+			if _, err := os.Stat(filepath.Join(out, "backend-failure", tr.Target, f)); err != nil {
+				t.Errorf("%s: %v", tr.Target, err)
+			}
+		}
+		rep, err := bench.ReadReport(filepath.Join(out, "backend-failure", tr.Target, bench.FileJSON))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rep.Metadata["time"] != "simulated" || len(rep.Requests) != s.Completed+s.Failed {
+			t.Errorf("%s: report metadata %v, %d requests", tr.Target, rep.Metadata, len(rep.Requests))
+		}
+	}
+	var got []string
+	for _, r := range res.Verdict.Rows {
+		got = append(got, r.Name)
+	}
+	if !slices.Equal(got, Rows) {
+		t.Errorf("verdict rows %v, want %v", got, Rows)
+	}
+	text, err := os.ReadFile(filepath.Join(out, "backend-failure", "verdict.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range append([]string{"kvgate/round-robin", "kvgate/threshold"}, Rows...) {
+		if !strings.Contains(string(text), want) {
+			t.Errorf("verdict.txt lacks %q:\n%s", want, text)
+		}
+	}
+	t.Logf("\n%s", text)
+}
