@@ -68,6 +68,41 @@ func BenchmarkAccept(b *testing.B) {
 	reportLatency(b, lat, "accept")
 }
 
+// BenchmarkAcceptOpenLoop measures durable acceptance under an open-loop
+// load at issue 4's goal rate: acceptRate Accepts a second, each started
+// on its own schedule whether or not earlier ones have finished, and its
+// latency taken from when it was due, so a stall counts against every
+// request it delays (no coordinated omission). b.N is the number of
+// Accepts: -benchtime 10000x is ten seconds of load.
+//
+//	go test -run '^$' -bench AcceptOpenLoop -benchtime 10000x ./store/postgres/
+func BenchmarkAcceptOpenLoop(b *testing.B) {
+	const acceptRate = 1000
+	s := openB(b)
+	ctx := context.Background()
+	interval := time.Second / acceptRate
+	lat := make([]time.Duration, b.N)
+	var wg sync.WaitGroup
+	b.ResetTimer()
+	start := time.Now()
+	for i := range b.N {
+		due := start.Add(time.Duration(i) * interval)
+		if d := time.Until(due); d > 0 {
+			time.Sleep(d)
+		}
+		wg.Go(func() {
+			if _, _, err := s.Accept(ctx, benchJob(i)); err != nil {
+				b.Error(err)
+			}
+			lat[i] = time.Since(due)
+		})
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "jobs/s")
+	reportLatency(b, lat, "accept")
+}
+
 // BenchmarkClaimComplete measures the worker side with a zero-delay
 // backend: claim one job, complete it under its fence, from 32 workers.
 //
@@ -104,6 +139,78 @@ func BenchmarkClaimComplete(b *testing.B) {
 		}
 	})
 	b.ReportMetric(float64(done.Load())/time.Since(start).Seconds(), "jobs/s")
+}
+
+// BenchmarkClaimBatchComplete measures the worker side as
+// scheduler.Runner drives it, with a zero-delay backend: each of
+// claimRunners runners has runnerSlots slots, claims as many jobs as it
+// has free slots in one call, completes each job in its own goroutine
+// (one transaction each, under the job's fence) and claims again as soon
+// as a slot frees.
+//
+//	go test -run '^$' -bench ClaimBatchComplete -benchtime 20000x ./store/postgres/
+func BenchmarkClaimBatchComplete(b *testing.B) {
+	const claimRunners, runnerSlots = 2, 32
+	s := openB(b)
+	ctx := context.Background()
+	for i := range b.N {
+		if _, _, err := s.Accept(ctx, benchJob(i)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var done, claims atomic.Int64
+	b.ResetTimer()
+	start := time.Now()
+	var runners sync.WaitGroup
+	for range claimRunners {
+		runners.Go(func() {
+			slots := make(chan struct{}, runnerSlots)
+			freed := make(chan struct{}, runnerSlots)
+			var work sync.WaitGroup
+			defer work.Wait()
+			for done.Load() < int64(b.N) {
+				free := cap(slots) - len(slots)
+				if free == 0 {
+					<-freed
+					continue
+				}
+				js, err := s.Claim(ctx, time.Now(), time.Minute, free)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				claims.Add(1)
+				if len(js) == 0 {
+					if len(slots) == 0 {
+						return // nothing left to claim, nothing running
+					}
+					<-freed
+					continue
+				}
+				for _, j := range js {
+					slots <- struct{}{}
+					work.Go(func() {
+						defer func() {
+							<-slots
+							select {
+							case freed <- struct{}{}:
+							default:
+							}
+						}()
+						if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded,
+							Result: json.RawMessage(`{"ok":true}`), Attempt: store.Attempt{Attempt: j.Attempt}, Now: time.Now()}); err != nil {
+							b.Error(err)
+							return
+						}
+						done.Add(1)
+					})
+				}
+			}
+		})
+	}
+	runners.Wait()
+	b.ReportMetric(float64(done.Load())/time.Since(start).Seconds(), "jobs/s")
+	b.ReportMetric(float64(done.Load())/float64(max(claims.Load(), 1)), "jobs/claim")
 }
 
 // BenchmarkClaimMillionReady measures one claim's latency with a million

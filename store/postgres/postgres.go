@@ -30,6 +30,7 @@ var Dialect = sqlstore.Dialect{
 	Unavailable:    unavailable,
 	LockMigrations: "SELECT pg_advisory_xact_lock(7403153941)", // any fixed key: kvgate's migrations
 	LockFeed:       "SELECT pg_advisory_xact_lock(7403153942)", // and the feed's
+	WritableCTE:    true,
 }
 
 func unavailable(err error) bool {

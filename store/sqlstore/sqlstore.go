@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -38,6 +39,13 @@ type Dialect struct {
 	// places follow commit order where several relays may mark at once
 	// ("" where the database serialises writers anyway).
 	LockFeed string
+	// WritableCTE says the database runs INSERT and UPDATE inside WITH
+	// (PostgreSQL). Accept, Claim, Complete and Fail then write the job,
+	// its attempt record and its events in one statement: one round trip
+	// and one implicit transaction instead of BEGIN, two to four
+	// statements and COMMIT, each a round trip. Without it (SQLite, where
+	// a round trip is a function call) they run as explicit transactions.
+	WritableCTE bool
 }
 
 // Store is store.Store over a *sql.DB.
@@ -53,7 +61,7 @@ type Store struct {
 	// preparation needs a connection of its own, and with every
 	// connection held by a transaction waiting on it, none would come.
 	mu       sync.Mutex
-	prepared bool
+	prepared atomic.Bool // set once stmts holds every static statement
 	stmts    map[string]*sql.Stmt
 }
 
@@ -68,14 +76,20 @@ func New(db *sql.DB, d Dialect) *Store {
 // before it takes a connection. It fails, to be tried again, while the
 // schema is missing.
 func (s *Store) ready(ctx context.Context) error {
+	if s.prepared.Load() {
+		return nil
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.prepared {
+	if s.prepared.Load() {
 		return nil
 	}
 	v := reflect.ValueOf(s.q)
 	for i := range v.NumField() {
 		q := v.Field(i).String()
+		if q == "" { // a form this dialect does not use
+			continue
+		}
 		if _, ok := s.stmts[q]; ok {
 			continue
 		}
@@ -85,7 +99,7 @@ func (s *Store) ready(ctx context.Context) error {
 		}
 		s.stmts[q] = st
 	}
-	s.prepared = true
+	s.prepared.Store(true)
 	return nil
 }
 
@@ -185,6 +199,8 @@ type queries struct {
 	insertJob, selectByKey, selectJob, anyRunnable, claim, heartbeat, finish, insertAttempt, insertEvent,
 	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
 	feedHead, events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
+	// One-statement forms, where the dialect has writable CTEs (else "").
+	acceptCTE, claimCTE, finishCTE string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -192,7 +208,7 @@ const listJobs = `SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ?`
 
 func buildQueries(d Dialect) queries {
 	r := func(q string) string { return rebind(d, q) }
-	return queries{
+	q := queries{
 		insertJob: r(`INSERT INTO jobs (` + jobColumns + `)
 			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 			ON CONFLICT (tenant, idempotency_key) DO NOTHING`),
@@ -245,6 +261,10 @@ func buildQueries(d Dialect) queries {
 		jobByID:       r(`SELECT ` + jobColumns + ` FROM jobs WHERE id = ?`),
 		fenceState:    r(`SELECT fence, state FROM jobs WHERE id = ?`),
 	}
+	if d.WritableCTE {
+		q.acceptCTE, q.claimCTE, q.finishCTE = r(acceptCTE), r(claimCTE(d)), r(finishCTE)
+	}
+	return q
 }
 
 func micros(t time.Time) int64 {
@@ -306,14 +326,15 @@ func isStoreErr(err error) bool {
 
 type scanner interface{ Scan(dest ...any) error }
 
-func scanJob(r scanner) (store.Job, error) {
+// scanJob scans jobColumns, then any extra columns into extra.
+func scanJob(r scanner, extra ...any) (store.Job, error) {
 	var j store.Job
 	var state string
 	var lease, avail, deadline, created, updated int64
 	var body, meta []byte
-	err := r.Scan(&j.ID, &j.Tenant, &j.IdempotencyKey, &j.RequestHash, &j.Endpoint, &j.Model, &body, &meta,
+	err := r.Scan(append([]any{&j.ID, &j.Tenant, &j.IdempotencyKey, &j.RequestHash, &j.Endpoint, &j.Model, &body, &meta,
 		&j.Priority, &j.TokenEstimate, &state, &j.StateVersion, &j.Attempt, &j.MaxAttempts, &j.Fence,
-		&lease, &avail, &deadline, &created, &updated, &j.ErrorClass, &j.LastError)
+		&lease, &avail, &deadline, &created, &updated, &j.ErrorClass, &j.LastError}, extra...)...)
 	if err != nil {
 		return j, err
 	}
@@ -345,6 +366,9 @@ func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant stri
 
 // Accept implements store.Store.
 func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
+	if s.d.WritableCTE {
+		return s.acceptOne(ctx, n)
+	}
 	var job store.Job
 	created := false
 	err := s.tx(ctx, "accept job", func(tx *sql.Tx) error {
@@ -429,6 +453,9 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 // Claim implements store.Store. An idle poll finds nothing runnable with
 // one read and takes no write lock.
 func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
+	if s.d.WritableCTE {
+		return s.claimOne(ctx, now, lease, limit)
+	}
 	var one int
 	err := s.queryRow(ctx, nil, s.q.anyRunnable, micros(now), micros(now)).Scan(&one)
 	if errors.Is(err, sql.ErrNoRows) {
@@ -488,6 +515,9 @@ func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.
 // the attempt record and the event, in one transaction.
 func (s *Store) finish(ctx context.Context, op, id string, fence int64, st store.State, availableAt time.Time,
 	result []byte, a store.Attempt, eventID string, now time.Time) error {
+	if s.d.WritableCTE {
+		return s.finishOne(ctx, op, id, fence, st, availableAt, result, a, eventID, now)
+	}
 	return s.tx(ctx, op, func(tx *sql.Tx) error {
 		var tenant string
 		var version int64

@@ -28,7 +28,9 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"TenantScoping", testTenantScoping},
 		{"List", testList},
 		{"ClaimOrderAndLease", testClaimOrder},
+		{"AcceptConcurrentSameKey", testAcceptConcurrentSameKey},
 		{"ClaimConcurrent", testClaimConcurrent},
+		{"ClaimBatchEvents", testClaimBatchEvents},
 		{"ManyWriters", testManyWriters},
 		{"Heartbeat", testHeartbeat},
 		{"Complete", testComplete},
@@ -196,6 +198,101 @@ func testClaimOrder(t *testing.T, s store.Store) {
 	}
 	if more, err := s.Claim(ctx, now, time.Minute, 10); err != nil || len(more) != 0 {
 		t.Errorf("a second claim took %d jobs", len(more))
+	}
+}
+
+// testAcceptConcurrentSameKey races acceptances of one key: exactly one
+// creates the job, every other same request gets that job, and every
+// different request gets ErrConflict, however the writers interleave.
+func testAcceptConcurrentSameKey(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const writers = 16
+	type outcome struct {
+		job     store.Job
+		created bool
+		err     error
+		same    bool
+	}
+	out := make([]outcome, writers)
+	var wg sync.WaitGroup
+	for w := range writers {
+		wg.Go(func() {
+			same := w%4 != 3
+			n := newJob("acme", "race")
+			if !same {
+				n.RequestHash = "other"
+			}
+			j, created, err := s.Accept(ctx, n)
+			out[w] = outcome{j, created, err, same}
+		})
+	}
+	wg.Wait()
+	var winner store.Job
+	creators := 0
+	for _, o := range out {
+		if o.created {
+			creators++
+			winner = o.job
+		}
+	}
+	if creators != 1 {
+		t.Fatalf("%d acceptances created the job, want 1", creators)
+	}
+	for w, o := range out {
+		switch {
+		case o.same == (winner.RequestHash == "hash-race"):
+			if o.err != nil || o.job.ID != winner.ID {
+				t.Errorf("writer %d, same request as the winner: %s, %v; want job %s", w, o.job.ID, o.err, winner.ID)
+			}
+		default:
+			if !errors.Is(o.err, store.ErrConflict) {
+				t.Errorf("writer %d, different request: %v, want ErrConflict", w, o.err)
+			}
+		}
+	}
+	evs, err := s.Unpublished(ctx, 100)
+	if err != nil || len(evs) != 1 || evs[0].JobID != winner.ID {
+		t.Errorf("events after the race: %+v, %v; want one job.accepted", evs, err)
+	}
+}
+
+// testClaimBatchEvents claims several jobs at once: each gets its own
+// job.running event, distinct ids, in claim order after the acceptances.
+func testClaimBatchEvents(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	var ids []string
+	for i := range 5 {
+		ids = append(ids, accept(t, s, newJob("acme", fmt.Sprint("k", i), func(n *store.NewJob) {
+			n.Now = t0.Add(time.Duration(i) * time.Second)
+		})).ID)
+	}
+	js, err := s.Claim(ctx, t0.Add(time.Minute), time.Minute, 10)
+	if err != nil || len(js) != 5 {
+		t.Fatalf("claim: %d jobs, %v", len(js), err)
+	}
+	for i, j := range js {
+		if j.ID != ids[i] {
+			t.Errorf("claimed #%d %s, want %s", i, j.ID, ids[i])
+		}
+	}
+	evs, err := s.Unpublished(ctx, 100)
+	if err != nil || len(evs) != 10 {
+		t.Fatalf("events: %d, %v; want 5 accepted and 5 running", len(evs), err)
+	}
+	seen := map[string]bool{}
+	for i, e := range evs[5:] {
+		if e.Type != "job.running" || e.JobID != ids[i] || e.State != store.Running || e.StateVersion != 2 ||
+			!e.CreatedAt.Equal(t0.Add(time.Minute)) || seen[e.ID] || e.ID == "" {
+			t.Errorf("running event #%d: %+v", i, e)
+		}
+		seen[e.ID] = true
+	}
+	// Nothing runnable: nothing claimed, nothing written.
+	if more, err := s.Claim(ctx, t0.Add(time.Minute), time.Minute, 10); err != nil || len(more) != 0 {
+		t.Errorf("second claim: %d jobs, %v", len(more), err)
+	}
+	if evs, _ := s.Unpublished(ctx, 100); len(evs) != 10 {
+		t.Errorf("an empty claim wrote events: %d", len(evs))
 	}
 }
 
