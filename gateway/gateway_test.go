@@ -52,8 +52,10 @@ type fleetOpts struct {
 	// production uses the pool's default scrape and probe intervals
 	// rather than the tests' fast ones.
 	production bool
-	// jobs enables durable jobs on a SQLite store; runner also runs them.
-	jobs, runner bool
+	// jobs enables durable jobs on a SQLite store; runner also runs them;
+	// signals relays their events through a real NATS server (JetStream)
+	// to the inbox and the event streams.
+	jobs, runner, signals bool
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -120,6 +122,17 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 			}
 		}
 	}
+	var sig *testSignals
+	if o.signals {
+		sig = startTestSignals(t, f.store, func() {
+			if runner != nil {
+				runner.Wake()
+			}
+		})
+		o.gateway.Jobs.Feed = sig.feed
+		wake := o.gateway.Jobs.Wake
+		o.gateway.Jobs.Wake = func() { wake(); sig.relay.Wake() }
+	}
 	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -137,6 +150,9 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	wg.Go(func() { _ = f.sched.Run(ctx) })
 	if runner != nil {
 		wg.Go(func() { _ = runner.Run(ctx) })
+	}
+	if sig != nil {
+		sig.run(ctx, &wg)
 	}
 	f.srv = httptest.NewServer(f.api)
 	t.Cleanup(func() {

@@ -27,17 +27,31 @@ type jobStore interface {
 	List(ctx context.Context, tenant string, f store.ListFilter) ([]store.Job, string, error)
 	Result(ctx context.Context, tenant, id string) (json.RawMessage, error)
 	Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error)
+	Attempts(ctx context.Context, id string) ([]store.Attempt, error)
+	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
+	FeedHead(ctx context.Context, tenant string) (int64, error)
 }
+
+// feedNotices tells event streams that the published feed may have moved;
+// *scheduler.Feed satisfies it.
+type feedNotices interface{ Changed() <-chan struct{} }
 
 // Jobs configures the durable jobs API. Zero values take the defaults in
 // brackets.
 type Jobs struct {
 	Store jobStore
-	// Wake tells the runner that work arrived; nil if none listens.
-	Wake            func()
+	// Wake tells the runner and the relay that work arrived; nil if none
+	// listens.
+	Wake func()
+	// Feed wakes event streams when events are published; without it they
+	// look every second.
+	Feed            feedNotices
 	MaxAttempts     int           // per job [5]
 	DefaultDeadline time.Duration // when a job gives none [24h]
 	MaxDeadline     time.Duration // the latest a job may ask for [7 days]
+	// MaxReplay bounds what an event stream replays after a client's
+	// Last-Event-ID; further behind, it starts from a fresh snapshot [10000].
+	MaxReplay int
 }
 
 var jobEndpoints = map[string]endpoint{
@@ -85,6 +99,9 @@ func (s *Server) jobRoutes() {
 	s.mux.Handle("GET /v1/jobs/{id}", s.api("/v1/jobs/{id}", s.handleGetJob))
 	s.mux.Handle("GET /v1/jobs/{id}/result", s.api("/v1/jobs/{id}/result", s.handleJobResult))
 	s.mux.Handle("POST /v1/jobs/{id}/cancel", s.api("/v1/jobs/{id}/cancel", s.handleCancelJob))
+	s.mux.Handle("GET /v1/jobs/{id}/attempts", s.api("/v1/jobs/{id}/attempts", s.handleJobAttempts))
+	s.mux.Handle("GET /v1/jobs/{id}/events", s.api("/v1/jobs/{id}/events", s.handleJobEvents))
+	s.mux.Handle("GET /v1/events", s.api("/v1/events", s.handleTenantEvents))
 }
 
 // requestHash identifies a job's result-affecting input: the endpoint and

@@ -23,6 +23,10 @@ type Config struct {
 	// APIKeys maps bearer tokens to tenants. Empty means development mode:
 	// no authentication, every request belongs to tenant "default".
 	APIKeys map[string]string
+	// OperatorKeys maps bearer tokens to the tenants whose operators hold
+	// them: they may do all a tenant's key may, and also see retry
+	// details (a job's attempts, backends and error classes).
+	OperatorKeys map[string]string
 	// MaxBodyBytes caps request bodies; larger ones get 413 [8 MiB].
 	MaxBodyBytes int64
 	// DefaultMaxTokens is the output reserved for a chat request that sets
@@ -86,6 +90,7 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.Jobs.MaxAttempts = cmp.Or(cfg.Jobs.MaxAttempts, 5)
 	cfg.Jobs.DefaultDeadline = cmp.Or(cfg.Jobs.DefaultDeadline, 24*time.Hour)
 	cfg.Jobs.MaxDeadline = cmp.Or(cfg.Jobs.MaxDeadline, 7*24*time.Hour)
+	cfg.Jobs.MaxReplay = cmp.Or(cfg.Jobs.MaxReplay, 10_000)
 	if cfg.TokenCount != "estimate" && cfg.TokenCount != "tokenize" {
 		return nil, fmt.Errorf("token count %q is not estimate or tokenize", cfg.TokenCount)
 	}
@@ -143,6 +148,15 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.Serve
 
 type tenantKey struct{}
 
+type operatorKey struct{}
+
+// isOperator reports whether the caller holds an operator key (or the
+// gateway runs without keys, in development mode).
+func isOperator(ctx context.Context) bool {
+	op, _ := ctx.Value(operatorKey{}).(bool)
+	return op
+}
+
 // tenantOf returns the tenant that api authenticated.
 func tenantOf(ctx context.Context) string {
 	t, _ := ctx.Value(tenantKey{}).(string)
@@ -154,13 +168,17 @@ func tenantOf(ctx context.Context) string {
 func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request) int) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
-		tenant, err := s.authenticate(r)
+		tenant, operator, err := s.authenticate(r)
 		if err != nil {
 			status := writeError(w, s.log, err)
 			s.m.request(route, "", status, time.Since(start))
 			return
 		}
-		r = r.WithContext(context.WithValue(r.Context(), tenantKey{}, tenant))
+		ctx := context.WithValue(r.Context(), tenantKey{}, tenant)
+		if operator {
+			ctx = context.WithValue(ctx, operatorKey{}, true)
+		}
+		r = r.WithContext(ctx)
 		r.Body = http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes)
 		rw := &statusWriter{ResponseWriter: w}
 		s.m.inflight.Inc()
@@ -178,21 +196,29 @@ type statusWriter struct {
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-func (s *Server) authenticate(r *http.Request) (string, error) {
-	if len(s.cfg.APIKeys) == 0 {
-		return "default", nil
+// authenticate returns the caller's tenant and whether it holds an
+// operator key. Without any key configured every caller is the "default"
+// tenant's operator (development mode).
+func (s *Server) authenticate(r *http.Request) (string, bool, error) {
+	if len(s.cfg.APIKeys) == 0 && len(s.cfg.OperatorKeys) == 0 {
+		return "default", true, nil
 	}
 	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	if !ok || token == "" {
-		return "", &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error",
+		return "", false, &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error",
 			msg: "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'."}
 	}
 	for key, tenant := range s.cfg.APIKeys {
 		if subtle.ConstantTimeCompare([]byte(key), []byte(token)) == 1 {
-			return tenant, nil
+			return tenant, false, nil
 		}
 	}
-	return "", &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
+	for key, tenant := range s.cfg.OperatorKeys {
+		if subtle.ConstantTimeCompare([]byte(key), []byte(token)) == 1 {
+			return tenant, true, nil
+		}
+	}
+	return "", false, &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
 		msg: "Incorrect API key provided."}
 }
 
