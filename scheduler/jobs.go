@@ -67,6 +67,9 @@ type RunnerConfig struct {
 	Backoff     Backoff
 	Logger      *slog.Logger
 	Now         func() time.Time
+	// OnEvents, when set, is called after the runner committed outbox
+	// events (claims, outcomes): the wiring wakes the relay with it.
+	OnEvents func()
 }
 
 // Runner executes durable jobs: it claims them from the store, admits them
@@ -159,6 +162,9 @@ func (r *Runner) Run(ctx context.Context) error {
 			}
 			continue
 		}
+		if len(jobs) > 0 && r.cfg.OnEvents != nil {
+			r.cfg.OnEvents()
+		}
 		for _, j := range jobs {
 			slots <- struct{}{}
 			wg.Go(func() {
@@ -170,6 +176,9 @@ func (r *Runner) Run(ctx context.Context) error {
 					}
 				}()
 				r.work(ctx, j)
+				if r.cfg.OnEvents != nil {
+					r.cfg.OnEvents()
+				}
 			})
 		}
 	}

@@ -21,7 +21,7 @@ import (
 type config struct {
 	Addr      string              `yaml:"addr"`
 	Store     string              `yaml:"store"`    // postgres://... or sqlite://PATH; SQLite under DataDir by default
-	DataDir   string              `yaml:"data_dir"` // the embedded store (and, later, broker) live here
+	DataDir   string              `yaml:"data_dir"` // the embedded store and NATS server keep their files here
 	NoMigrate bool                `yaml:"no_migrate"`
 	Backends  []gpu.BackendConfig `yaml:"backends"`
 	APIKeys   []apiKey            `yaml:"api_keys"`
@@ -45,6 +45,10 @@ type config struct {
 		Disabled bool          `yaml:"disabled"`
 		Interval time.Duration `yaml:"interval"`
 	} `yaml:"nvml"`
+	NATS struct {
+		URL      string `yaml:"url"`      // external server or cluster; empty: embedded in-process
+		Replicas int    `yaml:"replicas"` // stream replicas on a cluster [1]
+	} `yaml:"nats"`
 	Jobs struct {
 		Concurrency     int           `yaml:"concurrency"`
 		Lease           time.Duration `yaml:"lease"`
@@ -62,6 +66,7 @@ type config struct {
 type apiKey struct {
 	Key    string `yaml:"key"`
 	Tenant string `yaml:"tenant"`
+	Role   string `yaml:"role"` // user (default) or operator: sees retry details
 }
 
 // repeated is a flag that may be given many times.
@@ -85,13 +90,14 @@ type configFlags struct {
 	store    string
 	dataDir  string
 	noMig    bool
+	natsURL  string
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.file, "config", "", "YAML configuration file (env KVGATE_CONFIG)")
 	fs.StringVar(&c.addr, "addr", "", "address to serve the API on (env KVGATE_ADDR; default 127.0.0.1:8080)")
 	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
-	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, repeatable (env KVGATE_API_KEYS, comma-separated); none means no authentication")
+	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none means no authentication")
 	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
 	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
 	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
@@ -101,6 +107,7 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.store, "store", "", "job store: postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
 	fs.StringVar(&c.dataDir, "data-dir", "", "directory of the embedded store (env KVGATE_DATA_DIR; default ./data)")
 	fs.BoolVar(&c.noMig, "no-migrate", false, "do not apply the store's migrations on start (run kvgate migrate)")
+	fs.StringVar(&c.natsURL, "nats-url", "", "NATS server or cluster for job events, e.g. nats://host:4222 (env KVGATE_NATS_URL; default: embedded in-process, files under --data-dir)")
 }
 
 // load builds the configuration from the file, the environment and the
@@ -143,6 +150,9 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if v, ok := env("KVGATE_DATA_DIR"); ok {
 		cfg.DataDir = v
 	}
+	if v, ok := env("KVGATE_NATS_URL"); ok {
+		cfg.NATS.URL = v
+	}
 	if v, ok := env("KVGATE_BACKENDS"); ok {
 		cfg.Backends = nil
 		for _, u := range splitList(v) {
@@ -178,6 +188,9 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["no-migrate"] {
 		cfg.NoMigrate = c.noMig
+	}
+	if set["nats-url"] {
+		cfg.NATS.URL = c.natsURL
 	}
 	if set["backend"] {
 		cfg.Backends = nil
@@ -228,23 +241,35 @@ func parseKeys(list []string) ([]apiKey, error) {
 	for _, kv := range list {
 		k, t, ok := strings.Cut(kv, "=")
 		if !ok || k == "" || t == "" {
-			return nil, fmt.Errorf("%q is not TOKEN=TENANT", kv)
+			return nil, fmt.Errorf("%q is not TOKEN=TENANT or TOKEN=TENANT:operator", kv)
 		}
-		keys = append(keys, apiKey{Key: k, Tenant: t})
+		role := ""
+		if tenant, r, ok := strings.Cut(t, ":"); ok {
+			t, role = tenant, r
+		}
+		keys = append(keys, apiKey{Key: k, Tenant: t, Role: role})
 	}
 	return keys, nil
 }
 
-func (c *config) keyMap() (map[string]string, error) {
-	m := map[string]string{}
+// keyMaps returns the tenants of the users' keys and of the operators'.
+func (c *config) keyMaps() (users, operators map[string]string, err error) {
+	users, operators = map[string]string{}, map[string]string{}
 	for _, k := range c.APIKeys {
 		if k.Key == "" || k.Tenant == "" {
-			return nil, errors.New("api_keys: every key needs a key and a tenant")
+			return nil, nil, errors.New("api_keys: every key needs a key and a tenant")
 		}
-		if _, dup := m[k.Key]; dup {
-			return nil, errors.New("api_keys: a key is listed twice")
+		if users[k.Key] != "" || operators[k.Key] != "" {
+			return nil, nil, errors.New("api_keys: a key is listed twice")
 		}
-		m[k.Key] = k.Tenant
+		switch k.Role {
+		case "", "user":
+			users[k.Key] = k.Tenant
+		case "operator":
+			operators[k.Key] = k.Tenant
+		default:
+			return nil, nil, fmt.Errorf("api_keys: role %q is not user or operator", k.Role)
+		}
 	}
-	return m, nil
+	return users, operators, nil
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"encoding/json"
 	"flag"
@@ -216,5 +217,57 @@ func TestServeRunsJobs(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "kvgate.db")); err != nil {
 		t.Errorf("no SQLite store under the data directory: %v", err)
+	}
+	// The job's events went through the embedded NATS server: published
+	// (so in the feed, replayed from cursor 0) and recorded by the inbox.
+	client := &http.Client{Timeout: 10 * time.Second}
+	req, _ = http.NewRequest(http.MethodGet, base+"/v1/events", nil)
+	req.Header.Set("Last-Event-ID", "0")
+	resp, err = client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _ := bufio.NewReader(resp.Body).ReadString('\n')
+	resp.Body.Close()
+	if !strings.HasPrefix(first, "id: ") {
+		t.Errorf("event stream began with %q, want a replayed event", first)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		r, err := http.Get(base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if m := regexp.MustCompile(`(?m)^kvgate_scheduler_inbox_recorded_total (\d+)`).FindSubmatch(b); m != nil && string(m[1]) != "0" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the inbox recorded no event")
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "nats", "jetstream")); err != nil {
+		t.Errorf("no JetStream files under the data directory: %v", err)
+	}
+}
+
+func TestKeyRoles(t *testing.T) {
+	keys, err := parseKeys([]string{"u1=acme", "o1=acme:operator", "u2=globex:user"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := &config{APIKeys: keys}
+	users, ops, err := cfg.keyMaps()
+	if err != nil || users["u1"] != "acme" || users["u2"] != "globex" || ops["o1"] != "acme" || users["o1"] != "" {
+		t.Errorf("users %v operators %v err %v", users, ops, err)
+	}
+	for _, bad := range [][]apiKey{
+		{{Key: "k", Tenant: "t", Role: "admin?"}},
+		{{Key: "k", Tenant: "t"}, {Key: "k", Tenant: "u", Role: "operator"}},
+		{{Key: "", Tenant: "t"}},
+	} {
+		if _, _, err := (&config{APIKeys: bad}).keyMaps(); err == nil {
+			t.Errorf("keys %+v accepted", bad)
+		}
 	}
 }

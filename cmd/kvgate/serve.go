@@ -36,7 +36,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		// collection out of the latency tail.
 		debug.SetGCPercent(400)
 	}
-	keys, err := cfg.keyMap()
+	keys, operators, err := cfg.keyMaps()
 	if err != nil {
 		return err
 	}
@@ -97,17 +97,24 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	defer st.Close()
 	log.Info("job store open", "kind", loc.Kind, "store", redact(loc), "migrations_applied", applied)
 	var runner *scheduler.Runner
+	wakeRunner := func() {
+		if runner != nil {
+			runner.Wake()
+		}
+	}
+	sig, err := startSignals(ctx, cfg, st, wakeRunner, reg, log)
+	if err != nil {
+		return fail(fmt.Errorf("signals: %w", err))
+	}
+	g.Go(func() error { return sig.run(gctx) })
 	api, err := gateway.New(gateway.Config{
-		APIKeys: keys, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
+		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout,
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
-			Wake: func() {
-				if runner != nil {
-					runner.Wake()
-				}
-			},
+			Feed: sig.feed,
+			Wake: func() { wakeRunner(); sig.relay.Wake() },
 		},
 	}, pool, sched, reg, log)
 	if err != nil {
@@ -115,6 +122,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runner = scheduler.NewRunner(st, sched, api, scheduler.RunnerConfig{
 		Concurrency: cfg.Jobs.Concurrency, Lease: cfg.Jobs.Lease, Logger: log,
+		OnEvents: sig.relay.Wake,
 	})
 	reg.MustRegister(runner.Collectors()...)
 
@@ -124,7 +132,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	g.Go(func() error { return serve(gctx, ln, api, waitDone) })
 
 	addr := ln.Addr().String()
-	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys) > 0)
+	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys)+len(operators) > 0)
 	model := "meta-llama/Llama-3.1-8B-Instruct"
 	if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
 		model = p.Model

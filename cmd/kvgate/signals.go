@@ -1,0 +1,109 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
+)
+
+// signals is the running signal path: the relay, the inbox and the feed
+// notices, over an external NATS server or an embedded one.
+type signals struct {
+	relay *scheduler.Relay
+	feed  *scheduler.Feed
+	run   func(ctx context.Context) error // until ctx ends; then closes the connection and any embedded server
+}
+
+// startSignals connects to NATS (cfg.NATS.URL, or an embedded server
+// with its files under the data directory and no listening port), creates
+// the stream and the consumer, and builds the relay and the inbox. wake is
+// called for each event that may mean runnable work.
+func startSignals(ctx context.Context, cfg *config, st store.Store, wake func(), reg prometheus.Registerer, log *slog.Logger) (*signals, error) {
+	opts := []nats.Option{nats.Name("kvgate"), nats.MaxReconnects(-1), nats.ReconnectWait(time.Second),
+		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
+			if err != nil {
+				log.Warn("nats disconnected", "err", err)
+			}
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) { log.Info("nats reconnected", "url", nc.ConnectedUrlRedacted()) }),
+	}
+	var ns *server.Server
+	url := cfg.NATS.URL
+	if url == "" {
+		var err error
+		ns, err = server.NewServer(&server.Options{
+			ServerName: "kvgate-embedded", JetStream: true, StoreDir: filepath.Join(cfg.DataDir, "nats"),
+			DontListen: true, NoSigs: true, NoLog: true,
+		})
+		if err != nil {
+			return nil, fmt.Errorf("embedded nats: %w", err)
+		}
+		ns.Start()
+		if !ns.ReadyForConnections(30 * time.Second) {
+			ns.Shutdown()
+			return nil, fmt.Errorf("embedded nats did not start")
+		}
+		opts = append(opts, nats.InProcessServer(ns))
+		url = "in-process"
+	}
+	closeAll := func(nc *nats.Conn) {
+		if nc != nil {
+			nc.Close()
+		}
+		if ns != nil {
+			ns.Shutdown()
+			ns.WaitForShutdown()
+		}
+	}
+	nc, err := nats.Connect(url, opts...)
+	if err != nil {
+		closeAll(nil)
+		return nil, fmt.Errorf("connect to nats %s: %w", url, err)
+	}
+	js, err := jetstream.New(nc)
+	if err != nil {
+		closeAll(nc)
+		return nil, err
+	}
+	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	cons, err := scheduler.SetupSignals(sctx, js, scheduler.SignalsConfig{Replicas: cfg.NATS.Replicas})
+	if err != nil {
+		closeAll(nc)
+		return nil, err
+	}
+	feed := scheduler.NewFeed()
+	relay := scheduler.NewRelay(st, js, scheduler.RelayConfig{Logger: log,
+		Announce: func() { _ = nc.Publish(scheduler.FeedSubject, nil) }})
+	inbox := scheduler.NewInbox(st, cons, scheduler.InboxConfig{Logger: log,
+		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := js.PublishMsg(ctx, m); return err },
+		OnEvent: func(e scheduler.Event) {
+			if e.State == store.Ready || e.State == store.RetryScheduled {
+				wake()
+			}
+		},
+	})
+	reg.MustRegister(relay.Collectors()...)
+	reg.MustRegister(inbox.Collectors()...)
+	log.Info("signals over nats", "url", url, "stream", scheduler.StreamName)
+	return &signals{relay: relay, feed: feed, run: func(ctx context.Context) error {
+		g, gctx := errgroup.WithContext(ctx)
+		g.Go(func() error { return ignoreCanceled(relay.Run(gctx)) })
+		g.Go(func() error { return ignoreCanceled(inbox.Run(gctx)) })
+		g.Go(func() error { return ignoreCanceled(scheduler.FollowFeed(gctx, nc, feed)) })
+		err := g.Wait()
+		closeAll(nc)
+		return err
+	}}, nil
+}
