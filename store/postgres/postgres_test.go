@@ -2,64 +2,16 @@ package postgres_test
 
 import (
 	"context"
-	"fmt"
 	"io/fs"
-	"math/rand/v2"
-	"net/url"
-	"os"
 	"testing"
-	"time"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
 	"github.com/kvgate/kvgate/store/storetest"
 )
 
-// adminURL is the server the tests create their databases on:
-// KVGATE_TEST_POSTGRES_URL, or the local server.
-func adminURL() string {
-	if u := os.Getenv("KVGATE_TEST_POSTGRES_URL"); u != "" {
-		return u
-	}
-	return "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
-}
-
-// freshDatabase creates an empty database for one test and drops it after.
-// Without a server the test is skipped, but in CI (CI=true) it fails:
-// CI must exercise PostgreSQL.
-func freshDatabase(t testing.TB) string {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	admin, err := pgx.Connect(ctx, adminURL())
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("PostgreSQL is required in CI: %v", err)
-		}
-		t.Skipf("no PostgreSQL at %s (set KVGATE_TEST_POSTGRES_URL): %v", adminURL(), err)
-	}
-	name := fmt.Sprintf("kvgate_test_%d_%x", time.Now().Unix(), rand.Uint32())
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
-		admin.Close(ctx)
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+name+" WITH (FORCE)"); err != nil {
-			t.Errorf("drop %s: %v", name, err)
-		}
-		admin.Close(ctx)
-	})
-	u, err := url.Parse(adminURL())
-	if err != nil {
-		t.Fatal(err)
-	}
-	u.Path = "/" + name
-	return u.String()
-}
+func freshDatabase(t testing.TB) string { return pgtest.FreshDatabase(t) }
 
 func open(t *testing.T) store.Store {
 	t.Helper()
