@@ -232,6 +232,9 @@ func (r *requester) readStream(ctx context.Context, body io.Reader, start time.T
 			}
 		}
 		if done {
+			// Read the body's end, so that the connection is reused: a
+			// response closed before its end closes its connection.
+			_, _ = io.Copy(io.Discard, br)
 			break
 		}
 		if err != nil {

@@ -117,7 +117,7 @@ type Tenant struct {
 	Class string `json:"class,omitempty"`
 	// Weight is the tenant's fair share, used by Jain's index (default 1).
 	Weight float64 `json:"weight,omitempty"`
-	// Arrival and Workload replace the run's when set (a non-empty Kind).
+	// Arrival and Workload replace the run's when set (not zero).
 	Arrival  Arrival  `json:"arrival"`
 	Workload Workload `json:"workload"`
 	// NumPrompts replaces the run's count for this tenant when positive.
@@ -269,12 +269,12 @@ func (c Config) Validate() (Config, error) {
 		if t.Weight < 0 || t.NumPrompts < 0 {
 			return c, fmt.Errorf("bench: tenant %s: negative weight or num_prompts", t.Name)
 		}
-		if t.Workload.Kind == "" {
+		if t.Workload == (Workload{}) {
 			t.Workload = c.Workload
 		} else if t.Workload, err = t.Workload.withDefaults(); err != nil {
 			return c, fmt.Errorf("bench: tenant %s: %w", t.Name, err)
 		}
-		if t.Arrival.Kind == "" && t.Arrival.Rate == 0 && t.Arrival.Concurrency == 0 {
+		if t.Arrival == (Arrival{}) {
 			t.Arrival = c.Arrival
 		} else if t.Arrival, err = t.Arrival.withDefaults(t.Workload); err != nil {
 			return c, fmt.Errorf("bench: tenant %s: %w", t.Name, err)

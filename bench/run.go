@@ -65,10 +65,6 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	runID := start.UnixNano()
 	plan := planPoints(cfg)
 	for i := 0; i < len(plan) && ctx.Err() == nil; i++ {
-		if i == 1 && cfg.Sweep != nil && len(cfg.Sweep.Rates) == 0 {
-			// The first point ran at full speed; spread the rest up to what it reached.
-			plan = sweepFromSaturation(cfg, rep.LoadPoints[0], cfg.Sweep.Points)
-		}
 		tenants := plan[i]
 		p := LoadPoint{Index: i, Start: time.Since(start).Seconds(), RequestRate: Rate(offered(tenants))}
 		for _, t := range tenants {
@@ -91,6 +87,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 		p.JainIndex = JainIndex(shares)
 		rep.LoadPoints = append(rep.LoadPoints, p)
 		rep.Requests = append(rep.Requests, recs...)
+		if i == 0 && cfg.Sweep != nil && len(cfg.Sweep.Rates) == 0 {
+			// The first point ran at full speed; spread the rest up to what it reached.
+			plan = append(plan[:1], sweepFromSaturation(cfg, p, cfg.Sweep.Points)[1:]...)
+		}
 	}
 	prog.finish()
 	if sc != nil {

@@ -2,6 +2,13 @@ package bench
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -52,5 +59,385 @@ func TestRunStreamingAgainstSimulator(t *testing.T) {
 	}
 	if len(rep.Provenance.Models) != 1 || rep.Provenance.ServerVersion == "" {
 		t.Errorf("provenance %+v lacks the simulator's model or version", rep.Provenance)
+	}
+}
+
+const model = "meta-llama/Llama-3.1-8B-Instruct"
+
+func TestRunChatAndNonStreaming(t *testing.T) {
+	_, url := newSim(t, 50)
+	for _, tc := range []struct {
+		endpoint string
+		stream   bool
+	}{{EndpointChat, true}, {EndpointChat, false}, {EndpointCompletions, false}} {
+		rep, err := Run(context.Background(), Config{Target: url, Model: model, Endpoint: tc.endpoint, Stream: tc.stream,
+			Workload: Workload{Input: Dist{Mean: 20}, Output: Dist{Mean: 6}}, NumPrompts: 8, Arrival: Arrival{Rate: 500}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := rep.Summary
+		if s.Completed != 8 || s.TotalOutputTokens != 48 || s.TotalInputTokens < 8*20 {
+			t.Errorf("%s stream %v: completed %d, tokens in %d out %d; errors %v", tc.endpoint, tc.stream, s.Completed, s.TotalInputTokens, s.TotalOutputTokens, s.Errors)
+		}
+		if (s.TTFT.Mean > 0) != tc.stream || s.E2EL.Mean <= 0 {
+			t.Errorf("%s stream %v: mean TTFT %v, E2EL %v", tc.endpoint, tc.stream, s.TTFT.Mean, s.E2EL.Mean)
+		}
+		if want := map[string]string{EndpointChat: "openai-chat", EndpointCompletions: "openai"}[tc.endpoint]; rep.Backend != want {
+			t.Errorf("backend %q, want %q", rep.Backend, want)
+		}
+	}
+}
+
+func TestRunErrorClasses(t *testing.T) {
+	sim, url := newSim(t, 50)
+	for _, tc := range []struct {
+		faults  vllmsim.Faults
+		stream  bool
+		timeout time.Duration
+		want    string
+	}{
+		{vllmsim.Faults{RateLimitRate: 1}, true, 0, ErrRateLimited},
+		{vllmsim.Faults{UnavailableRate: 1}, true, 0, ErrOverloaded},
+		{vllmsim.Faults{ServerErrorRate: 1}, true, 0, ErrServer},
+		{vllmsim.Faults{DropRate: 1}, true, 0, ErrStream},
+		{vllmsim.Faults{MalformedRate: 1}, false, 0, ErrStream},
+		{vllmsim.Faults{Dead: true}, true, 0, ErrServer},
+		{vllmsim.Faults{HangRate: 1}, true, 100 * time.Millisecond, ErrTimeout},
+	} {
+		sim.SetFaults(tc.faults)
+		rep, err := Run(context.Background(), Config{Target: url, Model: model, Stream: tc.stream, RequestTimeout: tc.timeout,
+			Workload: Workload{Input: Dist{Mean: 10}, Output: Dist{Mean: 20}}, NumPrompts: 4, Arrival: Arrival{Rate: 1000}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s := rep.Summary; s.Completed != 0 || s.Errors[tc.want] != 4 {
+			t.Errorf("faults %+v: completed %d, errors %v; want 4 %s", tc.faults, s.Completed, s.Errors, tc.want)
+		}
+	}
+	sim.SetFaults(vllmsim.Faults{})
+	rep, err := Run(context.Background(), Config{Target: url, Model: "no-such-model", NumPrompts: 2, Workload: Workload{Input: Dist{Mean: 5}, Output: Dist{Mean: 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Summary.Errors[ErrClient] != 2 || rep.Requests[0].Status != 404 || rep.Requests[0].Error == "" {
+		t.Errorf("unknown model: %v, first %+v", rep.Summary.Errors, rep.Requests[0])
+	}
+	closed := httptest.NewServer(http.NotFoundHandler())
+	closed.Close()
+	rep, err = Run(context.Background(), Config{Target: closed.URL, Model: model, NumPrompts: 2, Workload: Workload{Input: Dist{Mean: 5}, Output: Dist{Mean: 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Summary.Errors[ErrTransport] != 2 {
+		t.Errorf("closed port: errors %v, want 2 transport", rep.Summary.Errors)
+	}
+}
+
+func TestStreamWithoutUsageCountsChunks(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n")
+		for _, tok := range []string{"He", "llo", " there"} {
+			fmt.Fprintf(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\": %q}}]}\n\n", tok)
+			w.(http.Flusher).Flush()
+		}
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	}))
+	defer srv.Close()
+	rep, err := Run(context.Background(), Config{Target: srv.URL, Model: model, Endpoint: EndpointChat, Stream: true,
+		NumPrompts: 3, Workload: Workload{Input: Dist{Mean: 5}, Output: Dist{Mean: 9}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := rep.Requests[0]
+	// The role chunk carries no text: three tokens, two gaps.
+	if rep.Summary.Completed != 3 || r.OutputTokens != 3 || len(r.ITLs) != 2 || r.TTFT <= 0 || r.InputTokens != 5 {
+		t.Errorf("record %+v; summary errors %v", r, rep.Summary.Errors)
+	}
+}
+
+func TestChunkScanning(t *testing.T) {
+	for _, tc := range []struct {
+		data        string
+		text, usage bool
+		errorEvent  bool
+	}{
+		{`{"choices":[{"index":0,"text":"a","finish_reason":null}]}`, true, false, false},
+		{`{"choices":[{"index":0,"text":"","finish_reason":"length"}]}`, false, false, false},
+		{`{"choices":[{"delta":{"role":"assistant","content":""}}],"usage":null}`, false, false, false},
+		{`{"choices":[{"delta":{"content": "x"}}]}`, true, false, false},
+		{`{"choices":[{"delta":{"reasoning_content":"think"}}]}`, true, false, false},
+		{`{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}`, false, true, false},
+		{`{"choices":[{"delta":{"content":"a"}}],"usage": {"prompt_tokens":3}}`, true, true, false},
+		{`{"error":{"message":"EngineCore died","code":500}}`, false, false, true},
+		{`{"object":"error","message":"boom"}`, false, false, true},
+	} {
+		d := []byte(tc.data)
+		if hasText(d) != tc.text || hasUsage(d) != tc.usage || isErrorEvent(d) != tc.errorEvent {
+			t.Errorf("%s: text %v usage %v error %v", tc.data, hasText(d), hasUsage(d), isErrorEvent(d))
+		}
+	}
+}
+
+func TestSlowTargetCannotHideLatency(t *testing.T) {
+	// The target serves one request at a time in 10 ms, and the client has
+	// one connection: requests sent every 5 ms queue. Timed from their
+	// intended send time, the last one waited ~100 ms; timed from when the
+	// client got to send it, it would look like 10 ms.
+	var mu sync.Mutex
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		<-time.After(10 * time.Millisecond) // the service time
+		fmt.Fprint(w, `{"choices":[{"text":"x"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`)
+	}))
+	defer srv.Close()
+	client := &http.Client{Transport: &http.Transport{MaxConnsPerHost: 1}}
+	rep, err := Run(context.Background(), Config{Target: srv.URL, Model: model, HTTPClient: client, NumPrompts: 20,
+		Arrival: Arrival{Kind: ArrivalConstant, Rate: 200}, Workload: Workload{Input: Dist{Mean: 2}, Output: Dist{Mean: 1}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := rep.Requests[len(rep.Requests)-1]
+	if rep.Summary.Completed != 20 || last.E2EL < 80*time.Millisecond {
+		t.Errorf("last request's latency %v, want at least 80 ms of queueing (20 × 10 ms served, sent over 100 ms)", last.E2EL)
+	}
+	if rep.Summary.MaxSendLagMs > 50 {
+		t.Errorf("send lag %v ms: the harness itself should not have been late", rep.Summary.MaxSendLagMs)
+	}
+}
+
+func TestTenants(t *testing.T) {
+	sim, _ := newSim(t, 50)
+	var mu sync.Mutex
+	keys := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/completions" {
+			mu.Lock()
+			keys[r.Header.Get("Authorization")]++
+			mu.Unlock()
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	rep, err := Run(context.Background(), Config{Target: srv.URL, Model: model, Stream: true, APIKey: "sk-shared",
+		Workload: Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 4}}, Arrival: Arrival{Rate: 300},
+		Tenants: []Tenant{
+			{Name: "acme", APIKey: "sk-acme", NumPrompts: 12},
+			{Name: "globex", NumPrompts: 6, Workload: Workload{Input: Dist{Mean: 8}, Output: Dist{Mean: 8}}, Arrival: Arrival{Concurrency: 2}},
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keys["Bearer sk-acme"] != 12 || keys["Bearer sk-shared"] != 6 {
+		t.Errorf("keys seen %v, want 12 acme and 6 with the shared key", keys)
+	}
+	if len(rep.Tenants) != 2 {
+		t.Fatalf("tenants %+v", rep.Tenants)
+	}
+	a, g := rep.Tenants[0].Summary, rep.Tenants[1].Summary
+	if a.Completed != 12 || a.TotalOutputTokens != 48 || g.Completed != 6 || g.TotalOutputTokens != 48 {
+		t.Errorf("acme %d reqs %d tokens, globex %d reqs %d tokens", a.Completed, a.TotalOutputTokens, g.Completed, g.TotalOutputTokens)
+	}
+	want := JainIndex([]float64{a.OutputThroughput, g.OutputThroughput})
+	if !near(rep.JainIndex, want) || rep.JainIndex <= 0.5 {
+		t.Errorf("Jain's index %v, want %v (equal tokens)", rep.JainIndex, want)
+	}
+	if rep.Summary.Completed != 18 {
+		t.Errorf("overall completed %d, want 18", rep.Summary.Completed)
+	}
+}
+
+func TestConcurrencyLimits(t *testing.T) {
+	_, url := newSim(t, 20)
+	w := Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 30}}
+	closed, err := Run(context.Background(), Config{Target: url, Model: model, Stream: true, Workload: w, NumPrompts: 24, Arrival: Arrival{Concurrency: 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	capped, err := Run(context.Background(), Config{Target: url, Model: model, Stream: true, Workload: w, NumPrompts: 24, MaxConcurrency: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		rep  *Report
+		max  int
+	}{{"3 closed-loop clients", closed, 3}, {"max concurrency 2", capped, 2}} {
+		s := tc.rep.Summary
+		if s.Completed != 24 || s.MaxConcurrentRequests > tc.max || s.MaxConcurrentRequests < 1 {
+			t.Errorf("%s: completed %d, peak concurrency %d", tc.name, s.Completed, s.MaxConcurrentRequests)
+		}
+	}
+	if capped.MaxConcurrency == nil || *capped.MaxConcurrency != 2 {
+		t.Error("max_concurrency not reported")
+	}
+}
+
+func TestDurationBoundsOpenLoop(t *testing.T) {
+	_, url := newSim(t, 50)
+	rep, err := Run(context.Background(), Config{Target: url, Model: model, Duration: 300 * time.Millisecond,
+		Arrival: Arrival{Kind: ArrivalConstant, Rate: 100}, Workload: Workload{Input: Dist{Mean: 8}, Output: Dist{Mean: 2}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Constant 100/s for 300 ms: sends at 10, 20, ..., 290 ms.
+	if n := len(rep.Requests); n != 29 {
+		t.Errorf("%d requests, want 29", n)
+	}
+}
+
+func TestTraceReplay(t *testing.T) {
+	_, url := newSim(t, 50)
+	rep, err := Run(context.Background(), Config{Target: url, Model: model, Stream: true,
+		Workload: Workload{Kind: DatasetTrace, Path: "testdata/trace.jsonl"}, Arrival: Arrival{TimeScale: 0.5}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []time.Duration{0, 25, 60, 100, 130}
+	if len(rep.Requests) != len(want) {
+		t.Fatalf("%d requests, want the trace's 5", len(rep.Requests))
+	}
+	for i, r := range rep.Requests {
+		if r.Intended != want[i]*time.Millisecond {
+			t.Errorf("request %d intended at %v, want %v", i, r.Intended, want[i]*time.Millisecond)
+		}
+	}
+	if s := rep.Summary; s.Completed != 5 || s.TotalOutputTokens != 8+4+6+5+3 {
+		t.Errorf("completed %d output %d, want 5 and 26; %v", s.Completed, s.TotalOutputTokens, s.Errors)
+	}
+}
+
+func TestSweepFindsTheKnee(t *testing.T) {
+	_, url := newSim(t, 50)
+	rep, err := Run(context.Background(), Config{Target: url, Model: model, Stream: true, NumPrompts: 12,
+		Workload: Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 4}}, Sweep: &Sweep{Points: 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.LoadPoints) != 3 {
+		t.Fatalf("%d load points, want 3", len(rep.LoadPoints))
+	}
+	top := rep.LoadPoints[0].Summary.RequestThroughput
+	if !math.IsInf(float64(rep.LoadPoints[0].RequestRate), 1) || !near(float64(rep.LoadPoints[1].RequestRate), top/2) || !near(float64(rep.LoadPoints[2].RequestRate), top) {
+		t.Errorf("rates %v, %v, %v; want inf, %v, %v", rep.LoadPoints[0].RequestRate, rep.LoadPoints[1].RequestRate, rep.LoadPoints[2].RequestRate, top/2, top)
+	}
+	if rep.Knee < 1 || rep.Headline != rep.Knee || rep.NumPrompts != 12 {
+		t.Errorf("knee %d headline %d num_prompts %d", rep.Knee, rep.Headline, rep.NumPrompts)
+	}
+	for _, p := range rep.LoadPoints {
+		if p.Summary.Completed != 12 {
+			t.Errorf("point %d completed %d", p.Index, p.Summary.Completed)
+		}
+	}
+	listed, err := Run(context.Background(), Config{Target: url, Model: model, NumPrompts: 6,
+		Workload: Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 4}}, Sweep: &Sweep{Rates: []float64{100, 200}},
+		Tenants: []Tenant{{Name: "a", Arrival: Arrival{Rate: 1}}, {Name: "b", Arrival: Arrival{Rate: 3}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(listed.LoadPoints) != 2 || listed.LoadPoints[1].RequestRate != 200 {
+		t.Errorf("listed sweep points %+v", listed.LoadPoints)
+	}
+}
+
+func TestScrapeFollowsTheTarget(t *testing.T) {
+	_, url := newSim(t, 20)
+	rep, err := Run(context.Background(), Config{Target: url, Model: model, Stream: true, NumPrompts: 30,
+		Arrival: Arrival{Rate: 300}, Workload: Workload{Input: Dist{Mean: 64}, Output: Dist{Mean: 40}},
+		Scrape: []string{url + "/metrics"}, ScrapeInterval: 10 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.TimeSeries) < 2 {
+		t.Fatalf("%d samples", len(rep.TimeSeries))
+	}
+	peakRunning, peakKV := 0.0, 0.0
+	for _, s := range rep.TimeSeries {
+		for _, k := range []string{"kv_usage", "running", "waiting", "preemptions_total"} {
+			if _, ok := s.Values[k]; !ok {
+				t.Fatalf("sample %+v lacks %s", s, k)
+			}
+		}
+		peakRunning, peakKV = max(peakRunning, s.Values["running"]), max(peakKV, s.Values["kv_usage"])
+	}
+	if peakRunning < 1 || peakKV <= 0 {
+		t.Errorf("peak running %v, peak KV usage %v: the scrapes saw no load", peakRunning, peakKV)
+	}
+	last := rep.TimeSeries[len(rep.TimeSeries)-1]
+	if last.Values["running"] != 0 {
+		t.Errorf("final scrape shows %v running, want 0 after the run", last.Values["running"])
+	}
+}
+
+func TestParseMetrics(t *testing.T) {
+	text := `# HELP vllm:num_requests_running x
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3
+vllm:num_requests_running{engine="1",model_name="m"} 4
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
+kvgate_scheduler_queue_depth{class="interactive"} 2
+kvgate_scheduler_queue_depth{class="batch"} 5
+vllm:num_preemptions_total{engine="0",model_name="m"} 12 1700000000000
+something_else 9
+`
+	got, err := parseMetrics(strings.NewReader(text))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]float64{"running": 7, "kv_usage": 0.6, "queue_depth": 7, "preemptions_total": 12}
+	if len(got) != len(want) {
+		t.Errorf("parsed %v, want %v", got, want)
+	}
+	for k, v := range want {
+		if !near(got[k], v) {
+			t.Errorf("%s = %v, want %v", k, got[k], v)
+		}
+	}
+}
+
+func TestRunCancelled(t *testing.T) {
+	_, url := newSim(t, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(100*time.Millisecond, cancel)
+	var progress strings.Builder
+	rep, err := Run(ctx, Config{Target: url, Model: model, Stream: true, Duration: time.Hour, Arrival: Arrival{Rate: 50},
+		Workload: Workload{Input: Dist{Mean: 8}, Output: Dist{Mean: 1000}}, Progress: &progress})
+	if !errors.Is(err, context.Canceled) || rep == nil {
+		t.Fatalf("err %v, report %v; want the report so far and context.Canceled", err, rep)
+	}
+	if len(rep.Requests) == 0 || rep.Summary.Failed != len(rep.Requests) {
+		t.Errorf("%d requests, %d failed: the in-flight ones should have been cut", len(rep.Requests), rep.Summary.Failed)
+	}
+	if !strings.Contains(progress.String(), "point 0: ") || !strings.Contains(progress.String(), "done") {
+		t.Errorf("progress: %q", progress.String())
+	}
+}
+
+func TestConfigValidation(t *testing.T) {
+	ok := Config{Target: "http://x", Model: "m", NumPrompts: 1}
+	for name, mod := range map[string]func(*Config){
+		"no target":    func(c *Config) { c.Target = "" },
+		"not http":     func(c *Config) { c.Target = "ftp://x" },
+		"no model":     func(c *Config) { c.Model = "" },
+		"endpoint":     func(c *Config) { c.Endpoint = "embeddings" },
+		"unbounded":    func(c *Config) { c.NumPrompts = 0 },
+		"percentile":   func(c *Config) { c.Percentiles = []float64{101} },
+		"twin tenants": func(c *Config) { c.Tenants = []Tenant{{Name: "a"}, {Name: "a"}} },
+		"sweep rate":   func(c *Config) { c.Sweep = &Sweep{Rates: []float64{-1}} },
+		"sweep points": func(c *Config) { c.Sweep = &Sweep{Points: 1} },
+		"missing file": func(c *Config) { c.Workload = Workload{Kind: DatasetShareGPT, Path: "testdata/nope.json"} },
+	} {
+		c := ok
+		mod(&c)
+		if _, err := Run(context.Background(), c); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	c, err := ok.Validate()
+	if err != nil || c.Endpoint != EndpointCompletions || len(c.Percentiles) != 4 || c.Tenants[0].Name != "default" ||
+		c.Workload.Input.Mean != 1024 || c.Workload.Output.Mean != 128 || !math.IsInf(c.Arrival.Rate, 1) || !c.Workload.IgnoreEOS {
+		t.Errorf("defaults %+v, %v", c, err)
 	}
 }

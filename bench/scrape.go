@@ -34,8 +34,8 @@ var scrapedMetrics = map[string]struct {
 }
 
 // parseMetrics reads Prometheus text exposition and returns the followed
-// families, summed or averaged over their series.
-func parseMetrics(r io.Reader) map[string]float64 {
+// families, summed or averaged over their series, or the read's error.
+func parseMetrics(r io.Reader) (map[string]float64, error) {
 	sum, count := map[string]float64{}, map[string]int{}
 	mean := map[string]bool{}
 	sc := bufio.NewScanner(r)
@@ -72,12 +72,15 @@ func parseMetrics(r io.Reader) map[string]float64 {
 		count[m.name]++
 		mean[m.name] = m.mean
 	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
 	for k, n := range count {
 		if mean[k] && n > 0 {
 			sum[k] /= float64(n)
 		}
 	}
-	return sum
+	return sum, nil
 }
 
 // scraper reads /metrics endpoints on a timer.
@@ -117,7 +120,7 @@ func (s *scraper) start() {
 }
 
 func (s *scraper) scrape(ctx context.Context, u string) {
-	ctx, cancel := context.WithTimeout(ctx, s.every)
+	ctx, cancel := context.WithTimeout(ctx, max(s.every, 5*time.Second))
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
@@ -131,8 +134,8 @@ func (s *scraper) scrape(ctx context.Context, u string) {
 	if resp.StatusCode != http.StatusOK {
 		return
 	}
-	vals := parseMetrics(resp.Body)
-	if len(vals) == 0 {
+	vals, err := parseMetrics(resp.Body)
+	if err != nil || len(vals) == 0 {
 		return
 	}
 	s.mu.Lock()

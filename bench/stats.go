@@ -188,17 +188,27 @@ func JainIndex(x []float64) float64 {
 	return sum * sum / (float64(len(x)) * sq)
 }
 
-// findKnee returns the index of the highest-rate load point that still kept
-// up: request throughput at least 90% of the offered rate and, with SLOs,
-// at least 90% of its requests good. Points are in increasing rate order;
-// -1 when none kept up.
+// findKnee returns the index of the highest-rate load point before
+// latency turns up: its median end-to-end latency at most 1.5 times the
+// lowest-rate point's, at most 10% of its requests failed and, with SLOs,
+// at least 90% of them good. Points are in increasing rate order; -1 when
+// none qualifies. (A throughput test, achieved against offered, misjudges
+// short points, whose last answers stretch the duration.)
 func findKnee(points []LoadPoint, withSLO bool) int {
-	knee := -1
+	knee, base := -1, -1.0
 	for i, p := range points {
 		if math.IsInf(float64(p.RequestRate), 1) {
 			continue
 		}
-		if p.Summary.RequestThroughput >= 0.9*float64(p.RequestRate) && (!withSLO || p.Summary.GoodFraction >= 0.9) {
+		s := p.Summary
+		if base < 0 {
+			base = s.E2EL.Median
+		}
+		total := s.Completed + s.Failed
+		if total == 0 || s.Completed == 0 {
+			continue
+		}
+		if s.E2EL.Median <= 1.5*base && float64(s.Failed) <= 0.1*float64(total) && (!withSLO || s.GoodFraction >= 0.9) {
 			knee = i
 		}
 	}
