@@ -9,6 +9,9 @@
 //	kvgate sim calibrate          compare the simulator with published GPU figures
 //	kvgate sim profiles           list the simulator's profiles
 //	kvgate sim cost               measure the simulator's own CPU cost
+//	kvgate bench run [flags]      drive load against an OpenAI-compatible server, write reports
+//	kvgate bench compare A B      compare two benchmark reports
+//	kvgate bench scenario NAME    run a named scenario against kvgate and baselines
 //	kvgate version                print the version
 package main
 
@@ -50,6 +53,11 @@ Commands:
                replay published H100 experiments on the simulator
   sim profiles list the simulator's profiles
   sim cost     measure the simulator's own CPU cost
+  bench run    drive load against kvgate, vLLM or the simulator and write reports (kvgate bench run --help)
+  bench compare A.json B.json
+               deltas and ratios between two reports, flagged beyond noise
+  bench scenario NAME|all|list
+               named scenarios on a simulated fleet: kvgate against baselines
   version      print the version
 `
 
@@ -69,6 +77,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return runMigrate(ctx, args[1:], getenv, stdout, stderr)
 	case "sim":
 		return runSim(ctx, args[1:], getenv, stdout, stderr)
+	case "bench":
+		return runBench(ctx, args[1:], getenv, stdout, stderr)
 	case "version", "--version":
 		fmt.Fprintln(stdout, "kvgate", version())
 		return nil

@@ -1,0 +1,242 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/bench"
+	"github.com/kvgate/kvgate/bench/vllmsim"
+)
+
+func benchSim(t *testing.T) (*vllmsim.Sim, string) {
+	t.Helper()
+	p, err := vllmsim.LookupProfile("h100-llama-3.1-8b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p, Speedup: 50})
+	return sim, srv.URL
+}
+
+func readJSONMap(t *testing.T, path string) map[string]any {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func TestBenchRunWritesReports(t *testing.T) {
+	_, url := benchSim(t)
+	out := t.TempDir()
+	var stdout, stderr syncBuffer
+	err := run(context.Background(), []string{"bench", "run", "--target", url + "/v1", "--model", benchModel, "--out", out,
+		"--num-prompts", "20", "--request-rate", "200", "--burstiness", "0.5", "--random-input-len", "32", "--random-output-len", "8",
+		"--goodput", "ttft:60000 e2el:60000", "--scrape", url + "/metrics", "--scrape-interval", "20ms", "--seed", "3",
+		"--metadata", "gpu=simulated", "--label", "smoke"}, noenv, &stdout, &stderr)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	for _, name := range []string{bench.FileJSON, bench.FileSummaryCSV, bench.FileRequestsCSV, bench.FileMarkdown, bench.FileHTML} {
+		if st, err := os.Stat(filepath.Join(out, name)); err != nil || st.Size() == 0 {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	m := readJSONMap(t, filepath.Join(out, bench.FileJSON))
+	if m["completed"] != 20.0 || m["request_rate"] != 200.0 || m["burstiness"] != 0.5 || m["label"] != "smoke" ||
+		m["request_goodput"] != m["request_throughput"] || m["total_output_tokens"] != 160.0 {
+		t.Errorf("report: completed %v rate %v burstiness %v label %v goodput %v/%v output %v", m["completed"], m["request_rate"],
+			m["burstiness"], m["label"], m["request_goodput"], m["request_throughput"], m["total_output_tokens"])
+	}
+	if ts, _ := m["time_series"].([]any); len(ts) == 0 {
+		t.Error("no scraped time series")
+	}
+	if md := m["metadata"].(map[string]any); md["gpu"] != "simulated" {
+		t.Errorf("metadata %v", md)
+	}
+	if !strings.Contains(stdout.String(), "| Successful requests | 20 |") || !strings.Contains(stdout.String(), "report.html") {
+		t.Errorf("stdout:\n%s", stdout.String())
+	}
+	if !strings.Contains(stderr.String(), "point 0: 20 done (0 failed)") {
+		t.Errorf("progress on stderr: %q", stderr.String())
+	}
+}
+
+func TestBenchRunConfigFile(t *testing.T) {
+	_, url := benchSim(t)
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "bench.yaml")
+	yaml := `target: ` + url + `
+model: ` + benchModel + `
+endpoint: /v1/chat/completions
+num_prompts: 16
+request_rate: 400
+random_input_len: 40
+random_output_len: 6
+random_range_ratio: 0.5
+metric_percentiles: "50,99"
+quiet: true
+tenants:
+  - {name: acme, key: sk-a, weight: 2}
+  - {name: globex, key: sk-g, rate: 100, random_output_len: 3, num_prompts: 4}
+`
+	if err := os.WriteFile(cfgPath, []byte(yaml), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(dir, "out")
+	var stdout, stderr syncBuffer
+	// The flag overrides the file's num_prompts.
+	if err := run(context.Background(), []string{"bench", "run", "--config", cfgPath, "--out", out, "--num-prompts", "10"}, noenv, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	rep, err := bench.ReadReport(filepath.Join(out, bench.FileJSON))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Backend != "openai-chat" || len(rep.Tenants) != 2 {
+		t.Fatalf("backend %s, tenants %+v", rep.Backend, rep.Tenants)
+	}
+	acme, globex := rep.Tenants[0], rep.Tenants[1]
+	if acme.Name != "acme" || acme.Weight != 2 || acme.Summary.Completed != 5 || globex.Summary.Completed != 4 || globex.Summary.TotalOutputTokens != 12 {
+		t.Errorf("acme %+v, globex %+v", acme, globex)
+	}
+	for _, r := range rep.Requests {
+		if r.Tenant == "acme" && (r.OutputTokens < 3 || r.OutputTokens > 9) {
+			t.Errorf("acme output %d outside 6 ± 50%%", r.OutputTokens)
+		}
+	}
+	if _, ok := rep.Summary.TTFT.Percentiles[99]; !ok || len(rep.Summary.TTFT.Percentiles) != 2 {
+		t.Errorf("percentiles %v, want p50 and p99", rep.Summary.TTFT.Percentiles)
+	}
+	if stderr.String() != "" {
+		t.Errorf("--quiet still printed progress: %q", stderr.String())
+	}
+}
+
+func TestBenchCompare(t *testing.T) {
+	_, url := benchSim(t)
+	dir := t.TempDir()
+	a := filepath.Join(dir, "a")
+	var stdout, stderr syncBuffer
+	if err := run(context.Background(), []string{"bench", "run", "--target", url, "--model", benchModel, "--out", a, "--quiet",
+		"--num-prompts", "20", "--random-input-len", "16", "--random-output-len", "4"}, noenv, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	rep, err := bench.ReadReport(filepath.Join(a, bench.FileJSON))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// B: half the throughput, the same latencies.
+	rep.Summary.RequestThroughput /= 2
+	rep.Summary.OutputThroughput /= 2
+	b := filepath.Join(dir, "b.json")
+	f, err := os.Create(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rep.WriteJSON(f); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+
+	stdout = syncBuffer{}
+	if err := run(context.Background(), []string{"bench", "compare", a, b}, noenv, &stdout, &stderr); err != nil {
+		t.Fatal(err)
+	}
+	out := stdout.String()
+	for _, want := range []string{"| request_throughput |", "| 0.500 |", "WORSE"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("compare output lacks %q:\n%s", want, out)
+		}
+	}
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "| mean_ttft_ms ") && strings.Contains(line, "WORSE") {
+			t.Errorf("unchanged latency flagged: %s", line)
+		}
+	}
+	err = run(context.Background(), []string{"bench", "compare", a, b, "--fail-on-worse"}, noenv, &stdout, &stderr)
+	if err == nil || !strings.Contains(err.Error(), "request_throughput") {
+		t.Errorf("--fail-on-worse: %v", err)
+	}
+	if err := run(context.Background(), []string{"bench", "compare", "--fail-on-worse", a, a}, noenv, &stdout, &stderr); err != nil {
+		t.Errorf("a report against itself: %v", err)
+	}
+}
+
+func TestBenchDeferredThroughKvgate(t *testing.T) {
+	g := startGateway(t)
+	waitForModel(t, g, "", benchModel)
+	out := t.TempDir()
+	var stdout, stderr syncBuffer
+	if err := run(context.Background(), []string{"bench", "run", "--target", g.base + "/v1", "--model", benchModel, "--out", out, "--quiet",
+		"--deferred", "--num-prompts", "6", "--request-rate", "100", "--random-input-len", "16", "--random-output-len", "5",
+		"--scrape", g.base + "/metrics", "--scrape-interval", "50ms"}, noenv, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	rep, err := bench.ReadReport(filepath.Join(out, bench.FileJSON))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Summary.Completed != 6 || rep.Summary.TotalOutputTokens != 30 || rep.Tenants[0].Class != "batch" {
+		t.Fatalf("completed %d, output tokens %d, class %s; errors %v", rep.Summary.Completed, rep.Summary.TotalOutputTokens, rep.Tenants[0].Class, rep.Summary.Errors)
+	}
+	for _, r := range rep.Requests {
+		if r.JobID == "" || r.E2EL <= 0 {
+			t.Errorf("record %+v", r)
+		}
+	}
+	if len(rep.TimeSeries) == 0 {
+		t.Error("kvgate's /metrics gave no samples")
+	}
+}
+
+func TestBenchDispatchesScenario(t *testing.T) {
+	var stdout, stderr syncBuffer
+	if err := run(context.Background(), []string{"bench", "scenario", "list"}, noenv, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), "overload") {
+		t.Errorf("bench scenario list:\n%s", stdout.String())
+	}
+}
+
+func TestBenchErrors(t *testing.T) {
+	for _, args := range [][]string{
+		{"bench"},
+		{"bench", "bogus"},
+		{"bench", "run", "--model", "m"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--request-rate", "-3"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--goodput", "ttft"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--goodput", "itl:5"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--endpoint", "/v1/embeddings"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--tenant", "name"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--tenant", "name=a,color=red"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--dataset-name", "sonnet"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--dataset-name", "sharegpt"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--input-dist", "uniform"},
+		{"bench", "run", "--target", "http://x", "--model", "m", "--sweep-rates", "1,x"},
+		{"bench", "run", "--config", "/nonexistent/bench.yaml"},
+		{"bench", "compare", "only-one.json"},
+	} {
+		var stdout, stderr syncBuffer
+		if err := run(context.Background(), args, noenv, &stdout, &stderr); err == nil {
+			t.Errorf("%s: no error", strings.Join(args, " "))
+		}
+	}
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "bad.yaml")
+	_ = os.WriteFile(bad, []byte("target: http://x\nmodel: m\ncolour: red\n"), 0o644)
+	var stdout, stderr syncBuffer
+	if err := run(context.Background(), []string{"bench", "run", "--config", bad}, noenv, &stdout, &stderr); err == nil || !strings.Contains(err.Error(), "colour") {
+		t.Errorf("unknown config key: %v", err)
+	}
+}
