@@ -63,12 +63,20 @@ type Store struct {
 	mu       sync.Mutex
 	prepared atomic.Bool // set once stmts holds every static statement
 	stmts    map[string]*sql.Stmt
+
+	// Group commit, where the dialect has writable CTEs (else nil).
+	accepts  *group[acceptCall]
+	finishes *group[finishCall]
 }
 
 // New returns a store over db, whose schema is already migrated.
 func New(db *sql.DB, d Dialect) *Store {
 	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}}
 	s.q = buildQueries(d)
+	if d.WritableCTE {
+		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
+		s.finishes = newGroup(groupSlots, groupMax, s.finishGroup)
+	}
 	return s
 }
 
@@ -200,7 +208,7 @@ type queries struct {
 	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
 	feedHead, events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, finishCTE string
+	acceptCTE, claimCTE, finishCTE, acceptBatch, finishBatch string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -263,6 +271,7 @@ func buildQueries(d Dialect) queries {
 	}
 	if d.WritableCTE {
 		q.acceptCTE, q.claimCTE, q.finishCTE = r(acceptCTE), r(claimCTE(d)), r(finishCTE)
+		q.acceptBatch, q.finishBatch = r(acceptBatch), r(finishBatch)
 	}
 	return q
 }
@@ -366,8 +375,12 @@ func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant stri
 
 // Accept implements store.Store.
 func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
-	if s.d.WritableCTE {
-		return s.acceptOne(ctx, n)
+	if s.accepts != nil {
+		c := &acceptCall{n: n}
+		if err := s.accepts.do(ctx, c); err != nil {
+			return store.Job{}, false, err
+		}
+		return c.job, c.created, c.err
 	}
 	var job store.Job
 	created := false
@@ -515,8 +528,13 @@ func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.
 // the attempt record and the event, in one transaction.
 func (s *Store) finish(ctx context.Context, op, id string, fence int64, st store.State, availableAt time.Time,
 	result []byte, a store.Attempt, eventID string, now time.Time) error {
-	if s.d.WritableCTE {
-		return s.finishOne(ctx, op, id, fence, st, availableAt, result, a, eventID, now)
+	if s.finishes != nil {
+		c := &finishCall{op: op, id: id, fence: fence, st: st, avail: micros(availableAt), now: micros(now),
+			result: result, a: a, eventID: eventID}
+		if err := s.finishes.do(ctx, c); err != nil {
+			return err
+		}
+		return c.err
 	}
 	return s.tx(ctx, op, func(tx *sql.Tx) error {
 		var tenant string

@@ -29,9 +29,11 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"List", testList},
 		{"ClaimOrderAndLease", testClaimOrder},
 		{"AcceptConcurrentSameKey", testAcceptConcurrentSameKey},
+		{"ConcurrentAcceptsApart", testConcurrentAcceptsApart},
 		{"ClaimConcurrent", testClaimConcurrent},
 		{"ClaimBatchEvents", testClaimBatchEvents},
 		{"ManyWriters", testManyWriters},
+		{"ConcurrentCompletesApart", testConcurrentCompletesApart},
 		{"Heartbeat", testHeartbeat},
 		{"Complete", testComplete},
 		{"Fail", testFail},
@@ -253,6 +255,126 @@ func testAcceptConcurrentSameKey(t *testing.T, s store.Store) {
 	evs, err := s.Unpublished(ctx, 100)
 	if err != nil || len(evs) != 1 || evs[0].JobID != winner.ID {
 		t.Errorf("events after the race: %+v, %v; want one job.accepted", evs, err)
+	}
+}
+
+// testConcurrentAcceptsApart sends acceptances that succeed, replay,
+// conflict and fail (a job id already taken) all at once, as a backend
+// that writes concurrent calls together would batch them: each gets its
+// own outcome, and a failing one takes none of the others with it.
+func testConcurrentAcceptsApart(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	taken := accept(t, s, newJob("acme", "taken"))
+	const rounds, perRound = 3, 24
+	for r := range rounds {
+		type outcome struct {
+			kind    string
+			n       store.NewJob
+			job     store.Job
+			created bool
+			err     error
+		}
+		out := make([]outcome, perRound)
+		var wg sync.WaitGroup
+		for i := range perRound {
+			kind := [...]string{"new", "new", "new", "replay", "conflict", "new", "new", "id-taken"}[i%8]
+			n := newJob("acme", fmt.Sprint("r", r, "-", i))
+			switch kind {
+			case "replay":
+				n = newJob("acme", "taken")
+			case "conflict":
+				n = newJob("acme", "taken", func(n *store.NewJob) { n.RequestHash = "other" })
+			case "id-taken":
+				n.ID = taken.ID
+			}
+			wg.Go(func() {
+				j, created, err := s.Accept(ctx, n)
+				out[i] = outcome{kind, n, j, created, err}
+			})
+		}
+		wg.Wait()
+		for i, o := range out {
+			switch o.kind {
+			case "new":
+				if o.err != nil || !o.created || o.job.ID != o.n.ID {
+					t.Errorf("round %d, call %d, a new job: %s created %v, %v", r, i, o.job.ID, o.created, o.err)
+				}
+			case "replay":
+				if o.err != nil || o.created || o.job.ID != taken.ID {
+					t.Errorf("round %d, call %d, a replay: %s created %v, %v; want job %s", r, i, o.job.ID, o.created, o.err, taken.ID)
+				}
+			case "conflict":
+				if !errors.Is(o.err, store.ErrConflict) {
+					t.Errorf("round %d, call %d, a conflict: %v, want ErrConflict", r, i, o.err)
+				}
+			case "id-taken":
+				if o.err == nil || o.created {
+					t.Errorf("round %d, call %d, an id already taken: created %v, %v; want an error", r, i, o.created, o.err)
+				}
+			}
+		}
+	}
+	page, _, err := s.List(ctx, "acme", store.ListFilter{Limit: 1000})
+	if want := 1 + rounds*perRound*5/8; err != nil || len(page) != want {
+		t.Errorf("%d jobs after the rounds, %v; want %d", len(page), err, want)
+	}
+	evs, err := s.Unpublished(ctx, 1000)
+	if want := 1 + rounds*perRound*5/8; err != nil || len(evs) != want {
+		t.Errorf("%d events after the rounds, %v; want one per job, %d", len(evs), err, want)
+	}
+}
+
+// testConcurrentCompletesApart completes claimed jobs all at once, some
+// under a stale fence: each completion gets its own outcome.
+func testConcurrentCompletesApart(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const jobs = 40
+	for i := range jobs {
+		accept(t, s, newJob("acme", fmt.Sprint("k", i)))
+	}
+	js, err := s.Claim(ctx, t0, time.Minute, jobs)
+	if err != nil || len(js) != jobs {
+		t.Fatalf("claim: %d jobs, %v", len(js), err)
+	}
+	errs := make([]error, jobs)
+	var wg sync.WaitGroup
+	for i, j := range js {
+		fence := j.Fence
+		if i%4 == 3 {
+			fence-- // a stale worker
+		}
+		wg.Go(func() {
+			errs[i] = s.Complete(ctx, store.Completion{JobID: j.ID, Fence: fence, State: store.Succeeded,
+				Result:  json.RawMessage(fmt.Sprintf(`{"n":%d}`, i)),
+				Attempt: store.Attempt{Attempt: j.Attempt, Outcome: "succeeded", Backend: fmt.Sprint("gpu", i)},
+				Now:     t0.Add(time.Second)})
+		})
+	}
+	wg.Wait()
+	for i, j := range js {
+		got, _ := s.Get(ctx, "acme", j.ID)
+		res, _ := s.Result(ctx, "acme", j.ID)
+		as, _ := s.Attempts(ctx, j.ID)
+		if i%4 == 3 {
+			if !errors.Is(errs[i], store.ErrLeaseLost) || got.State != store.Running || len(as) != 0 {
+				t.Errorf("job %d, stale fence: %v, state %s, %d attempts; want ErrLeaseLost and no change", i, errs[i], got.State, len(as))
+			}
+			continue
+		}
+		if errs[i] != nil || got.State != store.Succeeded || string(res) != fmt.Sprintf(`{"n":%d}`, i) ||
+			len(as) != 1 || as[0].Backend != fmt.Sprint("gpu", i) {
+			t.Errorf("job %d: %v, state %s, result %s, attempts %+v", i, errs[i], got.State, res, as)
+		}
+	}
+	evs, _ := s.Unpublished(ctx, 1000)
+	succeeded := 0
+	for _, e := range evs {
+		if e.Type == "job.succeeded" {
+			succeeded++
+		}
+	}
+	if succeeded != jobs*3/4 {
+		t.Errorf("%d job.succeeded events, want %d", succeeded, jobs*3/4)
 	}
 }
 

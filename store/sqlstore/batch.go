@@ -1,0 +1,246 @@
+package sqlstore
+
+import (
+	"context"
+	"errors"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Group commit for Accept and for the end of an attempt (Complete,
+// Fail), where the dialect has writable CTEs: one statement writes a
+// whole batch from arrays, each call's rows joined by its place in the
+// batch (ord). A call the statement could not decide alone (a key taken
+// by another call of the same batch, or by a transaction that committed
+// while the statement waited on it) is run again on its own afterwards;
+// and when the statement fails, which writes nothing, every call is run
+// on its own, so that one call's error stays its own.
+
+// Group commit's shape: at most groupSlots batches run at once, each of
+// at most groupMax calls. Two cores' worth of server processes keep
+// busy with a few batches; more would only queue on the CPUs.
+const (
+	groupSlots = 4
+	groupMax   = 64
+)
+
+const acceptBatch = `WITH input AS (
+		SELECT * FROM unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::bytea[], ?::bytea[],
+			?::integer[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[])
+			WITH ORDINALITY AS t(id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata,
+				priority, token_estimate, max_attempts, deadline_at, now, event_id, ord)),
+	ins AS (
+		INSERT INTO jobs (` + jobColumns + `)
+		SELECT id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
+			'READY', 1, 0, max_attempts, 0, 0, now, deadline_at, now, now, '', ''
+		FROM input ORDER BY tenant, idempotency_key, ord -- one lock order for every batch
+		ON CONFLICT (tenant, idempotency_key) DO NOTHING
+		RETURNING ` + jobColumns + `),
+	ev AS (
+		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT input.event_id, ins.id, ins.tenant, 'job.accepted', ins.state, ins.state_version, ins.created_at
+		FROM ins JOIN input ON input.id = ins.id ORDER BY input.ord)
+	SELECT ` + jobColumns + `, TRUE FROM ins
+	UNION ALL
+	SELECT ` + "jobs.id, jobs.tenant, jobs.idempotency_key, jobs.request_hash, jobs.endpoint, jobs.model, jobs.body, jobs.metadata, " +
+	"jobs.priority, jobs.token_estimate, jobs.state, jobs.state_version, jobs.attempt, jobs.max_attempts, jobs.fence, " +
+	"jobs.lease_until, jobs.available_at, jobs.deadline_at, jobs.created_at, jobs.updated_at, jobs.error_class, jobs.last_error" + `, FALSE
+	FROM input JOIN jobs ON jobs.tenant = input.tenant AND jobs.idempotency_key = input.idempotency_key
+	WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = input.tenant AND ins.idempotency_key = input.idempotency_key)`
+
+const finishBatch = `WITH input AS (
+		SELECT * FROM unnest(?::text[], ?::bigint[], ?::text[], ?::bigint[], ?::bigint[], ?::bytea[], ?::text[], ?::text[],
+			?::integer[], ?::text[], ?::text[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[], ?::text[])
+			WITH ORDINALITY AS t(id, fence, state, now, available_at, result, error_class, error,
+				attempt, backend, outcome, prompt_tokens, completion_tokens, started_at, ended_at, event_id, type, ord)),
+	f AS (
+		UPDATE jobs SET state = input.state, state_version = jobs.state_version + 1, updated_at = input.now,
+			lease_until = 0, available_at = input.available_at, result = COALESCE(input.result, jobs.result),
+			error_class = input.error_class, last_error = input.error
+		FROM input
+		WHERE jobs.id = ANY(?::text[]) AND jobs.id = input.id AND jobs.state = 'RUNNING' AND jobs.fence = input.fence AND jobs.lease_until > input.now
+		RETURNING jobs.id, jobs.tenant, jobs.state, jobs.state_version, jobs.fence, input.ord),
+	a AS (
+		INSERT INTO attempts (job_id, attempt, fence, backend, outcome, error_class, error,
+			prompt_tokens, completion_tokens, started_at, ended_at)
+		SELECT f.id, input.attempt, f.fence, input.backend, input.outcome, input.error_class, input.error,
+			input.prompt_tokens, input.completion_tokens, input.started_at, input.ended_at
+		FROM f JOIN input ON input.ord = f.ord),
+	ev AS (
+		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT input.event_id, f.id, f.tenant, input.type, f.state, f.state_version, input.now
+		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord)
+	SELECT ord FROM f`
+
+// acceptCall is one Accept in a batch, with its outcome.
+type acceptCall struct {
+	n       store.NewJob
+	job     store.Job
+	created bool
+	err     error
+}
+
+// acceptGroup runs a batch of Accepts.
+func (s *Store) acceptGroup(ctx context.Context, cs []*acceptCall) {
+	if len(cs) == 1 {
+		c := cs[0]
+		c.job, c.created, c.err = s.acceptOne(ctx, c.n)
+		return
+	}
+	cols := struct {
+		id, tenant, key, hash, endpoint, model, event []string
+		body, meta                                    [][]byte
+		priority, tokens, attempts                    []int32
+		deadline, now                                 []int64
+	}{}
+	for _, c := range cs {
+		n := c.n
+		cols.id, cols.tenant, cols.key = append(cols.id, n.ID), append(cols.tenant, n.Tenant), append(cols.key, n.IdempotencyKey)
+		cols.hash, cols.endpoint, cols.model = append(cols.hash, n.RequestHash), append(cols.endpoint, n.Endpoint), append(cols.model, n.Model)
+		cols.body, cols.meta = append(cols.body, []byte(n.Body)), append(cols.meta, []byte(n.Metadata))
+		cols.priority, cols.tokens = append(cols.priority, int32(n.Priority)), append(cols.tokens, int32(n.TokenEstimate))
+		cols.attempts = append(cols.attempts, int32(max(n.MaxAttempts, 1)))
+		cols.deadline, cols.now = append(cols.deadline, micros(n.Deadline)), append(cols.now, micros(n.Now))
+		cols.event = append(cols.event, eventID(n.EventID))
+	}
+	err := func() error {
+		rows, err := s.query(ctx, nil, s.q.acceptBatch, cols.id, cols.tenant, cols.key, cols.hash, cols.endpoint, cols.model,
+			cols.body, cols.meta, cols.priority, cols.tokens, cols.attempts, cols.deadline, cols.now, cols.event)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		created := map[string]store.Job{}     // by job id
+		existing := map[[2]string]store.Job{} // by tenant and key
+		for rows.Next() {
+			var isNew bool
+			j, err := scanJob(rows, &isNew)
+			if err != nil {
+				return err
+			}
+			if isNew {
+				created[j.ID] = j
+			} else {
+				existing[[2]string{j.Tenant, j.IdempotencyKey}] = j
+			}
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		rows.Close() // committed: the calls left over may look again
+		for _, c := range cs {
+			if j, ok := created[c.n.ID]; ok && j.Tenant == c.n.Tenant && j.IdempotencyKey == c.n.IdempotencyKey {
+				c.job, c.created = j, true
+				continue
+			}
+			j, ok := existing[[2]string{c.n.Tenant, c.n.IdempotencyKey}]
+			switch {
+			case !ok:
+				c.job, c.created, c.err = s.acceptOne(ctx, c.n)
+			case j.RequestHash != c.n.RequestHash:
+				c.err = store.ErrConflict
+			default:
+				c.job = j
+			}
+		}
+		return nil
+	}()
+	switch {
+	case err == nil:
+	case s.lostTouch(err):
+		for _, c := range cs {
+			c.err = s.err("accept job", err)
+		}
+	default:
+		// Nothing was written: each call on its own.
+		for _, c := range cs {
+			c.job, c.created, c.err = s.acceptOne(ctx, c.n)
+		}
+	}
+}
+
+// finishCall is one end of an attempt in a batch, with its outcome.
+type finishCall struct {
+	op, id     string
+	fence      int64
+	st         store.State
+	avail, now int64
+	result     []byte
+	a          store.Attempt
+	eventID    string
+	err        error
+}
+
+// finishGroup runs a batch of attempt ends.
+func (s *Store) finishGroup(ctx context.Context, cs []*finishCall) {
+	one := func(c *finishCall) error {
+		return s.finishOne(ctx, c.op, c.id, c.fence, c.st, fromMicros(c.avail), c.result, c.a, c.eventID, fromMicros(c.now))
+	}
+	if len(cs) == 1 {
+		cs[0].err = one(cs[0])
+		return
+	}
+	var (
+		ids, states, classes, errs, backends, outcomes, events, types []string
+		fences, nows, avails, starts, ends                            []int64
+		results                                                       [][]byte
+		attempts, prompts, completions                                []int32
+	)
+	for _, c := range cs {
+		ids, fences, states = append(ids, c.id), append(fences, c.fence), append(states, string(c.st))
+		nows, avails, results = append(nows, c.now), append(avails, c.avail), append(results, c.result)
+		classes, errs = append(classes, c.a.ErrorClass), append(errs, c.a.Error)
+		attempts, backends, outcomes = append(attempts, int32(c.a.Attempt)), append(backends, c.a.Backend), append(outcomes, c.a.Outcome)
+		prompts, completions = append(prompts, int32(c.a.PromptTokens)), append(completions, int32(c.a.CompletionTokens))
+		starts, ends = append(starts, micros(c.a.StartedAt)), append(ends, micros(c.a.EndedAt))
+		events, types = append(events, eventID(c.eventID)), append(types, eventType(c.st))
+	}
+	err := func() error {
+		rows, err := s.query(ctx, nil, s.q.finishBatch, ids, fences, states, nows, avails, results, classes, errs,
+			attempts, backends, outcomes, prompts, completions, starts, ends, events, types, ids)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		ok := make([]bool, len(cs))
+		for rows.Next() {
+			var ord int
+			if err := rows.Scan(&ord); err != nil {
+				return err
+			}
+			if ord < 1 || ord > len(cs) {
+				return errors.New("finish batch: row out of range")
+			}
+			ok[ord-1] = true
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		for i, c := range cs {
+			if !ok[i] {
+				c.err = store.ErrLeaseLost
+			}
+		}
+		return nil
+	}()
+	switch {
+	case err == nil:
+	case s.lostTouch(err):
+		for _, c := range cs {
+			c.err = s.err(c.op, err)
+		}
+	default:
+		// Nothing was written: each call on its own.
+		for _, c := range cs {
+			c.err = one(c)
+		}
+	}
+}
+
+// lostTouch reports whether a batch's error leaves its outcome unknown or
+// concerns every call alike (the database out of reach, the calls given
+// up): then each call gets the error instead of a second try on its own.
+func (s *Store) lostTouch(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) ||
+		(s.d.Unavailable != nil && s.d.Unavailable(err))
+}

@@ -1,0 +1,117 @@
+package sqlstore
+
+import (
+	"context"
+	"sync"
+)
+
+// group is group commit: it coalesces calls that arrive together from
+// many goroutines into batches, each written by one statement in one
+// transaction, so that a burst costs the database one commit (and one
+// round trip, one wake-up of a server process) per batch instead of one
+// per call. A call waits for no timer: it joins the batch that is
+// waiting for one of group's slots, or starts one. At most slots batches
+// run at once, so at low load every call runs at once and alone, and
+// under load the calls that queue behind the running batches go out
+// together. Each call still gets its own result: run must give every
+// call of a batch its outcome, and it does so in a way that a problem
+// with one call (a conflict, a bad value) does not fail the others.
+//
+// A group is safe for concurrent use and starts no goroutines: the first
+// caller of a batch runs it.
+type group[C any] struct {
+	max   int                                // calls in a batch, at most
+	slots chan struct{}                      // one per batch running
+	run   func(ctx context.Context, cs []*C) // gives each call its outcome
+
+	mu      sync.Mutex
+	pending *batch[C] // the batch calls join; nil when none is open
+}
+
+type batch[C any] struct {
+	calls  []*C
+	ctx    context.Context // ends when every caller has given up
+	cancel context.CancelFunc
+	left   int  // callers still waiting, under group.mu
+	ran    bool // run was called, set before done closes
+	done   chan struct{}
+}
+
+func newGroup[C any](slots, max int, run func(context.Context, []*C)) *group[C] {
+	return &group[C]{max: max, slots: make(chan struct{}, slots), run: run}
+}
+
+// do adds c to a batch and returns once the batch has run, with c's
+// outcome set by run; or, for a caller whose ctx ends first, at once
+// with ctx's error (c may still be written, as a cancelled statement
+// may still commit). The batch runs while any of its callers waits for
+// it, and is cancelled when none does any more.
+func (g *group[C]) do(ctx context.Context, c *C) error {
+	g.mu.Lock()
+	b := g.pending // never cancelled: see leave
+	leader := b == nil
+	if leader {
+		b = &batch[C]{done: make(chan struct{})}
+		// The leader's values, not its cancellation: the batch is
+		// everyone's.
+		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
+		g.pending = b
+	}
+	b.calls = append(b.calls, c)
+	b.left++
+	if len(b.calls) == g.max {
+		g.pending = nil // full: the next call opens another
+	}
+	g.mu.Unlock()
+
+	stop := context.AfterFunc(ctx, func() { g.leave(b) })
+	defer stop()
+
+	if !leader {
+		select {
+		case <-b.done:
+			if b.ran {
+				return nil
+			}
+			return ctx.Err() // it never ran: every caller, this one too, gave up
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	defer b.cancel()
+	select {
+	case g.slots <- struct{}{}:
+		defer func() { <-g.slots }()
+	case <-b.ctx.Done():
+		// Every caller gave up while the batch waited for a slot.
+	}
+	g.mu.Lock()
+	if g.pending == b {
+		g.pending = nil // sealed: from here b.calls is the leader's alone
+	}
+	g.mu.Unlock()
+	if b.ctx.Err() == nil {
+		g.run(b.ctx, b.calls)
+		b.ran = true
+	}
+	close(b.done)
+	if b.ran {
+		return nil
+	}
+	return ctx.Err()
+}
+
+// leave records that one of b's callers gave up; when none is left, b is
+// cancelled, and a batch still open stops taking calls, so that a new
+// call never joins a cancelled batch.
+func (g *group[C]) leave(b *batch[C]) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	b.left--
+	if b.left == 0 {
+		b.cancel()
+		if g.pending == b {
+			g.pending = nil
+		}
+	}
+}
