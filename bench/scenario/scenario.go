@@ -37,6 +37,9 @@ type Options struct {
 	Targets []string
 	// Log receives progress lines [discarded].
 	Log *slog.Logger
+	// TargetLog receives the targets' own logs: kvgate's, mostly
+	// [discarded]. Stopping a target cuts its open requests, which it logs.
+	TargetLog *slog.Logger
 }
 
 func (o *Options) defaults() error {
@@ -48,6 +51,9 @@ func (o *Options) defaults() error {
 	}
 	if o.Log == nil {
 		o.Log = slog.New(slog.DiscardHandler)
+	}
+	if o.TargetLog == nil {
+		o.TargetLog = slog.New(slog.DiscardHandler)
 	}
 	switch {
 	case !(o.Scale > 0) || math.IsInf(o.Scale, 0):
@@ -193,7 +199,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		}
 		defer os.RemoveAll(dataDir)
 	}
-	st, err := startStack(ctx, target, p.fleet, p.keys, dataDir, o.Log)
+	st, err := startStack(ctx, target, p.fleet, p.keys, dataDir, o.TargetLog)
 	if err != nil {
 		return nil, err
 	}
@@ -206,10 +212,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 	speed := p.fleet.speedup
 	cfg := toWall(p.cfg, speed)
 	cfg.Target = st.url
-	cfg.Scrape = nil
-	for _, b := range st.backends {
-		cfg.Scrape = append(cfg.Scrape, b+"/metrics")
-	}
+	cfg.Scrape = st.metrics
 	cfg.ScrapeInterval = wall(time.Second, speed, 50*time.Millisecond)
 	cfg.Label = name + "/" + target
 	cfg.Metadata = map[string]string{"scenario": name, "target": target, "time": "simulated",

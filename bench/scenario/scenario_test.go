@@ -30,8 +30,17 @@ func TestRegistry(t *testing.T) {
 		}
 		cfg := p.cfg
 		cfg.Target = "http://127.0.0.1:1"
-		if _, err := cfg.Validate(); err != nil {
+		vc, err := cfg.Validate()
+		if err != nil {
 			t.Errorf("%s: its load does not validate: %v", s.Name, err)
+		}
+		// Each tenant keeps its own workload and arrivals through the
+		// harness's defaults.
+		for i, tn := range vc.Tenants {
+			if tn.Workload.Input.Mean != p.cfg.Tenants[i].Workload.Input.Mean || tn.Workload.Output.Mean != p.cfg.Tenants[i].Workload.Output.Mean ||
+				tn.Arrival.Rate != p.cfg.Tenants[i].Arrival.Rate || tn.NumPrompts != p.cfg.Tenants[i].NumPrompts {
+				t.Errorf("%s: tenant %s became %+v", s.Name, tn.Name, tn)
+			}
 		}
 		if p.sending <= 0 || p.measureFrom >= p.sending || p.describe == "" {
 			t.Errorf("%s: sending %v, measured from %v, describe %q", s.Name, p.sending, p.measureFrom, p.describe)

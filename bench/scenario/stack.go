@@ -48,6 +48,7 @@ type fleetSpec struct {
 type stack struct {
 	target   string
 	url      string   // base URL clients call, without /v1
+	metrics  []string // /metrics URLs a run's report follows
 	backends []string // the simulated servers' base URLs
 	sims     []*vllmsim.Sim
 	jobs     bool // the target serves POST /v1/jobs
@@ -111,7 +112,7 @@ func startStack(ctx context.Context, target string, spec fleetSpec, keys map[str
 		var th *baseline.Threshold
 		th, err = baseline.NewThreshold(s.backends, baseline.ThresholdConfig{
 			ScrapeInterval: wall(50*time.Millisecond, spec.speedup, 5*time.Millisecond),
-			Staleness:      wall(200*time.Millisecond, spec.speedup, 50*time.Millisecond),
+			Staleness:      200 * time.Millisecond, // see startKVGate's StaleAfter
 			HealthInterval: wall(time.Second, spec.speedup, 20*time.Millisecond),
 		})
 		if err == nil {
@@ -129,6 +130,12 @@ func startStack(ctx context.Context, target string, spec fleetSpec, keys map[str
 	if s.url, err = s.serve(h); err != nil {
 		return nil, err
 	}
+	for _, b := range s.backends {
+		s.metrics = append(s.metrics, b+"/metrics")
+	}
+	if target == TargetKVGate {
+		s.metrics = append(s.metrics, s.url+"/metrics")
+	}
 	return s, s.ready(ctx)
 }
 
@@ -145,11 +152,13 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 	)
 	pool, err := gpu.NewPool(cfgs, gpu.PoolConfig{
 		ScrapeInterval: wall(100*time.Millisecond, spec.speedup, 10*time.Millisecond),
-		StaleAfter:     wall(time.Second, spec.speedup, 100*time.Millisecond),
-		ProbeInterval:  wall(time.Second, spec.speedup, 20*time.Millisecond),
-		EjectBase:      wall(2*time.Second, spec.speedup, 50*time.Millisecond),
-		EjectMax:       wall(time.Minute, spec.speedup, time.Second),
-		Logger:         log,
+		// Staleness bounds keep their wall-clock defaults: scaled down,
+		// a busy host's scheduling jitter would read as dead metrics.
+		StaleAfter:    time.Second,
+		ProbeInterval: wall(time.Second, spec.speedup, 20*time.Millisecond),
+		EjectBase:     wall(2*time.Second, spec.speedup, 50*time.Millisecond),
+		EjectMax:      wall(time.Minute, spec.speedup, time.Second),
+		Logger:        log,
 		OnChange: func() {
 			if sched != nil {
 				sched.Wake()

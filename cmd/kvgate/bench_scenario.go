@@ -34,7 +34,7 @@ func runBenchScenario(ctx context.Context, args []string, getenv func(string) st
 	speedup := fs.Float64("speedup", 4, "run the simulated GPUs `S` times faster than wall time; arrivals are sped up to match")
 	seed := fs.Uint64("seed", 1, "seed of arrivals and prompts")
 	targets := fs.String("targets", strings.Join(scenario.Targets, ","), "comma-separated targets to run")
-	logLevel := fs.String("log-level", "warn", "progress logging: debug, info, warn, error")
+	logLevel := fs.String("log-level", "warn", "progress logging: debug (with kvgate's own logs), info, warn, error")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, benchScenarioAbout)
 		fmt.Fprintln(stderr, "\nScenarios:")
@@ -79,6 +79,9 @@ func runBenchScenario(ctx context.Context, args []string, getenv func(string) st
 		return err
 	}
 	opts := scenario.Options{Scale: *scale, Speedup: *speedup, Seed: *seed, Out: *out, Log: log.With("component", "bench")}
+	if *logLevel == "debug" {
+		opts.TargetLog = log
+	}
 	for _, t := range strings.Split(*targets, ",") {
 		if t = strings.TrimSpace(t); t != "" {
 			opts.Targets = append(opts.Targets, t)
