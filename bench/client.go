@@ -67,6 +67,7 @@ type requester struct {
 	model     string
 	timeout   time.Duration
 	pollEvery time.Duration
+	jobSSE    bool // follow jobs through their event streams
 }
 
 // baseURL strips a trailing slash and /v1 from a target URL.
@@ -328,8 +329,10 @@ func errorText(b []byte) string {
 }
 
 // submitJob sends a request as a deferred job (POST /v1/jobs) and follows
-// it by polling until it ends; its latency runs to the poll that saw it
-// succeed, and its tokens come from the result's usage.
+// it to its end through its event stream (GET /v1/jobs/{id}/events) or,
+// where the target has none or with JobFollow poll, by polling; its latency
+// runs to the event or poll that saw it end, and its tokens come from the
+// result's usage.
 func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item, ignoreEOS bool, start time.Time, rec *Record) {
 	ctx, cancel := context.WithTimeout(ctx, r.timeout)
 	defer cancel()
@@ -353,6 +356,11 @@ func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item,
 		return
 	}
 	rec.JobID = view.ID
+	if r.jobSSE && !jobFinal(view.State) {
+		if st := r.followJob(ctx, key, view.ID); st != "" {
+			view.State = st
+		}
+	}
 	tick := time.NewTicker(r.pollEvery)
 	defer tick.Stop()
 	for {
@@ -391,6 +399,53 @@ func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item,
 			return
 		}
 	}
+}
+
+// jobFinal reports whether a job state is one a job never leaves.
+func jobFinal(state string) bool {
+	switch state {
+	case "SUCCEEDED", "FAILED_TERMINAL", "CANCELLED", "REVIEW_REQUIRED":
+		return true
+	}
+	return false
+}
+
+// followJob reads a job's event stream (GET /v1/jobs/{id}/events) until
+// it shows a final state, and returns that state; "" when the target has
+// no event stream or it ended early, and the caller polls instead.
+func (r *requester) followJob(ctx context.Context, key, id string) string {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, r.base+"/v1/jobs/"+id+"/events", nil)
+	if err != nil {
+		return ""
+	}
+	req.Header.Set("Accept", "text/event-stream")
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	resp, err := r.client.Do(req)
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4096))
+		return ""
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 4096), 1<<20)
+	for sc.Scan() {
+		data, ok := bytes.CutPrefix(sc.Bytes(), []byte("data:"))
+		if !ok {
+			continue
+		}
+		var ev struct {
+			State string `json:"state"`
+		}
+		if json.Unmarshal(bytes.TrimSpace(data), &ev) == nil && jobFinal(ev.State) {
+			return ev.State
+		}
+	}
+	return ""
 }
 
 // jsonCall makes one small JSON request and decodes a 2xx answer into out.

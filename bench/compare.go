@@ -86,10 +86,10 @@ func compareSummaries(a, b Summary) []Delta {
 
 // metricOrder sorts figures: throughputs first, then latencies by metric.
 func metricOrder(m string) string {
-	for i, prefix := range []string{"request_", "output_", "total_token", "good", "max_output", "completed", "failed"} {
-		if strings.HasPrefix(m, prefix) {
-			return fmt.Sprintf("0%d%s", i, m)
-		}
+	head := []string{"request_throughput", "request_goodput", "good_fraction", "output_throughput", "total_token_throughput",
+		"max_output_tokens_per_s", "completed", "failed", "max_concurrent_requests"}
+	if i := slices.Index(head, m); i >= 0 {
+		return fmt.Sprintf("0%02d", i)
 	}
 	for i, lat := range []string{"_ttft_ms", "_tpot_ms", "_itl_ms", "_e2el_ms"} {
 		if strings.HasSuffix(m, lat) {

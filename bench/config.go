@@ -26,6 +26,12 @@ const (
 	ArrivalTrace       = "trace"       // the timestamps of a trace workload
 )
 
+// How deferred jobs are followed.
+const (
+	JobFollowSSE  = "sse"  // GET /v1/jobs/{id}/events until a final state
+	JobFollowPoll = "poll" // GET /v1/jobs/{id} every JobPollInterval
+)
+
 // Workload kinds (vllm bench serve's --dataset-name where they overlap).
 const (
 	DatasetRandom   = "random"   // synthetic prompts with lengths drawn from Input and Output
@@ -91,7 +97,11 @@ type Config struct {
 	// every ScrapeInterval (default 1s) during the run.
 	Scrape         []string      `json:"scrape,omitempty"`
 	ScrapeInterval time.Duration `json:"scrape_interval"`
-	// JobPollInterval is how often a deferred job's state is read (100 ms).
+	// JobFollow is how deferred jobs are followed to their end: JobFollowSSE
+	// (default; their event stream, polling where the target has none) or
+	// JobFollowPoll.
+	JobFollow string `json:"job_follow"`
+	// JobPollInterval is how often a polled job's state is read (100 ms).
 	JobPollInterval time.Duration `json:"job_poll_interval"`
 
 	// Label and Metadata are copied into the report (vllm's --label,
@@ -228,6 +238,13 @@ func (c Config) Validate() (Config, error) {
 	}
 	if c.ScrapeInterval <= 0 {
 		c.ScrapeInterval = time.Second
+	}
+	switch c.JobFollow {
+	case "":
+		c.JobFollow = JobFollowSSE
+	case JobFollowSSE, JobFollowPoll:
+	default:
+		return c, fmt.Errorf("bench: job_follow %q is neither %s nor %s", c.JobFollow, JobFollowSSE, JobFollowPoll)
 	}
 	if c.JobPollInterval <= 0 {
 		c.JobPollInterval = 100 * time.Millisecond

@@ -315,16 +315,20 @@ type Sample struct {
 
 // Provenance says what was measured, with what.
 type Provenance struct {
-	Harness       string            `json:"harness"` // kvgate bench and its build revision
-	GoVersion     string            `json:"go_version"`
-	Host          string            `json:"host"`
-	NumCPU        int               `json:"num_cpu"`
-	Target        string            `json:"target"`
-	Models        []string          `json:"models,omitempty"`         // the target's /v1/models
-	ServerVersion string            `json:"server_version,omitempty"` // the target's /version (vLLM, the simulator)
-	Seed          uint64            `json:"seed"`
-	Start         time.Time         `json:"start"`
-	Extra         map[string]string `json:"extra,omitempty"` // backend profiles and such, from the caller
+	Harness       string   `json:"harness"` // kvgate bench and its build revision
+	GoVersion     string   `json:"go_version"`
+	Host          string   `json:"host"`
+	NumCPU        int      `json:"num_cpu"`
+	Target        string   `json:"target"`
+	Models        []string `json:"models,omitempty"`         // the target's /v1/models
+	ServerVersion string   `json:"server_version,omitempty"` // the target's /version (vLLM, the simulator)
+	// Servers holds, per scraped /metrics URL, what it says of its
+	// deployment: vLLM's cache_config_info labels, kvgate's per-backend
+	// KV capacity.
+	Servers map[string]map[string]string `json:"servers,omitempty"`
+	Seed    uint64                       `json:"seed"`
+	Start   time.Time                    `json:"start"`
+	Extra   map[string]string            `json:"extra,omitempty"` // backend profiles and such, from the caller
 }
 
 // Report is a run's result. Its JSON has vllm bench serve's top-level

@@ -28,9 +28,14 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	client := cfg.HTTPClient
 	if client == nil {
 		client = NewHTTPClient()
+		// Close what the run opened, including connections dialled for a
+		// request that another connection served first: a server waits for
+		// those at shutdown.
+		defer client.CloseIdleConnections()
 	}
 	rq := &requester{client: client, base: baseURL(cfg.Target), chat: cfg.Endpoint == EndpointChat,
-		stream: cfg.Stream, model: cfg.Model, timeout: cfg.RequestTimeout, pollEvery: cfg.JobPollInterval}
+		stream: cfg.Stream, model: cfg.Model, timeout: cfg.RequestTimeout, pollEvery: cfg.JobPollInterval,
+		jobSSE: cfg.JobFollow == JobFollowSSE}
 	// Datasets are read once, before any load, so a bad file fails fast.
 	for _, t := range cfg.Tenants {
 		if _, err := newSource(t.Workload, newRNG(cfg.Seed, "check")); err != nil {
@@ -398,6 +403,24 @@ func provenance(ctx context.Context, rq *requester, cfg Config, start time.Time)
 	}
 	if st, err := rq.jsonCall(ctx, http.MethodGet, "/version", cfg.APIKey, "", nil, &ver); err == nil && st == http.StatusOK {
 		pv.ServerVersion = ver.Version
+	}
+	for _, u := range cfg.Scrape {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+		if err != nil {
+			continue
+		}
+		resp, err := rq.client.Do(req)
+		if err != nil {
+			continue
+		}
+		info := serverInfo(resp.Body)
+		resp.Body.Close()
+		if len(info) > 0 {
+			if pv.Servers == nil {
+				pv.Servers = map[string]map[string]string{}
+			}
+			pv.Servers[u] = info
+		}
 	}
 	return pv
 }

@@ -364,6 +364,9 @@ func TestScrapeFollowsTheTarget(t *testing.T) {
 	if peakRunning < 1 || peakKV <= 0 {
 		t.Errorf("peak running %v, peak KV usage %v: the scrapes saw no load", peakRunning, peakKV)
 	}
+	if info := rep.Provenance.Servers[url+"/metrics"]; info["num_gpu_blocks"] != "27494" || info["block_size"] != "16" {
+		t.Errorf("provenance of the scraped server: %v", info)
+	}
 	last := rep.TimeSeries[len(rep.TimeSeries)-1]
 	if last.Values["running"] != 0 {
 		t.Errorf("final scrape shows %v running, want 0 after the run", last.Values["running"])
@@ -439,5 +442,50 @@ func TestConfigValidation(t *testing.T) {
 	if err != nil || c.Endpoint != EndpointCompletions || len(c.Percentiles) != 4 || c.Tenants[0].Name != "default" ||
 		c.Workload.Input.Mean != 1024 || c.Workload.Output.Mean != 128 || !math.IsInf(c.Arrival.Rate, 1) || !c.Workload.IgnoreEOS {
 		t.Errorf("defaults %+v, %v", c, err)
+	}
+}
+
+func TestServerInfo(t *testing.T) {
+	text := `vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",engine="0",model_name="m",num_gpu_blocks="27494"} 1.0
+vllm:cache_config_info{block_size="32",engine="1",model_name="m",num_gpu_blocks="100"} 1.0
+kvgate_scheduler_backend_capacity_tokens{backend="gpu0"} 439904
+weird{a="x\"y",b="z"} 1
+`
+	info := serverInfo(strings.NewReader(text))
+	want := map[string]string{"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "True", "num_gpu_blocks": "27494",
+		"engine1.block_size": "32", "engine1.num_gpu_blocks": "100", "capacity_tokens.gpu0": "439904"}
+	if len(info) != len(want) {
+		t.Errorf("info %v, want %v", info, want)
+	}
+	for k, v := range want {
+		if info[k] != v {
+			t.Errorf("%s = %q, want %q", k, info[k], v)
+		}
+	}
+	if l := parseLabels(`a="x\"y",b="z"} 1`); l["a"] != `x"y` || l["b"] != "z" {
+		t.Errorf("labels %v", l)
+	}
+}
+
+func TestProgressBarOnATerminal(t *testing.T) {
+	var out strings.Builder
+	p := &progress{w: &out, tty: true, stopc: make(chan struct{})}
+	p.startPoint(2, 40, 0)
+	for range 10 {
+		p.sent()
+		p.done(false)
+	}
+	p.sent()
+	p.done(true)
+	p.sent()
+	p.finish()
+	got := out.String()
+	for _, want := range []string{"\r\033[K[", "] ", "28%", "point 2: 11 done (1 failed), 1 in flight", "\n"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("progress %q lacks %q", got, want)
+		}
+	}
+	if isTerminal(&out) {
+		t.Error("a buffer taken for a terminal")
 	}
 }

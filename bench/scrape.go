@@ -157,3 +157,66 @@ func (s *scraper) stop() []Sample {
 	slices.SortStableFunc(out, func(a, b Sample) int { return cmp.Compare(a.T, b.T) })
 	return out
 }
+
+// serverInfo reads what a /metrics page says of its deployment: vLLM's
+// cache_config_info labels (block_size, num_gpu_blocks, ...) and kvgate's
+// per-backend KV capacity, for the report's provenance.
+func serverInfo(r io.Reader) map[string]string {
+	info := map[string]string{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 4<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "vllm:cache_config_info{"):
+			labels := parseLabels(line[len("vllm:cache_config_info{"):])
+			engine := labels["engine"]
+			for k, v := range labels {
+				if k == "engine" || k == "model_name" {
+					continue
+				}
+				if engine != "" && engine != "0" {
+					k = "engine" + engine + "." + k
+				}
+				info[k] = v
+			}
+		case strings.HasPrefix(line, "kvgate_scheduler_backend_capacity_tokens{"):
+			labels := parseLabels(line[len("kvgate_scheduler_backend_capacity_tokens{"):])
+			if f := strings.Fields(line[strings.LastIndexByte(line, '}')+1:]); len(f) > 0 {
+				info["capacity_tokens."+labels["backend"]] = f[0]
+			}
+		}
+	}
+	return info
+}
+
+// parseLabels reads Prometheus labels (k="v",...) up to the closing brace.
+func parseLabels(s string) map[string]string {
+	out := map[string]string{}
+	for len(s) > 0 && s[0] != '}' {
+		eq := strings.IndexByte(s, '=')
+		if eq < 0 || eq+1 >= len(s) || s[eq+1] != '"' {
+			break
+		}
+		key := strings.TrimLeft(s[:eq], ", ")
+		var val strings.Builder
+		i := eq + 2
+		for ; i < len(s) && s[i] != '"'; i++ {
+			if s[i] == '\\' && i+1 < len(s) {
+				i++
+				switch s[i] {
+				case 'n':
+					val.WriteByte('\n')
+					continue
+				}
+			}
+			val.WriteByte(s[i])
+		}
+		out[key] = val.String()
+		if i+1 > len(s) {
+			break
+		}
+		s = strings.TrimLeft(s[i+1:], ",")
+	}
+	return out
+}

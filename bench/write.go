@@ -159,8 +159,15 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		fmt.Fprintf(&b, ", max concurrency %d", c.MaxConcurrency)
 	}
 	fmt.Fprintf(&b, "; streaming %v\n", c.Stream)
-	for k, v := range pv.Extra {
-		fmt.Fprintf(&b, "- %s: %s\n", k, v)
+	for _, k := range sortedStrings(pv.Extra) {
+		fmt.Fprintf(&b, "- %s: %s\n", k, pv.Extra[k])
+	}
+	for _, u := range sortedStrings(pv.Servers) {
+		var parts []string
+		for _, k := range sortedStrings(pv.Servers[u]) {
+			parts = append(parts, k+"="+pv.Servers[u][k])
+		}
+		fmt.Fprintf(&b, "- server `%s`: %s\n", u, strings.Join(parts, ", "))
 	}
 	if len(r.SLO) > 0 {
 		var parts []string
@@ -270,4 +277,13 @@ func errorsString(m map[string]int) string {
 		parts = append(parts, fmt.Sprintf("%s %d", k, m[k]))
 	}
 	return strings.Join(parts, ", ")
+}
+
+func sortedStrings[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
 }

@@ -85,7 +85,7 @@ type benchFlags struct {
 	duration, requestTimeout, scrapeInterval    time.Duration
 	rate                                        rateFlag
 	burstiness                                  float64
-	arrival                                     string
+	arrival, jobFollow                          string
 	dataset, datasetPath                        string
 	inputLen, outputLen                         int
 	rangeRatio, inputStd, outputStd             float64
@@ -135,7 +135,8 @@ func benchFlagSet(stderr io.Writer, f *benchFlags, getenv func(string) string) *
 	fs.IntVar(&f.sweepPoints, "sweep-points", 0, "sweep: one point at full speed, then N-1 rates up to its throughput")
 	fs.Var(&f.tenants, "tenant", "a tenant: name=acme,key=sk-..,rate=5,weight=1,deferred=true,num-prompts=100,\n"+
 		"dataset-name=..,random-input-len=..,random-output-len=..,concurrency=..,burstiness=.. (repeatable)")
-	fs.BoolVar(&f.deferred, "deferred", false, "submit every request as a job (POST /v1/jobs) and poll it to the end")
+	fs.BoolVar(&f.deferred, "deferred", false, "submit every request as a job (POST /v1/jobs) and follow it to its end")
+	fs.StringVar(&f.jobFollow, "job-follow", bench.JobFollowSSE, "follow deferred jobs by sse (their event streams) or poll")
 	fs.Uint64Var(&f.seed, "seed", 0, "seed for arrivals and prompts")
 	fs.Var(&f.scrape, "scrape", "a /metrics URL to sample during the run (kvgate's, vLLM's); repeatable")
 	fs.DurationVar(&f.scrapeInterval, "scrape-interval", time.Second, "how often to scrape")
@@ -274,7 +275,7 @@ func runBenchRun(ctx context.Context, args []string, getenv func(string) string,
 func (f *benchFlags) config() (bench.Config, error) {
 	cfg := bench.Config{Target: f.target, Model: f.model, APIKey: f.apiKey, Stream: f.stream, NumPrompts: f.numPrompts,
 		Duration: f.duration, MaxConcurrency: f.maxConcurrency, Seed: f.seed, RequestTimeout: f.requestTimeout,
-		Scrape: f.scrape, ScrapeInterval: f.scrapeInterval, Label: f.label}
+		Scrape: f.scrape, ScrapeInterval: f.scrapeInterval, Label: f.label, JobFollow: f.jobFollow}
 	if f.numPrompts < 0 {
 		return cfg, errors.New("--num-prompts is negative")
 	}

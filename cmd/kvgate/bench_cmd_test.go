@@ -3,8 +3,11 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -175,28 +178,57 @@ func TestBenchCompare(t *testing.T) {
 func TestBenchDeferredThroughKvgate(t *testing.T) {
 	g := startGateway(t)
 	waitForModel(t, g, "", benchModel)
-	out := t.TempDir()
-	var stdout, stderr syncBuffer
-	if err := run(context.Background(), []string{"bench", "run", "--target", g.base + "/v1", "--model", benchModel, "--out", out, "--quiet",
-		"--deferred", "--num-prompts", "6", "--request-rate", "100", "--random-input-len", "16", "--random-output-len", "5",
-		"--scrape", g.base + "/metrics", "--scrape-interval", "50ms"}, noenv, &stdout, &stderr); err != nil {
-		t.Fatalf("%v\n%s", err, stderr.String())
+	for _, follow := range []string{"sse", "poll"} {
+		t.Run(follow, func(t *testing.T) {
+			out := t.TempDir()
+			streams := eventStreamsServed(t, g.base)
+			var stdout, stderr syncBuffer
+			if err := run(context.Background(), []string{"bench", "run", "--target", g.base + "/v1", "--model", benchModel, "--out", out, "--quiet",
+				"--deferred", "--job-follow", follow, "--num-prompts", "6", "--request-rate", "100", "--random-input-len", "16", "--random-output-len", "5",
+				"--scrape", g.base + "/metrics", "--scrape-interval", "50ms"}, noenv, &stdout, &stderr); err != nil {
+				t.Fatalf("%v\n%s", err, stderr.String())
+			}
+			rep, err := bench.ReadReport(filepath.Join(out, bench.FileJSON))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rep.Summary.Completed != 6 || rep.Summary.TotalOutputTokens != 30 || rep.Tenants[0].Class != "batch" {
+				t.Fatalf("completed %d, output tokens %d, class %s; errors %v", rep.Summary.Completed, rep.Summary.TotalOutputTokens, rep.Tenants[0].Class, rep.Summary.Errors)
+			}
+			for _, r := range rep.Requests {
+				if r.JobID == "" || r.E2EL <= 0 {
+					t.Errorf("record %+v", r)
+				}
+			}
+			if len(rep.TimeSeries) == 0 {
+				t.Error("kvgate's /metrics gave no samples")
+			}
+			if n := eventStreamsServed(t, g.base) - streams; (follow == "sse") != (n >= 6) {
+				t.Errorf("following by %s, kvgate served %v job event streams for 6 jobs", follow, n)
+			}
+		})
 	}
-	rep, err := bench.ReadReport(filepath.Join(out, bench.FileJSON))
+}
+
+// eventStreamsServed reads from kvgate's /metrics how many job event
+// streams it has answered 200.
+func eventStreamsServed(t *testing.T, base string) float64 {
+	t.Helper()
+	resp, err := http.Get(base + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rep.Summary.Completed != 6 || rep.Summary.TotalOutputTokens != 30 || rep.Tenants[0].Class != "batch" {
-		t.Fatalf("completed %d, output tokens %d, class %s; errors %v", rep.Summary.Completed, rep.Summary.TotalOutputTokens, rep.Tenants[0].Class, rep.Summary.Errors)
-	}
-	for _, r := range rep.Requests {
-		if r.JobID == "" || r.E2EL <= 0 {
-			t.Errorf("record %+v", r)
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	n := 0.0
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "kvgate_gateway_requests_total{") && strings.Contains(line, `route="/v1/jobs/{id}/events"`) && strings.Contains(line, `status="200"`) {
+			f := strings.Fields(line)
+			v, _ := strconv.ParseFloat(f[len(f)-1], 64)
+			n += v
 		}
 	}
-	if len(rep.TimeSeries) == 0 {
-		t.Error("kvgate's /metrics gave no samples")
-	}
+	return n
 }
 
 func TestBenchDispatchesScenario(t *testing.T) {
