@@ -1,0 +1,4 @@
+-- PostgreSQL's 0003 sets the jobs and outbox tables' fillfactor and
+-- autovacuum thresholds. SQLite has neither (its pages are reused from
+-- the free list, and nothing vacuums in the background): nothing to do,
+-- but the number is kept so both backends' migrations stay in step.
