@@ -146,6 +146,8 @@ type TargetResult struct {
 	// Events are the scenario's mid-run events that happened, in order.
 	Events []string
 	Dir    string // where its reports are, or ""
+
+	gatewayMetrics string // kvgate's /metrics in the report's time series
 }
 
 // Result is a scenario run: one result per target and the verdict.
@@ -183,7 +185,15 @@ func (sc Scenario) Run(ctx context.Context, o Options) (*Result, error) {
 	}
 	res.Verdict = newVerdict(res)
 	if o.Out != "" {
-		if err := res.Verdict.writeFiles(filepath.Join(o.Out, sc.Name)); err != nil {
+		dir := filepath.Join(o.Out, sc.Name)
+		if err := res.Verdict.writeFiles(dir); err != nil {
+			return nil, err
+		}
+		var chart strings.Builder
+		if err := res.WriteChart(&chart); err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "chart.svg"), []byte(chart.String()), 0o644); err != nil {
 			return nil, err
 		}
 	}
@@ -302,6 +312,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 	k := c3.speedup(c0)
 	tr := &TargetResult{
 		Target: target, Report: r.rep, Speedup: k, Events: fired,
+		gatewayMetrics: st.gatewayMetrics,
 		FleetTokPerSec: c2.tokPerSec(c1),
 		Preemptions:    c3.preemptions - c0.preemptions,
 	}

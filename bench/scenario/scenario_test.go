@@ -186,6 +186,15 @@ func TestScenarioEndToEnd(t *testing.T) {
 	if !slices.Equal(got, Rows) {
 		t.Errorf("verdict rows %v, want %v", got, Rows)
 	}
+	svg, err := os.ReadFile(filepath.Join(out, "backend-failure", "chart.svg"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"<svg", "fleet KV-cache use", "<polyline", TargetThreshold, "</svg>"} {
+		if !strings.Contains(string(svg), want) {
+			t.Errorf("chart.svg lacks %q", want)
+		}
+	}
 	text, err := os.ReadFile(filepath.Join(out, "backend-failure", "verdict.txt"))
 	if err != nil {
 		t.Fatal(err)

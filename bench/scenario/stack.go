@@ -46,12 +46,14 @@ type fleetSpec struct {
 // run can disturb the next one. Runs are sequential: on a small machine,
 // two fleets at once would take CPU from each other.
 type stack struct {
-	target   string
-	url      string   // base URL clients call, without /v1
-	metrics  []string // /metrics URLs a run's report follows
-	backends []string // the simulated servers' base URLs
-	sims     []*vllmsim.Sim
-	jobs     bool // the target serves POST /v1/jobs
+	target  string
+	url     string   // base URL clients call, without /v1
+	metrics []string // /metrics URLs a run's report follows
+	// gatewayMetrics is kvgate's own /metrics, or "".
+	gatewayMetrics string
+	backends       []string // the simulated servers' base URLs
+	sims           []*vllmsim.Sim
+	jobs           bool // the target serves POST /v1/jobs
 
 	// isReady reports whether the target can route to every backend.
 	isReady func(ctx context.Context) bool
@@ -134,7 +136,8 @@ func startStack(ctx context.Context, target string, spec fleetSpec, keys map[str
 		s.metrics = append(s.metrics, b+"/metrics")
 	}
 	if target == TargetKVGate {
-		s.metrics = append(s.metrics, s.url+"/metrics")
+		s.gatewayMetrics = s.url + "/metrics"
+		s.metrics = append(s.metrics, s.gatewayMetrics)
 	}
 	return s, s.ready(ctx)
 }
