@@ -14,6 +14,11 @@ import (
 
 type xy struct{ x, y float64 }
 
+type vline struct {
+	x     float64
+	label string
+}
+
 type series struct {
 	name string
 	pts  []xy
@@ -22,18 +27,19 @@ type series struct {
 var palette = []string{"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"}
 
 const (
-	chartW, chartH = 640.0, 300.0
-	padL, padR     = 64.0, 150.0
+	chartW, chartH = 760.0, 300.0
+	padL, padR     = 64.0, 230.0
 	padT, padB     = 28.0, 44.0
 )
 
-// niceMax rounds v up to 1, 2 or 5 times a power of ten.
+// niceMax rounds v up to a round number: 1, 1.2, 1.6, 2, 2.4, 3, 4, 5, 6
+// or 8 times a power of ten (each divisible into four ticks).
 func niceMax(v float64) float64 {
 	if !(v > 0) {
 		return 1
 	}
 	e := math.Pow(10, math.Floor(math.Log10(v)))
-	for _, m := range []float64{1, 2, 5, 10} {
+	for _, m := range []float64{1, 1.2, 1.6, 2, 2.4, 3, 4, 5, 6, 8, 10} {
 		if m*e >= v {
 			return m * e
 		}
@@ -43,7 +49,8 @@ func niceMax(v float64) float64 {
 
 // lineChart draws series as lines with dots; mark, when set, is circled
 // and labelled (the knee).
-func lineChart(title, xlabel, ylabel string, ss []series, mark *xy, markLabel string) template.HTML {
+// vlines, when set, draws dashed vertical lines (load point starts).
+func lineChart(title, xlabel, ylabel string, ss []series, mark *xy, markLabel string, vlines ...vline) template.HTML {
 	var xmax, ymax float64
 	for _, s := range ss {
 		for _, p := range s.pts {
@@ -65,6 +72,10 @@ func lineChart(title, xlabel, ylabel string, ss []series, mark *xy, markLabel st
 	}
 	fmt.Fprintf(&b, `<text x="%g" y="%g" class="a" text-anchor="middle">%s</text>`, padL+pw/2, chartH-6, template.HTMLEscapeString(xlabel))
 	fmt.Fprintf(&b, `<text transform="translate(14 %g) rotate(-90)" class="a" text-anchor="middle">%s</text>`, padT+ph/2, template.HTMLEscapeString(ylabel))
+	for _, v := range vlines {
+		fmt.Fprintf(&b, `<line x1="%.1f" x2="%.1f" y1="%g" y2="%g" stroke="#999" stroke-dasharray="3 3"/><text x="%.1f" y="%g" class="a">%s</text>`,
+			X(v.x), X(v.x), padT, padT+ph, X(v.x)+3, padT+10, template.HTMLEscapeString(v.label))
+	}
 	for i, s := range ss {
 		c := palette[i%len(palette)]
 		var pts []string
@@ -94,7 +105,7 @@ func barChart(title, ylabel string, labels []string, values []float64) template.
 	for _, v := range values {
 		ymax = max(ymax, v)
 	}
-	ymax = niceMax(ymax)
+	ymax = niceMax(1.1 * ymax) // room for the value labels
 	pw, ph := chartW-padL-padR, chartH-padT-padB
 	Y := func(y float64) float64 { return padT + ph - y/ymax*ph }
 	var b strings.Builder
@@ -227,7 +238,17 @@ func (r *Report) WriteHTML(w io.Writer) error {
 		d.Charts = append(d.Charts, lineChart("Latency CDFs (headline load point)", "ms", "fraction of requests", cdfs, nil, ""))
 	}
 
-	// Time series per scraped endpoint.
+	// Time series per scraped endpoint, with the load points' starts.
+	sources := map[string]bool{}
+	for _, smp := range r.TimeSeries {
+		sources[smp.Source] = true
+	}
+	var starts []vline
+	if len(r.LoadPoints) > 1 {
+		for _, p := range r.LoadPoints {
+			starts = append(starts, vline{p.Start, fmt.Sprintf("point %d", p.Index)})
+		}
+	}
 	for _, group := range []struct {
 		title, unit string
 		names       []string
@@ -248,7 +269,10 @@ func (r *Report) WriteHTML(w io.Writer) error {
 				}
 				s := bySrc[smp.Source]
 				if s == nil {
-					s = &series{name: name + " " + shortURL(smp.Source)}
+					s = &series{name: name}
+					if len(sources) > 1 {
+						s.name += " " + shortURL(smp.Source)
+					}
 					bySrc[smp.Source] = s
 					order = append(order, smp.Source)
 				}
@@ -259,7 +283,7 @@ func (r *Report) WriteHTML(w io.Writer) error {
 			}
 		}
 		if len(ss) > 0 {
-			d.Charts = append(d.Charts, lineChart(group.title, "seconds", group.unit, ss, nil, ""))
+			d.Charts = append(d.Charts, lineChart(group.title, "seconds from the start", group.unit, ss, nil, "", starts...))
 		}
 	}
 

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"encoding/xml"
+	"io"
 	"math"
 	"os"
 	"path/filepath"
@@ -133,6 +135,23 @@ func TestWriteFiles(t *testing.T) {
 		if !strings.Contains(html, want) {
 			t.Errorf("report.html lacks %q", want)
 		}
+	}
+	// Every chart is well-formed SVG.
+	for rest := html; ; {
+		i := strings.Index(rest, "<svg")
+		if i < 0 {
+			break
+		}
+		j := strings.Index(rest[i:], "</svg>") + i + len("</svg>")
+		dec := xml.NewDecoder(strings.NewReader(rest[i:j]))
+		for {
+			if _, err := dec.Token(); err == io.EOF {
+				break
+			} else if err != nil {
+				t.Fatalf("chart is not well-formed: %v\n%s", err, rest[i:j])
+			}
+		}
+		rest = rest[j:]
 	}
 	for _, bad := range []string{"<script", "http://cdn", "https://"} {
 		if strings.Contains(html, bad) {

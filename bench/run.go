@@ -271,13 +271,15 @@ func runPoint(ctx context.Context, cfg Config, rq *requester, tenants []Tenant, 
 // tenant dispatches one tenant's requests and waits for them to end.
 func (p *point) tenant(ctx context.Context, t Tenant) {
 	rng := newRNG(p.cfg.Seed, fmt.Sprintf("arrivals/%s/%d", t.Name, p.index))
-	src, err := newSource(t.Workload, newRNG(p.cfg.Seed, "workload/"+t.Name))
+	// Each load point draws its own prompts, so that a later point does not
+	// find an earlier one's in the server's prefix cache.
+	src, err := newSource(t.Workload, newRNG(p.cfg.Seed, fmt.Sprintf("workload/%s/%d", t.Name, p.index)))
 	if err != nil {
 		return // checked before the run started
 	}
 	n := t.NumPrompts
-	if t.Arrival.Kind == ArrivalTrace && (n == 0 || n > src.len()) && p.cfg.Duration == 0 {
-		n = src.len()
+	if t.Arrival.Kind == ArrivalTrace && (n == 0 || n > src.len()) {
+		n = src.len() // a trace is replayed once
 	}
 	var wg sync.WaitGroup
 	defer wg.Wait()
