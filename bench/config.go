@@ -9,6 +9,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/kvgate/kvgate/gpu"
 )
 
 // Endpoints a run can call.
@@ -97,6 +99,10 @@ type Config struct {
 	// every ScrapeInterval (default 1s) during the run.
 	Scrape         []string      `json:"scrape,omitempty"`
 	ScrapeInterval time.Duration `json:"scrape_interval"`
+	// GPUs, when set, is read every ScrapeInterval for this machine's GPU
+	// telemetry (a *gpu.NVML from gpu.OpenNVML); its samples have source
+	// "nvml".
+	GPUs GPUReader `json:"-"`
 	// JobFollow is how deferred jobs are followed to their end: JobFollowSSE
 	// (default; their event stream, polling where the target has none) or
 	// JobFollowPoll.
@@ -115,6 +121,13 @@ type Config struct {
 	// Progress, when set, receives a progress bar (on a terminal) or a plain
 	// line every few seconds.
 	Progress io.Writer `json:"-"`
+}
+
+// GPUReader reads local GPUs; *gpu.NVML is one.
+type GPUReader interface {
+	Refresh()
+	GPUs() []gpu.GPU
+	Driver() string
 }
 
 // Tenant is one client population in a run, with its own key, class,

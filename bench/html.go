@@ -257,6 +257,7 @@ func (r *Report) WriteHTML(w io.Writer) error {
 		{"Queue depth, running and waiting", "requests", []string{"queue_depth", "waiting", "running", "inflight"}},
 		{"Preemptions (cumulative)", "preemptions", []string{"preemptions_total"}},
 		{"GPU utilization", "fraction", []string{"gpu_utilization"}},
+		{"GPU power", "watts", []string{"gpu_power_watts"}},
 	} {
 		var ss []series
 		for _, name := range group.names {

@@ -326,9 +326,12 @@ type Provenance struct {
 	// deployment: vLLM's cache_config_info labels, kvgate's per-backend
 	// KV capacity.
 	Servers map[string]map[string]string `json:"servers,omitempty"`
-	Seed    uint64                       `json:"seed"`
-	Start   time.Time                    `json:"start"`
-	Extra   map[string]string            `json:"extra,omitempty"` // backend profiles and such, from the caller
+	// GPUs and Driver describe this machine's GPUs when Config.GPUs is set.
+	GPUs   []string          `json:"gpus,omitempty"`
+	Driver string            `json:"nvidia_driver,omitempty"`
+	Seed   uint64            `json:"seed"`
+	Start  time.Time         `json:"start"`
+	Extra  map[string]string `json:"extra,omitempty"` // backend profiles and such, from the caller
 }
 
 // Report is a run's result. Its JSON has vllm bench serve's top-level

@@ -61,8 +61,8 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	rep.Provenance = provenance(ctx, rq, cfg, start)
 
 	var sc *scraper
-	if len(cfg.Scrape) > 0 {
-		sc = newScraper(client, cfg.Scrape, cfg.ScrapeInterval, start)
+	if len(cfg.Scrape) > 0 || cfg.GPUs != nil {
+		sc = newScraper(client, cfg.Scrape, cfg.GPUs, cfg.ScrapeInterval, start)
 		sc.start()
 	}
 	prog := newProgress(cfg.Progress)
@@ -405,6 +405,13 @@ func provenance(ctx context.Context, rq *requester, cfg Config, start time.Time)
 	}
 	if st, err := rq.jsonCall(ctx, http.MethodGet, "/version", cfg.APIKey, "", nil, &ver); err == nil && st == http.StatusOK {
 		pv.ServerVersion = ver.Version
+	}
+	if cfg.GPUs != nil {
+		cfg.GPUs.Refresh()
+		pv.Driver = cfg.GPUs.Driver()
+		for _, g := range cfg.GPUs.GPUs() {
+			pv.GPUs = append(pv.GPUs, fmt.Sprintf("%d: %s, %.0f GiB (%s)", g.Index, g.Name, float64(g.MemoryTotal)/(1<<30), g.UUID))
+		}
 	}
 	for _, u := range cfg.Scrape {
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)

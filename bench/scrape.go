@@ -83,10 +83,11 @@ func parseMetrics(r io.Reader) (map[string]float64, error) {
 	return sum, nil
 }
 
-// scraper reads /metrics endpoints on a timer.
+// scraper reads /metrics endpoints, and local GPUs, on a timer.
 type scraper struct {
 	client  *http.Client
 	urls    []string
+	gpus    GPUReader
 	every   time.Duration
 	t0      time.Time
 	cancel  context.CancelFunc
@@ -95,14 +96,51 @@ type scraper struct {
 	samples []Sample
 }
 
-func newScraper(client *http.Client, urls []string, every time.Duration, t0 time.Time) *scraper {
-	return &scraper{client: client, urls: urls, every: every, t0: t0}
+func newScraper(client *http.Client, urls []string, gpus GPUReader, every time.Duration, t0 time.Time) *scraper {
+	return &scraper{client: client, urls: urls, gpus: gpus, every: every, t0: t0}
+}
+
+// gpuSource is the Sample.Source of local GPU readings.
+const gpuSource = "nvml"
+
+// readGPUs samples the local GPUs: mean utilization, summed memory and
+// power, hottest temperature.
+func (s *scraper) readGPUs() {
+	s.gpus.Refresh()
+	gs := s.gpus.GPUs()
+	if len(gs) == 0 {
+		return
+	}
+	v := map[string]float64{}
+	for _, g := range gs {
+		v["gpu_utilization"] += float64(g.UtilGPU) / 100 / float64(len(gs))
+		v["gpu_memory_used_bytes"] += float64(g.MemoryUsed)
+		v["gpu_power_watts"] += g.PowerW
+		v["gpu_temperature_c"] = max(v["gpu_temperature_c"], float64(g.TemperatureC))
+	}
+	s.mu.Lock()
+	s.samples = append(s.samples, Sample{T: time.Since(s.t0).Seconds(), Source: gpuSource, Values: v})
+	s.mu.Unlock()
 }
 
 // start scrapes every endpoint at once and then every interval until stop.
 func (s *scraper) start() {
 	ctx, cancel := context.WithCancel(context.Background())
 	s.cancel = cancel
+	if s.gpus != nil {
+		s.wg.Go(func() {
+			t := time.NewTicker(s.every)
+			defer t.Stop()
+			for {
+				s.readGPUs()
+				select {
+				case <-ctx.Done():
+					return
+				case <-t.C:
+				}
+			}
+		})
+	}
 	for _, u := range s.urls {
 		s.wg.Go(func() {
 			t := time.NewTicker(s.every)
@@ -150,6 +188,9 @@ func (s *scraper) stop() []Sample {
 	s.wg.Wait()
 	for _, u := range s.urls {
 		s.scrape(context.Background(), u)
+	}
+	if s.gpus != nil {
+		s.readGPUs()
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -159,6 +159,9 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		fmt.Fprintf(&b, ", max concurrency %d", c.MaxConcurrency)
 	}
 	fmt.Fprintf(&b, "; streaming %v\n", c.Stream)
+	if len(pv.GPUs) > 0 {
+		fmt.Fprintf(&b, "- GPUs (driver %s): %s\n", orDash(pv.Driver), strings.Join(pv.GPUs, "; "))
+	}
 	for _, k := range sortedStrings(pv.Extra) {
 		fmt.Fprintf(&b, "- %s: %s\n", k, pv.Extra[k])
 	}

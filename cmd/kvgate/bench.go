@@ -17,6 +17,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/kvgate/kvgate/bench"
+	"github.com/kvgate/kvgate/gpu"
 )
 
 const benchUsage = `Usage:
@@ -80,7 +81,7 @@ func parseRate(v string) (float64, error) {
 // benchFlags are `kvgate bench run`'s settings.
 type benchFlags struct {
 	target, model, apiKey, out, endpoint, label string
-	stream, quiet, deferred                     bool
+	stream, quiet, deferred, nvml               bool
 	numPrompts, maxConcurrency, concurrency     int
 	duration, requestTimeout, scrapeInterval    time.Duration
 	rate                                        rateFlag
@@ -144,6 +145,7 @@ func benchFlagSet(stderr io.Writer, f *benchFlags, getenv func(string) string) *
 	fs.StringVar(&f.label, "label", "", "label copied into the report")
 	fs.Var(&f.metadata, "metadata", "KEY=VALUE copied into the report; repeatable")
 	fs.BoolVar(&f.quiet, "quiet", false, "no progress output")
+	fs.BoolVar(&f.nvml, "nvml", true, "sample this machine's GPUs through NVML during the run, where NVML is present")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, benchUsage+"\nFlags of kvgate bench run:\n")
 		fs.PrintDefaults()
@@ -254,6 +256,11 @@ func runBenchRun(ctx context.Context, args []string, getenv func(string) string,
 	}
 	if !f.quiet {
 		cfg.Progress = stderr
+	}
+	if f.nvml {
+		if nv := gpu.OpenNVML(nil, gpu.NVMLConfig{}); nv.Enabled() {
+			cfg.GPUs = nv
+		}
 	}
 	rep, runErr := bench.Run(ctx, cfg)
 	if rep == nil {

@@ -90,7 +90,7 @@ metric_percentiles: "50,99"
 quiet: true
 tenants:
   - {name: acme, key: sk-a, weight: 2}
-  - {name: globex, key: sk-g, rate: 100, random_output_len: 3, num_prompts: 4}
+  - {name: globex, key: sk-g, rate: 100, random_output_len: 3, random_range_ratio: 0, num_prompts: 4}
 `
 	if err := os.WriteFile(cfgPath, []byte(yaml), 0o644); err != nil {
 		t.Fatal(err)
