@@ -92,7 +92,7 @@ func toAPIError(err error) *apiError {
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_final", msg: "The job has already ended."}
 	case errors.Is(err, store.ErrUnavailable):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "store_unavailable", retryAfter: time.Second,
-			msg: "Jobs cannot be accepted right now; nothing was recorded. Retry with the same Idempotency-Key."}
+			msg: "The job store cannot be reached right now. Retry with the same Idempotency-Key: if this request was recorded after all, the same job comes back, never a second one."}
 	case errors.Is(err, scheduler.ErrNoBackend):
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
 			msg: "No backend serves this model."}

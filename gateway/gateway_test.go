@@ -22,6 +22,7 @@ import (
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
 	"github.com/kvgate/kvgate/store/sqlite"
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
@@ -56,6 +57,10 @@ type fleetOpts struct {
 	// signals relays their events through a real NATS server (JetStream)
 	// to the inbox and the event streams.
 	jobs, runner, signals bool
+	// pg puts the jobs on a fresh PostgreSQL database instead of SQLite;
+	// store puts them on the given store (and implies jobs).
+	pg    bool
+	store *sqlstore.Store
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -107,13 +112,20 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(f.sched.Collectors()...)
 	var runner *scheduler.Runner
-	if o.jobs {
-		f.store, err = sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := sqlite.Migrate(context.Background(), f.store); err != nil {
-			t.Fatal(err)
+	if o.jobs || o.store != nil {
+		switch {
+		case o.store != nil:
+			f.store = o.store
+		case o.pg:
+			f.store = pgtest.Open(t)
+		default:
+			f.store, err = sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sqlite.Migrate(context.Background(), f.store); err != nil {
+				t.Fatal(err)
+			}
 		}
 		o.gateway.Jobs.Store = f.store
 		o.gateway.Jobs.Wake = func() {

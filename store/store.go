@@ -158,7 +158,9 @@ type ListFilter struct {
 // use. Every method that changes state writes its outbox event in the same
 // transaction; every tenant-scoped read treats another tenant's job as
 // not found. A backend that cannot reach its database returns an error
-// wrapping ErrUnavailable, having written nothing.
+// wrapping ErrUnavailable: each method's writes are one transaction, so
+// nothing was written, or (when the connection broke during the commit)
+// all of it, never a part.
 type Store interface {
 	// Accept inserts a job and its job.accepted event, or returns the
 	// existing job for the same tenant and key (created false). A

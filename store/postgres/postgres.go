@@ -5,9 +5,11 @@ package postgres
 
 import (
 	"context"
+	"database/sql/driver"
 	"embed"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"time"
 
@@ -39,6 +41,9 @@ func unavailable(err error) bool {
 	var pgErr *pgconn.PgError
 	switch {
 	case errors.As(err, &connErr), errors.As(err, &netErr):
+		return true
+	case errors.Is(err, io.ErrUnexpectedEOF), errors.Is(err, io.EOF), errors.Is(err, driver.ErrBadConn):
+		// The server went away mid-conversation.
 		return true
 	case errors.As(err, &pgErr):
 		// Class 08: connection exception; 57P0x: the server shutting down.
