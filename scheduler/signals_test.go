@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
 	"github.com/kvgate/kvgate/store/sqlite"
 )
 
@@ -363,5 +364,44 @@ func TestNATSDownThenBacklogDrains(t *testing.T) {
 	eventually(t, "all 50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
 	if _, total := f.log.count(); total != 50 {
 		t.Errorf("inbox acted on %d events, want 50", total)
+	}
+}
+
+// Several relays (one per replica) on one PostgreSQL database and one
+// stream: every event is stored on the stream once, recorded by the inbox
+// once, and gets one place in the feed, the places following each job's
+// state order.
+func TestConcurrentRelaysOnPostgres(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := pgtest.Open(t)
+	acceptJobs(t, st, "acme", 300)
+	f := startSignals(t, st, ns.ClientURL())
+	for range 3 {
+		_, js := connect(t, ns.ClientURL())
+		r := NewRelay(st, js, RelayConfig{Batch: 32, Poll: 5 * time.Millisecond})
+		runBG(t, r.Run)
+	}
+	runBG(t, f.inbox.Run)
+	eventually(t, "the outbox drained", func() bool { return unpublished(t, st) == 0 })
+	eventually(t, "300 events in the inbox", func() bool { d, _ := f.log.count(); return d == 300 })
+	s, err := f.js.Stream(context.Background(), StreamName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := s.Info(context.Background())
+	if err != nil || info.State.Msgs != 300 {
+		t.Errorf("stream holds %d messages (%v), want 300", info.State.Msgs, err)
+	}
+	feed, err := st.Events(context.Background(), "acme", "", 0, 1000)
+	if err != nil || len(feed) != 300 {
+		t.Fatalf("feed: %d events, %v", len(feed), err)
+	}
+	for i, e := range feed {
+		if e.Cursor != feed[0].Cursor+int64(i) {
+			t.Fatalf("feed cursors not contiguous at %d: %d after %d", i, e.Cursor, feed[i-1].Cursor)
+		}
+	}
+	if _, total := f.log.count(); total != 300 {
+		t.Errorf("inbox acted on %d events, want 300", total)
 	}
 }
