@@ -14,7 +14,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/nats-io/nats-server/v2/server"
+
 	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
 )
 
 func loadConfig(t *testing.T, args []string, env map[string]string) (*config, error) {
@@ -153,13 +156,52 @@ func TestMigrateCommand(t *testing.T) {
 
 // TestServeRunsJobs starts `kvgate serve` on its embedded defaults (SQLite
 // under --data-dir, simulated backends) and runs one durable job through it.
+// TestServeRunsJobs: kvgate serve on the embedded defaults (SQLite and an
+// in-process NATS server under the data directory) accepts a job, runs
+// it, and relays its events.
 func TestServeRunsJobs(t *testing.T) {
+	dir := t.TempDir()
+	serveRunsJob(t, dir)
+	if _, err := os.Stat(filepath.Join(dir, "kvgate.db")); err != nil {
+		t.Errorf("no SQLite store under the data directory: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "nats", "jetstream")); err != nil {
+		t.Errorf("no JetStream files under the data directory: %v", err)
+	}
+}
+
+// TestServeOnPostgresAndExternalNATS: the production shape, --store
+// postgres://... and --nats-url nats://...; nothing goes under the data
+// directory.
+func TestServeOnPostgresAndExternalNATS(t *testing.T) {
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
+		StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns.Start()
+	defer ns.Shutdown()
+	if !ns.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats server did not start")
+	}
+	dir := t.TempDir()
+	serveRunsJob(t, dir, "--store", pgtest.FreshDatabase(t), "--nats-url", ns.ClientURL())
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Errorf("data directory holds %d entries, want none", len(entries))
+	}
+	if jsz, err := ns.Jsz(nil); err != nil || jsz.Messages == 0 {
+		t.Errorf("the external NATS server stored no events (%v)", err)
+	}
+}
+
+func serveRunsJob(t *testing.T, dir string, args ...string) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	var stdout, stderr syncBuffer
 	done := make(chan error, 1)
-	dir := t.TempDir()
 	go func() {
-		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", dir}, noenv, &stdout, &stderr)
+		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", dir}, args...),
+			noenv, &stdout, &stderr)
 	}()
 	defer func() {
 		cancel()
@@ -215,9 +257,6 @@ func TestServeRunsJobs(t *testing.T) {
 			t.Fatalf("job still %s", v.State)
 		}
 	}
-	if _, err := os.Stat(filepath.Join(dir, "kvgate.db")); err != nil {
-		t.Errorf("no SQLite store under the data directory: %v", err)
-	}
 	// The job's events went through the embedded NATS server: published
 	// (so in the feed, replayed from cursor 0) and recorded by the inbox.
 	client := &http.Client{Timeout: 10 * time.Second}
@@ -245,9 +284,6 @@ func TestServeRunsJobs(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the inbox recorded no event")
 		}
-	}
-	if _, err := os.Stat(filepath.Join(dir, "nats", "jetstream")); err != nil {
-		t.Errorf("no JetStream files under the data directory: %v", err)
 	}
 }
 
