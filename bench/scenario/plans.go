@@ -46,6 +46,10 @@ func baseConfig(o Options, timeout time.Duration) bench.Config {
 	return bench.Config{
 		Model: model, Endpoint: bench.EndpointChat, Stream: true, Seed: o.Seed,
 		RequestTimeout: timeout, JobPollInterval: time.Second,
+		// The in-process kvgate runs without the NATS signal path (its
+		// runner scans the store), so job event streams would never see a
+		// published event: jobs are followed by polling their state.
+		JobFollow:   bench.JobFollowPoll,
 		Percentiles: []float64{50, 90, 99},
 	}
 }

@@ -206,3 +206,49 @@ func TestScenarioEndToEnd(t *testing.T) {
 	}
 	t.Logf("\n%s", text)
 }
+
+// TestBurstJobsComplete runs a tiny burst against kvgate alone, in real
+// time so that no job can finish before the harness starts following it:
+// tenant A's requests go as durable jobs and must be seen to finish.
+func TestBurstJobsComplete(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a fleet")
+	}
+	sc, err := Lookup("burst")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	res, err := sc.Run(ctx, Options{Scale: 0.003, Speedup: 1, Seed: 4, Targets: []string{TargetKVGate}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep := res.Targets[0].Report
+	var a, b bench.Summary
+	for _, ts := range rep.Tenants {
+		switch ts.Name {
+		case "tenant-a":
+			a = ts.Summary
+		case "tenant-b":
+			b = ts.Summary
+		}
+	}
+	// The fleet serves 30 such jobs in about a simulated second and the run
+	// allows four; two thirds leave room for a slow host.
+	if a.Completed+a.Failed != 30 || a.Completed < 20 {
+		t.Errorf("tenant A: %d jobs completed, %d failed (%v); want 30 sent, at least 20 seen to finish", a.Completed, a.Failed, a.Errors)
+	}
+	for _, r := range rep.Requests {
+		if r.Tenant == "tenant-a" && r.ErrorClass == "" && r.JobID == "" {
+			t.Errorf("tenant A's request %+v completed without a job", r)
+			break
+		}
+	}
+	if b.Completed == 0 {
+		t.Errorf("tenant B completed nothing: %v", b.Errors)
+	}
+	if res.Verdict.Focus != "tenant-b" {
+		t.Errorf("verdict focus %q, want tenant-b", res.Verdict.Focus)
+	}
+}
