@@ -90,7 +90,10 @@ func (p Policy) Validate() error {
 
 // Ticket is a request waiting for capacity.
 type Ticket struct {
-	Tenant       string
+	Tenant string
+	// Weight is the tenant's share within its class, relative to other
+	// tenants' (see fair.go); 0 means 1.
+	Weight       float64
 	Class        Class
 	Model        string
 	PromptTokens int
@@ -105,6 +108,8 @@ type Ticket struct {
 	PromptEstimate func() int
 
 	enqueued time.Time
+	vstart   float64 // fair-queueing tags
+	vfinish  float64
 	done     chan struct{}
 	grant    *Grant
 	state    ticketState
@@ -163,7 +168,8 @@ type Scheduler struct {
 	m      *metrics
 
 	mu       sync.Mutex
-	queues   [numClasses][]*Ticket
+	queues   [numClasses][]*Ticket // each in fair order (fair.go)
+	fair     [numClasses]fairClock
 	queued   int
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
@@ -363,7 +369,8 @@ func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot) error {
 func (s *Scheduler) enqueueLocked(t *Ticket) {
 	t.done = make(chan struct{})
 	t.state = ticketQueued
-	s.queues[t.Class] = append(s.queues[t.Class], t)
+	s.fair[t.Class].tag(t)
+	s.queues[t.Class] = insertFair(s.queues[t.Class], t)
 	s.queued++
 	c := s.byModel[t.Model]
 	if c == nil {
@@ -617,7 +624,8 @@ func (s *Scheduler) Wake() {
 // many tickets in a row fit nowhere, the rest wait for the next event.
 const maxScanMisses = 32
 
-// pumpLocked admits queued tickets in priority order while they fit. A
+// pumpLocked admits queued tickets in priority order, each class in its
+// weighted fair order, while they fit. A
 // ticket that does not fit is passed over by later ones of its model until
 // it has waited StarvationGuard; then it blocks them.
 func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
@@ -645,6 +653,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			if g := s.tryAdmit(t, snaps, now, true, exact); g != nil {
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
+				s.fair[c].admitted(t, s.queued)
 				close(t.done)
 				misses = 0
 				continue

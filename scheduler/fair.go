@@ -1,0 +1,66 @@
+package scheduler
+
+import (
+	"slices"
+)
+
+// Weighted fair queueing across tenants, within each class.
+//
+// Each class keeps a virtual clock. A ticket that enters the queue gets a
+// start tag, the later of the clock and its tenant's last finish tag, and a
+// finish tag, its start plus its cost (the KV tokens it reserves) divided
+// by its tenant's weight. The queue is kept in finish-tag order and the
+// clock moves to the start tag of each ticket admitted from it (start-time
+// fair queueing). A tenant with a long backlog has finish tags far ahead
+// of the clock, so another tenant's first ticket, tagged at the clock,
+// goes ahead of all but the backlog's head: it waits at most about one
+// ticket per other backlogged tenant, whatever their backlogs. Weights
+// divide capacity in proportion while every tenant has work; capacity one
+// leaves idle goes to the others. Ordering costs O(log n) to find a place
+// and a copy to insert; the backlog is never scanned for fairness.
+
+// fairClock is one class's virtual time.
+type fairClock struct {
+	now    float64
+	finish map[string]float64 // each tenant's last finish tag
+}
+
+// tag sets t's start and finish tags and records the tenant's finish.
+func (c *fairClock) tag(t *Ticket) {
+	if c.finish == nil {
+		c.finish = map[string]float64{}
+	}
+	w := t.Weight
+	if w <= 0 {
+		w = 1
+	}
+	start := max(c.now, c.finish[t.Tenant])
+	t.vstart, t.vfinish = start, start+float64(max(t.Need(), 1))/w
+	c.finish[t.Tenant] = t.vfinish
+}
+
+// admitted moves the clock to the start of a ticket leaving the queue for
+// service, and forgets tenants whose finish tags it has passed (the same
+// as having none).
+func (c *fairClock) admitted(t *Ticket, queued int) {
+	c.now = max(c.now, t.vstart)
+	if len(c.finish) > 2*queued+64 {
+		for tenant, f := range c.finish {
+			if f <= c.now {
+				delete(c.finish, tenant)
+			}
+		}
+	}
+}
+
+// insertFair puts t into q in finish-tag order, after tickets with the
+// same tag (first come, first served among equals).
+func insertFair(q []*Ticket, t *Ticket) []*Ticket {
+	i, _ := slices.BinarySearchFunc(q, t.vfinish, func(x *Ticket, f float64) int {
+		if x.vfinish <= f {
+			return -1
+		}
+		return 1
+	})
+	return slices.Insert(q, i, t)
+}

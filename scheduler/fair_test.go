@@ -1,0 +1,97 @@
+package scheduler
+
+import (
+	"context"
+	"testing"
+)
+
+// fairRun queues tickets for several tenants on a backend with room for
+// one at a time, then lets them through one by one and returns the
+// tenants in admission order.
+func fairRun(t *testing.T, tickets []*Ticket) []string {
+	t.Helper()
+	// Room for one 200-token ticket at a time (0.95 of 300 = 285).
+	s := newTestScheduler(t, Policy{MaxQueue: 10_000}, backendSnap("a", 300))
+	hold, err := s.Acquire(context.Background(), &Ticket{Tenant: "holder", Model: model, PromptTokens: 100, MaxTokens: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	type admitted struct {
+		tenant string
+		g      *Grant
+	}
+	done := make(chan admitted, len(tickets))
+	for i, tk := range tickets {
+		tk.Model, tk.PromptTokens, tk.MaxTokens = model, 100, 100
+		ch := acquireAsync(ctx, s, tk)
+		go func() {
+			o := <-ch
+			if o.err == nil {
+				done <- admitted{tk.Tenant, o.g}
+			}
+		}()
+		waitQueued(t, s, i+1) // queued in this order
+	}
+	var order []string
+	hold.Release()
+	for range tickets {
+		a := <-done
+		order = append(order, a.tenant)
+		a.g.Release()
+	}
+	return order
+}
+
+// A tenant's one ticket, queued behind another tenant's backlog, goes
+// second: after the backlog's head, not after the backlog.
+func TestFairNewTenantSkipsBacklog(t *testing.T) {
+	var tickets []*Ticket
+	for range 200 {
+		tickets = append(tickets, &Ticket{Tenant: "bulk", Class: Batch})
+	}
+	tickets = append(tickets, &Ticket{Tenant: "small", Class: Batch})
+	order := fairRun(t, tickets)
+	pos := -1
+	for i, tenant := range order {
+		if tenant == "small" {
+			pos = i
+		}
+	}
+	if pos < 0 || pos > 1 {
+		t.Errorf("the small tenant's ticket went %d-th behind a backlog of 200, want first or second", pos+1)
+	}
+}
+
+// Saturated tenants share admissions in proportion to their weights.
+func TestFairWeights(t *testing.T) {
+	var tickets []*Ticket
+	for i := range 150 {
+		tickets = append(tickets, &Ticket{Tenant: "heavy", Weight: 2, Class: Batch})
+		if i%2 == 0 {
+			tickets = append(tickets, &Ticket{Tenant: "light", Weight: 1, Class: Batch})
+			tickets = append(tickets, &Ticket{Tenant: "light", Weight: 1, Class: Batch})
+		}
+		tickets = append(tickets, &Ticket{Tenant: "third", Weight: 1, Class: Batch})
+	}
+	order := fairRun(t, tickets)
+	// While all three have work (the first 120 admissions), heavy gets
+	// half and the others a quarter each.
+	counts := map[string]int{}
+	for _, tenant := range order[:120] {
+		counts[tenant]++
+	}
+	if h, l, o := counts["heavy"], counts["light"], counts["third"]; h < 55 || h > 65 || l < 25 || l > 35 || o < 25 || o > 35 {
+		t.Errorf("first 120 admissions: heavy %d, light %d, third %d; want about 60, 30, 30", h, l, o)
+	}
+}
+
+// Interactive tickets still go before batch ones, whatever the tags.
+func TestFairKeepsClassOrder(t *testing.T) {
+	tickets := []*Ticket{{Tenant: "a", Class: Batch}, {Tenant: "a", Class: Batch}, {Tenant: "b", Class: Interactive}}
+	order := fairRun(t, tickets)
+	if order[0] != "b" {
+		t.Errorf("admission order %v, want the interactive ticket first", order)
+	}
+}
