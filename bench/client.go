@@ -42,15 +42,21 @@ func classify(status int) string {
 	}
 }
 
+// DefaultMaxConnections caps a run's connections per host when
+// Config.MaxConnections is 0.
+const DefaultMaxConnections = 4096
+
 // NewHTTPClient returns a client tuned for load generation: keep-alive
-// connections without a per-host cap, no compression, no overall timeout
-// (each request carries its own).
-func NewHTTPClient() *http.Client {
+// connections, at most maxConns per host (0: no cap), no compression, no
+// overall timeout (each request carries its own). Requests beyond the cap
+// wait for a connection, and that wait counts in their latency.
+func NewHTTPClient(maxConns int) *http.Client {
 	tr := &http.Transport{
 		Proxy:               nil,
 		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        0,
 		MaxIdleConnsPerHost: 100000,
+		MaxConnsPerHost:     maxConns,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 		ForceAttemptHTTP2:   false,

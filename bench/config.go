@@ -115,9 +115,13 @@ type Config struct {
 	Label    string            `json:"label,omitempty"`
 	Metadata map[string]string `json:"metadata,omitempty"`
 
-	// HTTPClient sends the requests; nil uses one tuned for load (no
-	// compression, keep-alive connections without a per-host cap).
+	// HTTPClient sends the requests; nil uses NewHTTPClient(MaxConnections).
 	HTTPClient *http.Client `json:"-"`
+	// MaxConnections caps connections per host (DefaultMaxConnections when
+	// 0, none when negative), so that an open loop against a stalled
+	// target queues in the client, still timed, instead of exhausting file
+	// descriptors.
+	MaxConnections int `json:"max_connections"`
 	// Progress, when set, receives a progress bar (on a terminal) or a plain
 	// line every few seconds.
 	Progress io.Writer `json:"-"`
@@ -248,6 +252,12 @@ func (c Config) Validate() (Config, error) {
 	}
 	if c.RequestTimeout <= 0 {
 		c.RequestTimeout = 10 * time.Minute
+	}
+	switch {
+	case c.MaxConnections == 0:
+		c.MaxConnections = DefaultMaxConnections
+	case c.MaxConnections < 0:
+		c.MaxConnections = 0
 	}
 	if c.ScrapeInterval <= 0 {
 		c.ScrapeInterval = time.Second

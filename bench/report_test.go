@@ -169,3 +169,19 @@ func TestRateJSON(t *testing.T) {
 		}
 	}
 }
+
+func TestMarkdownWarnsOfALateHarness(t *testing.T) {
+	for _, tc := range []struct {
+		lag  float64
+		warn bool
+	}{{3, false}, {120, true}} {
+		var b strings.Builder
+		r := &Report{Summary: Summary{MaxSendLagMs: tc.lag}, LoadPoints: []LoadPoint{{}}}
+		if err := r.WriteMarkdown(&b); err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.Contains(b.String(), "fell behind its schedule by up to"); got != tc.warn {
+			t.Errorf("send lag %v ms: warning %v, want %v", tc.lag, got, tc.warn)
+		}
+	}
+}

@@ -27,7 +27,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	client := cfg.HTTPClient
 	if client == nil {
-		client = NewHTTPClient()
+		client = NewHTTPClient(cfg.MaxConnections)
 		// Close what the run opened, including connections dialled for a
 		// request that another connection served first: a server waits for
 		// those at shutdown.

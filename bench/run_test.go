@@ -192,8 +192,7 @@ func TestSlowTargetCannotHideLatency(t *testing.T) {
 		fmt.Fprint(w, `{"choices":[{"text":"x"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}`)
 	}))
 	defer srv.Close()
-	client := &http.Client{Transport: &http.Transport{MaxConnsPerHost: 1}}
-	rep, err := Run(context.Background(), Config{Target: srv.URL, Model: model, HTTPClient: client, NumPrompts: 20,
+	rep, err := Run(context.Background(), Config{Target: srv.URL, Model: model, MaxConnections: 1, NumPrompts: 20,
 		Arrival: Arrival{Kind: ArrivalConstant, Rate: 200}, Workload: Workload{Input: Dist{Mean: 2}, Output: Dist{Mean: 1}}})
 	if err != nil {
 		t.Fatal(err)

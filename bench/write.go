@@ -206,6 +206,9 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	if len(s.Errors) > 0 {
 		fmt.Fprintf(&b, "| Errors by class | %s |\n", errorsString(s.Errors))
 	}
+	if s.MaxSendLagMs > lateHarnessMs {
+		fmt.Fprintf(&b, "\n**The harness fell behind its schedule by up to %.0f ms**: requests are timed from when they should have gone, so latencies stay honest, but the offered load was not what was asked; use fewer requests per second per harness, or more cores.\n", s.MaxSendLagMs)
+	}
 	b.WriteString("\n| latency (ms) | mean | median | std |")
 	ps := r.percentiles()
 	for _, p := range ps {
@@ -245,6 +248,10 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	_, err := io.WriteString(w, b.String())
 	return err
 }
+
+// lateHarnessMs is the send lag above which a report warns that the
+// harness, not the target, set the pace.
+const lateHarnessMs = 50
 
 func f2(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }
 func f3(v float64) string { return strconv.FormatFloat(v, 'f', 3, 64) }

@@ -80,23 +80,23 @@ func parseRate(v string) (float64, error) {
 
 // benchFlags are `kvgate bench run`'s settings.
 type benchFlags struct {
-	target, model, apiKey, out, endpoint, label string
-	stream, quiet, deferred, nvml               bool
-	numPrompts, maxConcurrency, concurrency     int
-	duration, requestTimeout, scrapeInterval    time.Duration
-	rate                                        rateFlag
-	burstiness                                  float64
-	arrival, jobFollow                          string
-	dataset, datasetPath                        string
-	inputLen, outputLen                         int
-	rangeRatio, inputStd, outputStd             float64
-	inputDist, outputDist                       string
-	prefixLen, prefixGroups, sharegptOutput     int
-	timeScale                                   float64
-	goodput, percentiles, sweepRates            string
-	sweepPoints                                 int
-	seed                                        uint64
-	scrape, tenants, metadata                   listFlag
+	target, model, apiKey, out, endpoint, label       string
+	stream, quiet, deferred, nvml                     bool
+	numPrompts, maxConcurrency, concurrency, maxConns int
+	duration, requestTimeout, scrapeInterval          time.Duration
+	rate                                              rateFlag
+	burstiness                                        float64
+	arrival, jobFollow                                string
+	dataset, datasetPath                              string
+	inputLen, outputLen                               int
+	rangeRatio, inputStd, outputStd                   float64
+	inputDist, outputDist                             string
+	prefixLen, prefixGroups, sharegptOutput           int
+	timeScale                                         float64
+	goodput, percentiles, sweepRates                  string
+	sweepPoints                                       int
+	seed                                              uint64
+	scrape, tenants, metadata                         listFlag
 }
 
 func benchFlagSet(stderr io.Writer, f *benchFlags, getenv func(string) string) *flag.FlagSet {
@@ -117,6 +117,7 @@ func benchFlagSet(stderr io.Writer, f *benchFlags, getenv func(string) string) *
 	fs.StringVar(&f.arrival, "arrival", "", "poisson, gamma, constant, concurrency or trace (default from the other flags)")
 	fs.IntVar(&f.concurrency, "concurrency", 0, "closed-loop clients, each sending when its last answer ends (instead of a rate)")
 	fs.IntVar(&f.maxConcurrency, "max-concurrency", 0, "cap on requests in flight (0: none)")
+	fs.IntVar(&f.maxConns, "max-connections", bench.DefaultMaxConnections, "cap on connections to the target; requests beyond wait, timed (-1: none)")
 	fs.StringVar(&f.dataset, "dataset-name", bench.DatasetRandom, "random, sharegpt, prefix or trace")
 	fs.StringVar(&f.datasetPath, "dataset-path", "", "ShareGPT JSON file or JSONL trace (Mooncake format)")
 	fs.IntVar(&f.inputLen, "random-input-len", 1024, "mean prompt length in tokens")
@@ -281,7 +282,7 @@ func runBenchRun(ctx context.Context, args []string, getenv func(string) string,
 // config turns the flags into a bench.Config.
 func (f *benchFlags) config() (bench.Config, error) {
 	cfg := bench.Config{Target: f.target, Model: f.model, APIKey: f.apiKey, Stream: f.stream, NumPrompts: f.numPrompts,
-		Duration: f.duration, MaxConcurrency: f.maxConcurrency, Seed: f.seed, RequestTimeout: f.requestTimeout,
+		Duration: f.duration, MaxConcurrency: f.maxConcurrency, MaxConnections: f.maxConns, Seed: f.seed, RequestTimeout: f.requestTimeout,
 		Scrape: f.scrape, ScrapeInterval: f.scrapeInterval, Label: f.label, JobFollow: f.jobFollow}
 	if f.numPrompts < 0 {
 		return cfg, errors.New("--num-prompts is negative")
