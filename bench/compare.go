@@ -22,12 +22,14 @@ type Delta struct {
 	Flag string `json:"flag,omitempty"`
 }
 
-// Comparison is Compare's result: the headline figures of each report and
-// of each tenant present in both.
+// Comparison is Compare's result: the headline figures of each report, of
+// each tenant present in both, and of each load point when both reports
+// have the same number of them (two sweeps).
 type Comparison struct {
 	A, B    string // labels (file names)
 	Overall []Delta
 	Tenants map[string][]Delta
+	Points  [][]Delta
 }
 
 // Tolerances below which a change counts as noise.
@@ -51,6 +53,11 @@ func Compare(a, b *Report) Comparison {
 			if ta.Name == tb.Name && (len(a.Tenants) > 1 || len(b.Tenants) > 1) {
 				c.Tenants[ta.Name] = compareSummaries(ta.Summary, tb.Summary)
 			}
+		}
+	}
+	if len(a.LoadPoints) > 1 && len(a.LoadPoints) == len(b.LoadPoints) {
+		for i := range a.LoadPoints {
+			c.Points = append(c.Points, compareSummaries(a.LoadPoints[i].Summary, b.LoadPoints[i].Summary))
 		}
 	}
 	return c
@@ -161,6 +168,10 @@ func (c Comparison) Write(w io.Writer) error {
 	for _, n := range names {
 		fmt.Fprintf(&b, "\n## tenant %s\n\n", n)
 		writeDeltas(&b, c.Tenants[n])
+	}
+	for i, ds := range c.Points {
+		fmt.Fprintf(&b, "\n## load point %d\n\n", i)
+		writeDeltas(&b, ds)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

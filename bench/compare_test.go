@@ -76,3 +76,25 @@ func TestCompareTenants(t *testing.T) {
 		}
 	}
 }
+
+func TestComparePoints(t *testing.T) {
+	mk := func(tputs ...float64) *Report {
+		r := &Report{}
+		for i, v := range tputs {
+			r.LoadPoints = append(r.LoadPoints, LoadPoint{Index: i, Summary: Summary{RequestThroughput: v}})
+		}
+		return r
+	}
+	c := Compare(mk(10, 20), mk(10, 15))
+	if len(c.Points) != 2 || c.Points[0][0].Flag != "" || c.Points[1][0].Metric != "request_throughput" || c.Points[1][0].Flag != "worse" {
+		t.Errorf("points %+v", c.Points)
+	}
+	var b strings.Builder
+	_ = c.Write(&b)
+	if !strings.Contains(b.String(), "## load point 1") {
+		t.Errorf("table:\n%s", b.String())
+	}
+	if c := Compare(mk(10, 20), mk(10, 20, 30)); c.Points != nil {
+		t.Error("sweeps of different lengths compared point by point")
+	}
+}

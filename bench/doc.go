@@ -26,7 +26,9 @@
 // optionally deferred through /v1/jobs), SLOs for goodput, and the
 // /metrics endpoints scraped during the run. Sweep runs several load
 // points, by listed rates or up to the saturation throughput measured at
-// full speed, and marks the knee.
+// full speed, and marks the knee: the highest-rate point whose median
+// end-to-end latency is within 1.5 times the lowest rate's, with at most
+// 10% failed and, under SLOs, at least 90% good.
 //
 // Run returns a *Report: per-request Records, one LoadPoint per offered
 // load with its Summary and per-tenant TenantSummary (and Jain's index),

@@ -338,7 +338,8 @@ type Provenance struct {
 // fields (date, backend, model_id, request_rate, completed, mean_ttft_ms,
 // ..., and the per-request arrays input_lens, output_lens, ttfts, itls,
 // errors) for the headline load point, which is the only one or, for a
-// sweep, the knee (the last point when none kept up); then load_points,
+// sweep, the knee (the highest rate before latency turns up, see
+// knee_index; the last point when none qualifies); then load_points,
 // tenants, jain_index, time_series, provenance, config and requests.
 type Report struct {
 	Date           string      `json:"date"` // YYYYMMDD-HHMMSS, as vllm
