@@ -221,4 +221,6 @@ type Store interface {
 	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
 	// Close releases the store's connections.
 	Close() error
+	// Tenants, keys, quotas and usage (tenants.go).
+	Tenants
 }

@@ -43,6 +43,13 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Stages", testStages},
 		{"Outbox", testOutbox},
 		{"Inbox", testInbox},
+		{"Tenants", testTenants},
+		{"Keys", testKeys},
+		{"QuotaWindow", testQuotaWindow},
+		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},
+		{"QuotaBudgets", testQuotaBudgets},
+		{"QuotaRace", testQuotaRace},
+		{"JobReservations", testJobReservations},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

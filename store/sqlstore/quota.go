@@ -1,0 +1,318 @@
+package sqlstore
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// The limiter. Every acquisition of a tenant first locks the tenant's
+// window row (an upsert, which locks the row on PostgreSQL and takes the
+// database's write lock on SQLite), so that reading the counts and taking
+// from them cannot interleave with another acquisition of the same tenant
+// on any replica: the counts are exact. Key scopes are locked after their
+// tenant's, always in that order, so two acquisitions never deadlock.
+// Releases do not take the lock: they only give back.
+
+// lockWindow locks a scope's window, rolling it forward to start when the
+// stored one is older (never backwards: a replica whose clock lags counts
+// in the newer window), and returns the window's start and counts.
+func (s *Store) lockWindow(ctx context.Context, tx *sql.Tx, scope string, start time.Time) (time.Time, int64, int64, error) {
+	var ws, req, tok int64
+	err := tx.QueryRowContext(ctx, s.rb(`INSERT INTO quota_windows (scope, window_start, requests, tokens) VALUES (?, ?, 0, 0)
+		ON CONFLICT (scope) DO UPDATE SET
+			requests = CASE WHEN excluded.window_start > quota_windows.window_start THEN 0 ELSE quota_windows.requests END,
+			tokens = CASE WHEN excluded.window_start > quota_windows.window_start THEN 0 ELSE quota_windows.tokens END,
+			window_start = CASE WHEN excluded.window_start > quota_windows.window_start THEN excluded.window_start
+				ELSE quota_windows.window_start END
+		RETURNING window_start, requests, tokens`), scope, micros(start)).Scan(&ws, &req, &tok)
+	return fromMicros(ws), req, tok, err
+}
+
+// checkWindow refuses tokens more in a window that has no room for them.
+func checkWindow(scope string, l store.Limits, req, tok, tokens int64, reset time.Duration) (store.Window, error) {
+	w := store.Window{LimitRequests: l.RPM, LimitTokens: l.TPM, Reset: reset}
+	if l.RPM > 0 {
+		w.RemainingRequests = max(0, l.RPM-req-1)
+	}
+	if l.TPM > 0 {
+		w.RemainingTokens = max(0, l.TPM-tok-tokens)
+	}
+	switch {
+	case l.RPM > 0 && req+1 > l.RPM:
+		w.RemainingRequests = 0
+		return w, &store.QuotaError{Limit: "requests", Scope: scope, Max: l.RPM, Used: req, Asked: 1, Reset: reset, Window: w}
+	case l.TPM > 0 && tok+tokens > l.TPM:
+		w.RemainingTokens = max(0, l.TPM-tok)
+		return w, &store.QuotaError{Limit: "tokens", Scope: scope, Max: l.TPM, Used: tok, Asked: tokens, Reset: reset, Window: w}
+	}
+	return w, nil
+}
+
+// tighter returns the window with less room left.
+func tighter(a, b store.Window) store.Window {
+	if b.LimitRequests > 0 && (a.LimitRequests == 0 || b.RemainingRequests < a.RemainingRequests) {
+		a.LimitRequests, a.RemainingRequests = b.LimitRequests, b.RemainingRequests
+	}
+	if b.LimitTokens > 0 && (a.LimitTokens == 0 || b.RemainingTokens < a.RemainingTokens) {
+		a.LimitTokens, a.RemainingTokens = b.LimitTokens, b.RemainingTokens
+	}
+	return a
+}
+
+const ledgerDelta = `UPDATE usage_days SET requests = requests + ?, attempts = attempts + ?, prompt_tokens = prompt_tokens + ?,
+	completion_tokens = completion_tokens + ?, reserved_tokens = reserved_tokens + ?, uncertain = uncertain + ?,
+	uncertain_tokens = uncertain_tokens + ? WHERE tenant = ? AND day = ?`
+
+// Acquire implements store.Store.
+func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
+	start := a.Now.Truncate(time.Minute)
+	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Day: store.DayOf(a.Now)}
+	keyScoped := a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
+	err := s.tx(ctx, "acquire quota", func(tx *sql.Tx) error {
+		ws, req, tok, err := s.lockWindow(ctx, tx, "t:"+a.Tenant, start)
+		if err != nil {
+			return err
+		}
+		p.WindowStart = ws
+		reset := max(0, ws.Add(time.Minute).Sub(a.Now))
+		if p.Window, err = checkWindow("tenant", a.Limits, req, tok, a.Tokens, reset); err != nil {
+			return err
+		}
+		if keyScoped {
+			kws, kreq, ktok, err := s.lockWindow(ctx, tx, "k:"+a.KeyID, start)
+			if err != nil {
+				return err
+			}
+			kw, err := checkWindow("key", a.KeyLimits, kreq, ktok, a.Tokens, max(0, kws.Add(time.Minute).Sub(a.Now)))
+			if err != nil {
+				return err
+			}
+			p.Window = tighter(p.Window, kw)
+		}
+		if err := s.sweepPermits(ctx, tx, a.Tenant, a.Now); err != nil {
+			return err
+		}
+		if err := s.checkConcurrency(ctx, tx, "tenant", `tenant = ?`, a.Tenant, a.Limits.MaxConcurrency, p.Window); err != nil {
+			return err
+		}
+		if keyScoped {
+			if err := s.checkConcurrency(ctx, tx, "key", `key_id = ?`, a.KeyID, a.KeyLimits.MaxConcurrency, p.Window); err != nil {
+				return err
+			}
+		}
+		if err := s.checkBudgets(ctx, tx, a, p.Window); err != nil {
+			return err
+		}
+		// Room everywhere: take it.
+		scopes := []string{"t:" + a.Tenant}
+		if keyScoped {
+			scopes = append(scopes, "k:"+a.KeyID)
+		}
+		for _, sc := range scopes {
+			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET requests = requests + 1, tokens = tokens + ? WHERE scope = ?`),
+				a.Tokens, sc); err != nil {
+				return err
+			}
+		}
+		if _, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
+			reserved_tokens, uncertain, uncertain_tokens) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0)
+			ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + 1,
+				reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens`), a.Tenant, p.Day, a.Tokens); err != nil {
+			return err
+		}
+		_, err = tx.ExecContext(ctx, s.rb(`INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, expires_at, swept)
+			VALUES (?, ?, ?, ?, ?, ?, ?, 0)`), p.ID, a.Tenant, a.KeyID, p.Day, micros(p.WindowStart), a.Tokens, micros(a.Now.Add(a.Lease)))
+		return err
+	})
+	if err != nil {
+		return store.Permit{}, err
+	}
+	return p, nil
+}
+
+// sweepPermits expires a tenant's permits whose lease ended (their
+// replica died or lost touch): they stop counting against concurrency and
+// their reservations become uncertain usage. Swept permits a day past
+// their lease are forgotten.
+func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now time.Time) error {
+	rows, err := tx.QueryContext(ctx, s.rb(`UPDATE quota_permits SET swept = 1 WHERE tenant = ? AND swept = 0 AND expires_at <= ?
+		RETURNING day, tokens`), tenant, micros(now))
+	if err != nil {
+		return err
+	}
+	type expired struct{ day, tokens int64 }
+	var ex []expired
+	for rows.Next() {
+		var e expired
+		if err := rows.Scan(&e.day, &e.tokens); err != nil {
+			rows.Close()
+			return err
+		}
+		ex = append(ex, e)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, e := range ex {
+		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), 0, 0, 0, 0, -e.tokens, 1, e.tokens, tenant, e.day); err != nil {
+			return err
+		}
+	}
+	_, err = tx.ExecContext(ctx, s.rb(`DELETE FROM quota_permits WHERE tenant = ? AND swept = 1 AND expires_at <= ?`),
+		tenant, micros(now.Add(-24*time.Hour)))
+	return err
+}
+
+func (s *Store) checkConcurrency(ctx context.Context, tx *sql.Tx, scope, where, arg string, limit int64, w store.Window) error {
+	if limit <= 0 {
+		return nil
+	}
+	var n int64
+	if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*) FROM quota_permits WHERE `+where+` AND swept = 0`), arg).Scan(&n); err != nil {
+		return err
+	}
+	if n >= limit {
+		return &store.QuotaError{Limit: "concurrency", Scope: scope, Max: limit, Used: n, Asked: 1, Window: w}
+	}
+	return nil
+}
+
+// checkBudgets refuses a reservation the day's or the month's token budget
+// cannot hold: reported, reserved and uncertain tokens all count.
+func (s *Store) checkBudgets(ctx context.Context, tx *sql.Tx, a store.Acquisition, w store.Window) error {
+	day := store.DayOf(a.Now)
+	now := a.Now.UTC()
+	for _, b := range []struct {
+		limit    int64
+		name     string
+		from, to int
+		reset    time.Time
+	}{
+		{a.Limits.DailyTokens, "daily_tokens", day, day, time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, time.UTC)},
+		{a.Limits.MonthlyTokens, "monthly_tokens", day/100*100 + 1, day/100*100 + 31, time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, time.UTC)},
+	} {
+		if b.limit <= 0 {
+			continue
+		}
+		var used int64
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT CAST(COALESCE(SUM(prompt_tokens + completion_tokens + reserved_tokens + uncertain_tokens), 0) AS BIGINT)
+			FROM usage_days WHERE tenant = ? AND day >= ? AND day <= ?`), a.Tenant, b.from, b.to).Scan(&used); err != nil {
+			return err
+		}
+		if used+a.Tokens > b.limit {
+			return &store.QuotaError{Limit: b.name, Scope: "tenant", Max: b.limit, Used: used, Asked: a.Tokens,
+				Reset: b.reset.Sub(a.Now), Window: w}
+		}
+	}
+	return nil
+}
+
+// Release implements store.Store.
+func (s *Store) Release(ctx context.Context, r store.Release) error {
+	p := r.Permit
+	return s.tx(ctx, "release quota", func(tx *sql.Tx) error {
+		var swept int
+		err := tx.QueryRowContext(ctx, s.rb(`DELETE FROM quota_permits WHERE id = ? RETURNING swept`), p.ID).Scan(&swept)
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil // released before
+		}
+		if err != nil {
+			return err
+		}
+		actual := r.PromptTokens + r.CompletionTokens
+		// Ledger deltas: requests, attempts, prompt, completion, reserved,
+		// uncertain, uncertain tokens. A swept permit's reservation is
+		// already uncertain usage: take it back from there.
+		var d [7]int64
+		held, heldCount := 4, 0 // where the reservation sits: reserved_tokens
+		if swept == 1 {
+			held, heldCount = 6, 1 // uncertain_tokens, one uncertain request
+		}
+		d[1] = int64(r.Attempts)
+		var window [2]int64 // requests, tokens given back to the window
+		switch r.Outcome {
+		case store.NotSent:
+			d[0] = -1
+			d[held] -= p.Tokens
+			d[5] -= int64(heldCount)
+			window = [2]int64{-1, -p.Tokens}
+		case store.Reported:
+			d[2], d[3] = r.PromptTokens, r.CompletionTokens
+			d[held] -= p.Tokens
+			d[5] -= int64(heldCount)
+			window = [2]int64{0, actual - p.Tokens}
+		case store.Uncertain:
+			if swept == 0 {
+				d[4], d[5], d[6] = -p.Tokens, 1, p.Tokens
+			}
+		}
+		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], p.Tenant, p.Day); err != nil {
+			return err
+		}
+		if window == [2]int64{} {
+			return nil
+		}
+		// Within the same window only: a later window never saw it.
+		for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
+			if sc == "k:" {
+				continue
+			}
+			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET
+				requests = CASE WHEN requests + ? < 0 THEN 0 ELSE requests + ? END,
+				tokens = CASE WHEN tokens + ? < 0 THEN 0 ELSE tokens + ? END
+				WHERE scope = ? AND window_start = ?`), window[0], window[0], window[1], window[1], sc, micros(p.WindowStart)); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// pendingStates are the states of a job that counts as pending.
+const pendingStates = `('READY', 'RUNNING', 'RETRY_SCHEDULED')`
+
+// ReserveJob implements store.Store. It is serialised with the tenant's
+// other reservations (and acquisitions) by the tenant's window row; a
+// reservation counts until EndJobReservation, and the job it stands for
+// counts from its acceptance: between the two, the job counts twice, never
+// zero times.
+func (s *Store) ReserveJob(ctx context.Context, id, tenant string, tokens int64, l store.Limits, now time.Time, lease time.Duration) error {
+	return s.tx(ctx, "reserve job", func(tx *sql.Tx) error {
+		if _, _, _, err := s.lockWindow(ctx, tx, "t:"+tenant, now.Truncate(time.Minute)); err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE tenant = ? AND expires_at <= ?`), tenant, micros(now)); err != nil {
+			return err
+		}
+		var jobs, toks, rjobs, rtoks int64
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*), CAST(COALESCE(SUM(token_estimate), 0) AS BIGINT) FROM jobs
+			WHERE tenant = ? AND state IN `+pendingStates), tenant).Scan(&jobs, &toks); err != nil {
+			return err
+		}
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM job_reservations
+			WHERE tenant = ?`), tenant).Scan(&rjobs, &rtoks); err != nil {
+			return err
+		}
+		jobs, toks = jobs+rjobs, toks+rtoks
+		switch {
+		case l.MaxPendingJobs > 0 && jobs+1 > l.MaxPendingJobs:
+			return &store.QuotaError{Limit: "pending_jobs", Scope: "tenant", Max: l.MaxPendingJobs, Used: jobs, Asked: 1}
+		case l.MaxPendingTokens > 0 && toks+tokens > l.MaxPendingTokens:
+			return &store.QuotaError{Limit: "pending_tokens", Scope: "tenant", Max: l.MaxPendingTokens, Used: toks, Asked: tokens}
+		}
+		_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO job_reservations (id, tenant, tokens, expires_at) VALUES (?, ?, ?, ?)`),
+			id, tenant, tokens, micros(now.Add(lease)))
+		return err
+	})
+}
+
+// EndJobReservation implements store.Store.
+func (s *Store) EndJobReservation(ctx context.Context, id string) error {
+	_, err := s.db.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE id = ?`), id)
+	return s.err("end job reservation", err)
+}

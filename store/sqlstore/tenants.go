@@ -1,0 +1,190 @@
+package sqlstore
+
+import (
+	"context"
+	"database/sql"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Tenants, keys and the usage report: plain statements, run through
+// database/sql directly (pgx caches their preparations per connection).
+// The limiter itself is in quota.go.
+
+// rb renders a query with ? placeholders in the dialect.
+func (s *Store) rb(q string) string { return rebind(s.d, q) }
+
+const tenantColumns = `name, weight, rpm, tpm, max_concurrency, max_pending_jobs, max_pending_tokens, daily_tokens, monthly_tokens,
+	created_at, updated_at`
+
+func scanTenant(r scanner) (store.Tenant, error) {
+	var t store.Tenant
+	var created, updated int64
+	l := &t.Limits
+	err := r.Scan(&t.Name, &t.Weight, &l.RPM, &l.TPM, &l.MaxConcurrency, &l.MaxPendingJobs, &l.MaxPendingTokens,
+		&l.DailyTokens, &l.MonthlyTokens, &created, &updated)
+	t.CreatedAt, t.UpdatedAt = fromMicros(created), fromMicros(updated)
+	return t, err
+}
+
+// CreateTenant implements store.Store.
+func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
+	l := t.Limits
+	now := micros(t.CreatedAt)
+	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO tenants (`+tenantColumns+`) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+		ON CONFLICT (name) DO NOTHING`), t.Name, max(t.Weight, 1), l.RPM, l.TPM, l.MaxConcurrency, l.MaxPendingJobs,
+		l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens, now, now)
+	if err != nil {
+		return s.err("create tenant", err)
+	}
+	if n, err := res.RowsAffected(); err != nil {
+		return s.err("create tenant", err)
+	} else if n == 0 {
+		return store.ErrExists
+	}
+	return nil
+}
+
+// UpdateTenant implements store.Store.
+func (s *Store) UpdateTenant(ctx context.Context, t store.Tenant) error {
+	l := t.Limits
+	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE tenants SET weight = ?, rpm = ?, tpm = ?, max_concurrency = ?,
+		max_pending_jobs = ?, max_pending_tokens = ?, daily_tokens = ?, monthly_tokens = ?, updated_at = ? WHERE name = ?`),
+		max(t.Weight, 1), l.RPM, l.TPM, l.MaxConcurrency, l.MaxPendingJobs, l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens,
+		micros(t.UpdatedAt), t.Name)
+	return s.affected("update tenant", res, err)
+}
+
+// affected turns an update of no row into ErrNotFound.
+func (s *Store) affected(op string, res sql.Result, err error) error {
+	if err != nil {
+		return s.err(op, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return s.err(op, err)
+	}
+	if n == 0 {
+		return store.ErrNotFound
+	}
+	return nil
+}
+
+// DeleteTenant implements store.Store.
+func (s *Store) DeleteTenant(ctx context.Context, name string, now time.Time) error {
+	return s.tx(ctx, "delete tenant", func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, s.rb(`DELETE FROM tenants WHERE name = ?`), name)
+		if err := s.affected("delete tenant", res, err); err != nil {
+			return err
+		}
+		_, err = tx.ExecContext(ctx, s.rb(`UPDATE api_keys SET revoked_at = ? WHERE tenant = ? AND revoked_at = 0`), micros(now), name)
+		return err
+	})
+}
+
+// GetTenant implements store.Store.
+func (s *Store) GetTenant(ctx context.Context, name string) (store.Tenant, error) {
+	t, err := scanTenant(s.db.QueryRowContext(ctx, s.rb(`SELECT `+tenantColumns+` FROM tenants WHERE name = ?`), name))
+	return t, s.err("get tenant", err)
+}
+
+// ListTenants implements store.Store.
+func (s *Store) ListTenants(ctx context.Context) ([]store.Tenant, error) {
+	rows, err := s.db.QueryContext(ctx, `SELECT `+tenantColumns+` FROM tenants ORDER BY name`)
+	if err != nil {
+		return nil, s.err("list tenants", err)
+	}
+	defer rows.Close()
+	var out []store.Tenant
+	for rows.Next() {
+		t, err := scanTenant(rows)
+		if err != nil {
+			return nil, s.err("list tenants", err)
+		}
+		out = append(out, t)
+	}
+	return out, s.err("list tenants", rows.Err())
+}
+
+const keyColumns = `id, hash, prefix, tenant, role, name, rpm, tpm, max_concurrency, created_at, revoked_at`
+
+func scanKey(r scanner) (store.APIKey, error) {
+	var k store.APIKey
+	var role string
+	var created, revoked int64
+	err := r.Scan(&k.ID, &k.Hash, &k.Prefix, &k.Tenant, &role, &k.Name, &k.Limits.RPM, &k.Limits.TPM, &k.Limits.MaxConcurrency,
+		&created, &revoked)
+	k.Role, k.CreatedAt, k.RevokedAt = store.Role(role), fromMicros(created), fromMicros(revoked)
+	return k, err
+}
+
+// CreateKey implements store.Store.
+func (s *Store) CreateKey(ctx context.Context, k store.APIKey) error {
+	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO api_keys (`+keyColumns+`)
+		SELECT ?, ?, ?, ?, ?, ?, CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), 0 WHERE EXISTS (SELECT 1 FROM tenants WHERE name = ?)`),
+		k.ID, k.Hash, k.Prefix, k.Tenant, string(k.Role), k.Name, k.Limits.RPM, k.Limits.TPM, k.Limits.MaxConcurrency,
+		micros(k.CreatedAt), k.Tenant)
+	return s.affected("create key", res, err)
+}
+
+// KeyByHash implements store.Store.
+func (s *Store) KeyByHash(ctx context.Context, hash string) (store.APIKey, error) {
+	k, err := scanKey(s.db.QueryRowContext(ctx, s.rb(`SELECT `+keyColumns+` FROM api_keys WHERE hash = ? AND revoked_at = 0`), hash))
+	return k, s.err("look up key", err)
+}
+
+// ListKeys implements store.Store.
+func (s *Store) ListKeys(ctx context.Context, tenant string) ([]store.APIKey, error) {
+	rows, err := s.db.QueryContext(ctx, s.rb(`SELECT `+keyColumns+` FROM api_keys WHERE tenant = ? OR ? = ''
+		ORDER BY created_at, id`), tenant, tenant)
+	if err != nil {
+		return nil, s.err("list keys", err)
+	}
+	defer rows.Close()
+	var out []store.APIKey
+	for rows.Next() {
+		k, err := scanKey(rows)
+		if err != nil {
+			return nil, s.err("list keys", err)
+		}
+		out = append(out, k)
+	}
+	return out, s.err("list keys", rows.Err())
+}
+
+// RevokeKey implements store.Store.
+func (s *Store) RevokeKey(ctx context.Context, id string, now time.Time) error {
+	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at = 0`), micros(now), id)
+	return s.affected("revoke key", res, err)
+}
+
+// ActiveKeys implements store.Store.
+func (s *Store) ActiveKeys(ctx context.Context) (int, error) {
+	var n int
+	err := s.db.QueryRowContext(ctx, `SELECT COUNT(*) FROM api_keys WHERE revoked_at = 0`).Scan(&n)
+	return n, s.err("count keys", err)
+}
+
+// Usage implements store.Store.
+func (s *Store) Usage(ctx context.Context, tenant string, from, to time.Time) ([]store.UsageDay, error) {
+	rows, err := s.db.QueryContext(ctx, s.rb(`SELECT tenant, day, requests, attempts, prompt_tokens, completion_tokens,
+		reserved_tokens, uncertain, uncertain_tokens FROM usage_days WHERE (tenant = ? OR ? = '') AND day >= ? AND day <= ?
+		ORDER BY tenant, day`), tenant, tenant, store.DayOf(from), store.DayOf(to))
+	if err != nil {
+		return nil, s.err("read usage", err)
+	}
+	defer rows.Close()
+	var out []store.UsageDay
+	for rows.Next() {
+		var u store.UsageDay
+		var day int
+		if err := rows.Scan(&u.Tenant, &day, &u.Requests, &u.Attempts, &u.PromptTokens, &u.CompletionTokens,
+			&u.ReservedTokens, &u.Uncertain, &u.UncertainTokens); err != nil {
+			return nil, s.err("read usage", err)
+		}
+		u.Day = time.Date(day/10000, time.Month(day/100%100), day%100, 0, 0, 0, 0, time.UTC)
+		out = append(out, u)
+	}
+	return out, s.err("read usage", rows.Err())
+}

@@ -1,0 +1,383 @@
+package storetest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+func createTenant(t *testing.T, s store.Store, name string, l store.Limits) store.Tenant {
+	t.Helper()
+	tn := store.Tenant{Name: name, Weight: 1, Limits: l, CreatedAt: t0, UpdatedAt: t0}
+	if err := s.CreateTenant(context.Background(), tn); err != nil {
+		t.Fatalf("create tenant %s: %v", name, err)
+	}
+	return tn
+}
+
+func testTenants(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	acme := createTenant(t, s, "acme", store.Limits{RPM: 10, TPM: 1000, DailyTokens: 5})
+	if err := s.CreateTenant(ctx, acme); !errors.Is(err, store.ErrExists) {
+		t.Errorf("create acme twice: %v, want ErrExists", err)
+	}
+	createTenant(t, s, "globex", store.Limits{})
+	got, err := s.GetTenant(ctx, "acme")
+	if err != nil || got.Limits != acme.Limits || got.Weight != 1 || !got.CreatedAt.Equal(t0) {
+		t.Errorf("get acme: %+v, %v", got, err)
+	}
+	acme.Limits.RPM, acme.Weight, acme.UpdatedAt = 20, 3, t0.Add(time.Hour)
+	if err := s.UpdateTenant(ctx, acme); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.GetTenant(ctx, "acme"); got.Limits.RPM != 20 || got.Weight != 3 || !got.UpdatedAt.Equal(acme.UpdatedAt) {
+		t.Errorf("updated acme: %+v", got)
+	}
+	if err := s.UpdateTenant(ctx, store.Tenant{Name: "nobody"}); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("update a missing tenant: %v, want ErrNotFound", err)
+	}
+	list, err := s.ListTenants(ctx)
+	if err != nil || len(list) != 2 || list[0].Name != "acme" || list[1].Name != "globex" {
+		t.Errorf("list tenants: %+v, %v", list, err)
+	}
+	k := store.APIKey{ID: "key_1", Hash: "h1", Prefix: "kvg_abcd", Tenant: "globex", Role: store.RoleOperator, CreatedAt: t0}
+	if err := s.CreateKey(ctx, k); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.DeleteTenant(ctx, "globex", t0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.GetTenant(ctx, "globex"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("get a deleted tenant: %v, want ErrNotFound", err)
+	}
+	if _, err := s.KeyByHash(ctx, "h1"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a deleted tenant's key: %v, want ErrNotFound (revoked)", err)
+	}
+	if err := s.DeleteTenant(ctx, "globex", t0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("delete twice: %v, want ErrNotFound", err)
+	}
+}
+
+func testKeys(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	createTenant(t, s, "acme", store.Limits{})
+	if err := s.CreateKey(ctx, store.APIKey{ID: "key_x", Hash: "hx", Tenant: "nobody", Role: store.RoleUser, CreatedAt: t0}); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a key of a missing tenant: %v, want ErrNotFound", err)
+	}
+	k1 := store.APIKey{ID: "key_1", Hash: "h1", Prefix: "kvg_1", Tenant: "acme", Role: store.RoleUser, Name: "ci",
+		Limits: store.Limits{RPM: 5, TPM: 50, MaxConcurrency: 2}, CreatedAt: t0}
+	k2 := store.APIKey{ID: "key_2", Hash: "h2", Prefix: "kvg_2", Tenant: "acme", Role: store.RoleAdmin, CreatedAt: t0.Add(time.Second)}
+	for _, k := range []store.APIKey{k1, k2} {
+		if err := s.CreateKey(ctx, k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := s.KeyByHash(ctx, "h1")
+	if err != nil || got.ID != "key_1" || got.Tenant != "acme" || got.Role != store.RoleUser || got.Limits != k1.Limits ||
+		got.Name != "ci" || got.Prefix != "kvg_1" || !got.RevokedAt.IsZero() {
+		t.Errorf("key by hash: %+v, %v", got, err)
+	}
+	if n, err := s.ActiveKeys(ctx); err != nil || n != 2 {
+		t.Errorf("active keys: %d, %v, want 2", n, err)
+	}
+	if err := s.RevokeKey(ctx, "key_1", t0.Add(time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.RevokeKey(ctx, "key_1", t0.Add(time.Minute)); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("revoke twice: %v, want ErrNotFound", err)
+	}
+	if _, err := s.KeyByHash(ctx, "h1"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a revoked key: %v, want ErrNotFound", err)
+	}
+	keys, err := s.ListKeys(ctx, "acme")
+	if err != nil || len(keys) != 2 || keys[0].ID != "key_1" || !keys[0].RevokedAt.Equal(t0.Add(time.Minute)) || keys[1].ID != "key_2" {
+		t.Errorf("list keys: %+v, %v", keys, err)
+	}
+	if all, _ := s.ListKeys(ctx, ""); len(all) != 2 {
+		t.Errorf("all keys: %d, want 2", len(all))
+	}
+	if n, _ := s.ActiveKeys(ctx); n != 1 {
+		t.Errorf("active keys after a revocation: %d, want 1", n)
+	}
+}
+
+func acquisition(tenant string, tokens int64, l store.Limits, now time.Time) store.Acquisition {
+	return store.Acquisition{PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, Tokens: tokens, Limits: l, Now: now, Lease: time.Minute}
+}
+
+func quotaLimit(err error) string {
+	var q *store.QuotaError
+	if errors.As(err, &q) {
+		return q.Limit
+	}
+	return fmt.Sprint(err)
+}
+
+func usageOn(t *testing.T, s store.Store, tenant string, day time.Time) store.UsageDay {
+	t.Helper()
+	us, err := s.Usage(context.Background(), tenant, day, day)
+	if err != nil || len(us) > 1 {
+		t.Fatalf("usage: %+v, %v", us, err)
+	}
+	if len(us) == 0 {
+		return store.UsageDay{}
+	}
+	return us[0]
+}
+
+func testQuotaWindow(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	l := store.Limits{RPM: 3, TPM: 100}
+	now := t0.Add(10 * time.Second)
+	var permits []store.Permit
+	for i := range 2 {
+		p, err := s.Acquire(ctx, acquisition("acme", 40, l, now))
+		if err != nil {
+			t.Fatalf("acquisition %d: %v", i, err)
+		}
+		permits = append(permits, p)
+	}
+	w := permits[1].Window
+	if w.LimitRequests != 3 || w.RemainingRequests != 1 || w.LimitTokens != 100 || w.RemainingTokens != 20 || w.Reset != 50*time.Second {
+		t.Errorf("window after two: %+v", w)
+	}
+	// 40 more tokens do not fit; the refusal takes nothing.
+	_, err := s.Acquire(ctx, acquisition("acme", 40, l, now))
+	var q *store.QuotaError
+	if !errors.As(err, &q) || q.Limit != "tokens" || q.Max != 100 || q.Used != 80 || q.Reset != 50*time.Second || q.Window.RemainingTokens != 20 {
+		t.Fatalf("over TPM: %v (%+v)", err, q)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 20, l, now)); err != nil {
+		t.Fatalf("the last 20 tokens: %v", err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 1, l, now)); quotaLimit(err) != "requests" {
+		t.Fatalf("fourth request: %v, want requests", err)
+	}
+	// Releasing with usage gives unused tokens back to the window.
+	if err := s.Release(ctx, store.Release{Permit: permits[0], Outcome: store.Reported, Attempts: 1, PromptTokens: 5, CompletionTokens: 5, Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	// Not sent: the request and its tokens come back too.
+	if err := s.Release(ctx, store.Release{Permit: permits[1], Outcome: store.NotSent, Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := s.Acquire(ctx, acquisition("acme", 70, l, now))
+	if err != nil {
+		t.Fatalf("after the releases: %v", err)
+	}
+	if p.Window.RemainingRequests != 0 || p.Window.RemainingTokens != 0 {
+		t.Errorf("window after the releases: %+v", p.Window)
+	}
+	// The next minute is a new window.
+	if _, err := s.Acquire(ctx, acquisition("acme", 100, l, t0.Add(time.Minute))); err != nil {
+		t.Fatalf("next window: %v", err)
+	}
+	// A replica whose clock lags counts in the newer window, never resets it.
+	if _, err := s.Acquire(ctx, acquisition("acme", 1, l, now)); quotaLimit(err) != "tokens" {
+		t.Errorf("a lagging clock: %v, want tokens", err)
+	}
+	// Another tenant has its own windows.
+	if _, err := s.Acquire(ctx, acquisition("globex", 100, l, now)); err != nil {
+		t.Errorf("another tenant: %v", err)
+	}
+}
+
+func testQuotaConcurrencyAndLedger(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	l := store.Limits{MaxConcurrency: 2}
+	a1, a2 := acquisition("acme", 10, l, t0), acquisition("acme", 20, l, t0)
+	a1.KeyID = "key_1"
+	p1, err := s.Acquire(ctx, a1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p2, err := s.Acquire(ctx, a2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 1, l, t0)); quotaLimit(err) != "concurrency" {
+		t.Fatalf("third in flight: %v, want concurrency", err)
+	}
+	if u := usageOn(t, s, "acme", t0); u.Requests != 2 || u.ReservedTokens != 30 {
+		t.Errorf("ledger with two in flight: %+v", u)
+	}
+	// A timeout after sending: the permit ends, its tokens stay charged.
+	if err := s.Release(ctx, store.Release{Permit: p1, Outcome: store.Uncertain, Attempts: 1, Now: t0}); err != nil {
+		t.Fatal(err)
+	}
+	// Releasing twice changes nothing more.
+	if err := s.Release(ctx, store.Release{Permit: p1, Outcome: store.Reported, PromptTokens: 3, Now: t0}); err != nil {
+		t.Fatal(err)
+	}
+	u := usageOn(t, s, "acme", t0)
+	if u.Requests != 2 || u.Attempts != 1 || u.ReservedTokens != 20 || u.Uncertain != 1 || u.UncertainTokens != 10 || u.PromptTokens != 0 {
+		t.Errorf("ledger after an uncertain release: %+v", u)
+	}
+	// p2's replica dies: its permit counts until its lease ends, then the
+	// next acquisition sweeps it and its reservation turns uncertain.
+	later := t0.Add(30 * time.Second)
+	p3, err := s.Acquire(ctx, acquisition("acme", 5, l, later))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 5, l, later)); quotaLimit(err) != "concurrency" {
+		t.Fatalf("p2 and p3 in flight: %v, want concurrency", err)
+	}
+	expired := t0.Add(61 * time.Second)
+	p4, err := s.Acquire(ctx, acquisition("acme", 5, l, expired))
+	if err != nil {
+		t.Fatalf("after p2's lease: %v", err)
+	}
+	u = usageOn(t, s, "acme", t0)
+	if u.Uncertain != 2 || u.UncertainTokens != 30 || u.ReservedTokens != 10 {
+		t.Errorf("ledger after the sweep: %+v", u)
+	}
+	// p2 reports after all: reconciled from the uncertain usage.
+	if err := s.Release(ctx, store.Release{Permit: p2, Outcome: store.Reported, Attempts: 2, PromptTokens: 7, CompletionTokens: 8, Now: expired}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []store.Permit{p3, p4} {
+		if err := s.Release(ctx, store.Release{Permit: p, Outcome: store.Reported, Attempts: 1, PromptTokens: 1, CompletionTokens: 1, Now: expired}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	u = usageOn(t, s, "acme", t0)
+	want := store.UsageDay{Tenant: "acme", Day: t0.Truncate(24 * time.Hour), Requests: 4, Attempts: 5, PromptTokens: 9,
+		CompletionTokens: 10, Uncertain: 1, UncertainTokens: 10}
+	if u != want {
+		t.Errorf("final ledger:\n got %+v\nwant %+v", u, want)
+	}
+	if u.Charged() != 29 {
+		t.Errorf("charged %d, want 29", u.Charged())
+	}
+	// Key concurrency: a key limited to one in flight.
+	k := acquisition("globex", 1, store.Limits{}, t0)
+	k.KeyID, k.KeyLimits = "key_9", store.Limits{MaxConcurrency: 1}
+	if _, err := s.Acquire(ctx, k); err != nil {
+		t.Fatal(err)
+	}
+	k.PermitID = uuid.Must(uuid.NewV7()).String()
+	if _, err := s.Acquire(ctx, k); quotaLimit(err) != "concurrency" {
+		t.Errorf("second on a one-request key: %v, want concurrency", err)
+	}
+	other := acquisition("globex", 1, store.Limits{}, t0)
+	if _, err := s.Acquire(ctx, other); err != nil {
+		t.Errorf("the tenant without that key: %v", err)
+	}
+}
+
+func testQuotaBudgets(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	l := store.Limits{DailyTokens: 100, MonthlyTokens: 150}
+	day1 := time.Date(2026, 11, 1, 9, 0, 0, 0, time.UTC)
+	p, err := s.Acquire(ctx, acquisition("acme", 100, l, day1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = s.Acquire(ctx, acquisition("acme", 1, l, day1))
+	var q *store.QuotaError
+	if !errors.As(err, &q) || q.Limit != "daily_tokens" || !q.Budget() || q.Reset != 15*time.Hour {
+		t.Fatalf("over the day's budget: %v", err)
+	}
+	if err := s.Release(ctx, store.Release{Permit: p, Outcome: store.Reported, Attempts: 1, PromptTokens: 30, CompletionTokens: 30, Now: day1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 40, l, day1)); err != nil {
+		t.Fatalf("within the day after reconciling: %v", err)
+	}
+	day2 := day1.Add(24 * time.Hour)
+	if _, err := s.Acquire(ctx, acquisition("acme", 50, l, day2)); err != nil {
+		t.Fatalf("a new day: %v", err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 1, l, day2)); quotaLimit(err) != "monthly_tokens" {
+		t.Fatalf("over the month's budget: %v", err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 100, l, time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC))); err != nil {
+		t.Fatalf("a new month: %v", err)
+	}
+	us, err := s.Usage(ctx, "", day1, day2)
+	if err != nil || len(us) != 2 || us[0].Charged() != 100 || us[1].Charged() != 50 || !us[1].Day.Equal(day2.Truncate(24*time.Hour)) {
+		t.Errorf("usage report: %+v, %v", us, err)
+	}
+}
+
+// testQuotaRace: many concurrent acquisitions against a quota of n admit
+// exactly n.
+func testQuotaRace(t *testing.T, s store.Store) {
+	const n, callers = 25, 200
+	for _, tc := range []struct {
+		name string
+		l    store.Limits
+	}{{"rpm", store.Limits{RPM: n}}, {"concurrency", store.Limits{MaxConcurrency: n}}, {"tpm", store.Limits{TPM: n * 10}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			admitted, refused := 0, 0
+			var other []error
+			for range callers {
+				wg.Go(func() {
+					_, err := s.Acquire(context.Background(), acquisition("race-"+tc.name, 10, tc.l, t0))
+					mu.Lock()
+					defer mu.Unlock()
+					switch {
+					case err == nil:
+						admitted++
+					case quotaLimit(err) != fmt.Sprint(err):
+						refused++
+					default:
+						other = append(other, err)
+					}
+				})
+			}
+			wg.Wait()
+			if admitted != n || refused != callers-n || len(other) > 0 {
+				t.Errorf("%d callers against %d: %d admitted, %d refused, errors %v", callers, n, admitted, refused, other)
+			}
+		})
+	}
+}
+
+func testJobReservations(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	l := store.Limits{MaxPendingJobs: 2, MaxPendingTokens: 250}
+	accept(t, s, newJob("acme", "k1")) // 100 tokens pending
+	if err := s.ReserveJob(ctx, "r1", "acme", 100, l, t0, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ReserveJob(ctx, "r2", "acme", 10, l, t0, time.Minute); quotaLimit(err) != "pending_jobs" {
+		t.Fatalf("a third pending job: %v, want pending_jobs", err)
+	}
+	accept(t, s, newJob("acme", "k2"))
+	if err := s.EndJobReservation(ctx, "r1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ReserveJob(ctx, "r3", "acme", 1, l, t0, time.Minute); quotaLimit(err) != "pending_jobs" {
+		t.Fatalf("two jobs pending: %v, want pending_jobs", err)
+	}
+	j := claimOne(t, s, t0)
+	if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: []byte(`{}`),
+		Attempt: store.Attempt{JobID: j.ID, Attempt: 1, Fence: j.Fence, Outcome: "succeeded"}, Now: t0}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.ReserveJob(ctx, "r4", "acme", 151, l, t0, time.Minute); quotaLimit(err) != "pending_tokens" {
+		t.Fatalf("over pending tokens: %v, want pending_tokens", err)
+	}
+	if err := s.ReserveJob(ctx, "r5", "acme", 150, l, t0, time.Minute); err != nil {
+		t.Fatalf("one job done: %v", err)
+	}
+	// A reservation never ended (its replica died) lapses with its lease.
+	if err := s.ReserveJob(ctx, "r6", "acme", 1, l, t0.Add(2*time.Minute), time.Minute); err != nil {
+		t.Fatalf("after r5's lease: %v", err)
+	}
+	// Other tenants are not counted.
+	if err := s.ReserveJob(ctx, "r7", "globex", 250, l, t0, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,243 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Tenants, API keys, quotas and usage.
+//
+// Keys. A key is 32 random bytes shown once, at creation, as
+// "kvg_<base64url>"; the store keeps only its SHA-256 (a fast hash is
+// right for high-entropy random secrets: nothing to brute-force), a short
+// non-secret prefix for listings, its tenant, role and times. Revocation
+// sets RevokedAt; a revoked key is not found by KeyByHash. Rotation is a
+// new key and the old one revoked.
+//
+// Limits. The store is the limiter state every replica shares. Acquire
+// takes, in one transaction serialised per tenant (the tenant's window
+// row is locked first, then the key's), a request and a token reservation
+// from the current fixed one-minute window, a concurrency permit (a leased
+// row) and a charge against the daily and monthly token budgets, or none
+// of them. A permit whose replica died is expired by the next Acquire of
+// its tenant after its lease; its reservation then stays charged as
+// uncertain usage. Release returns the permit and reconciles the
+// reservation with the usage the backend reported.
+//
+// Slack. Counts are exact across replicas: no two Acquires of one tenant
+// interleave. The window is a fixed minute (its start is the acquiring
+// replica's clock truncated to the minute, and a window never moves
+// backwards), so in any sliding 60 seconds a tenant may get up to twice
+// its RPM and TPM: the end of one window and the start of the next.
+// Concurrency holds exactly, except that a crashed replica's permits count
+// until their lease ends. Limits themselves are read by the gateway and
+// cached briefly, so a changed limit takes effect within that cache's TTL.
+
+// Errors of the tenant and key methods.
+var (
+	// ErrExists: a tenant of that name already exists.
+	ErrExists = errors.New("store: already exists")
+)
+
+// Role is what a key may do.
+type Role string
+
+// Roles, each able to do all the ones before it may.
+const (
+	// RoleUser runs inference and jobs for its tenant.
+	RoleUser Role = "user"
+	// RoleOperator also sees its tenant's retry details, dead letters and
+	// usage.
+	RoleOperator Role = "operator"
+	// RoleAdmin also manages tenants and keys and reads every tenant's
+	// usage.
+	RoleAdmin Role = "admin"
+)
+
+// Valid reports whether r is a known role.
+func (r Role) Valid() bool { return r == RoleUser || r == RoleOperator || r == RoleAdmin }
+
+// Limits are quotas; zero means unlimited.
+type Limits struct {
+	RPM              int64 // requests per minute
+	TPM              int64 // tokens per minute (prompt + output reserved)
+	MaxConcurrency   int64 // requests in flight
+	MaxPendingJobs   int64 // jobs accepted and not final
+	MaxPendingTokens int64 // their token estimates
+	DailyTokens      int64 // token budget per UTC day
+	MonthlyTokens    int64 // token budget per UTC month
+}
+
+// Tenant is a customer of the gateway with its quotas.
+type Tenant struct {
+	Name      string
+	Weight    int // share in weighted fair scheduling [1]
+	Limits    Limits
+	CreatedAt time.Time
+	UpdatedAt time.Time
+}
+
+// APIKey is a stored key: never the key itself, only its hash.
+type APIKey struct {
+	ID        string // key_<hex>: names the key in listings and revocation
+	Hash      string // hex SHA-256 of the whole key
+	Prefix    string // the key's first characters, not secret: for listings
+	Tenant    string
+	Role      Role
+	Name      string // the creator's label
+	Limits    Limits // per-key RPM, TPM and concurrency; zero: the tenant's only
+	CreatedAt time.Time
+	RevokedAt time.Time // zero while the key is valid
+}
+
+// Acquisition asks for one request's admission.
+type Acquisition struct {
+	PermitID string // chosen by the caller
+	Tenant   string
+	KeyID    string // "" for a key not in the store
+	Tokens   int64  // reserved: prompt plus output budget
+	Limits   Limits // the tenant's
+	// KeyLimits are the key's own; only RPM, TPM and MaxConcurrency count.
+	KeyLimits Limits
+	Now       time.Time
+	// Lease bounds how long the permit counts if it is never released.
+	Lease time.Duration
+}
+
+// Window is a scope's rate window after an acquisition: what the
+// x-ratelimit-* headers report. A zero limit means none.
+type Window struct {
+	LimitRequests, RemainingRequests int64
+	LimitTokens, RemainingTokens     int64
+	Reset                            time.Duration // until the window ends
+}
+
+// Permit is an admitted request's hold on its tenant's quotas.
+type Permit struct {
+	ID          string
+	Tenant      string
+	KeyID       string
+	Tokens      int64
+	Day         int // yyyymmdd, UTC: the usage ledger row charged
+	WindowStart time.Time
+	Window      Window // the tenant's (or the key's, when tighter)
+}
+
+// Outcome is how a permit's request ended.
+type Outcome int
+
+const (
+	// NotSent: no backend received the request; everything is refunded.
+	NotSent Outcome = iota
+	// Reported: the backend reported usage; the reservation is reconciled
+	// with it.
+	Reported
+	// Uncertain: the request was sent and its usage is unknown (a timeout,
+	// a cut stream); the reservation stays charged, as uncertain usage.
+	Uncertain
+)
+
+// Release returns a permit.
+type Release struct {
+	Permit           Permit
+	Outcome          Outcome
+	Attempts         int // backend attempts made (retries included)
+	PromptTokens     int64
+	CompletionTokens int64
+	Now              time.Time
+}
+
+// UsageDay is one tenant's usage ledger for one UTC day.
+type UsageDay struct {
+	Tenant           string
+	Day              time.Time // midnight UTC
+	Requests         int64     // admitted
+	Attempts         int64     // sent to a backend, retries included
+	PromptTokens     int64     // reported
+	CompletionTokens int64     // reported
+	ReservedTokens   int64     // held by requests in flight
+	Uncertain        int64     // requests whose usage never came back
+	UncertainTokens  int64     // their reservations, still charged
+}
+
+// Charged is what the day counts against token budgets.
+func (u UsageDay) Charged() int64 {
+	return u.PromptTokens + u.CompletionTokens + u.ReservedTokens + u.UncertainTokens
+}
+
+// QuotaError is an Acquire or ReserveJob refused by a quota.
+type QuotaError struct {
+	// Limit names it: requests, tokens, concurrency, daily_tokens,
+	// monthly_tokens, pending_jobs or pending_tokens.
+	Limit string
+	Scope string // "tenant" or "key"
+	Max   int64
+	Used  int64
+	Asked int64
+	// Reset is when it may pass again (zero: when work in flight ends).
+	Reset  time.Duration
+	Window Window // for the x-ratelimit-* headers
+}
+
+// Budget reports whether a spent budget refused it (insufficient_quota),
+// rather than a rate (rate_limit_exceeded).
+func (e *QuotaError) Budget() bool { return e.Limit == "daily_tokens" || e.Limit == "monthly_tokens" }
+
+func (e *QuotaError) Error() string {
+	return fmt.Sprintf("%s quota %s: limit %d, used %d, requested %d", e.Scope, e.Limit, e.Max, e.Used, e.Asked)
+}
+
+// DayOf returns the ledger day (yyyymmdd, UTC) of t.
+func DayOf(t time.Time) int {
+	y, m, d := t.UTC().Date()
+	return y*10000 + int(m)*100 + d
+}
+
+// Tenants is the part of Store about tenants, keys, quotas and usage.
+// Methods are safe for concurrent use, also from several processes on one
+// database.
+type Tenants interface {
+	// CreateTenant adds a tenant; ErrExists if the name is taken.
+	CreateTenant(ctx context.Context, t Tenant) error
+	// UpdateTenant replaces a tenant's weight and limits; ErrNotFound.
+	UpdateTenant(ctx context.Context, t Tenant) error
+	// DeleteTenant removes a tenant and revokes its keys; ErrNotFound.
+	DeleteTenant(ctx context.Context, name string, now time.Time) error
+	// GetTenant returns a tenant; ErrNotFound.
+	GetTenant(ctx context.Context, name string) (Tenant, error)
+	// ListTenants returns every tenant by name.
+	ListTenants(ctx context.Context) ([]Tenant, error)
+	// CreateKey stores a key; ErrNotFound without its tenant.
+	CreateKey(ctx context.Context, k APIKey) error
+	// KeyByHash returns the valid (not revoked) key with that hash;
+	// ErrNotFound otherwise.
+	KeyByHash(ctx context.Context, hash string) (APIKey, error)
+	// ListKeys returns a tenant's keys ("" for all), revoked ones too,
+	// oldest first.
+	ListKeys(ctx context.Context, tenant string) ([]APIKey, error)
+	// RevokeKey revokes a key by id; ErrNotFound if no valid key has it.
+	RevokeKey(ctx context.Context, id string, now time.Time) error
+	// ActiveKeys counts the keys not revoked.
+	ActiveKeys(ctx context.Context) (int, error)
+	// Acquire admits one request against the tenant's and key's quotas,
+	// atomically across replicas: a *QuotaError when a quota refuses it,
+	// and then nothing is taken.
+	Acquire(ctx context.Context, a Acquisition) (Permit, error)
+	// Release returns a permit and reconciles its reservation. Releasing
+	// twice changes nothing more; a permit that expired first is
+	// reconciled from the uncertain usage it was moved to.
+	Release(ctx context.Context, r Release) error
+	// ReserveJob holds room for one job of tokens under the tenant's
+	// pending-job limits until the job is accepted (EndJobReservation) or
+	// the lease ends: a *QuotaError when the pending jobs or tokens are
+	// at their limit.
+	ReserveJob(ctx context.Context, id, tenant string, tokens int64, l Limits, now time.Time, lease time.Duration) error
+	// EndJobReservation drops a reservation once its job is stored (or
+	// not stored at all).
+	EndJobReservation(ctx context.Context, id string) error
+	// Usage returns the usage ledger of a tenant ("" for all) for the days
+	// from through to (inclusive), by tenant then day.
+	Usage(ctx context.Context, tenant string, from, to time.Time) ([]UsageDay, error)
+}
