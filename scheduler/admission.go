@@ -21,6 +21,9 @@ type load struct {
 
 	capacity   int // KV tokens
 	maxNumSeqs int
+	// share is this replica's part of the backend's budget when several
+	// replicas share it (replicas.go); 1 alone.
+	share float64
 	// blockSize is vLLM's KV block size: it allocates whole blocks, so
 	// each sequence holds up to block_size-1 tokens more than it has.
 	blockSize int
@@ -71,6 +74,7 @@ const (
 	reasonKV         = "kv_budget"
 	reasonPacing     = "pacing"
 	reasonPreempting = "preempting"
+	reasonShare      = "replica_share"
 )
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
@@ -100,6 +104,16 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	if max(l.inflight, l.measuredRunning+l.measuredWaiting+l.newSinceScrape)+1 > l.maxNumSeqs {
 		return verdict{reason: reasonSeqs}
 	}
+	// Several replicas: each keeps its own flights within its share of
+	// the budget and of the sequences, so that together they stay within
+	// the whole whatever the others admitted since the last scrape.
+	shareBudget := budget
+	if l.share < 1 {
+		shareBudget = int(l.share * float64(budget))
+		if l.inflight+1 > int(l.share*float64(l.maxNumSeqs)) {
+			return verdict{reason: reasonShare}
+		}
+	}
 	if l.measuredWaiting > p.MaxBackendWaiting {
 		return verdict{reason: reasonWaiting}
 	}
@@ -118,17 +132,27 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 
 	// Fast path: every flight at its largest at once still fits.
 	slack := roundingSlack(l.inflight+1, l.blockSize)
-	if worst := external + l.reserved + need + slack; worst <= budget {
-		return verdict{ok: true, headroom: float64(budget-worst) / float64(l.capacity)}
+	own := l.reserved + need + slack
+	if worst := external + own; worst <= budget && own <= shareBudget {
+		return verdict{ok: true, headroom: headroom(budget-worst, shareBudget-own, l.capacity)}
 	}
 	if !l.exact {
 		return verdict{reason: reasonKV, needExact: true}
 	}
-	peak := external + slack + projectPeak(l.flights, flight{held: prompt, remaining: maxOut})
-	if peak > budget {
+	own = slack + projectPeak(l.flights, flight{held: prompt, remaining: maxOut})
+	switch {
+	case external+own > budget:
 		return verdict{reason: reasonKV}
+	case own > shareBudget:
+		return verdict{reason: reasonShare}
 	}
-	return verdict{ok: true, headroom: float64(budget-peak) / float64(l.capacity)}
+	return verdict{ok: true, headroom: headroom(budget-external-own, shareBudget-own, l.capacity)}
+}
+
+// headroom is the smaller of the room left under the whole budget and
+// under this replica's share, as a fraction of capacity.
+func headroom(whole, share, capacity int) float64 {
+	return float64(min(whole, share)) / float64(capacity)
 }
 
 // pacingGap is how many engine steps apart admissions from a backlog

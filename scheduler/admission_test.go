@@ -59,7 +59,7 @@ func TestDecide(t *testing.T) {
 	p.defaults()
 	p.KVTarget = 0.9 // degraded 0.7, backend waiting 2
 	base := func() load {
-		return load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true}
+		return load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true, share: 1}
 	}
 	tests := []struct {
 		name        string
@@ -118,6 +118,32 @@ func TestDecide(t *testing.T) {
 				l.reserved, l.inflight = 50_000, 1
 			},
 			prompt: 21_000, out: 30_000, reason: reasonKV,
+		},
+		{
+			name: "a replica's share caps its own flights",
+			mod: func(l *load) {
+				l.share = 0.5 // of 90k: 45k; at t=6k the two hold 36k + 16k
+				l.flights = []flight{{held: 30_000, remaining: 10_000}}
+				l.reserved, l.inflight = 40_000, 1
+			},
+			prompt: 10_000, out: 6_000, reason: reasonShare,
+		},
+		{
+			name: "within its share a replica admits",
+			mod: func(l *load) {
+				l.share = 0.5
+				l.flights = []flight{{held: 30_000, remaining: 10_000}}
+				l.reserved, l.inflight = 40_000, 1
+			},
+			prompt: 2_000, out: 1_000, ok: true,
+		},
+		{
+			name: "a share caps sequences too",
+			mod:  func(l *load) { l.share = 0.25; l.maxNumSeqs = 8; l.inflight = 2 }, prompt: 1, out: 1, reason: reasonShare,
+		},
+		{
+			name: "a replica with no share yet admits nothing",
+			mod:  func(l *load) { l.share = 0 }, prompt: 1, out: 1, reason: reasonShare,
 		},
 		{
 			name: "without the exact ledger, a tight fit asks for it",
@@ -198,7 +224,7 @@ func TestProgressBracket(t *testing.T) {
 func TestPacing(t *testing.T) {
 	p := Policy{}
 	p.defaults()
-	base := load{routable: true, capacity: 100_000, maxNumSeqs: 1024, exact: true,
+	base := load{routable: true, capacity: 100_000, maxNumSeqs: 1024, exact: true, share: 1,
 		meanOut: 400, meanFinal: 1000, inflight: 10, reserved: 10_000}
 	// 95k budget / 800 per request ≈ 119 at once; 400 steps each: one
 	// admission every ~3.4 steps keeps them evenly spread (0.8 of it paced).

@@ -22,6 +22,7 @@ type metrics struct {
 	outcomes *prometheus.CounterVec
 	wait     *prometheus.HistogramVec
 	blocks   *prometheus.CounterVec
+	share    prometheus.Gauge
 	s        *Scheduler
 }
 
@@ -41,6 +42,10 @@ func newMetrics(s *Scheduler) *metrics {
 			Name: "kvgate_scheduler_backend_refusals_total",
 			Help: "Admission checks a backend refused, by reason (kv_budget, max_num_seqs, backend_queue, metrics_stale, pacing, preempting, ...); a queued ticket is checked again on every release, scrape and tick, so this counts checks, not tickets.",
 		}, []string{"backend", "reason"}),
+		share: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvgate_scheduler_capacity_share_ratio",
+			Help: "The part of every backend's KV budget this replica may fill: 1 alone, 1/n beside n-1 other replicas.",
+		}),
 	}
 }
 
@@ -63,7 +68,7 @@ var (
 
 // Collectors returns the scheduler's metrics, to register once.
 func (s *Scheduler) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{s.m.outcomes, s.m.wait, s.m.blocks, stateCollector{s}}
+	return []prometheus.Collector{s.m.outcomes, s.m.wait, s.m.blocks, s.m.share, stateCollector{s}}
 }
 
 // stateCollector reads queue and backend state at scrape time.

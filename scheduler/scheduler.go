@@ -174,6 +174,7 @@ type Scheduler struct {
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
 	closed   bool
+	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
 	lastAdm  time.Time
 }
@@ -245,9 +246,34 @@ func New(src snapshotSource, opts Options) (*Scheduler, error) {
 		log:     opts.Logger.With("component", "scheduler"),
 		byModel: map[string]*[numClasses]int{},
 		ledgers: map[string]*ledger{},
+		share:   1,
 	}
 	s.m = newMetrics(s)
+	s.m.share.Set(1)
 	return s, nil
+}
+
+// SetShare sets the part of every backend's KV budget and sequences this
+// replica may fill, in [0, 1]: 1 when it is alone, 1/n beside n-1 others
+// (replicas.go). Requests already admitted keep running; a smaller share
+// only holds new ones back until enough finish.
+func (s *Scheduler) SetShare(share float64) {
+	share = min(max(share, 0), 1)
+	s.mu.Lock()
+	grew := share > s.share
+	s.share = share
+	if grew && s.queued > 0 {
+		s.pumpLocked(s.src.Snapshots(), s.now())
+	}
+	s.mu.Unlock()
+	s.m.share.Set(share)
+}
+
+// Share returns the part of every backend's budget this replica may fill.
+func (s *Scheduler) Share() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.share
 }
 
 // Policy returns the effective policy.
@@ -485,6 +511,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		degraded:        sn.GPUHealth == gpu.Degraded,
 		capacity:        sn.CapacityTokens,
 		maxNumSeqs:      sn.MaxNumSeqs,
+		share:           s.share,
 		measuredUsed:    int(m.KVUsage * float64(sn.CapacityTokens)),
 		measuredRunning: int(m.Running),
 		measuredWaiting: int(m.Waiting),

@@ -102,7 +102,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			runner.Wake()
 		}
 	}
-	sig, err := startSignals(ctx, cfg, st, wakeRunner, reg, log)
+	sig, err := startSignals(ctx, cfg, st, sched, wakeRunner, reg, log)
 	if err != nil {
 		return fail(fmt.Errorf("signals: %w", err))
 	}

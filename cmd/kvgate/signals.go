@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
+	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -29,7 +32,8 @@ type signals struct {
 // with its files under the data directory and no listening port), creates
 // the stream and the consumer, and builds the relay and the inbox. wake is
 // called for each event that may mean runnable work.
-func startSignals(ctx context.Context, cfg *config, st store.Store, wake func(), reg prometheus.Registerer, log *slog.Logger) (*signals, error) {
+func startSignals(ctx context.Context, cfg *config, st store.Store, sched *scheduler.Scheduler, wake func(),
+	reg prometheus.Registerer, log *slog.Logger) (*signals, error) {
 	opts := []nats.Option{nats.Name("kvgate"), nats.MaxReconnects(-1), nats.ReconnectWait(time.Second),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
 			if err != nil {
@@ -83,6 +87,12 @@ func startSignals(ctx context.Context, cfg *config, st store.Store, wake func(),
 		closeAll(nc)
 		return nil, err
 	}
+	// Replicas on one fleet share its capacity (scheduler/replicas.go).
+	mem, err := scheduler.NewMembership(sctx, js, sched, scheduler.MembershipConfig{ID: replicaID(), Logger: log})
+	if err != nil {
+		closeAll(nc)
+		return nil, err
+	}
 	feed := scheduler.NewFeed()
 	relay := scheduler.NewRelay(st, js, scheduler.RelayConfig{Logger: log,
 		Announce: func() { _ = nc.Publish(scheduler.FeedSubject, nil) }})
@@ -96,14 +106,34 @@ func startSignals(ctx context.Context, cfg *config, st store.Store, wake func(),
 	})
 	reg.MustRegister(relay.Collectors()...)
 	reg.MustRegister(inbox.Collectors()...)
+	reg.MustRegister(mem.Collectors()...)
 	log.Info("signals over nats", "url", url, "stream", scheduler.StreamName)
 	return &signals{relay: relay, feed: feed, run: func(ctx context.Context) error {
 		g, gctx := errgroup.WithContext(ctx)
 		g.Go(func() error { return ignoreCanceled(relay.Run(gctx)) })
 		g.Go(func() error { return ignoreCanceled(inbox.Run(gctx)) })
 		g.Go(func() error { return ignoreCanceled(scheduler.FollowFeed(gctx, nc, feed)) })
+		g.Go(func() error { return ignoreCanceled(mem.Run(gctx)) })
 		err := g.Wait()
 		closeAll(nc)
 		return err
 	}}, nil
+}
+
+// replicaID names this process among the replicas: host, process id and a
+// random suffix, so that a restart is a new member.
+func replicaID() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s-%d-%08x", subjectSafe(host), os.Getpid(), rand.Uint32())
+}
+
+// subjectSafe keeps the characters a key-value key may hold.
+func subjectSafe(s string) string {
+	return strings.Map(func(r rune) rune {
+		switch {
+		case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9', r == '-', r == '_':
+			return r
+		}
+		return '_'
+	}, s)
 }

@@ -1,0 +1,208 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+// replica is one kvgate process of several: its own pool, scheduler,
+// gateway and runner, on a shared fleet, store and NATS server.
+type replica struct {
+	sched  *scheduler.Scheduler
+	api    *Server
+	srv    *httptest.Server
+	runner *scheduler.Runner
+}
+
+// startReplicas starts n replicas in front of urls. With shared set they
+// find each other through NATS and split the fleet's capacity.
+func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, shared bool) []*replica {
+	t.Helper()
+	var js jetstream.JetStream
+	if shared {
+		ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
+			StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ns.Start()
+		t.Cleanup(ns.Shutdown)
+		if !ns.ReadyForConnections(10 * time.Second) {
+			t.Fatal("nats server did not start")
+		}
+		nc, err := nats.Connect(ns.ClientURL())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(nc.Close)
+		if js, err = jetstream.New(nc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	var out []*replica
+	for i := range n {
+		var cfgs []gpu.BackendConfig
+		for b, u := range urls {
+			cfgs = append(cfgs, gpu.BackendConfig{Name: fmt.Sprintf("sim%d", b), URL: u})
+		}
+		r := &replica{}
+		pool, err := gpu.NewPool(cfgs, gpu.PoolConfig{ScrapeInterval: 20 * time.Millisecond, ProbeInterval: 50 * time.Millisecond,
+			StaleAfter: 2 * time.Second, OnChange: func() {
+				if r.sched != nil {
+					r.sched.Wake()
+				}
+			}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.sched, err = scheduler.New(pool, scheduler.Options{Policy: scheduler.Policy{MaxQueueWait: 5 * time.Second}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := Config{}
+		if st != nil {
+			cfg.Jobs = Jobs{Store: st}
+		}
+		if r.api, err = New(cfg, pool, r.sched, prometheus.NewRegistry(), nil); err != nil {
+			t.Fatal(err)
+		}
+		r.srv = httptest.NewServer(r.api)
+		t.Cleanup(r.srv.Close)
+		wg.Go(func() { _ = pool.Run(ctx) })
+		wg.Go(func() { _ = r.sched.Run(ctx) })
+		if st != nil {
+			r.runner = scheduler.NewRunner(st, r.sched, r.api, scheduler.RunnerConfig{Concurrency: 64, Lease: 30 * time.Second,
+				Poll: 20 * time.Millisecond, ReapEvery: time.Second})
+			wg.Go(func() { _ = r.runner.Run(ctx) })
+		}
+		if shared {
+			m, err := scheduler.NewMembership(ctx, js, r.sched, scheduler.MembershipConfig{ID: fmt.Sprintf("replica-%d", i),
+				Interval: 100 * time.Millisecond, TTL: time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			wg.Go(func() { _ = m.Run(ctx) })
+		}
+		out = append(out, r)
+	}
+	if shared {
+		for _, r := range out {
+			waitFor(t, "every replica at a third of the fleet", func() bool { return r.sched.Share() == 1/float64(n) })
+		}
+	}
+	for _, r := range out {
+		waitFor(t, "the replica's backends ready", func() bool {
+			ok := true
+			for _, sn := range r.api.pool.Snapshots() {
+				ok = ok && sn.Routable() && !sn.Stale(time.Now())
+			}
+			return ok
+		})
+	}
+	return out
+}
+
+// TestThreeReplicasOneFleet: three replicas in front of two simulated
+// H100s, driven at twice the fleet's capacity through all three while
+// they also run durable jobs from one PostgreSQL store. Sharing the
+// fleet's capacity, they cause no preemption, and every job completes
+// exactly once. Without sharing (each replica alone in its mind), the
+// same load preempts: the control that shows the experiment can fail.
+func TestThreeReplicasOneFleet(t *testing.T) {
+	if testing.Short() {
+		t.Skip("a 40-second experiment, twice")
+	}
+	if raceEnabled {
+		t.Skip("measures preemption under load: run without -race (make test runs it on its own)")
+	}
+	p := llamaProfile(t)
+	p.NumGPUBlocks, p.MaxModelLen = 2048, 8192
+	const (
+		speedup = 4.0
+		rate    = 40.0 // twice what two such backends serve
+		dur     = 40 * time.Second
+		jobs    = 300
+	)
+	newFleet := func() ([]*vllmsim.Sim, []string) {
+		var sims []*vllmsim.Sim
+		var urls []string
+		for i := range 2 {
+			sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p, Speedup: speedup, Seed: uint64(i)})
+			sims, urls = append(sims, sim), append(urls, srv.URL)
+		}
+		return sims, urls
+	}
+
+	sims, urls := newFleet()
+	st := pgtest.Open(t)
+	reps := startReplicas(t, 3, urls, st, true)
+	var ids []string
+	for i := range jobs {
+		_, v := submitJobTo(t, reps[i%3].srv.URL, fmt.Sprintf("job-%d", i), fmt.Sprintf(
+			`{"endpoint":"/v1/completions","body":{"model":"%s","prompt":"document %d","max_tokens":16}}`, llama, i))
+		ids = append(ids, v.ID)
+	}
+	shared := driveOverload(t, sims, urls, func(i int) string { return reps[i%3].srv.URL }, speedup, rate, dur, 1)
+	waitForLong(t, "every job to finish", 2*time.Minute, func() bool {
+		n, err := countStatesIn(st, store.Succeeded, store.FailedTerminal)
+		return err == nil && n == jobs
+	})
+	var succeeded, attempts int
+	if err := st.DB().QueryRow(`SELECT count(*) FILTER (WHERE outcome = 'succeeded'), count(*) FROM attempts`).Scan(&succeeded, &attempts); err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range ids {
+		if j, err := st.Get(context.Background(), "default", id); err != nil || j.State != store.Succeeded {
+			t.Errorf("job %s: %s %v", id, j.State, err)
+		}
+	}
+
+	sims2, urls2 := newFleet()
+	alone := startReplicas(t, 3, urls2, nil, false)
+	unshared := driveOverload(t, sims2, urls2, func(i int) string { return alone[i%3].srv.URL }, speedup, rate, dur, 1)
+
+	t.Logf("3 replicas, 2 simulated H100s (32k KV tokens each), 2x overload, %v simulated at %.0fx:", dur, speedup)
+	t.Logf("  sharing the fleet: %7.0f output tok/s, %4.0f preemptions, %d answered, %d shed; %d jobs: %d successful attempts of %d",
+		shared.tokPerSec, shared.preemptions, shared.ok, shared.shed, jobs, succeeded, attempts)
+	t.Logf("  each alone:        %7.0f output tok/s, %4.0f preemptions, %d answered, %d shed",
+		unshared.tokPerSec, unshared.preemptions, unshared.ok, unshared.shed)
+	if shared.preemptions != 0 {
+		t.Errorf("three replicas sharing the fleet caused %v preemptions", shared.preemptions)
+	}
+	if succeeded != jobs {
+		t.Errorf("%d successful attempts for %d jobs: a job ran twice or not at all", succeeded, jobs)
+	}
+	if unshared.preemptions == 0 {
+		t.Errorf("three unaware replicas caused no preemption either: the experiment does not show what sharing prevents")
+	}
+}
+
+func submitJobTo(t *testing.T, base, key, body string) (int, jobView) {
+	t.Helper()
+	f := &fleet{srv: &httptest.Server{URL: base}}
+	resp, v := submitJob(t, f, key, body)
+	return resp.StatusCode, v
+}
+
+func countStatesIn(st *sqlstore.Store, states ...store.State) (int, error) {
+	return countStates(&fleet{store: st}, states...)
+}

@@ -1,0 +1,128 @@
+package scheduler
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Several replicas, one fleet.
+//
+// Every replica admits against what the backends last reported plus its
+// own ledger. What another replica admitted since the last scrape is in
+// neither, and neither is how the other replicas' requests will grow: two
+// replicas each filling a backend to its target would fill it twice. So
+// each replica keeps its own flights within a share of every backend's
+// KV budget and sequences, 1/n with n live replicas; the shares sum to at
+// most the whole, and admission still checks the whole against the
+// measurement as before.
+//
+// Replicas find each other in a JetStream key-value bucket: each writes
+// its key every Interval, and a key not renewed for TTL expires. A
+// replica that joins beside others admits nothing for two intervals, so
+// that they have shrunk to their new share before it takes its own; one
+// that leaves deletes its key, and the others grow at their next look.
+// The slack is bounded: a replica that dies without deleting its key
+// keeps its share idle until TTL passes (capacity unused, never
+// overfilled), and requests admitted under a larger share finish as they
+// are (a smaller share holds back new ones only). While the bucket cannot
+// be read, a replica keeps the share it has.
+//
+// Equal shares suit replicas behind one load balancer, whose traffic is
+// alike; a replica with less traffic leaves part of its share idle.
+
+// MembershipBucket is the key-value bucket of live replicas.
+const MembershipBucket = "kvgate_replicas"
+
+// MembershipConfig tunes membership.
+type MembershipConfig struct {
+	ID       string        // this replica's key; unique per process
+	Interval time.Duration // how often to renew and recount [1s]
+	TTL      time.Duration // how long an unrenewed key lives [5s]
+	Logger   *slog.Logger
+}
+
+// Membership keeps this replica in the bucket and the scheduler's share
+// at 1/live replicas.
+type Membership struct {
+	kv    jetstream.KeyValue
+	sched *Scheduler
+	cfg   MembershipConfig
+	log   *slog.Logger
+	live  prometheus.Gauge
+}
+
+// NewMembership creates (or opens) the bucket and returns the membership;
+// Run keeps it.
+func NewMembership(ctx context.Context, js jetstream.JetStream, sched *Scheduler, cfg MembershipConfig) (*Membership, error) {
+	if cfg.ID == "" {
+		return nil, errors.New("membership: a replica id is required")
+	}
+	cfg.Interval = cmp.Or(cfg.Interval, time.Second)
+	cfg.TTL = cmp.Or(cfg.TTL, 5*time.Second)
+	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
+		Bucket: MembershipBucket, Description: "live kvgate replicas", TTL: cfg.TTL,
+		History: 1, Storage: jetstream.MemoryStorage,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("membership bucket: %w", err)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Membership{kv: kv, sched: sched, cfg: cfg, log: log.With("component", "membership", "replica", cfg.ID),
+		live: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_scheduler_replicas",
+			Help: "Live kvgate replicas sharing the fleet, as this replica last counted them."})}, nil
+}
+
+// Collectors returns the membership's metrics.
+func (m *Membership) Collectors() []prometheus.Collector { return []prometheus.Collector{m.live} }
+
+// Run renews this replica's key and recounts until ctx ends, then deletes
+// the key so that the others grow at once. It returns ctx's error.
+func (m *Membership) Run(ctx context.Context) error {
+	joined := time.Now()
+	t := time.NewTicker(m.cfg.Interval)
+	defer t.Stop()
+	for {
+		m.refresh(ctx, joined)
+		select {
+		case <-ctx.Done():
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+			_ = m.kv.Delete(dctx, m.cfg.ID)
+			cancel()
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+func (m *Membership) refresh(ctx context.Context, joined time.Time) {
+	if _, err := m.kv.Put(ctx, m.cfg.ID, []byte(joined.UTC().Format(time.RFC3339Nano))); err != nil {
+		if ctx.Err() == nil {
+			m.log.Warn("membership renewal failed; keeping the current share", "err", err)
+		}
+		return
+	}
+	keys, err := m.kv.Keys(ctx)
+	if err != nil && !errors.Is(err, jetstream.ErrNoKeysFound) {
+		if ctx.Err() == nil {
+			m.log.Warn("membership count failed; keeping the current share", "err", err)
+		}
+		return
+	}
+	n := max(len(keys), 1)
+	m.live.Set(float64(n))
+	share := 1 / float64(n)
+	if n > 1 && time.Since(joined) < 2*m.cfg.Interval {
+		share = 0 // the others have not shrunk yet
+	}
+	m.sched.SetShare(share)
+}
