@@ -1,7 +1,17 @@
 // Package sqlstore implements store.Store once, over database/sql, for the
 // SQL dialects of store/postgres and store/sqlite. A Dialect says what
-// differs: placeholders, row locking for claims, the schema's types, and
-// which driver errors mean the database is unreachable.
+// differs: placeholders, row locking for claims, the schema's types, which
+// driver errors mean the database is unreachable, and whether writes can
+// go inside WITH.
+//
+// Where they can (PostgreSQL), the hot operations are single statements:
+// Accept, Claim, Complete and Fail each write the job, its attempt record
+// and its events in one round trip and one implicit transaction. Accepts,
+// and Completes and Fails, that arrive together from many goroutines are
+// group-committed: written by one statement in one transaction per batch
+// (group.go, batch.go), each caller still getting its own result, and a
+// failing call failing alone. Elsewhere (SQLite, in process) each
+// operation is an explicit transaction.
 //
 // Times are stored as Unix microseconds (BIGINT), so both databases order
 // and compare them alike. The package is the implementation behind the two
