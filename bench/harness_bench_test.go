@@ -42,9 +42,9 @@ func BenchmarkHarnessStreaming(b *testing.B) {
 	cfg := Config{Target: srv.URL, Model: "m", Stream: true, NumPrompts: b.N, Arrival: Arrival{Concurrency: 64},
 		Workload: Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 16}}}
 	b.ResetTimer()
-	start := time.Now()
+	start, cpu0 := time.Now(), cpuTime()
 	rep, err := Run(context.Background(), cfg)
-	el := time.Since(start)
+	el, cpu := time.Since(start), cpuTime()-cpu0
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -52,6 +52,9 @@ func BenchmarkHarnessStreaming(b *testing.B) {
 		b.Fatalf("completed %d of %d, %d tokens; errors %v", rep.Summary.Completed, b.N, rep.Summary.TotalOutputTokens, rep.Summary.Errors)
 	}
 	b.ReportMetric(float64(b.N)/el.Seconds(), "req/s")
+	// CPU per request (harness and target together) does not depend on
+	// what else the machine runs: one core's worth is 1e6 / this, in req/s.
+	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs/req")
 	b.ReportMetric(0, "ns/op")
 }
 
@@ -67,7 +70,9 @@ func BenchmarkHarnessOpenLoop5000(b *testing.B) {
 	cfg := Config{Target: srv.URL, Model: "m", Stream: true, NumPrompts: b.N, Arrival: Arrival{Rate: 5000},
 		Workload: Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 16}}}
 	b.ResetTimer()
+	cpu0 := cpuTime()
 	rep, err := Run(context.Background(), cfg)
+	cpu := cpuTime() - cpu0
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -83,5 +88,6 @@ func BenchmarkHarnessOpenLoop5000(b *testing.B) {
 	b.ReportMetric(latencyOf(lags, []float64{99}).Percentiles[99], "p99-send-lag-ms")
 	b.ReportMetric(s.MaxSendLagMs, "max-send-lag-ms")
 	b.ReportMetric(s.E2EL.Percentiles[99], "p99-e2el-ms")
+	b.ReportMetric(float64(cpu.Microseconds())/float64(b.N), "cpu-µs/req")
 	b.ReportMetric(0, "ns/op")
 }
