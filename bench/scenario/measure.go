@@ -86,8 +86,9 @@ func toSimTime(rep *bench.Report, k float64, cfg bench.Config) {
 			r.ITLs[j] = scale(r.ITLs[j])
 		}
 	}
+	cfg.Workload, cfg.Arrival = cfg.Tenants[0].Workload, cfg.Tenants[0].Arrival
+	cfg.Target, cfg.Scrape, cfg.Metadata, cfg.Label = rep.Config.Target, rep.Config.Scrape, rep.Config.Metadata, rep.Config.Label
 	if vc, err := cfg.Validate(); err == nil {
-		vc.Target, vc.Scrape, vc.Metadata, vc.Label = rep.Config.Target, rep.Config.Scrape, rep.Config.Metadata, rep.Config.Label
 		vc.ScrapeInterval = scale(rep.Config.ScrapeInterval)
 		vc.JobPollInterval = scale(rep.Config.JobPollInterval)
 		rep.Config = vc

@@ -221,15 +221,21 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 
 	speed := p.fleet.speedup
 	cfg := toWall(p.cfg, speed)
+	// The report's headline describes the run's own workload and arrivals:
+	// the first tenant's; the metadata describes every tenant.
+	cfg.Workload, cfg.Arrival = cfg.Tenants[0].Workload, cfg.Tenants[0].Arrival
 	cfg.Target = st.url
 	cfg.Scrape = st.metrics
 	cfg.ScrapeInterval = wall(time.Second, speed, 50*time.Millisecond)
 	cfg.Label = name + "/" + target
-	cfg.Metadata = map[string]string{"scenario": name, "target": target, "time": "simulated",
+	cfg.Metadata = map[string]string{"scenario": name, "target": target, "time": "simulated", "describe": p.describe,
 		"speedup": fmt.Sprint(speed), "fleet": fmt.Sprintf("%d × %s", p.fleet.backends, p.fleet.profile.Name)}
+	simCfg := p.cfg
+	simCfg.Tenants = slices.Clone(p.cfg.Tenants)
 	if !st.jobs {
 		for i := range cfg.Tenants {
-			cfg.Tenants[i].Deferred = false // no job API: batch goes as plain requests
+			// No job API: batch goes as plain requests.
+			cfg.Tenants[i].Deferred, simCfg.Tenants[i].Deferred = false, false
 		}
 	}
 
@@ -316,7 +322,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		FleetTokPerSec: c2.tokPerSec(c1),
 		Preemptions:    c3.preemptions - c0.preemptions,
 	}
-	toSimTime(tr.Report, k, p.cfg)
+	toSimTime(tr.Report, k, simCfg)
 	tr.Report.Metadata["effective_speedup"] = fmt.Sprintf("%.3f", k)
 	tr.Focus = focusSummary(tr.Report, p.focus)
 	if o.Out != "" {

@@ -175,8 +175,9 @@ func TestScenarioEndToEnd(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if rep.Metadata["time"] != "simulated" || len(rep.Requests) != s.Completed+s.Failed {
-			t.Errorf("%s: report metadata %v, %d requests", tr.Target, rep.Metadata, len(rep.Requests))
+		if rep.Metadata["time"] != "simulated" || rep.Metadata["describe"] != res.Describe || len(rep.Requests) != s.Completed+s.Failed ||
+			rep.Config.Workload.Input.Mean != 600 || float64(rep.Config.Arrival.Rate) != 18 {
+			t.Errorf("%s: report metadata %v, %d requests, workload %+v, arrival %+v", tr.Target, rep.Metadata, len(rep.Requests), rep.Config.Workload, rep.Config.Arrival)
 		}
 	}
 	var got []string
