@@ -245,7 +245,7 @@ func runBenchRun(ctx context.Context, args []string, getenv func(string) string,
 			return fmt.Errorf("bench run: --config %w", err)
 		}
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := fs.Parse(joinGoodput(args)); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
@@ -450,6 +450,36 @@ func (f *benchFlags) tenant(spec string, cfg bench.Config) (bench.Tenant, error)
 		t.Deferred, err = strconv.ParseBool(v)
 	}
 	return t, err
+}
+
+// joinGoodput lets --goodput take several arguments, as vllm's does
+// (--goodput ttft:500 tpot:50): the NAME:MS words after it join its value.
+func joinGoodput(args []string) []string {
+	out := make([]string, 0, len(args))
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		out = append(out, a)
+		if name := strings.TrimLeft(a, "-"); a == name || name != "goodput" || i+1 >= len(args) {
+			continue
+		}
+		v := args[i+1]
+		i++
+		for i+1 < len(args) && isObjective(args[i+1]) {
+			v += " " + args[i+1]
+			i++
+		}
+		out = append(out, v)
+	}
+	return out
+}
+
+func isObjective(s string) bool {
+	for _, k := range []string{"ttft:", "tpot:", "e2el:"} {
+		if strings.HasPrefix(s, k) {
+			return true
+		}
+	}
+	return false
 }
 
 // parseGoodput reads vllm's --goodput: "ttft:500 tpot:50 e2el:10000" (ms),

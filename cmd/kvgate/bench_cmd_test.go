@@ -44,7 +44,7 @@ func TestBenchRunWritesReports(t *testing.T) {
 	var stdout, stderr syncBuffer
 	err := run(context.Background(), []string{"bench", "run", "--target", url + "/v1", "--model", benchModel, "--out", out,
 		"--num-prompts", "20", "--request-rate", "200", "--burstiness", "0.5", "--random-input-len", "32", "--random-output-len", "8",
-		"--goodput", "ttft:60000 e2el:60000", "--scrape", url + "/metrics", "--scrape-interval", "20ms", "--seed", "3",
+		"--goodput", "ttft:60000", "e2el:60000", "--scrape", url + "/metrics", "--scrape-interval", "20ms", "--seed", "3",
 		"--metadata", "gpu=simulated", "--label", "smoke"}, noenv, &stdout, &stderr)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, stderr.String())
@@ -62,6 +62,9 @@ func TestBenchRunWritesReports(t *testing.T) {
 	}
 	if ts, _ := m["time_series"].([]any); len(ts) == 0 {
 		t.Error("no scraped time series")
+	}
+	if slo := m["goodput_slo_ms"].(map[string]any); slo["ttft"] != 60000.0 || slo["e2el"] != 60000.0 {
+		t.Errorf("goodput SLOs %v", slo)
 	}
 	if md := m["metadata"].(map[string]any); md["gpu"] != "simulated" {
 		t.Errorf("metadata %v", md)
@@ -270,5 +273,19 @@ func TestBenchErrors(t *testing.T) {
 	var stdout, stderr syncBuffer
 	if err := run(context.Background(), []string{"bench", "run", "--config", bad}, noenv, &stdout, &stderr); err == nil || !strings.Contains(err.Error(), "colour") {
 		t.Errorf("unknown config key: %v", err)
+	}
+}
+
+func TestJoinGoodput(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"--goodput ttft:500 tpot:50 --num-prompts 3", "--goodput|ttft:500 tpot:50|--num-prompts|3"},
+		{"-goodput e2el:9 x", "-goodput|e2el:9|x"},
+		{"--goodput=ttft:5 tpot:1", "--goodput=ttft:5|tpot:1"},
+		{"--goodput", "--goodput"},
+		{"--model goodput ttft:1", "--model|goodput|ttft:1"},
+	} {
+		if got := strings.Join(joinGoodput(strings.Fields(tc.in)), "|"); got != tc.want {
+			t.Errorf("%q: %q, want %q", tc.in, got, tc.want)
+		}
 	}
 }
