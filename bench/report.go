@@ -2,9 +2,11 @@ package bench
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"math"
+	"net/http"
 	"os"
 	"regexp"
 	"strconv"
@@ -37,12 +39,14 @@ func (r *Record) fail(class string, status int, msg string) {
 	r.ErrorClass, r.Status, r.Error = class, status, msg
 }
 
-func (r *Record) failErr(ctx interface{ Err() error }, err error) {
+// failErr records a transport or read error: a timeout when ctx ended,
+// a broken stream once a 200 began, a transport error before.
+func (r *Record) failErr(ctx context.Context, err error) {
 	class := ErrTransport
-	if ctx.Err() != nil {
+	switch {
+	case ctx.Err() != nil:
 		class = ErrTimeout
-	}
-	if r.Status == http200 && class == ErrTransport {
+	case r.Status == http.StatusOK:
 		class = ErrStream
 	}
 	msg := err.Error()
@@ -51,8 +55,6 @@ func (r *Record) failErr(ctx interface{ Err() error }, err error) {
 	}
 	r.ErrorClass, r.Error = class, msg
 }
-
-const http200 = 200
 
 type recordJSON struct {
 	Tenant       string    `json:"tenant"`

@@ -104,9 +104,9 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if len(rep.LoadPoints) == 0 {
 		return rep, ctx.Err()
 	}
-	rep.Knee = findKnee(sortedByRate(rep.LoadPoints), len(rep.SLO) > 0)
-	if rep.Knee >= 0 {
-		rep.Knee = sortedByRate(rep.LoadPoints)[rep.Knee].Index
+	byRate := sortedByRate(rep.LoadPoints)
+	if k := findKnee(byRate, len(rep.SLO) > 0); k >= 0 {
+		rep.Knee = byRate[k].Index
 	}
 	rep.Headline = len(rep.LoadPoints) - 1
 	if cfg.Sweep != nil && rep.Knee >= 0 {
@@ -296,7 +296,17 @@ func (p *point) tenant(ctx context.Context, t Tenant) {
 					srcMu.Lock()
 					it := src.draw()
 					srcMu.Unlock()
+					if p.sem != nil {
+						select {
+						case p.sem <- struct{}{}:
+						case <-ctx.Done():
+							return
+						}
+					}
 					p.one(ctx, t, i, it, time.Now())
+					if p.sem != nil {
+						<-p.sem
+					}
 				}
 			})
 		}

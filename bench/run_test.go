@@ -258,11 +258,16 @@ func TestConcurrencyLimits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	both, err := Run(context.Background(), Config{Target: url, Model: model, Stream: true, Workload: w, NumPrompts: 24, MaxConcurrency: 2,
+		Tenants: []Tenant{{Name: "closed", Arrival: Arrival{Concurrency: 4}}, {Name: "open", Arrival: Arrival{Rate: 1000}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	for _, tc := range []struct {
 		name string
 		rep  *Report
 		max  int
-	}{{"3 closed-loop clients", closed, 3}, {"max concurrency 2", capped, 2}} {
+	}{{"3 closed-loop clients", closed, 3}, {"max concurrency 2", capped, 2}, {"max concurrency 2 over 4 clients and an open loop", both, 2}} {
 		s := tc.rep.Summary
 		if s.Completed != 24 || s.MaxConcurrentRequests > tc.max || s.MaxConcurrentRequests < 1 {
 			t.Errorf("%s: completed %d, peak concurrency %d", tc.name, s.Completed, s.MaxConcurrentRequests)
