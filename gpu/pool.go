@@ -81,6 +81,9 @@ type Snapshot struct {
 
 	Ejected      bool
 	EjectedUntil time.Time
+	// CoolingUntil is when a cooldown ends: the backend said it was
+	// overloaded (429) and asked for a pause, here or on another replica.
+	CoolingUntil time.Time
 	// Failures counts dispatches in a row that failed, ProbeFailures
 	// /health probes in a row. They are kept apart so that a backend that
 	// answers /health but fails every request is still ejected.
@@ -119,6 +122,9 @@ func (s *Snapshot) Serves(model string) (Model, bool) {
 	}
 	return Model{}, false
 }
+
+// Cooling reports whether the backend asked for a pause that lasts past now.
+func (s *Snapshot) Cooling(now time.Time) bool { return now.Before(s.CoolingUntil) }
 
 // Routable reports whether new work may go to the backend: models known,
 // not ejected, GPUs not failed. Staleness is the scheduler's call.
@@ -263,6 +269,33 @@ func (p *Pool) ReportFailure(name string, err error) {
 	if b, ok := p.byName[name]; ok {
 		p.fail(b, err, false)
 	}
+}
+
+// Cooldown pauses new work to a backend until until, after it answered 429
+// (or another replica says it did); a later end wins over an earlier one.
+// It reports whether the cooldown was extended.
+func (p *Pool) Cooldown(name string, until time.Time) bool {
+	b, ok := p.byName[name]
+	if !ok || !until.After(b.snap.Load().CoolingUntil) {
+		return false
+	}
+	p.update(b, func(s *Snapshot) {
+		if until.After(s.CoolingUntil) {
+			s.CoolingUntil = until
+		}
+	})
+	return true
+}
+
+// CooldownURL is Cooldown for the backend at url, as replicas whose
+// backends have other names know it.
+func (p *Pool) CooldownURL(url string, until time.Time) bool {
+	for _, b := range p.backends {
+		if b.cfg.URL == url {
+			return p.Cooldown(b.cfg.Name, until)
+		}
+	}
+	return false
 }
 
 // ReportSuccess records a dispatch that worked.

@@ -658,3 +658,25 @@ func TestPoolConcurrentScrape(t *testing.T) {
 		t.Errorf("after concurrent scrapes of a constant page: %+v", s)
 	}
 }
+
+func TestCooldown(t *testing.T) {
+	p, err := NewPool([]BackendConfig{{Name: "a", URL: "http://a"}, {Name: "b", URL: "http://b"}}, PoolConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	if !p.Cooldown("a", now.Add(time.Minute)) {
+		t.Fatal("first cooldown not applied")
+	}
+	if p.Cooldown("a", now.Add(time.Second)) {
+		t.Error("an earlier end shortened the cooldown")
+	}
+	if !p.CooldownURL("http://a", now.Add(2*time.Minute)) || p.CooldownURL("http://nowhere", now.Add(time.Hour)) {
+		t.Error("cooldown by URL")
+	}
+	a, _ := p.Snapshot("a")
+	b, _ := p.Snapshot("b")
+	if !a.Cooling(now.Add(90*time.Second)) || a.Cooling(now.Add(3*time.Minute)) || b.Cooling(now) {
+		t.Errorf("cooling: a until %v, b until %v", a.CoolingUntil, b.CoolingUntil)
+	}
+}

@@ -15,6 +15,7 @@ type flight struct {
 // load is what admission knows of one backend at one instant.
 type load struct {
 	routable   bool
+	cooling    bool // the backend asked for a pause (429)
 	stale      bool
 	degraded   bool
 	preempting bool // the backend preempted since its previous scrape
@@ -75,6 +76,7 @@ const (
 	reasonPacing     = "pacing"
 	reasonPreempting = "preempting"
 	reasonShare      = "replica_share"
+	reasonCooldown   = "cooldown"
 )
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
@@ -84,6 +86,8 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	switch {
 	case !l.routable:
 		return verdict{reason: reasonUnroutable}
+	case l.cooling:
+		return verdict{reason: reasonCooldown}
 	case l.stale:
 		return verdict{reason: reasonStale}
 	case l.capacity <= 0:

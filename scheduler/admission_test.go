@@ -70,6 +70,7 @@ func TestDecide(t *testing.T) {
 	}{
 		{name: "empty backend admits", prompt: 1000, out: 1000, ok: true},
 		{name: "unroutable", mod: func(l *load) { l.routable = false }, prompt: 10, out: 10, reason: reasonUnroutable},
+		{name: "a backend cooling down after a 429", mod: func(l *load) { l.cooling = true }, prompt: 10, out: 10, reason: reasonCooldown},
 		{name: "stale metrics count as saturated", mod: func(l *load) { l.stale = true }, prompt: 10, out: 10, reason: reasonStale},
 		{name: "unknown capacity", mod: func(l *load) { l.capacity = 0 }, prompt: 10, out: 10, reason: reasonNoCapacity},
 		{name: "up to the target", prompt: 45_000, out: 45_000, ok: true},

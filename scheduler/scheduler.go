@@ -507,6 +507,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 	ld := load{
 		preempting:      sn.PreemptionRate > 0,
 		routable:        sn.Routable(),
+		cooling:         sn.Cooling(now),
 		stale:           sn.Stale(now),
 		degraded:        sn.GPUHealth == gpu.Degraded,
 		capacity:        sn.CapacityTokens,

@@ -161,3 +161,40 @@ func FollowFeed(ctx context.Context, nc *nats.Conn, feed *Feed) error {
 	_ = sub.Unsubscribe()
 	return ctx.Err()
 }
+
+// CooldownSubject carries backends' cooldowns between replicas.
+const CooldownSubject = "kvgate.cooldown"
+
+type cooldownMsg struct {
+	URL   string    `json:"url"`
+	Until time.Time `json:"until"`
+}
+
+// PublishCooldown tells every replica that the backend at url asked for a
+// pause until until. A plain NATS message: a replica that misses it learns
+// of the overload from its own next 429.
+func PublishCooldown(nc *nats.Conn, url string, until time.Time) error {
+	data, err := json.Marshal(cooldownMsg{URL: url, Until: until.UTC()})
+	if err != nil {
+		return err
+	}
+	return nc.Publish(CooldownSubject, data)
+}
+
+// FollowCooldowns applies the cooldowns other replicas publish until ctx
+// ends. apply reports whether it extended one (a replica's own message
+// comes back to it and changes nothing).
+func FollowCooldowns(ctx context.Context, nc *nats.Conn, apply func(url string, until time.Time) bool) error {
+	sub, err := nc.Subscribe(CooldownSubject, func(m *nats.Msg) {
+		var c cooldownMsg
+		if json.Unmarshal(m.Data, &c) == nil && c.URL != "" {
+			apply(c.URL, c.Until)
+		}
+	})
+	if err != nil {
+		return fmt.Errorf("subscribe %s: %w", CooldownSubject, err)
+	}
+	<-ctx.Done()
+	_ = sub.Unsubscribe()
+	return ctx.Err()
+}
