@@ -99,13 +99,13 @@ type benchFlags struct {
 	scrape, tenants, metadata                         listFlag
 }
 
-func benchFlagSet(stderr io.Writer, f *benchFlags, getenv func(string) string) *flag.FlagSet {
+func benchFlagSet(stderr io.Writer, f *benchFlags) *flag.FlagSet {
 	fs := flag.NewFlagSet("kvgate bench run", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.String("config", "", "YAML file of settings: keys are these flags' names (tenants: a list of maps); flags override it")
 	fs.StringVar(&f.target, "target", "", "base URL of any OpenAI-compatible server: kvgate, vLLM, the simulator (http://host:port or .../v1)")
 	fs.StringVar(&f.model, "model", "", "model id to request")
-	fs.StringVar(&f.apiKey, "api-key", getenv("OPENAI_API_KEY"), "bearer key (default $OPENAI_API_KEY)")
+	fs.StringVar(&f.apiKey, "api-key", "", "bearer key (default $OPENAI_API_KEY)")
 	fs.StringVar(&f.out, "out", "bench-results", "directory for the reports")
 	fs.StringVar(&f.endpoint, "endpoint", "/v1/completions", "/v1/completions or /v1/chat/completions (or completions, chat)")
 	fs.BoolVar(&f.stream, "stream", true, "stream, to measure TTFT, TPOT and ITL (--stream=false: end-to-end latency only)")
@@ -239,7 +239,7 @@ func configFileArg(args []string) string {
 
 func runBenchRun(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
 	var f benchFlags
-	fs := benchFlagSet(stderr, &f, getenv)
+	fs := benchFlagSet(stderr, &f)
 	if path := configFileArg(args); path != "" {
 		if err := applyConfigFile(fs, path); err != nil {
 			return fmt.Errorf("bench run: --config %w", err)
@@ -250,6 +250,9 @@ func runBenchRun(ctx context.Context, args []string, getenv func(string) string,
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench run: unexpected argument %q", fs.Arg(0))
+	}
+	if f.apiKey == "" {
+		f.apiKey = getenv("OPENAI_API_KEY") // read after parsing, so that help never prints it
 	}
 	cfg, err := f.config()
 	if err != nil {

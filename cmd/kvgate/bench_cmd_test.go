@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/kvgate/kvgate/bench"
@@ -287,5 +289,41 @@ func TestJoinGoodput(t *testing.T) {
 		if got := strings.Join(joinGoodput(strings.Fields(tc.in)), "|"); got != tc.want {
 			t.Errorf("%q: %q, want %q", tc.in, got, tc.want)
 		}
+	}
+}
+
+func TestBenchAPIKeyFromEnvironment(t *testing.T) {
+	sim, _ := benchSim(t)
+	var mu sync.Mutex
+	auth := map[string]int{}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1/completions" {
+			mu.Lock()
+			auth[r.Header.Get("Authorization")]++
+			mu.Unlock()
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	defer srv.Close()
+	env := func(k string) string {
+		if k == "OPENAI_API_KEY" {
+			return "sk-from-env"
+		}
+		return ""
+	}
+	var stdout, stderr syncBuffer
+	if err := run(context.Background(), []string{"bench", "run", "--target", srv.URL, "--model", benchModel, "--out", t.TempDir(), "--quiet",
+		"--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "2"}, env, &stdout, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	mu.Lock()
+	if auth["Bearer sk-from-env"] != 3 {
+		t.Errorf("authorizations %v, want 3 with $OPENAI_API_KEY", auth)
+	}
+	mu.Unlock()
+	stderr = syncBuffer{}
+	_ = run(context.Background(), []string{"bench", "run", "--help"}, env, &stdout, &stderr)
+	if strings.Contains(stderr.String(), "sk-from-env") || !strings.Contains(stderr.String(), "-num-prompts") {
+		t.Errorf("help shows the key or lacks the flags:\n%s", stderr.String())
 	}
 }
