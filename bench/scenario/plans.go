@@ -122,7 +122,9 @@ func planBurst(o Options) (plan, error) {
 	chat := 0.1 * perBackendRate * float64(f.backends) / 0.4
 	// A's 600/200 requests go at about 14 per second per backend.
 	drain := time.Duration(float64(jobs) / (14 * float64(f.backends)) * float64(time.Second))
-	cfg := baseConfig(o, d+2*drain)
+	// A minute on top covers the fixed costs (acceptance, the runner's
+	// scan, the harness's polls) that dominate small runs.
+	cfg := baseConfig(o, d+2*drain+time.Minute)
 	// The harness follows each job by polling it: at most ~250 polls per
 	// wall second over all of A's jobs, so that polling does not become
 	// the load.

@@ -235,10 +235,10 @@ func TestBurstJobsComplete(t *testing.T) {
 			b = ts.Summary
 		}
 	}
-	// The fleet serves 30 such jobs in about a simulated second and the run
-	// allows four; two thirds leave room for a slow host.
-	if a.Completed+a.Failed != 30 || a.Completed < 20 {
-		t.Errorf("tenant A: %d jobs completed, %d failed (%v); want 30 sent, at least 20 seen to finish", a.Completed, a.Failed, a.Errors)
+	// The fleet serves 30 such jobs in a few seconds and the run allows
+	// more than a minute.
+	if a.Completed != 30 || a.Failed != 0 {
+		t.Errorf("tenant A: %d jobs completed, %d failed (%v); want all 30 seen to finish", a.Completed, a.Failed, a.Errors)
 	}
 	for _, r := range rep.Requests {
 		if r.Tenant == "tenant-a" && r.ErrorClass == "" && r.JobID == "" {
