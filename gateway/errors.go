@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -23,6 +24,7 @@ type apiError struct {
 	param      string
 	msg        string
 	retryAfter time.Duration
+	header     http.Header // more headers to send (x-ratelimit-*)
 }
 
 func (e *apiError) Error() string { return e.msg }
@@ -51,6 +53,9 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	if e.retryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((e.retryAfter+time.Second-1)/time.Second)))
 	}
+	for k, v := range e.header {
+		w.Header()[k] = v
+	}
 	body := openai.ErrorResponse{Error: &openai.APIError{Message: e.msg, Type: e.typ}}
 	if e.code != "" {
 		body.Error.Code = e.code
@@ -69,10 +74,21 @@ func toAPIError(err error) *apiError {
 		rejected *scheduler.RejectedError
 		tooLarge *scheduler.TooLargeError
 		maxBytes *http.MaxBytesError
+		quota    *store.QuotaError
 	)
 	switch {
 	case errors.As(err, &api):
 		return api
+	case errors.As(err, &quota):
+		return quotaError(quota)
+	case errors.Is(err, errQuotaUnavailable):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "quota_unavailable", retryAfter: time.Second,
+			msg: "The gateway cannot check your quota right now; retry after the Retry-After delay."}
+	case errors.Is(err, errKeysUnavailable):
+		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "auth_unavailable", retryAfter: time.Second,
+			msg: "The gateway cannot check your API key right now; retry after the Retry-After delay."}
+	case errors.Is(err, store.ErrExists):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "already_exists", msg: "It already exists."}
 	case errors.As(err, &maxBytes):
 		return &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error",
 			msg: "Request body is larger than the " + strconv.FormatInt(maxBytes.Limit, 10) + " bytes this gateway accepts."}
@@ -114,4 +130,33 @@ func toAPIError(err error) *apiError {
 	}
 	return &apiError{status: http.StatusBadGateway, typ: "server_error", code: "upstream_error",
 		msg: "The model backend failed; the request may be retried."}
+}
+
+// quotaError answers a tenant quota's refusal as OpenAI does: 429 with
+// rate_limit_exceeded for a rate (retry after the window resets) or
+// insufficient_quota for a spent budget (do not retry: x-should-retry
+// false), with Retry-After and the x-ratelimit-* headers.
+func quotaError(q *store.QuotaError) *apiError {
+	e := &apiError{status: http.StatusTooManyRequests, typ: "rate_limit_error", code: "rate_limit_exceeded",
+		retryAfter: max(q.Reset, time.Second), header: http.Header{}}
+	what := map[string]string{
+		"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)", "concurrency": "concurrent requests",
+		"daily_tokens": "tokens per day", "monthly_tokens": "tokens per month",
+		"pending_jobs": "pending jobs", "pending_tokens": "tokens of pending jobs",
+	}[q.Limit]
+	e.msg = fmt.Sprintf("Rate limit reached for your %s on %s: Limit %d, Used %d, Requested %d.", q.Scope, what, q.Max, q.Used, q.Asked)
+	switch {
+	case q.Budget():
+		e.typ, e.code = "insufficient_quota", "insufficient_quota"
+		e.msg = fmt.Sprintf("You exceeded your current quota of %s: Limit %d, Used %d, Requested %d. It resets in %s.",
+			what, q.Max, q.Used, q.Asked, q.Reset.Round(time.Second))
+		e.header.Set("x-should-retry", "false")
+	case q.Reset > 0:
+		e.msg += fmt.Sprintf(" Please try again in %s.", q.Reset.Round(time.Millisecond))
+	default:
+		e.msg += " Please try again when a request in flight ends."
+	}
+	rateLimitHeaders(e.header, q.Window)
+	e.header.Set("retry-after-ms", strconv.FormatInt(e.retryAfter.Milliseconds(), 10))
+	return e
 }

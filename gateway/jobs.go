@@ -169,6 +169,11 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	endReservation, err := s.reserveJob(r.Context(), estimate)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	defer endReservation()
 	job, created, err := s.jobs.Store.Accept(r.Context(), store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
 		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: requestHash(req.Endpoint, req.Body),

@@ -225,6 +225,25 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gpu.Model) int {
 	ctx := r.Context()
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
+	permit, err := s.acquireQuota(ctx, prompt+maxOut)
+	if err != nil {
+		if ctx.Err() != nil {
+			return 499
+		}
+		return writeError(w, s.log, err)
+	}
+	permit.headers(w.Header())
+	var (
+		attempts int
+		last     *result
+	)
+	defer func() {
+		if permit != nil && last != nil && last.wrote {
+			_ = http.NewResponseController(w).Flush() // the client need not wait for the release
+		}
+		o, u := outcome(attempts, last, usage{PromptTokens: prompt, CompletionTokens: maxOut})
+		permit.release(ctx, o, attempts, u)
+	}()
 	ticket := &scheduler.Ticket{
 		Tenant: tenantOf(ctx), Class: scheduler.Interactive, Model: model.ID,
 		PromptTokens: prompt, MaxTokens: maxOut,
@@ -234,8 +253,9 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	}
 	body, injected := c.body, false
 	clientUsage := c.f.StreamOptions != nil && c.f.StreamOptions.IncludeUsage != nil && *c.f.StreamOptions.IncludeUsage
-	if c.f.Stream && !clientUsage && !exact && s.est.wantSample(model.ID) {
-		// Ask for usage to settle the estimate; the client does not see it.
+	if c.f.Stream && !clientUsage && (permit != nil || (!exact && s.est.wantSample(model.ID))) {
+		// Ask for usage to settle the estimate, or the tenant's quota; the
+		// client does not see it.
 		if b, err := withStreamUsage(c.body, c.f.StreamOptions != nil || bytes.Contains(c.body, []byte(`"stream_options"`))); err == nil {
 			body, injected = b, true
 		}
@@ -250,6 +270,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}
 		res := s.forward(ctx, w, grant, c, body, injected)
 		grant.Release()
+		attempts, last = attempts+1, &res
 		if res.err == nil {
 			if res.usage != nil && c.promptBytes > 0 {
 				s.est.observe(model.ID, c.promptBytes, res.usage.PromptTokens)

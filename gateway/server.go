@@ -3,7 +3,6 @@ package gateway
 import (
 	"cmp"
 	"context"
-	"crypto/subtle"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
 )
 
 // Config configures the API. Zero values take the defaults in brackets.
@@ -48,6 +48,16 @@ type Config struct {
 	// Jobs enables the durable jobs API (/v1/jobs); without a store it
 	// answers 404.
 	Jobs Jobs
+	// OnCooldown, when set, hears of each cooldown a backend's 429 starts
+	// here, to tell the other replicas (which apply it by URL).
+	OnCooldown func(backendURL string, until time.Time)
+	// AdminKeys maps bearer tokens to the tenants of administrators: they
+	// may do all an operator may, and manage tenants and keys
+	// (/v1/admin/). A bootstrap key for a store-backed deployment.
+	AdminKeys map[string]string
+	// Tenants enables store-backed keys, quotas and usage; without a
+	// store, only the static keys above exist and nothing is limited.
+	Tenants Tenants
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -57,6 +67,7 @@ type backendPool interface {
 	Models() []gpu.Model
 	ReportFailure(name string, err error)
 	ReportSuccess(name string)
+	Cooldown(name string, until time.Time) bool
 }
 
 // admitter is what the gateway needs of the scheduler.
@@ -77,6 +88,9 @@ type Server struct {
 	m       *metrics
 	mux     *http.ServeMux
 	retries int
+	keys    *keyCache    // nil without Tenants.Store
+	limits  *tenantCache // nil without Tenants.Store
+	quota   *quotaMetrics
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
@@ -119,6 +133,9 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	if err := s.m.register(reg); err != nil {
 		return nil, err
 	}
+	if err := s.initTenants(reg); err != nil {
+		return nil, err
+	}
 	s.routes(reg)
 	return s, nil
 }
@@ -130,6 +147,9 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
 	if s.jobs.Store != nil {
 		s.jobRoutes()
+	}
+	if s.cfg.Tenants.Store != nil {
+		s.tenantRoutes()
 	}
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
@@ -150,8 +170,8 @@ type tenantKey struct{}
 
 type operatorKey struct{}
 
-// isOperator reports whether the caller holds an operator key (or the
-// gateway runs without keys, in development mode).
+// isOperator reports whether the caller holds an operator or admin key
+// (or the gateway runs without keys, in development mode).
 func isOperator(ctx context.Context) bool {
 	op, _ := ctx.Value(operatorKey{}).(bool)
 	return op
@@ -168,14 +188,15 @@ func tenantOf(ctx context.Context) string {
 func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request) int) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
-		tenant, operator, err := s.authenticate(r)
+		p, err := s.authenticate(r)
 		if err != nil {
 			status := writeError(w, s.log, err)
 			s.m.request(route, "", status, time.Since(start))
 			return
 		}
-		ctx := context.WithValue(r.Context(), tenantKey{}, tenant)
-		if operator {
+		ctx := context.WithValue(r.Context(), tenantKey{}, p.tenant)
+		ctx = context.WithValue(ctx, principalKey{}, p)
+		if p.role == store.RoleOperator || p.role == store.RoleAdmin {
 			ctx = context.WithValue(ctx, operatorKey{}, true)
 		}
 		r = r.WithContext(ctx)
@@ -195,32 +216,6 @@ type statusWriter struct {
 }
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
-
-// authenticate returns the caller's tenant and whether it holds an
-// operator key. Without any key configured every caller is the "default"
-// tenant's operator (development mode).
-func (s *Server) authenticate(r *http.Request) (string, bool, error) {
-	if len(s.cfg.APIKeys) == 0 && len(s.cfg.OperatorKeys) == 0 {
-		return "default", true, nil
-	}
-	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-	if !ok || token == "" {
-		return "", false, &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error",
-			msg: "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'."}
-	}
-	for key, tenant := range s.cfg.APIKeys {
-		if subtle.ConstantTimeCompare([]byte(key), []byte(token)) == 1 {
-			return tenant, false, nil
-		}
-	}
-	for key, tenant := range s.cfg.OperatorKeys {
-		if subtle.ConstantTimeCompare([]byte(key), []byte(token)) == 1 {
-			return tenant, true, nil
-		}
-	}
-	return "", false, &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
-		msg: "Incorrect API key provided."}
-}
 
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
 	type model struct {

@@ -216,6 +216,16 @@ func (s *Store) checkBudgets(ctx context.Context, tx *sql.Tx, a store.Acquisitio
 func (s *Store) Release(ctx context.Context, r store.Release) error {
 	p := r.Permit
 	return s.tx(ctx, "release quota", func(tx *sql.Tx) error {
+		// Rows are locked in Acquire's order (the tenant's window, the
+		// key's, the permits, the ledger), so the two never deadlock.
+		for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
+			if sc == "k:" {
+				continue
+			}
+			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET requests = requests WHERE scope = ?`), sc); err != nil {
+				return err
+			}
+		}
 		var swept int
 		err := tx.QueryRowContext(ctx, s.rb(`DELETE FROM quota_permits WHERE id = ? RETURNING swept`), p.ID).Scan(&swept)
 		if errors.Is(err, sql.ErrNoRows) {

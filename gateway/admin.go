@@ -1,0 +1,397 @@
+package gateway
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// The admin API (/v1/admin/, admin keys only): tenants, keys and every
+// tenant's usage; and GET /v1/usage, a tenant's own usage, for its
+// operators. It does what `kvgate tenants` and `kvgate keys` do.
+
+func (s *Server) tenantRoutes() {
+	admin := func(route string, h func(w http.ResponseWriter, r *http.Request) int) {
+		_, path, _ := strings.Cut(route, " ")
+		s.mux.Handle(route, s.api(path, func(w http.ResponseWriter, r *http.Request) int {
+			if !isAdmin(r.Context()) {
+				return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "forbidden",
+					msg: "This endpoint needs an admin key."})
+			}
+			return h(w, r)
+		}))
+	}
+	admin("GET /v1/admin/tenants", s.handleListTenants)
+	admin("POST /v1/admin/tenants", s.handleCreateTenant)
+	admin("GET /v1/admin/tenants/{name}", s.handleGetTenant)
+	admin("PATCH /v1/admin/tenants/{name}", s.handleUpdateTenant)
+	admin("DELETE /v1/admin/tenants/{name}", s.handleDeleteTenant)
+	admin("GET /v1/admin/keys", s.handleListKeys)
+	admin("POST /v1/admin/keys", s.handleCreateKey)
+	admin("DELETE /v1/admin/keys/{id}", s.handleRevokeKey)
+	admin("POST /v1/admin/keys/{id}/rotate", s.handleRotateKey)
+	admin("GET /v1/admin/usage", s.handleUsage)
+	s.mux.Handle("GET /v1/usage", s.api("/v1/usage", func(w http.ResponseWriter, r *http.Request) int {
+		if !isOperator(r.Context()) {
+			return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "forbidden",
+				msg: "Usage is for your tenant's operators: this endpoint needs an operator key."})
+		}
+		return s.handleUsage(w, r)
+	}))
+}
+
+// TenantView is a tenant in the admin API; its limits of 0 mean unlimited.
+type TenantView struct {
+	Object           string `json:"object"`
+	Name             string `json:"name"`
+	Weight           int    `json:"weight"`
+	RPM              int64  `json:"rpm"`
+	TPM              int64  `json:"tpm"`
+	MaxConcurrency   int64  `json:"max_concurrency"`
+	MaxPendingJobs   int64  `json:"max_pending_jobs"`
+	MaxPendingTokens int64  `json:"max_pending_tokens"`
+	DailyTokens      int64  `json:"daily_tokens"`
+	MonthlyTokens    int64  `json:"monthly_tokens"`
+	CreatedAt        int64  `json:"created_at"`
+	UpdatedAt        int64  `json:"updated_at"`
+}
+
+func tenantView(t store.Tenant) TenantView {
+	l := t.Limits
+	return TenantView{Object: "tenant", Name: t.Name, Weight: t.Weight, RPM: l.RPM, TPM: l.TPM, MaxConcurrency: l.MaxConcurrency,
+		MaxPendingJobs: l.MaxPendingJobs, MaxPendingTokens: l.MaxPendingTokens, DailyTokens: l.DailyTokens,
+		MonthlyTokens: l.MonthlyTokens, CreatedAt: t.CreatedAt.Unix(), UpdatedAt: t.UpdatedAt.Unix()}
+}
+
+// tenantPatch is a create or update body: fields left out keep their value.
+type tenantPatch struct {
+	Name             string `json:"name"`
+	Weight           *int   `json:"weight"`
+	RPM              *int64 `json:"rpm"`
+	TPM              *int64 `json:"tpm"`
+	MaxConcurrency   *int64 `json:"max_concurrency"`
+	MaxPendingJobs   *int64 `json:"max_pending_jobs"`
+	MaxPendingTokens *int64 `json:"max_pending_tokens"`
+	DailyTokens      *int64 `json:"daily_tokens"`
+	MonthlyTokens    *int64 `json:"monthly_tokens"`
+}
+
+func (p tenantPatch) apply(t *store.Tenant) error {
+	for _, f := range []struct {
+		v   *int64
+		dst *int64
+	}{{p.RPM, &t.Limits.RPM}, {p.TPM, &t.Limits.TPM}, {p.MaxConcurrency, &t.Limits.MaxConcurrency},
+		{p.MaxPendingJobs, &t.Limits.MaxPendingJobs}, {p.MaxPendingTokens, &t.Limits.MaxPendingTokens},
+		{p.DailyTokens, &t.Limits.DailyTokens}, {p.MonthlyTokens, &t.Limits.MonthlyTokens}} {
+		if f.v != nil {
+			if *f.v < 0 {
+				return badRequest("", "Limits are 0 (unlimited) or more.")
+			}
+			*f.dst = *f.v
+		}
+	}
+	if p.Weight != nil {
+		if *p.Weight < 1 {
+			return badRequest("weight", "weight is 1 or more.")
+		}
+		t.Weight = *p.Weight
+	}
+	return nil
+}
+
+func readJSON(r *http.Request, v any) error {
+	b, err := io.ReadAll(r.Body)
+	if err != nil {
+		return err
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
+	}
+	return nil
+}
+
+func notFound(what string) *apiError {
+	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", msg: "No such " + what + "."}
+}
+
+func (s *Server) handleListTenants(w http.ResponseWriter, r *http.Request) int {
+	ts, err := s.cfg.Tenants.Store.ListTenants(r.Context())
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	list := struct {
+		Object string       `json:"object"`
+		Data   []TenantView `json:"data"`
+	}{Object: "list", Data: []TenantView{}}
+	for _, t := range ts {
+		list.Data = append(list.Data, tenantView(t))
+	}
+	writeJSON(w, http.StatusOK, list)
+	return http.StatusOK
+}
+
+func (s *Server) handleCreateTenant(w http.ResponseWriter, r *http.Request) int {
+	var p tenantPatch
+	if err := readJSON(r, &p); err != nil {
+		return writeError(w, s.log, err)
+	}
+	if p.Name == "" || len(p.Name) > 128 {
+		return writeError(w, s.log, badRequest("name", "A tenant needs a name of 1 to 128 characters."))
+	}
+	now := s.cfg.Tenants.Now()
+	t := store.Tenant{Name: p.Name, Weight: 1, CreatedAt: now, UpdatedAt: now}
+	if err := p.apply(&t); err != nil {
+		return writeError(w, s.log, err)
+	}
+	if err := s.cfg.Tenants.Store.CreateTenant(r.Context(), t); err != nil {
+		return writeError(w, s.log, err)
+	}
+	s.forgetTenant(t.Name)
+	writeJSON(w, http.StatusCreated, tenantView(t))
+	return http.StatusCreated
+}
+
+func (s *Server) handleGetTenant(w http.ResponseWriter, r *http.Request) int {
+	t, err := s.cfg.Tenants.Store.GetTenant(r.Context(), r.PathValue("name"))
+	if errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, notFound("tenant"))
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, tenantView(t))
+	return http.StatusOK
+}
+
+func (s *Server) handleUpdateTenant(w http.ResponseWriter, r *http.Request) int {
+	var p tenantPatch
+	if err := readJSON(r, &p); err != nil {
+		return writeError(w, s.log, err)
+	}
+	t, err := s.cfg.Tenants.Store.GetTenant(r.Context(), r.PathValue("name"))
+	if err == nil {
+		if err := p.apply(&t); err != nil {
+			return writeError(w, s.log, err)
+		}
+		t.UpdatedAt = s.cfg.Tenants.Now()
+		err = s.cfg.Tenants.Store.UpdateTenant(r.Context(), t)
+	}
+	if errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, notFound("tenant"))
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	s.forgetTenant(t.Name)
+	writeJSON(w, http.StatusOK, tenantView(t))
+	return http.StatusOK
+}
+
+func (s *Server) handleDeleteTenant(w http.ResponseWriter, r *http.Request) int {
+	name := r.PathValue("name")
+	err := s.cfg.Tenants.Store.DeleteTenant(r.Context(), name, s.cfg.Tenants.Now())
+	if errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, notFound("tenant"))
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	s.forgetTenant(name)
+	s.keys.forgetAll()
+	writeJSON(w, http.StatusOK, map[string]any{"object": "tenant.deleted", "name": name, "deleted": true})
+	return http.StatusOK
+}
+
+// KeyView is a key in the admin API. Key, the secret, is there only in
+// the answer that creates it.
+type KeyView struct {
+	Object         string `json:"object"`
+	ID             string `json:"id"`
+	Key            string `json:"key,omitempty"`
+	Prefix         string `json:"prefix"`
+	Tenant         string `json:"tenant"`
+	Role           string `json:"role"`
+	Name           string `json:"name"`
+	RPM            int64  `json:"rpm"`
+	TPM            int64  `json:"tpm"`
+	MaxConcurrency int64  `json:"max_concurrency"`
+	CreatedAt      int64  `json:"created_at"`
+	RevokedAt      *int64 `json:"revoked_at"`
+}
+
+func keyView(k store.APIKey, secret string) KeyView {
+	v := KeyView{Object: "api_key", ID: k.ID, Key: secret, Prefix: k.Prefix, Tenant: k.Tenant, Role: string(k.Role), Name: k.Name,
+		RPM: k.Limits.RPM, TPM: k.Limits.TPM, MaxConcurrency: k.Limits.MaxConcurrency, CreatedAt: k.CreatedAt.Unix()}
+	if !k.RevokedAt.IsZero() {
+		at := k.RevokedAt.Unix()
+		v.RevokedAt = &at
+	}
+	return v
+}
+
+func (s *Server) handleListKeys(w http.ResponseWriter, r *http.Request) int {
+	ks, err := s.cfg.Tenants.Store.ListKeys(r.Context(), r.URL.Query().Get("tenant"))
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	list := struct {
+		Object string    `json:"object"`
+		Data   []KeyView `json:"data"`
+	}{Object: "list", Data: []KeyView{}}
+	for _, k := range ks {
+		list.Data = append(list.Data, keyView(k, ""))
+	}
+	writeJSON(w, http.StatusOK, list)
+	return http.StatusOK
+}
+
+func (s *Server) handleCreateKey(w http.ResponseWriter, r *http.Request) int {
+	var req struct {
+		Tenant         string `json:"tenant"`
+		Role           string `json:"role"`
+		Name           string `json:"name"`
+		RPM            int64  `json:"rpm"`
+		TPM            int64  `json:"tpm"`
+		MaxConcurrency int64  `json:"max_concurrency"`
+	}
+	if err := readJSON(r, &req); err != nil {
+		return writeError(w, s.log, err)
+	}
+	if req.Role == "" {
+		req.Role = string(store.RoleUser)
+	}
+	if !store.Role(req.Role).Valid() {
+		return writeError(w, s.log, badRequest("role", "role is user, operator or admin."))
+	}
+	if req.RPM < 0 || req.TPM < 0 || req.MaxConcurrency < 0 {
+		return writeError(w, s.log, badRequest("", "Limits are 0 (unlimited) or more."))
+	}
+	secret, k := NewAPIKey(req.Tenant, store.Role(req.Role), req.Name, s.cfg.Tenants.Now())
+	k.Limits = store.Limits{RPM: req.RPM, TPM: req.TPM, MaxConcurrency: req.MaxConcurrency}
+	return s.storeKey(w, r, k, secret)
+}
+
+func (s *Server) storeKey(w http.ResponseWriter, r *http.Request, k store.APIKey, secret string) int {
+	err := s.cfg.Tenants.Store.CreateKey(r.Context(), k)
+	if errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found",
+			param: "tenant", msg: fmt.Sprintf("No such tenant %q: create it first.", k.Tenant)})
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	s.keys.forgetAll() // development mode may have ended
+	writeJSON(w, http.StatusCreated, keyView(k, secret))
+	return http.StatusCreated
+}
+
+func (s *Server) findKey(r *http.Request, id string) (store.APIKey, error) {
+	ks, err := s.cfg.Tenants.Store.ListKeys(r.Context(), "")
+	if err != nil {
+		return store.APIKey{}, err
+	}
+	for _, k := range ks {
+		if k.ID == id && k.RevokedAt.IsZero() {
+			return k, nil
+		}
+	}
+	return store.APIKey{}, notFound("key")
+}
+
+func (s *Server) handleRevokeKey(w http.ResponseWriter, r *http.Request) int {
+	k, err := s.findKey(r, r.PathValue("id"))
+	if err == nil {
+		err = s.cfg.Tenants.Store.RevokeKey(r.Context(), k.ID, s.cfg.Tenants.Now())
+	}
+	if errors.Is(err, store.ErrNotFound) {
+		err = notFound("key")
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	s.keys.forget(k.Hash)
+	k.RevokedAt = s.cfg.Tenants.Now()
+	writeJSON(w, http.StatusOK, keyView(k, ""))
+	return http.StatusOK
+}
+
+// handleRotateKey issues a new key like an old one and revokes the old.
+func (s *Server) handleRotateKey(w http.ResponseWriter, r *http.Request) int {
+	old, err := s.findKey(r, r.PathValue("id"))
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	secret, k := NewAPIKey(old.Tenant, old.Role, old.Name, s.cfg.Tenants.Now())
+	k.Limits = old.Limits
+	if err := s.cfg.Tenants.Store.CreateKey(r.Context(), k); err != nil {
+		return writeError(w, s.log, err)
+	}
+	if err := s.cfg.Tenants.Store.RevokeKey(r.Context(), old.ID, s.cfg.Tenants.Now()); err != nil && !errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, err)
+	}
+	s.keys.forget(old.Hash)
+	writeJSON(w, http.StatusCreated, keyView(k, secret))
+	return http.StatusCreated
+}
+
+// UsageView is one tenant's usage on one UTC day.
+type UsageView struct {
+	Object            string `json:"object"`
+	Tenant            string `json:"tenant"`
+	Date              string `json:"date"` // YYYY-MM-DD, UTC
+	Requests          int64  `json:"requests"`
+	Attempts          int64  `json:"attempts"`
+	PromptTokens      int64  `json:"prompt_tokens"`
+	CompletionTokens  int64  `json:"completion_tokens"`
+	ReservedTokens    int64  `json:"reserved_tokens"`
+	UncertainRequests int64  `json:"uncertain_requests"`
+	UncertainTokens   int64  `json:"uncertain_tokens"`
+	ChargedTokens     int64  `json:"charged_tokens"` // what budgets count: all of the tokens above
+}
+
+// handleUsage answers GET /v1/usage (the caller's tenant) and GET
+// /v1/admin/usage (?tenant=, every tenant without it), ?from= and ?to= as
+// YYYY-MM-DD (the last 30 days by default).
+func (s *Server) handleUsage(w http.ResponseWriter, r *http.Request) int {
+	q := r.URL.Query()
+	now := s.cfg.Tenants.Now().UTC()
+	to, from := now, now.AddDate(0, 0, -29)
+	for _, p := range []struct {
+		name string
+		dst  *time.Time
+	}{{"from", &from}, {"to", &to}} {
+		if v := q.Get(p.name); v != "" {
+			t, err := time.Parse(time.DateOnly, v)
+			if err != nil {
+				return writeError(w, s.log, badRequest(p.name, p.name+" is a date: YYYY-MM-DD."))
+			}
+			*p.dst = t
+		}
+	}
+	tenant := tenantOf(r.Context())
+	if r.URL.Path != "/v1/usage" {
+		tenant = q.Get("tenant")
+	}
+	us, err := s.cfg.Tenants.Store.Usage(r.Context(), tenant, from, to)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	list := struct {
+		Object string      `json:"object"`
+		Data   []UsageView `json:"data"`
+	}{Object: "list", Data: []UsageView{}}
+	for _, u := range us {
+		list.Data = append(list.Data, UsageView{Object: "usage.day", Tenant: u.Tenant, Date: u.Day.Format(time.DateOnly),
+			Requests: u.Requests, Attempts: u.Attempts, PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens,
+			ReservedTokens: u.ReservedTokens, UncertainRequests: u.Uncertain, UncertainTokens: u.UncertainTokens,
+			ChargedTokens: u.Charged()})
+	}
+	writeJSON(w, http.StatusOK, list)
+	return http.StatusOK
+}

@@ -1,0 +1,278 @@
+package gateway
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Quotas. An interactive request of a tenant that the store knows takes a
+// permit before the scheduler admits it: one request from the tenant's
+// (and its key's) current minute window, its token reservation (prompt
+// plus output budget) against TPM and the day's and month's budgets, and
+// a concurrency permit, atomically across replicas (store.Acquisition).
+// The permit is given back when the response ends, reconciled with the
+// usage the backend reported; a request sent whose usage never came back
+// (a timeout, a cut stream, a client that left) stays charged as uncertain
+// usage. A job's submission reserves room under the tenant's pending-job
+// limits until the job is stored. Tenants that the store does not know
+// (static keys, development mode) are not limited and have no ledger.
+//
+// When the store does not answer, the request is refused with 503 (fail
+// closed), or, with Tenants.FailOpen, admitted without a permit and
+// without usage recorded.
+
+// Tenants configures store-backed keys, quotas and usage. Zero values take
+// the defaults in brackets.
+type Tenants struct {
+	// Store holds the tenants, keys, limiter state and usage ledger; nil
+	// disables them all.
+	Store store.Tenants
+	// FailOpen admits requests when the limiter state cannot be reached,
+	// unlimited and unrecorded [false: 503].
+	FailOpen bool
+	// CacheTTL is how long a key lookup and a tenant's limits are reused
+	// in process: how long a revocation or a new limit may take to reach
+	// every replica [5s].
+	CacheTTL time.Duration
+	// PermitLease is how long a permit counts if its replica never
+	// releases it [RequestTimeout + 1m].
+	PermitLease time.Duration
+	// Now is the clock of the quota windows and the caches [time.Now].
+	Now func() time.Time
+}
+
+// errQuotaUnavailable: the limiter state could not be reached, and the
+// gateway fails closed.
+var errQuotaUnavailable = errors.New("quota store unavailable")
+
+// tenantCache keeps tenants' limits for CacheTTL.
+type tenantCache struct {
+	mu sync.Mutex
+	m  map[string]tenantEntry
+}
+
+type tenantEntry struct {
+	t     store.Tenant
+	found bool
+	until time.Time
+}
+
+// quotaMetrics count the quotas' refusals and fail-open admissions.
+type quotaMetrics struct {
+	rejected *prometheus.CounterVec
+	failOpen prometheus.Counter
+}
+
+func (s *Server) initTenants(reg prometheus.Registerer) error {
+	t := &s.cfg.Tenants
+	if t.Store == nil {
+		return nil
+	}
+	s.quota = &quotaMetrics{
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvgate_gateway_quota_rejections_total", Help: "Requests and job submissions refused by a tenant quota, by limit.",
+		}, []string{"limit"}),
+		failOpen: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvgate_gateway_quota_fail_open_total", Help: "Requests admitted unlimited because the quota store did not answer.",
+		}),
+	}
+	for _, c := range []prometheus.Collector{s.quota.rejected, s.quota.failOpen} {
+		if err := reg.Register(c); err != nil {
+			return err
+		}
+	}
+	t.CacheTTL = cmp.Or(t.CacheTTL, 5*time.Second)
+	t.PermitLease = cmp.Or(t.PermitLease, s.cfg.RequestTimeout+time.Minute)
+	if t.Now == nil {
+		t.Now = time.Now
+	}
+	s.keys = &keyCache{ttl: t.CacheTTL, now: t.Now, m: map[string]keyEntry{}}
+	s.limits = &tenantCache{m: map[string]tenantEntry{}}
+	return nil
+}
+
+// tenant returns a tenant's record, cached; found is false for a tenant
+// the store does not know.
+func (s *Server) tenant(ctx context.Context, name string) (store.Tenant, bool, error) {
+	now := s.cfg.Tenants.Now()
+	s.limits.mu.Lock()
+	e, ok := s.limits.m[name]
+	s.limits.mu.Unlock()
+	if ok && now.Before(e.until) {
+		return e.t, e.found, nil
+	}
+	t, err := s.cfg.Tenants.Store.GetTenant(ctx, name)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		e = tenantEntry{until: now.Add(s.cfg.Tenants.CacheTTL)}
+	case err != nil:
+		return store.Tenant{}, false, err
+	default:
+		e = tenantEntry{t: t, found: true, until: now.Add(s.cfg.Tenants.CacheTTL)}
+	}
+	s.limits.mu.Lock()
+	if len(s.limits.m) >= keyCacheMax {
+		clear(s.limits.m)
+	}
+	s.limits.m[name] = e
+	s.limits.mu.Unlock()
+	return e.t, e.found, nil
+}
+
+// forgetTenant drops a cached tenant after a change through this replica.
+func (s *Server) forgetTenant(name string) {
+	s.limits.mu.Lock()
+	delete(s.limits.m, name)
+	s.limits.mu.Unlock()
+}
+
+// permit is an admitted request's hold on its tenant's quotas; nil when
+// the tenant is not limited.
+type permit struct {
+	s *Server
+	p store.Permit
+}
+
+// acquireQuota admits a request of tokens for the caller: a permit (nil
+// when nothing limits the caller), a *store.QuotaError, or
+// errQuotaUnavailable.
+func (s *Server) acquireQuota(ctx context.Context, tokens int) (*permit, error) {
+	if s.cfg.Tenants.Store == nil {
+		return nil, nil
+	}
+	pr := principalOf(ctx)
+	t, found, err := s.tenant(ctx, pr.tenant)
+	if err == nil && !found {
+		return nil, nil
+	}
+	var p store.Permit
+	if err == nil {
+		p, err = s.cfg.Tenants.Store.Acquire(ctx, store.Acquisition{
+			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: pr.tenant, KeyID: pr.keyID, Tokens: int64(tokens),
+			Limits: t.Limits, KeyLimits: pr.keyLimits, Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease,
+		})
+	}
+	var qe *store.QuotaError
+	switch {
+	case err == nil:
+		return &permit{s: s, p: p}, nil
+	case errors.As(err, &qe):
+		s.quota.rejected.WithLabelValues(qe.Limit).Inc()
+		return nil, qe
+	case ctx.Err() != nil:
+		return nil, ctx.Err()
+	case s.cfg.Tenants.FailOpen:
+		s.log.Warn("quota store unreachable: admitting without a permit", "tenant", pr.tenant, "err", err)
+		s.quota.failOpen.Inc()
+		return nil, nil
+	}
+	s.log.Warn("quota store unreachable: refusing", "tenant", pr.tenant, "err", err)
+	return nil, errQuotaUnavailable
+}
+
+// headers sets OpenAI's x-ratelimit-* headers for the permit's window.
+func (p *permit) headers(h http.Header) {
+	if p != nil {
+		rateLimitHeaders(h, p.p.Window)
+	}
+}
+
+func rateLimitHeaders(h http.Header, w store.Window) {
+	reset := w.Reset.Round(time.Millisecond).String()
+	if w.LimitRequests > 0 {
+		h.Set("x-ratelimit-limit-requests", strconv.FormatInt(w.LimitRequests, 10))
+		h.Set("x-ratelimit-remaining-requests", strconv.FormatInt(w.RemainingRequests, 10))
+		h.Set("x-ratelimit-reset-requests", reset)
+	}
+	if w.LimitTokens > 0 {
+		h.Set("x-ratelimit-limit-tokens", strconv.FormatInt(w.LimitTokens, 10))
+		h.Set("x-ratelimit-remaining-tokens", strconv.FormatInt(w.RemainingTokens, 10))
+		h.Set("x-ratelimit-reset-tokens", reset)
+	}
+}
+
+// release gives the permit back with how its request ended. It runs after
+// the client may have left, so it does not take the request's context.
+func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *usage) {
+	if p == nil {
+		return
+	}
+	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: p.s.cfg.Tenants.Now()}
+	if u != nil {
+		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := p.s.cfg.Tenants.Store.Release(ctx, r); err != nil {
+		// The permit's lease ends it; its tokens stay charged as uncertain.
+		p.s.log.Warn("quota release failed", "tenant", p.p.Tenant, "permit", p.p.ID, "err", err)
+	}
+}
+
+// outcome says how a proxied request ended for its permit: attempts is how
+// many backends were tried, res the last one's result (nil if none was
+// tried), reserved the usage to charge for a success without a report.
+func outcome(attempts int, res *result, reserved usage) (store.Outcome, *usage) {
+	var up *upstreamError
+	switch {
+	case attempts == 0 || res == nil:
+		return store.NotSent, nil
+	case res.err == nil && res.usage != nil:
+		return store.Reported, res.usage
+	case res.err == nil:
+		return store.Reported, &reserved // served without a report: charge what was reserved
+	case !res.wrote && errors.As(res.err, &up):
+		return store.Reported, &usage{} // the backend refused it
+	}
+	return store.Uncertain, nil // sent, and how much it used is unknown
+}
+
+// reserveJob holds room under the caller's pending-job limits for a job of
+// tokens; the returned func ends the reservation once the job is stored.
+func (s *Server) reserveJob(ctx context.Context, tokens int) (func(), error) {
+	noop := func() {}
+	if s.cfg.Tenants.Store == nil {
+		return noop, nil
+	}
+	name := tenantOf(ctx)
+	t, found, err := s.tenant(ctx, name)
+	if err == nil && (!found || (t.Limits.MaxPendingJobs <= 0 && t.Limits.MaxPendingTokens <= 0)) {
+		return noop, nil
+	}
+	id := uuid.Must(uuid.NewV7()).String()
+	if err == nil {
+		now := s.cfg.Tenants.Now()
+		err = s.cfg.Tenants.Store.ReserveJob(ctx, id, name, int64(tokens), t.Limits, now, time.Minute)
+	}
+	var qe *store.QuotaError
+	switch {
+	case err == nil:
+		return func() {
+			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			defer cancel()
+			if err := s.cfg.Tenants.Store.EndJobReservation(ctx, id); err != nil {
+				s.log.Warn("end job reservation", "tenant", name, "err", err) // its lease ends it
+			}
+		}, nil
+	case errors.As(err, &qe):
+		s.quota.rejected.WithLabelValues(qe.Limit).Inc()
+		return nil, qe
+	case ctx.Err() != nil:
+		return nil, ctx.Err()
+	case s.cfg.Tenants.FailOpen:
+		s.log.Warn("quota store unreachable: accepting the job unchecked", "tenant", name, "err", err)
+		s.quota.failOpen.Inc()
+		return noop, nil
+	}
+	return nil, errQuotaUnavailable
+}
