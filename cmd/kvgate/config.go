@@ -27,6 +27,15 @@ type config struct {
 	APIKeys   []apiKey            `yaml:"api_keys"`
 	LogLevel  string              `yaml:"log_level"`
 
+	// AdminKey is a bootstrap administrator's bearer token (tenant
+	// "admin"): it manages tenants and keys over /v1/admin/.
+	AdminKey string `yaml:"admin_key"`
+	// Quotas: store-backed tenants' limits.
+	Quotas struct {
+		FailOpen bool          `yaml:"fail_open"` // admit when the limiter state is unreachable (default: 503)
+		CacheTTL time.Duration `yaml:"cache_ttl"` // key and limit cache: how fast revocations spread [5s]
+	} `yaml:"quotas"`
+
 	Admission scheduler.Policy `yaml:"admission"`
 	Gateway   struct {
 		MaxBodyBytes      int64         `yaml:"max_body_bytes"`
@@ -91,6 +100,8 @@ type configFlags struct {
 	dataDir  string
 	noMig    bool
 	natsURL  string
+	adminKey string
+	failOpen bool
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
@@ -107,6 +118,8 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.store, "store", "", "job store: postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
 	fs.StringVar(&c.dataDir, "data-dir", "", "directory of the embedded store (env KVGATE_DATA_DIR; default ./data)")
 	fs.BoolVar(&c.noMig, "no-migrate", false, "do not apply the store's migrations on start (run kvgate migrate)")
+	fs.StringVar(&c.adminKey, "admin-key", "", "bootstrap administrator's bearer token, for /v1/admin/ (env KVGATE_ADMIN_KEY)")
+	fs.BoolVar(&c.failOpen, "quota-fail-open", false, "admit requests unlimited when the quota store is unreachable (env KVGATE_QUOTA_FAIL_OPEN; default: answer 503)")
 	fs.StringVar(&c.natsURL, "nats-url", "", "NATS server or cluster for job events, e.g. nats://host:4222 (env KVGATE_NATS_URL; default: embedded in-process, files under --data-dir)")
 }
 
@@ -150,6 +163,16 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if v, ok := env("KVGATE_DATA_DIR"); ok {
 		cfg.DataDir = v
 	}
+	if v, ok := env("KVGATE_ADMIN_KEY"); ok {
+		cfg.AdminKey = v
+	}
+	if v, ok := env("KVGATE_QUOTA_FAIL_OPEN"); ok {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_QUOTA_FAIL_OPEN: %w", err)
+		}
+		cfg.Quotas.FailOpen = b
+	}
 	if v, ok := env("KVGATE_NATS_URL"); ok {
 		cfg.NATS.URL = v
 	}
@@ -188,6 +211,12 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["no-migrate"] {
 		cfg.NoMigrate = c.noMig
+	}
+	if set["admin-key"] {
+		cfg.AdminKey = c.adminKey
+	}
+	if set["quota-fail-open"] {
+		cfg.Quotas.FailOpen = c.failOpen
 	}
 	if set["nats-url"] {
 		cfg.NATS.URL = c.natsURL
@@ -272,4 +301,12 @@ func (c *config) keyMaps() (users, operators map[string]string, err error) {
 		}
 	}
 	return users, operators, nil
+}
+
+// adminKeys is the bootstrap administrator's key as the gateway takes it.
+func (c *config) adminKeys() map[string]string {
+	if c.AdminKey == "" {
+		return nil
+	}
+	return map[string]string{c.AdminKey: "admin"}
 }

@@ -5,6 +5,10 @@
 //	kvgate serve [flags]          serve the OpenAI-compatible API in front of vLLM
 //	kvgate gpus [flags]           print the GPUs and the backends' live capacity
 //	kvgate migrate [flags]        apply the job store's migrations
+//	kvgate tenants create|list|update|delete
+//	                              manage tenants and their quotas in the store
+//	kvgate keys create|list|revoke|rotate
+//	                              manage API keys in the store
 //	kvgate sim [flags]            run a simulated vLLM server
 //	kvgate sim calibrate          compare the simulator with published GPU figures
 //	kvgate sim profiles           list the simulator's profiles
@@ -48,6 +52,10 @@ Commands:
   serve        serve the OpenAI-compatible API in front of vLLM (kvgate serve --help)
   gpus         print the GPUs and the backends with their live capacity
   migrate      apply the job store's migrations (--store postgres://... or sqlite://PATH)
+  tenants create|list|update|delete
+               tenants and their quotas (kvgate tenants help)
+  keys create|list|revoke|rotate
+               API keys; create prints the new key alone (kvgate keys help)
   sim          run a simulated vLLM server (kvgate sim --help)
   sim calibrate
                replay published H100 experiments on the simulator
@@ -75,6 +83,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return runGPUs(ctx, args[1:], getenv, stdout, stderr)
 	case "migrate":
 		return runMigrate(ctx, args[1:], getenv, stdout, stderr)
+	case "tenants":
+		return runTenants(ctx, args[1:], getenv, stdout, stderr)
+	case "keys":
+		return runKeys(ctx, args[1:], getenv, stdout, stderr)
 	case "sim":
 		return runSim(ctx, args[1:], getenv, stdout, stderr)
 	case "bench":

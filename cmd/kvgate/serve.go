@@ -111,6 +111,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout,
+		AdminKeys: cfg.adminKeys(),
+		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
 			Feed: sig.feed,
@@ -132,7 +134,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	g.Go(func() error { return serve(gctx, ln, api, waitDone) })
 
 	addr := ln.Addr().String()
-	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys)+len(operators) > 0)
+	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys)+len(operators) > 0,
+		"admin_key", cfg.AdminKey != "", "quota_fail_open", cfg.Quotas.FailOpen)
 	model := "meta-llama/Llama-3.1-8B-Instruct"
 	if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
 		model = p.Model

@@ -1,0 +1,351 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	"github.com/kvgate/kvgate/gateway"
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+const tenantsUsage = `Usage:
+  kvgate tenants create NAME [limits]   add a tenant
+  kvgate tenants list                   list the tenants and their limits
+  kvgate tenants update NAME [limits]   change the limits given, keep the others
+  kvgate tenants delete NAME            remove a tenant and revoke its keys
+
+Limits (0: unlimited): --weight, --rpm, --tpm, --max-concurrency, --max-pending-jobs,
+--max-pending-tokens, --daily-tokens, --monthly-tokens.
+Every command takes --store URL (env KVGATE_STORE) and --data-dir as serve does.
+`
+
+const keysUsage = `Usage:
+  kvgate keys create --tenant NAME [--role user|operator|admin] [--name LABEL] [--rpm N] [--tpm N] [--max-concurrency N]
+                                        print a new key (alone, on standard output; it is shown only once)
+  kvgate keys list [--tenant NAME]      list keys (their prefixes, never the keys)
+  kvgate keys revoke ID                 revoke a key
+  kvgate keys rotate ID                 print a new key like ID's and revoke ID
+
+Every command takes --store URL (env KVGATE_STORE) and --data-dir as serve does.
+`
+
+// storeFlags are the flags every tenants and keys command takes.
+type storeFlags struct{ url, dataDir string }
+
+func (f *storeFlags) register(fs *flag.FlagSet, getenv func(string) string) {
+	fs.StringVar(&f.url, "store", getenv("KVGATE_STORE"), "postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
+	fs.StringVar(&f.dataDir, "data-dir", envOr(getenv, "KVGATE_DATA_DIR", "data"), "directory of the embedded store (env KVGATE_DATA_DIR)")
+}
+
+func (f *storeFlags) open(ctx context.Context) (*sqlstore.Store, error) {
+	s, _, _, err := openStore(ctx, f.url, f.dataDir, true)
+	return s, err
+}
+
+// parseInterleaved parses flags given before and after positional
+// arguments ("create acme --rpm 5"), and returns the positional ones.
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos = append(pos, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+}
+
+// limitFlags are a tenant's limits as flags.
+type limitFlags struct {
+	weight                                                           int
+	rpm, tpm, conc, pendingJobs, pendingTokens, dailyTok, monthlyTok int64
+}
+
+func (l *limitFlags) register(fs *flag.FlagSet) {
+	fs.IntVar(&l.weight, "weight", 1, "share in weighted fair scheduling")
+	fs.Int64Var(&l.rpm, "rpm", 0, "requests per minute (0: unlimited)")
+	fs.Int64Var(&l.tpm, "tpm", 0, "tokens per minute, prompt plus output budget (0: unlimited)")
+	fs.Int64Var(&l.conc, "max-concurrency", 0, "requests in flight (0: unlimited)")
+	fs.Int64Var(&l.pendingJobs, "max-pending-jobs", 0, "jobs accepted and not yet final (0: unlimited)")
+	fs.Int64Var(&l.pendingTokens, "max-pending-tokens", 0, "token estimates of the pending jobs (0: unlimited)")
+	fs.Int64Var(&l.dailyTok, "daily-tokens", 0, "token budget per UTC day (0: unlimited)")
+	fs.Int64Var(&l.monthlyTok, "monthly-tokens", 0, "token budget per UTC month (0: unlimited)")
+}
+
+// apply sets the limits whose flags were given.
+func (l *limitFlags) apply(fs *flag.FlagSet, t *store.Tenant) error {
+	var err error
+	fs.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "weight":
+			t.Weight = l.weight
+		case "rpm":
+			t.Limits.RPM = l.rpm
+		case "tpm":
+			t.Limits.TPM = l.tpm
+		case "max-concurrency":
+			t.Limits.MaxConcurrency = l.conc
+		case "max-pending-jobs":
+			t.Limits.MaxPendingJobs = l.pendingJobs
+		case "max-pending-tokens":
+			t.Limits.MaxPendingTokens = l.pendingTokens
+		case "daily-tokens":
+			t.Limits.DailyTokens = l.dailyTok
+		case "monthly-tokens":
+			t.Limits.MonthlyTokens = l.monthlyTok
+		}
+	})
+	lm := t.Limits
+	for _, v := range []int64{lm.RPM, lm.TPM, lm.MaxConcurrency, lm.MaxPendingJobs, lm.MaxPendingTokens, lm.DailyTokens, lm.MonthlyTokens} {
+		if v < 0 {
+			err = errors.New("limits are 0 (unlimited) or more")
+		}
+	}
+	if t.Weight < 1 {
+		err = errors.New("--weight is 1 or more")
+	}
+	return err
+}
+
+// runTenants is `kvgate tenants`.
+func runTenants(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
+		fmt.Fprint(stderr, tenantsUsage)
+		if len(args) == 0 {
+			return errors.New("no tenants command given")
+		}
+		return nil
+	}
+	cmd := args[0]
+	fs := flag.NewFlagSet("kvgate tenants "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, tenantsUsage) }
+	var sf storeFlags
+	sf.register(fs, getenv)
+	var lf limitFlags
+	if cmd == "create" || cmd == "update" {
+		lf.register(fs)
+	}
+	pos, err := parseInterleaved(fs, args[1:])
+	if err != nil {
+		return err
+	}
+	want := 1
+	if cmd == "list" {
+		want = 0
+	}
+	if len(pos) != want {
+		fmt.Fprint(stderr, tenantsUsage)
+		return fmt.Errorf("tenants %s takes %d argument(s), got %d", cmd, want, len(pos))
+	}
+	switch cmd {
+	case "create", "update", "delete", "list":
+	default:
+		fmt.Fprint(stderr, tenantsUsage)
+		return fmt.Errorf("unknown tenants command %q", cmd)
+	}
+	st, err := sf.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	now := time.Now()
+	switch cmd {
+	case "create":
+		t := store.Tenant{Name: pos[0], Weight: 1, CreatedAt: now, UpdatedAt: now}
+		if err := lf.apply(fs, &t); err != nil {
+			return err
+		}
+		if err := st.CreateTenant(ctx, t); err != nil {
+			if errors.Is(err, store.ErrExists) {
+				return fmt.Errorf("tenant %q already exists (kvgate tenants update changes it)", t.Name)
+			}
+			return err
+		}
+		return printTenants(stdout, []store.Tenant{t})
+	case "update":
+		t, err := st.GetTenant(ctx, pos[0])
+		if errors.Is(err, store.ErrNotFound) {
+			return fmt.Errorf("no tenant %q", pos[0])
+		}
+		if err != nil {
+			return err
+		}
+		if err := lf.apply(fs, &t); err != nil {
+			return err
+		}
+		t.UpdatedAt = now
+		if err := st.UpdateTenant(ctx, t); err != nil {
+			return err
+		}
+		return printTenants(stdout, []store.Tenant{t})
+	case "delete":
+		if err := st.DeleteTenant(ctx, pos[0], now); err != nil {
+			if errors.Is(err, store.ErrNotFound) {
+				return fmt.Errorf("no tenant %q", pos[0])
+			}
+			return err
+		}
+		fmt.Fprintf(stdout, "deleted tenant %s and revoked its keys\n", pos[0])
+		return nil
+	}
+	ts, err := st.ListTenants(ctx)
+	if err != nil {
+		return err
+	}
+	return printTenants(stdout, ts)
+}
+
+func limit(v int64) string {
+	if v == 0 {
+		return "-"
+	}
+	return strconv.FormatInt(v, 10)
+}
+
+func printTenants(w io.Writer, ts []store.Tenant) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tWEIGHT\tRPM\tTPM\tCONCURRENCY\tPENDING JOBS\tPENDING TOKENS\tDAILY TOKENS\tMONTHLY TOKENS")
+	for _, t := range ts {
+		l := t.Limits
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Name, t.Weight, limit(l.RPM), limit(l.TPM), limit(l.MaxConcurrency),
+			limit(l.MaxPendingJobs), limit(l.MaxPendingTokens), limit(l.DailyTokens), limit(l.MonthlyTokens))
+	}
+	return tw.Flush()
+}
+
+// runKeys is `kvgate keys`.
+func runKeys(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
+		fmt.Fprint(stderr, keysUsage)
+		if len(args) == 0 {
+			return errors.New("no keys command given")
+		}
+		return nil
+	}
+	cmd := args[0]
+	fs := flag.NewFlagSet("kvgate keys "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, keysUsage) }
+	var sf storeFlags
+	sf.register(fs, getenv)
+	var tenant, role, name string
+	var rpm, tpm, conc int64
+	switch cmd {
+	case "create":
+		fs.StringVar(&role, "role", "user", "user, operator (also sees retry details and usage) or admin (manages tenants and keys)")
+		fs.StringVar(&name, "name", "", "a label for listings")
+		fs.Int64Var(&rpm, "rpm", 0, "the key's own requests per minute (0: the tenant's only)")
+		fs.Int64Var(&tpm, "tpm", 0, "the key's own tokens per minute (0: the tenant's only)")
+		fs.Int64Var(&conc, "max-concurrency", 0, "the key's own requests in flight (0: the tenant's only)")
+		fallthrough
+	case "list":
+		fs.StringVar(&tenant, "tenant", "", "the key's tenant")
+	case "revoke", "rotate":
+	default:
+		fmt.Fprint(stderr, keysUsage)
+		return fmt.Errorf("unknown keys command %q", cmd)
+	}
+	pos, err := parseInterleaved(fs, args[1:])
+	if err != nil {
+		return err
+	}
+	want := 0
+	if cmd == "revoke" || cmd == "rotate" {
+		want = 1
+	}
+	if len(pos) != want {
+		fmt.Fprint(stderr, keysUsage)
+		return fmt.Errorf("keys %s takes %d argument(s), got %d", cmd, want, len(pos))
+	}
+	if cmd == "create" {
+		if tenant == "" {
+			return errors.New("keys create needs --tenant")
+		}
+		if !store.Role(role).Valid() {
+			return fmt.Errorf("--role %q is not user, operator or admin", role)
+		}
+		if rpm < 0 || tpm < 0 || conc < 0 {
+			return errors.New("limits are 0 (unlimited) or more")
+		}
+	}
+	st, err := sf.open(ctx)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	now := time.Now()
+	switch cmd {
+	case "create":
+		secret, k := gateway.NewAPIKey(tenant, store.Role(role), name, now)
+		k.Limits = store.Limits{RPM: rpm, TPM: tpm, MaxConcurrency: conc}
+		return createKey(ctx, st, k, secret, stdout, stderr)
+	case "revoke", "rotate":
+		k, err := findKey(ctx, st, pos[0])
+		if err != nil {
+			return err
+		}
+		if cmd == "rotate" {
+			secret, nk := gateway.NewAPIKey(k.Tenant, k.Role, k.Name, now)
+			nk.Limits = k.Limits
+			if err := createKey(ctx, st, nk, secret, stdout, stderr); err != nil {
+				return err
+			}
+		}
+		if err := st.RevokeKey(ctx, k.ID, now); err != nil {
+			return err
+		}
+		fmt.Fprintf(stderr, "revoked %s (%s..., tenant %s); replicas stop accepting it within their key cache TTL\n", k.ID, k.Prefix, k.Tenant)
+		return nil
+	}
+	ks, err := st.ListKeys(ctx, tenant)
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tPREFIX\tTENANT\tROLE\tNAME\tCREATED\tREVOKED")
+	for _, k := range ks {
+		revoked := "-"
+		if !k.RevokedAt.IsZero() {
+			revoked = k.RevokedAt.Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s...\t%s\t%s\t%s\t%s\t%s\n", k.ID, k.Prefix, k.Tenant, k.Role, k.Name, k.CreatedAt.Format(time.RFC3339), revoked)
+	}
+	return tw.Flush()
+}
+
+// createKey stores a key and prints it, alone, on stdout.
+func createKey(ctx context.Context, st *sqlstore.Store, k store.APIKey, secret string, stdout, stderr io.Writer) error {
+	if err := st.CreateKey(ctx, k); err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			return fmt.Errorf("no tenant %q (kvgate tenants create %s)", k.Tenant, k.Tenant)
+		}
+		return err
+	}
+	fmt.Fprintln(stdout, secret)
+	fmt.Fprintf(stderr, "created %s key %s for tenant %s: store it now, it is not shown again\n", k.Role, k.ID, k.Tenant)
+	return nil
+}
+
+func findKey(ctx context.Context, st *sqlstore.Store, id string) (store.APIKey, error) {
+	ks, err := st.ListKeys(ctx, "")
+	if err != nil {
+		return store.APIKey{}, err
+	}
+	for _, k := range ks {
+		if k.ID == id && k.RevokedAt.IsZero() {
+			return k, nil
+		}
+	}
+	return store.APIKey{}, fmt.Errorf("no valid key %q (kvgate keys list)", id)
+}

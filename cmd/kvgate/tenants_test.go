@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"io"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/gateway"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
+)
+
+// kv runs one kvgate command and returns its standard output and error.
+func kv(t *testing.T, args ...string) (string, string, error) {
+	t.Helper()
+	var stdout, stderr syncBuffer
+	err := run(context.Background(), args, noenv, &stdout, &stderr)
+	return stdout.String(), stderr.String(), err
+}
+
+func TestTenantsAndKeysCommands(t *testing.T) {
+	stores := map[string]func(t *testing.T) string{
+		"sqlite":   func(t *testing.T) string { return "sqlite://" + filepath.Join(t.TempDir(), "kvgate.db") },
+		"postgres": func(t *testing.T) string { return pgtest.FreshDatabase(t) },
+	}
+	for name, url := range stores {
+		t.Run(name, func(t *testing.T) { testTenantsAndKeys(t, url(t)) })
+	}
+}
+
+func testTenantsAndKeys(t *testing.T, url string) {
+	must := func(args ...string) string {
+		t.Helper()
+		out, errOut, err := kv(t, append(args, "--store", url)...)
+		if err != nil {
+			t.Fatalf("kvgate %s: %v\n%s", strings.Join(args, " "), err, errOut)
+		}
+		return out
+	}
+	fails := func(want string, args ...string) {
+		t.Helper()
+		_, _, err := kv(t, append(args, "--store", url)...)
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("kvgate %s: %v, want an error with %q", strings.Join(args, " "), err, want)
+		}
+	}
+	// Flags after the name, as people type them.
+	out := must("tenants", "create", "acme", "--rpm", "60", "--tpm", "10000", "--max-concurrency", "4", "--daily-tokens", "1000000")
+	if !regexp.MustCompile(`(?m)^acme\s+1\s+60\s+10000\s+4\s+-\s+-\s+1000000\s+-\s*$`).MatchString(out) {
+		t.Errorf("tenants create printed:\n%s", out)
+	}
+	must("tenants", "create", "--weight", "3", "globex")
+	fails("already exists", "tenants", "create", "acme")
+	out = must("tenants", "update", "acme", "--rpm", "120", "--max-pending-jobs", "50")
+	if !regexp.MustCompile(`(?m)^acme\s+1\s+120\s+10000\s+4\s+50\s+-\s+1000000\s+-\s*$`).MatchString(out) {
+		t.Errorf("tenants update kept the other limits? printed:\n%s", out)
+	}
+	fails("no tenant", "tenants", "update", "nobody", "--rpm", "1")
+	fails("0 (unlimited) or more", "tenants", "update", "acme", "--rpm", "-1")
+	out = must("tenants", "list")
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 3 || !strings.HasPrefix(lines[0], "NAME") || !strings.HasPrefix(lines[1], "acme ") || !strings.HasPrefix(lines[2], "globex ") {
+		t.Errorf("tenants list:\n%s", out)
+	}
+
+	// keys create prints the key alone on standard output.
+	key := must("keys", "create", "--tenant", "acme", "--role", "operator", "--name", "ci")
+	if !regexp.MustCompile(`^kvg_[A-Za-z0-9_-]{43}\n$`).MatchString(key) {
+		t.Fatalf("keys create printed %q, want the key alone", key)
+	}
+	key = strings.TrimSpace(key)
+	fails("no tenant", "keys", "create", "--tenant", "nobody")
+	fails("not user, operator or admin", "keys", "create", "--tenant", "acme", "--role", "root")
+	out = must("keys", "list", "--tenant", "acme")
+	if strings.Contains(out, key) || !strings.Contains(out, key[:10]+"...") || !strings.Contains(out, "operator") || !strings.Contains(out, " ci ") {
+		t.Errorf("keys list shows the key, or lacks its prefix, role or name:\n%s", out)
+	}
+	id := regexp.MustCompile(`key_[0-9a-f]{16}`).FindString(out)
+	if id == "" {
+		t.Fatalf("no key id in:\n%s", out)
+	}
+	// The stored hash is the key's.
+	st, err := (&storeFlags{url: url}).open(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if k, err := st.KeyByHash(context.Background(), gateway.HashKey(key)); err != nil || k.ID != id || k.Tenant != "acme" {
+		t.Fatalf("key by hash: %+v, %v", k, err)
+	}
+	// Rotation: a new key like the old, the old revoked.
+	rotated := strings.TrimSpace(must("keys", "rotate", id))
+	if !strings.HasPrefix(rotated, "kvg_") || rotated == key {
+		t.Fatalf("keys rotate printed %q", rotated)
+	}
+	if _, err := st.KeyByHash(context.Background(), gateway.HashKey(key)); err == nil {
+		t.Error("the rotated key still works")
+	}
+	if k, err := st.KeyByHash(context.Background(), gateway.HashKey(rotated)); err != nil || k.Role != "operator" || k.Name != "ci" {
+		t.Errorf("the new key: %+v, %v", k, err)
+	}
+	fails("no valid key", "keys", "revoke", id)
+	newID := regexp.MustCompile(`key_[0-9a-f]{16}`).FindAllString(must("keys", "list"), -1)
+	if len(newID) != 2 {
+		t.Fatalf("keys list: ids %v", newID)
+	}
+	must("keys", "revoke", newID[1])
+	if n, err := st.ActiveKeys(context.Background()); err != nil || n != 0 {
+		t.Errorf("active keys after revoking both: %d, %v", n, err)
+	}
+	// Deleting a tenant revokes its keys.
+	admin := strings.TrimSpace(must("keys", "create", "--tenant", "globex", "--role", "admin"))
+	must("tenants", "delete", "globex")
+	if _, err := st.KeyByHash(context.Background(), gateway.HashKey(admin)); err == nil {
+		t.Error("a deleted tenant's key still works")
+	}
+	fails("no tenant", "tenants", "delete", "globex")
+	fails("unknown tenants command", "tenants", "rename", "acme")
+	fails("takes 1 argument", "tenants", "create")
+}
+
+func TestQuotaConfig(t *testing.T) {
+	env := map[string]string{"KVGATE_ADMIN_KEY": "adm", "KVGATE_QUOTA_FAIL_OPEN": "true"}
+	getenv := func(k string) string { return env[k] }
+	cfg, _, err := parseConfig("serve", "", nil, getenv, io.Discard)
+	if err != nil || cfg.AdminKey != "adm" || !cfg.Quotas.FailOpen || cfg.adminKeys()["adm"] != "admin" {
+		t.Errorf("from the environment: %+v, %v", cfg, err)
+	}
+	cfg, _, err = parseConfig("serve", "", []string{"--admin-key", "flag", "--quota-fail-open=false"}, getenv, io.Discard)
+	if err != nil || cfg.AdminKey != "flag" || cfg.Quotas.FailOpen {
+		t.Errorf("flags over the environment: %+v, %v", cfg, err)
+	}
+	if cfg, _, err := parseConfig("serve", "", nil, noenv, io.Discard); err != nil || cfg.adminKeys() != nil || cfg.Quotas.FailOpen {
+		t.Errorf("defaults: fail closed, no admin key: %+v, %v", cfg, err)
+	}
+}
