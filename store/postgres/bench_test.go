@@ -48,6 +48,7 @@ func BenchmarkAccept(b *testing.B) {
 	var mu sync.Mutex
 	var lat []time.Duration
 	b.SetParallelism(16) // 32 goroutines on 2 cores
+	reportCheckpoints(b, s)
 	b.ResetTimer()
 	start := time.Now()
 	b.RunParallel(func(pb *testing.PB) {
@@ -83,6 +84,7 @@ func BenchmarkAcceptOpenLoop(b *testing.B) {
 	s := openB(b)
 	warm := acceptRate / 2
 	openLoop(b, s, acceptRate, 0, warm)
+	reportCheckpoints(b, s)
 	b.ResetTimer()
 	start := time.Now()
 	lat := openLoop(b, s, acceptRate, warm, b.N)
@@ -128,6 +130,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 	}
 	var done atomic.Int64
 	b.SetParallelism(16)
+	reportCheckpoints(b, s)
 	b.ResetTimer()
 	start := time.Now()
 	b.RunParallel(func(pb *testing.PB) {
@@ -170,6 +173,7 @@ func BenchmarkClaimBatchComplete(b *testing.B) {
 		}
 	}
 	var done, claims atomic.Int64
+	reportCheckpoints(b, s)
 	b.ResetTimer()
 	start := time.Now()
 	var runners sync.WaitGroup
@@ -248,6 +252,7 @@ func BenchmarkClaimMillionReady(b *testing.B) {
 	}
 	lat := make([]time.Duration, 0, b.N)
 	claimAt := time.UnixMicro(now + 2_000_000)
+	reportCheckpoints(b, s)
 	b.ResetTimer()
 	for range b.N {
 		t0 := time.Now()
@@ -258,6 +263,30 @@ func BenchmarkClaimMillionReady(b *testing.B) {
 		lat = append(lat, time.Since(t0))
 	}
 	reportLatency(b, lat, "claim")
+}
+
+// reportCheckpoints reports, when the benchmark ends, how many
+// checkpoints the server ran while it was measured: a checkpoint, and the
+// full-page images every page's next change then writes, shows in the
+// tail latencies, and on a server other tests share (each DROP DATABASE
+// forces one) there can be many.
+func reportCheckpoints(b *testing.B, s *sqlstore.Store) {
+	count := func() (int64, bool) {
+		var n int64
+		// PostgreSQL 17 moved the counters to pg_stat_checkpointer.
+		err := s.DB().QueryRowContext(context.Background(),
+			`SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter`).Scan(&n)
+		return n, err == nil
+	}
+	n0, ok := count()
+	if !ok {
+		return
+	}
+	b.Cleanup(func() {
+		if n1, ok := count(); ok {
+			b.ReportMetric(float64(n1-n0), "checkpoints")
+		}
+	})
 }
 
 func openB(b *testing.B) *sqlstore.Store {
