@@ -172,9 +172,12 @@ type Store interface {
 	// page ("" at the end).
 	List(ctx context.Context, tenant string, f ListFilter) ([]Job, string, error)
 	// Claim leases up to limit runnable jobs (READY or RETRY_SCHEDULED,
-	// available, before their deadline), lowest priority value first,
-	// then oldest available: RUNNING, attempt+1, fence+1, lease until
-	// now+lease. Several claimers never get the same job.
+	// available, before their deadline): RUNNING, attempt+1, fence+1,
+	// lease until now+lease. It serves tenants in turn, least recently
+	// served first and round-robin within the batch, so that one tenant's
+	// backlog never holds another's jobs behind it; within a tenant, the
+	// lowest priority value first, then the oldest available. Several
+	// claimers never get the same job.
 	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]Job, error)
 	// Heartbeat extends a lease while the fence matches and the lease
 	// holds; ErrLeaseLost otherwise.

@@ -44,18 +44,39 @@ var acceptCTE = `WITH ins AS (
 	SELECT ` + jobColumns + `, FALSE FROM jobs
 	WHERE tenant = ? AND idempotency_key = ? AND NOT EXISTS (SELECT 1 FROM ins)`
 
-// claimCTE leases up to limit runnable jobs and writes a job.running
-// event for each, in claim order, with ids from the array parameter.
+// claimCTE leases up to limit runnable jobs, fairly across tenants (see
+// fair.go), and writes a job.running event for each, in claim order, with
+// ids from the array parameter.
 func claimCTE(d Dialect) string {
-	return `WITH picked AS (
-		SELECT id FROM jobs
+	return `WITH considered AS (
+		SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?),
+	oldest AS (
+		SELECT id, tenant FROM jobs
 		WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
-		ORDER BY priority, available_at, id LIMIT ? ` + d.LockRunnable + `),
+		ORDER BY priority, available_at, id LIMIT 1),
+	cand AS MATERIALIZED (
+		SELECT c.id, c.rn, t.served_at, t.tenant FROM considered t CROSS JOIN LATERAL (
+			SELECT id, row_number() OVER (ORDER BY priority, available_at, id) AS rn FROM jobs
+			WHERE tenant = t.tenant AND state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
+			ORDER BY priority, available_at, id LIMIT ?) c
+		UNION ALL
+		SELECT h.id, CASE WHEN EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) THEN 2147483647 ELSE 1 END,
+			-1, h.tenant FROM oldest h),
+	picked AS (
+		SELECT id FROM jobs WHERE id IN (SELECT id FROM cand ORDER BY rn, served_at, tenant LIMIT ?)
+			AND state IN ('READY', 'RETRY_SCHEDULED') ` + d.LockRunnable + `),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
 			lease_until = ?, state_version = state_version + 1, updated_at = ?
 		FROM picked WHERE jobs.id = picked.id
 		RETURNING ` + qualified("jobs", jobColumns) + `),
+	served AS (
+		UPDATE job_tenants SET served_at = GREATEST(?, (SELECT max(served_at) FROM job_tenants) + 1)
+		WHERE EXISTS (SELECT 1 FROM oldest) AND tenant IN (
+			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered)
+			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
+	healed AS (
+		INSERT INTO job_tenants (tenant) SELECT DISTINCT tenant FROM claimed ON CONFLICT DO NOTHING),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT (?::text[])[row_number() OVER (ORDER BY priority, available_at, id)],
@@ -130,8 +151,8 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	for i := range ids {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
 	}
-	rows, err := s.query(ctx, nil, s.q.claimCTE, micros(now), micros(now), limit, micros(now.Add(lease)), micros(now),
-		ids, micros(now))
+	rows, err := s.query(ctx, nil, s.q.claimCTE, fairTenants(limit), micros(now), micros(now), micros(now), micros(now), limit,
+		limit, micros(now.Add(lease)), micros(now), micros(now), ids, micros(now))
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}

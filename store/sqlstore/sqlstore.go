@@ -204,7 +204,7 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 	error_class, last_error`
 
 type queries struct {
-	insertJob, selectByKey, selectJob, anyRunnable, claim, heartbeat, finish, insertAttempt, insertEvent,
+	insertJob, selectByKey, selectJob, anyRunnable, heartbeat, finish, insertAttempt, insertEvent,
 	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
 	feedHead, events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
 	// One-statement forms, where the dialect has writable CTEs (else "").
@@ -223,12 +223,6 @@ func buildQueries(d Dialect) queries {
 		selectByKey: r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND idempotency_key = ?`),
 		selectJob:   r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND id = ?`),
 		anyRunnable: r(`SELECT 1 FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ? LIMIT 1`),
-		claim: r(`UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
-				lease_until = ?, state_version = state_version + 1, updated_at = ?
-			WHERE id IN (SELECT id FROM jobs
-				WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
-				ORDER BY priority, available_at, id LIMIT ? ` + d.LockRunnable + `)
-			RETURNING ` + jobColumns),
 		heartbeat: r(`UPDATE jobs SET lease_until = ?
 			WHERE id = ? AND state = 'RUNNING' AND fence = ? AND lease_until > ?`),
 		finish: r(`UPDATE jobs SET state = ?, state_version = state_version + 1, updated_at = ?, lease_until = 0,
@@ -463,8 +457,8 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	return jobs, next, nil
 }
 
-// Claim implements store.Store. An idle poll finds nothing runnable with
-// one read and takes no write lock.
+// Claim implements store.Store, fairly across tenants (fair.go). An idle
+// poll finds nothing runnable with one read and takes no write lock.
 func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
 	if s.d.WritableCTE {
 		return s.claimOne(ctx, now, lease, limit)
@@ -479,20 +473,8 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 	}
 	var jobs []store.Job
 	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
-		rows, err := s.query(ctx, tx, s.q.claim, micros(now.Add(lease)), micros(now), micros(now), micros(now), limit)
-		if err != nil {
-			return err
-		}
-		for rows.Next() {
-			j, err := scanJob(rows)
-			if err != nil {
-				rows.Close()
-				return err
-			}
-			jobs = append(jobs, j)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
+		var err error
+		if jobs, err = s.claimFairTx(ctx, tx, now, lease, limit); err != nil {
 			return err
 		}
 		// RETURNING keeps no order: hand them out in claim order.
@@ -640,7 +622,11 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			}
 			n += len(rs)
 		}
-		return nil
+		// Tenants left with nothing runnable leave the fair claim's table
+		// (fair.go); those served within the last minute stay, being
+		// likely to come back.
+		_, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute)))
+		return err
 	})
 	return n, err
 }

@@ -28,6 +28,8 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"TenantScoping", testTenantScoping},
 		{"List", testList},
 		{"ClaimOrderAndLease", testClaimOrder},
+		{"ClaimFairAcrossTenants", testClaimFairAcrossTenants},
+		{"ClaimFairNoStall", testClaimFairNoStall},
 		{"AcceptConcurrentSameKey", testAcceptConcurrentSameKey},
 		{"ConcurrentAcceptsApart", testConcurrentAcceptsApart},
 		{"ClaimConcurrent", testClaimConcurrent},
