@@ -320,7 +320,9 @@ func (s *Server) Execute(ctx context.Context, j store.Job, g *scheduler.Grant) (
 	}
 	switch {
 	case resp.StatusCode == http.StatusTooManyRequests:
-		return fail(scheduler.ClassRateLimited, resp.StatusCode, parseRetryAfter(resp.Header.Get("Retry-After")), errors.New(errorMessage(body)))
+		retryAfter := parseRetryAfter(resp.Header.Get("Retry-After"))
+		s.cooldown(g, retryAfter)
+		return fail(scheduler.ClassRateLimited, resp.StatusCode, retryAfter, errors.New(errorMessage(body)))
 	case resp.StatusCode >= 500:
 		s.pool.ReportFailure(g.Backend, fmt.Errorf("status %d", resp.StatusCode))
 		return fail(scheduler.ClassBackend, resp.StatusCode, parseRetryAfter(resp.Header.Get("Retry-After")), errors.New(errorMessage(body)))

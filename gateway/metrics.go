@@ -17,6 +17,8 @@ type metrics struct {
 	upstream *prometheus.CounterVec
 	retries  *prometheus.CounterVec
 	inflight prometheus.Gauge
+	// cooldowns counts the pauses backends' 429s started here.
+	cooldowns *prometheus.CounterVec
 }
 
 func newMetrics() *metrics {
@@ -45,11 +47,14 @@ func newMetrics() *metrics {
 		inflight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvgate_gateway_inflight_requests", Help: "API requests being served.",
 		}),
+		cooldowns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvgate_gateway_backend_cooldowns_total", Help: "Pauses of new work to a backend that answered 429, started by this replica.",
+		}, []string{"backend"}),
 	}
 }
 
 func (m *metrics) register(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{m.requests, m.duration, m.ttft, m.itl, m.upstream, m.retries, m.inflight} {
+	for _, c := range []prometheus.Collector{m.requests, m.duration, m.ttft, m.itl, m.upstream, m.retries, m.inflight, m.cooldowns} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -434,6 +434,7 @@ func (s *Server) upstreamFailure(g *scheduler.Grant, resp *http.Response) result
 	switch {
 	case resp.StatusCode == http.StatusTooManyRequests:
 		s.m.upstreamError(g.Backend, "429")
+		s.cooldown(g, e.retryAfter)
 		return result{status: resp.StatusCode, err: e, retryable: true}
 	case resp.StatusCode >= 500:
 		s.pool.ReportFailure(g.Backend, e)

@@ -24,6 +24,7 @@ import (
 // replica is one kvgate process of several: its own pool, scheduler,
 // gateway and runner, on a shared fleet, store and NATS server.
 type replica struct {
+	pool   *gpu.Pool
 	sched  *scheduler.Scheduler
 	api    *Server
 	srv    *httptest.Server
@@ -35,6 +36,7 @@ type replica struct {
 func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, shared bool) []*replica {
 	t.Helper()
 	var js jetstream.JetStream
+	var nc *nats.Conn
 	if shared {
 		ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
 			StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
@@ -46,7 +48,7 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 		if !ns.ReadyForConnections(10 * time.Second) {
 			t.Fatal("nats server did not start")
 		}
-		nc, err := nats.Connect(ns.ClientURL())
+		nc, err = nats.Connect(ns.ClientURL())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -65,7 +67,10 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 			cfgs = append(cfgs, gpu.BackendConfig{Name: fmt.Sprintf("sim%d", b), URL: u})
 		}
 		r := &replica{}
-		pool, err := gpu.NewPool(cfgs, gpu.PoolConfig{ScrapeInterval: 20 * time.Millisecond, ProbeInterval: 50 * time.Millisecond,
+		// Three pools watch the same backends: scrape less often than
+		// the one-replica tests, or a loaded machine (the race detector)
+		// misses probes and ejects healthy backends.
+		pool, err := gpu.NewPool(cfgs, gpu.PoolConfig{ScrapeInterval: 50 * time.Millisecond, ProbeInterval: 250 * time.Millisecond,
 			StaleAfter: 2 * time.Second, OnChange: func() {
 				if r.sched != nil {
 					r.sched.Wake()
@@ -78,7 +83,12 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 		if err != nil {
 			t.Fatal(err)
 		}
+		r.pool = pool
 		cfg := Config{}
+		if shared {
+			cfg.OnCooldown = func(url string, until time.Time) { _ = scheduler.PublishCooldown(nc, url, until) }
+			wg.Go(func() { _ = scheduler.FollowCooldowns(ctx, nc, pool.CooldownURL) })
+		}
 		if st != nil {
 			cfg.Jobs = Jobs{Store: st}
 		}
@@ -205,4 +215,45 @@ func submitJobTo(t *testing.T, base, key, body string) (int, jobView) {
 
 func countStatesIn(st *sqlstore.Store, states ...store.State) (int, error) {
 	return countStates(&fleet{store: st}, states...)
+}
+
+// A backend's 429 pauses it on every replica, for as long as it asked.
+func TestCooldownReachesEveryReplica(t *testing.T) {
+	var sims []*vllmsim.Sim
+	var urls []string
+	for i := range 2 {
+		sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: llamaProfile(t), Speedup: 20, Seed: uint64(i)})
+		sims, urls = append(sims, sim), append(urls, srv.URL)
+	}
+	reps := startReplicas(t, 3, urls, nil, true)
+	sims[0].SetFaults(vllmsim.Faults{RateLimitRate: 1, RetryAfterSeconds: 30})
+	body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":2}`, llama)
+	f := &fleet{srv: &httptest.Server{URL: reps[0].srv.URL}}
+	// Replica 0 meets the 429 (and retries on sim1, so the client sees 200).
+	waitFor(t, "replica 0 to meet a 429", func() bool {
+		resp, _ := f.post(t, "/v1/completions", body)
+		sn, _ := reps[0].pool.Snapshot("sim0")
+		return resp.StatusCode == 200 && sn.Cooling(time.Now())
+	})
+	for i, r := range reps {
+		waitFor(t, fmt.Sprintf("replica %d to pause sim0", i), func() bool {
+			sn, _ := r.pool.Snapshot("sim0")
+			return sn.Cooling(time.Now()) && time.Until(sn.CoolingUntil) > 20*time.Second
+		})
+		if sn, _ := r.pool.Snapshot("sim1"); sn.Cooling(time.Now()) {
+			t.Errorf("replica %d paused sim1 too", i)
+		}
+	}
+	// Replicas 1 and 2 send nothing to sim0 now: their requests all
+	// succeed without a retry.
+	before := sims[0].Engine().Stats().Finished
+	for i := range 10 {
+		f := &fleet{srv: &httptest.Server{URL: reps[1+i%2].srv.URL}}
+		if resp, b := f.post(t, "/v1/completions", body); resp.StatusCode != 200 {
+			t.Fatalf("request during the cooldown: %d %s", resp.StatusCode, b)
+		}
+	}
+	if got := sims[0].Engine().Stats().Finished; got != before {
+		t.Errorf("sim0 finished %d requests during its cooldown", got-before)
+	}
 }

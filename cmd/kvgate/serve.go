@@ -102,7 +102,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			runner.Wake()
 		}
 	}
-	sig, err := startSignals(ctx, cfg, st, sched, wakeRunner, reg, log)
+	sig, err := startSignals(ctx, cfg, st, sched, pool, wakeRunner, reg, log)
 	if err != nil {
 		return fail(fmt.Errorf("signals: %w", err))
 	}
@@ -110,7 +110,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	api, err := gateway.New(gateway.Config{
 		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
-		RequestTimeout: cfg.Gateway.RequestTimeout,
+		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.cooldown,
 		AdminKeys: cfg.adminKeys(),
 		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{

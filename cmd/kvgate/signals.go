@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
@@ -25,14 +26,16 @@ import (
 type signals struct {
 	relay *scheduler.Relay
 	feed  *scheduler.Feed
-	run   func(ctx context.Context) error // until ctx ends; then closes the connection and any embedded server
+	// cooldown tells the other replicas of a backend's 429 pause.
+	cooldown func(url string, until time.Time)
+	run      func(ctx context.Context) error // until ctx ends; then closes the connection and any embedded server
 }
 
 // startSignals connects to NATS (cfg.NATS.URL, or an embedded server
 // with its files under the data directory and no listening port), creates
 // the stream and the consumer, and builds the relay and the inbox. wake is
 // called for each event that may mean runnable work.
-func startSignals(ctx context.Context, cfg *config, st store.Store, sched *scheduler.Scheduler, wake func(),
+func startSignals(ctx context.Context, cfg *config, st store.Store, sched *scheduler.Scheduler, pool *gpu.Pool, wake func(),
 	reg prometheus.Registerer, log *slog.Logger) (*signals, error) {
 	opts := []nats.Option{nats.Name("kvgate"), nats.MaxReconnects(-1), nats.ReconnectWait(time.Second),
 		nats.DisconnectErrHandler(func(_ *nats.Conn, err error) {
@@ -108,12 +111,18 @@ func startSignals(ctx context.Context, cfg *config, st store.Store, sched *sched
 	reg.MustRegister(inbox.Collectors()...)
 	reg.MustRegister(mem.Collectors()...)
 	log.Info("signals over nats", "url", url, "stream", scheduler.StreamName)
-	return &signals{relay: relay, feed: feed, run: func(ctx context.Context) error {
+	cooldown := func(url string, until time.Time) {
+		if err := scheduler.PublishCooldown(nc, url, until); err != nil {
+			log.Warn("cooldown not shared", "backend_url", url, "err", err)
+		}
+	}
+	return &signals{relay: relay, feed: feed, cooldown: cooldown, run: func(ctx context.Context) error {
 		g, gctx := errgroup.WithContext(ctx)
 		g.Go(func() error { return ignoreCanceled(relay.Run(gctx)) })
 		g.Go(func() error { return ignoreCanceled(inbox.Run(gctx)) })
 		g.Go(func() error { return ignoreCanceled(scheduler.FollowFeed(gctx, nc, feed)) })
 		g.Go(func() error { return ignoreCanceled(mem.Run(gctx)) })
+		g.Go(func() error { return ignoreCanceled(scheduler.FollowCooldowns(gctx, nc, pool.CooldownURL)) })
 		err := g.Wait()
 		closeAll(nc)
 		return err
