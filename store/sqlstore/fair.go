@@ -17,9 +17,10 @@ import (
 // A claim serves tenants, not the queue's head: it considers the tenants
 // least recently served (job_tenants, kept by triggers as jobs become
 // runnable), takes the head of each one's queue through the index
-// jobs_runnable_tenant, and fills its batch round-robin: every considered
-// tenant's first job, then every second job, and so on, least recently
-// served first. The tenants it considered then go to the back. One
+// jobs_runnable_tenant, and fills its batch in weighted round-robin: a
+// tenant's k-th job takes turn k/weight (its weight from the tenants
+// table, 1 for a tenant not there), least recently served first among
+// equal turns. The tenants it considered then go to the back. One
 // tenant's backlog of any size thus costs another tenant's first job at
 // most one claim, and saturated tenants are served in turn. A claim reads
 // the small job_tenants table and at most limit jobs of at most
@@ -37,8 +38,10 @@ import (
 func fairTenants(limit int) int { return max(limit, 1) }
 
 const (
-	fairConsidered = `SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?`
-	fairHead       = `SELECT id FROM jobs WHERE tenant = ? AND state IN ('READY', 'RETRY_SCHEDULED')
+	fairConsidered = `SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1)
+		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
+		LEFT JOIN tenants tn ON tn.name = jt.tenant`
+	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND state IN ('READY', 'RETRY_SCHEDULED')
 		AND available_at <= ? AND deadline_at > ? ORDER BY priority, available_at, id LIMIT ?`
 	fairOldest = `SELECT id, tenant FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED')
 		AND available_at <= ? AND deadline_at > ? ORDER BY priority, available_at, id LIMIT 1`
@@ -61,7 +64,7 @@ const (
 func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
 	type cand struct {
 		id, tenant string
-		rank       int
+		turn       float64 // (rank-1)/weight: weighted round-robin
 		served     int64
 	}
 	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), fairTenants(limit))
@@ -71,11 +74,12 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	type tenant struct {
 		name   string
 		served int64
+		weight float64
 	}
 	var considered []tenant
 	for rows.Next() {
 		var t tenant
-		if err := rows.Scan(&t.name, &t.served); err != nil {
+		if err := rows.Scan(&t.name, &t.served, &t.weight); err != nil {
 			rows.Close()
 			return nil, err
 		}
@@ -91,8 +95,8 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		if err != nil {
 			return nil, err
 		}
-		for rank := 1; rows.Next(); rank++ {
-			c := cand{tenant: t.name, rank: rank, served: t.served}
+		for rank := 0; rows.Next(); rank++ {
+			c := cand{tenant: t.name, turn: float64(rank) / max(t.weight, 1), served: t.served}
 			if err := rows.Scan(&c.id); err != nil {
 				rows.Close()
 				return nil, err
@@ -115,15 +119,15 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	if err := s.queryRow(ctx, tx, rebind(s.d, fairListed), oldest.tenant).Scan(&listed); err != nil {
 		return nil, err
 	}
-	oldest.rank, oldest.served = math.MaxInt32, -1 // after every fair candidate: it only fills
+	oldest.turn, oldest.served = math.MaxInt32, -1 // after every fair candidate: it only fills
 	if listed == 0 {
-		oldest.rank = 1 // a lost row: first, and its tenant is put back
+		oldest.turn = 0 // a lost row: first, and its tenant is put back
 	}
 	if !slices.ContainsFunc(cands, func(c cand) bool { return c.id == oldest.id }) {
 		cands = append(cands, oldest)
 	}
 	slices.SortFunc(cands, func(a, b cand) int {
-		return cmp.Or(cmp.Compare(a.rank, b.rank), cmp.Compare(a.served, b.served), cmp.Compare(a.tenant, b.tenant))
+		return cmp.Or(cmp.Compare(a.turn, b.turn), cmp.Compare(a.served, b.served), cmp.Compare(a.tenant, b.tenant))
 	})
 	var out []store.Job
 	tenants := map[string]bool{}

@@ -44,26 +44,28 @@ var acceptCTE = `WITH ins AS (
 	SELECT ` + jobColumns + `, FALSE FROM jobs
 	WHERE tenant = ? AND idempotency_key = ? AND NOT EXISTS (SELECT 1 FROM ins)`
 
-// claimCTE leases up to limit runnable jobs, fairly across tenants (see
-// fair.go), and writes a job.running event for each, in claim order, with
+// claimCTE leases up to limit runnable jobs, fairly across tenants by
+// their weights (see fair.go), and writes a job.running event for each, in claim order, with
 // ids from the array parameter.
 func claimCTE(d Dialect) string {
 	return `WITH considered AS (
-		SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?),
+		SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) AS weight
+		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
+		LEFT JOIN tenants tn ON tn.name = jt.tenant),
 	oldest AS (
 		SELECT id, tenant FROM jobs
 		WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
 		ORDER BY priority, available_at, id LIMIT 1),
 	cand AS MATERIALIZED (
-		SELECT c.id, c.rn, t.served_at, t.tenant FROM considered t CROSS JOIN LATERAL (
+		SELECT c.id, (c.rn - 1)::float8 / GREATEST(t.weight, 1) AS turn, t.served_at, t.tenant FROM considered t CROSS JOIN LATERAL (
 			SELECT id, row_number() OVER (ORDER BY priority, available_at, id) AS rn FROM jobs
 			WHERE tenant = t.tenant AND state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
 			ORDER BY priority, available_at, id LIMIT ?) c
 		UNION ALL
-		SELECT h.id, CASE WHEN EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) THEN 2147483647 ELSE 1 END,
+		SELECT h.id, CASE WHEN EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) THEN 2147483647 ELSE 0 END,
 			-1, h.tenant FROM oldest h),
 	picked AS (
-		SELECT id FROM jobs WHERE id IN (SELECT id FROM cand ORDER BY rn, served_at, tenant LIMIT ?)
+		SELECT id FROM jobs WHERE id IN (SELECT id FROM cand ORDER BY turn, served_at, tenant LIMIT ?)
 			AND state IN ('READY', 'RETRY_SCHEDULED') ` + d.LockRunnable + `),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,

@@ -97,3 +97,27 @@ func testClaimFairNoStall(t *testing.T, s store.Store) {
 		t.Errorf("nothing available left, yet claimed %d (%v)", len(js), err)
 	}
 }
+
+// testClaimFairWeights: a batch over backlogged tenants follows their
+// weights (from the tenants table; 1 for a tenant not there).
+func testClaimFairWeights(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	if err := s.CreateTenant(ctx, store.Tenant{Name: "heavy", Weight: 3, CreatedAt: t0}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		accept(t, s, newJob("heavy", fmt.Sprintf("h%d", i)))
+		accept(t, s, newJob("plain", fmt.Sprintf("p%d", i)))
+	}
+	js, err := s.Claim(ctx, t0.Add(time.Second), time.Minute, 8)
+	if err != nil || len(js) != 8 {
+		t.Fatalf("claim 8: %d, %v", len(js), err)
+	}
+	per := map[string]int{}
+	for _, j := range js {
+		per[j.Tenant]++
+	}
+	if per["heavy"] != 6 || per["plain"] != 2 {
+		t.Errorf("a batch of 8 over weights 3 and 1: %v, want 6 and 2", per)
+	}
+}

@@ -30,6 +30,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"ClaimOrderAndLease", testClaimOrder},
 		{"ClaimFairAcrossTenants", testClaimFairAcrossTenants},
 		{"ClaimFairNoStall", testClaimFairNoStall},
+		{"ClaimFairWeights", testClaimFairWeights},
 		{"AcceptConcurrentSameKey", testAcceptConcurrentSameKey},
 		{"ConcurrentAcceptsApart", testConcurrentAcceptsApart},
 		{"ClaimConcurrent", testClaimConcurrent},
