@@ -51,17 +51,81 @@ const DefaultMaxConnections = 4096
 // overall timeout (each request carries its own). Requests beyond the cap
 // wait for a connection, and that wait counts in their latency.
 func NewHTTPClient(maxConns int) *http.Client {
+	c, _ := newTrackedClient(maxConns)
+	return c
+}
+
+// newTrackedClient is NewHTTPClient with a handle that closes every
+// connection the client opened, including those dialled for a request
+// that another connection served first and those still being dialled: a
+// server waits for such silent connections when it shuts down.
+func newTrackedClient(maxConns int) (*http.Client, *connTracker) {
+	t := &connTracker{conns: map[*trackedConn]struct{}{}}
+	d := &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}
 	tr := &http.Transport{
-		Proxy:               nil,
-		DialContext:         (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		Proxy: nil,
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return t.add(c)
+		},
 		MaxIdleConns:        0,
 		MaxIdleConnsPerHost: 100000,
 		MaxConnsPerHost:     maxConns,
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
-		ForceAttemptHTTP2:   false,
 	}
-	return &http.Client{Transport: tr}
+	return &http.Client{Transport: tr}, t
+}
+
+// connTracker knows a client's open connections.
+type connTracker struct {
+	mu     sync.Mutex
+	conns  map[*trackedConn]struct{}
+	closed bool
+}
+
+type trackedConn struct {
+	net.Conn
+	t *connTracker
+}
+
+func (c *trackedConn) Close() error {
+	c.t.mu.Lock()
+	delete(c.t.conns, c)
+	c.t.mu.Unlock()
+	return c.Conn.Close()
+}
+
+var errClientClosed = errors.New("bench: the run's client is closed")
+
+func (t *connTracker) add(c net.Conn) (net.Conn, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		c.Close()
+		return nil, errClientClosed
+	}
+	tc := &trackedConn{Conn: c, t: t}
+	t.conns[tc] = struct{}{}
+	return tc, nil
+}
+
+// closeAll closes every connection and refuses new ones.
+func (t *connTracker) closeAll() {
+	t.mu.Lock()
+	t.closed = true
+	conns := make([]net.Conn, 0, len(t.conns))
+	for c := range t.conns {
+		conns = append(conns, c.Conn)
+	}
+	clear(t.conns)
+	t.mu.Unlock()
+	for _, c := range conns {
+		c.Close()
+	}
 }
 
 // requester sends a run's requests to one target.

@@ -27,11 +27,10 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	client := cfg.HTTPClient
 	if client == nil {
-		client = NewHTTPClient(cfg.MaxConnections)
-		// Close what the run opened, including connections dialled for a
-		// request that another connection served first: a server waits for
-		// those at shutdown.
-		defer client.CloseIdleConnections()
+		var conns *connTracker
+		client, conns = newTrackedClient(cfg.MaxConnections)
+		// Every request has ended when Run returns: close what it opened.
+		defer conns.closeAll()
 	}
 	rq := &requester{client: client, base: baseURL(cfg.Target), chat: cfg.Endpoint == EndpointChat,
 		stream: cfg.Stream, model: cfg.Model, timeout: cfg.RequestTimeout, pollEvery: cfg.JobPollInterval,

@@ -206,7 +206,15 @@ func TestBenchDeferredThroughKvgate(t *testing.T) {
 				}
 			}
 			if len(rep.TimeSeries) == 0 {
-				t.Error("kvgate's /metrics gave no samples")
+				t.Fatal("kvgate's /metrics gave no samples")
+			}
+			for _, k := range []string{"kv_usage", "queue_depth", "inflight"} {
+				if _, ok := rep.TimeSeries[0].Values[k]; !ok {
+					t.Errorf("kvgate's samples lack %s: %v", k, rep.TimeSeries[0].Values)
+				}
+			}
+			if rep.Provenance.Servers[g.base+"/metrics"]["capacity_tokens.sim0"] == "" && len(rep.Provenance.Servers) == 0 {
+				t.Errorf("no provenance from kvgate's /metrics")
 			}
 			if n := eventStreamsServed(t, g.base) - streams; (follow == "sse") != (n >= 6) {
 				t.Errorf("following by %s, kvgate served %v job event streams for 6 jobs", follow, n)
