@@ -214,6 +214,25 @@ func (r *Report) WriteHTML(w io.Writer) error {
 	}
 	d.Charts = append(d.Charts, lineChart("Latency against throughput", "requests/s achieved", "ms", []series{ttft, e2el}, mark, "knee"))
 
+	// Throughput and goodput against the offered rate, for sweeps.
+	var tput, good series
+	tput.name, good.name = "requests/s", "goodput requests/s"
+	var kneeAt *xy
+	for _, p := range sortedByRate(r.LoadPoints) {
+		if math.IsInf(float64(p.RequestRate), 1) {
+			continue
+		}
+		x := float64(p.RequestRate)
+		tput.pts = append(tput.pts, xy{x, p.Summary.RequestThroughput})
+		good.pts = append(good.pts, xy{x, p.Summary.RequestGoodput})
+		if p.Index == r.Knee {
+			kneeAt = &xy{x, p.Summary.RequestThroughput}
+		}
+	}
+	if len(tput.pts) > 1 {
+		d.Charts = append(d.Charts, lineChart("Throughput and goodput against offered load", "requests/s offered", "requests/s", []series{tput, good}, kneeAt, "knee"))
+	}
+
 	// CDFs of the headline point.
 	var t, e, it []float64
 	for _, q := range r.Requests {

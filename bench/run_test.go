@@ -331,6 +331,10 @@ func TestSweepFindsTheKnee(t *testing.T) {
 			t.Errorf("point %d completed %d", p.Index, p.Summary.Completed)
 		}
 	}
+	var html strings.Builder
+	if err := rep.WriteHTML(&html); err != nil || !strings.Contains(html.String(), "Throughput and goodput against offered load") {
+		t.Errorf("sweep HTML lacks the offered-load chart (%v)", err)
+	}
 	listed, err := Run(context.Background(), Config{Target: url, Model: model, NumPrompts: 6,
 		Workload: Workload{Input: Dist{Mean: 16}, Output: Dist{Mean: 4}}, Sweep: &Sweep{Rates: []float64{100, 200}},
 		Tenants: []Tenant{{Name: "a", Arrival: Arrival{Rate: 1}}, {Name: "b", Arrival: Arrival{Rate: 3}}}})

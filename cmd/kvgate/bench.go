@@ -81,7 +81,7 @@ func parseRate(v string) (float64, error) {
 // benchFlags are `kvgate bench run`'s settings.
 type benchFlags struct {
 	target, model, apiKey, out, endpoint, label       string
-	stream, quiet, deferred, nvml                     bool
+	stream, quiet, deferred, nvml, ignoreEOS          bool
 	numPrompts, maxConcurrency, concurrency, maxConns int
 	duration, requestTimeout, scrapeInterval          time.Duration
 	rate                                              rateFlag
@@ -130,6 +130,7 @@ func benchFlagSet(stderr io.Writer, f *benchFlags) *flag.FlagSet {
 	fs.IntVar(&f.prefixLen, "prefix-len", 0, "shared prefix tokens (dataset prefix)")
 	fs.IntVar(&f.prefixGroups, "prefix-groups", 1, "number of distinct shared prefixes (dataset prefix)")
 	fs.IntVar(&f.sharegptOutput, "sharegpt-output-len", 0, "replace ShareGPT's and the trace's output lengths")
+	fs.BoolVar(&f.ignoreEOS, "ignore-eos", false, "ask for exactly max_tokens on ShareGPT and trace workloads too (always on for random and prefix)")
 	fs.Float64Var(&f.timeScale, "trace-time-scale", 1, "stretch a trace's timestamps (2: half as fast)")
 	fs.StringVar(&f.goodput, "goodput", "", `SLOs for goodput, e.g. "ttft:500 tpot:50 e2el:10000" (ms)`)
 	fs.StringVar(&f.percentiles, "metric-percentiles", "50,90,99,99.9", "latency percentiles to report")
@@ -391,7 +392,7 @@ func (f *benchFlags) workload(over map[string]string) (bench.Workload, error) {
 	}
 	w := bench.Workload{Kind: get("dataset-name", f.dataset), Path: get("dataset-path", f.datasetPath),
 		PrefixLen: int(num("prefix-len", float64(f.prefixLen))), PrefixGroups: int(num("prefix-groups", float64(f.prefixGroups))),
-		FixedOutput: int(num("sharegpt-output-len", float64(f.sharegptOutput)))}
+		FixedOutput: int(num("sharegpt-output-len", float64(f.sharegptOutput))), IgnoreEOS: f.ignoreEOS}
 	var err error
 	if w.Input, err = dist(get("input-dist", f.inputDist), in, num("input-stddev", f.inputStd)); err != nil {
 		return w, err

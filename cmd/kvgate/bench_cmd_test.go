@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -12,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/bench"
 	"github.com/kvgate/kvgate/bench/vllmsim"
@@ -333,5 +335,46 @@ func TestBenchAPIKeyFromEnvironment(t *testing.T) {
 	_ = run(context.Background(), []string{"bench", "run", "--help"}, env, &stdout, &stderr)
 	if strings.Contains(stderr.String(), "sk-from-env") || !strings.Contains(stderr.String(), "-num-prompts") {
 		t.Errorf("help shows the key or lacks the flags:\n%s", stderr.String())
+	}
+}
+
+func TestBenchFlagsToConfig(t *testing.T) {
+	parse := func(args ...string) bench.Config {
+		t.Helper()
+		var f benchFlags
+		var stderr syncBuffer
+		fs := benchFlagSet(&stderr, &f)
+		if err := fs.Parse(joinGoodput(append([]string{"--target", "http://x", "--model", "m"}, args...))); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := f.config()
+		if err != nil {
+			t.Fatalf("%v: %v", args, err)
+		}
+		return cfg
+	}
+	c := parse("--endpoint", "/v1/chat/completions", "--request-rate", "12.5", "--burstiness", "0.25", "--random-input-len", "100",
+		"--random-output-len", "10", "--random-range-ratio", "0.2", "--goodput", "ttft:250", "tpot:20", "--sweep-rates", "1, 2,4")
+	if c.Endpoint != bench.EndpointChat || c.Arrival.Rate != 12.5 || c.Arrival.Burstiness != 0.25 ||
+		c.Workload.Input != (bench.Dist{Kind: bench.DistUniform, Mean: 100, Min: 80, Max: 120}) ||
+		c.Workload.Output != (bench.Dist{Kind: bench.DistUniform, Mean: 10, Min: 8, Max: 12}) ||
+		c.SLO != (bench.SLO{TTFT: 250 * time.Millisecond, TPOT: 20 * time.Millisecond}) || len(c.Sweep.Rates) != 3 || c.Sweep.Rates[2] != 4 {
+		t.Errorf("config %+v", c)
+	}
+	c = parse("--dataset-name", "sharegpt", "--dataset-path", "../../bench/testdata/sharegpt-sample.json", "--ignore-eos",
+		"--sharegpt-output-len", "64", "--input-dist", "lognormal", "--input-stddev", "30", "--concurrency", "8", "--stream=false")
+	if !c.Workload.IgnoreEOS || c.Workload.FixedOutput != 64 || c.Workload.Input.Kind != bench.DistLogNormal || c.Workload.Input.StdDev != 30 ||
+		c.Arrival.Concurrency != 8 || c.Stream {
+		t.Errorf("config %+v", c)
+	}
+	if c := parse(); !math.IsInf(c.Arrival.Rate, 1) || c.NumPrompts != 1000 || c.Workload.Input.Mean != 1024 || c.Workload.Output.Mean != 128 ||
+		!c.Stream || c.Endpoint != bench.EndpointCompletions || c.MaxConnections != bench.DefaultMaxConnections {
+		t.Errorf("defaults %+v", c)
+	}
+	c = parse("--tenant", "name=a,key=k1,rate=inf,random-output-len=7,deferred=true,weight=3", "--tenant", "name=b,concurrency=2")
+	a, b := c.Tenants[0], c.Tenants[1]
+	if a.APIKey != "k1" || !math.IsInf(a.Arrival.Rate, 1) || a.Workload.Output.Mean != 7 || !a.Deferred || a.Weight != 3 ||
+		b.Arrival.Concurrency != 2 || b.Workload.Output.Mean != 128 {
+		t.Errorf("tenants %+v", c.Tenants)
 	}
 }
