@@ -5,6 +5,7 @@ import (
 	"cmp"
 	"context"
 	"io"
+	"math"
 	"net/http"
 	"slices"
 	"strconv"
@@ -65,8 +66,8 @@ func parseMetrics(r io.Reader) (map[string]float64, error) {
 			continue
 		}
 		v, err := strconv.ParseFloat(f[0], 64)
-		if err != nil {
-			continue
+		if err != nil || math.IsNaN(v) || math.IsInf(v, 0) {
+			continue // JSON has no NaN; a gauge without a value says nothing
 		}
 		sum[m.name] += v
 		count[m.name]++
