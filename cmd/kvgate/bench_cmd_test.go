@@ -322,13 +322,23 @@ func TestBenchAPIKeyFromEnvironment(t *testing.T) {
 		return ""
 	}
 	var stdout, stderr syncBuffer
-	if err := run(context.Background(), []string{"bench", "run", "--target", srv.URL, "--model", benchModel, "--out", t.TempDir(), "--quiet",
-		"--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "2"}, env, &stdout, &stderr); err != nil {
+	out := t.TempDir()
+	if err := run(context.Background(), []string{"bench", "run", "--target", srv.URL, "--model", benchModel, "--out", out, "--quiet",
+		"--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "2", "--tenant", "name=t,key=sk-tenant-key", "--tenant", "name=u"}, env, &stdout, &stderr); err != nil {
 		t.Fatalf("%v\n%s", err, stderr.String())
 	}
+	for _, name := range []string{bench.FileJSON, bench.FileMarkdown, bench.FileHTML, bench.FileSummaryCSV, bench.FileRequestsCSV} {
+		b, err := os.ReadFile(filepath.Join(out, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(b), "sk-") {
+			t.Errorf("%s contains an API key", name)
+		}
+	}
 	mu.Lock()
-	if auth["Bearer sk-from-env"] != 3 {
-		t.Errorf("authorizations %v, want 3 with $OPENAI_API_KEY", auth)
+	if auth["Bearer sk-tenant-key"] != 2 || auth["Bearer sk-from-env"] != 2 {
+		t.Errorf("authorizations %v, want 2 with the tenant's key and 2 with $OPENAI_API_KEY", auth)
 	}
 	mu.Unlock()
 	stderr = syncBuffer{}
