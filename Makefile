@@ -17,14 +17,14 @@ build:
 run: build
 	$(BIN) serve
 
-# Every test under the race detector, then three experiments on their own:
-# the overload and three-replica ones measure throughput and preemption in
-# simulated time, which the race detector's slowdown and parallel packages
-# would distort, and the job burst runs at its full 10,000 jobs (1,000
-# under -race).
+# Every test under the race detector, then four experiments on their own:
+# the overload, three-replica and fairness ones measure throughput,
+# preemption and waits, which the race detector's slowdown and parallel
+# packages would distort, and the job burst runs at its full 10,000 jobs
+# (1,000 under -race).
 test: node-deps
 	$(GO) test -race -count=1 $(PKGS)
-	$(GO) test -count=1 -v -run '^(TestOverloadNoPreemption|TestJobBurst|TestThreeReplicasOneFleet)$$' ./gateway/
+	$(GO) test -count=1 -v -run '^(TestOverloadNoPreemption|TestJobBurst|TestThreeReplicasOneFleet|TestFairnessBurst)$$' ./gateway/
 
 # The OpenAI Node SDK for cmd/kvgate's TestOpenAINodeSDK, installed from the
 # lockfile when it changed. Without node and npm the test skips (with
