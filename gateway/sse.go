@@ -126,13 +126,29 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 		}
 		shown = j.StateVersion
 	}
-	s.follow(r.Context(), sse, tenant, id, after, func(e store.Event) (bool, bool) {
+	keep := func(e store.Event) (bool, bool) {
 		if e.StateVersion <= shown {
 			return false, false
 		}
 		shown = e.StateVersion
 		return true, e.State.Final()
-	})
+	}
+	// The job's row is the truth: on each recheck, a state the feed has
+	// not shown yet (its events wait for the broker) goes out as a fresh
+	// snapshot, so that the stream reaches the final state even while
+	// events are not being published.
+	recheck := func(cursor int64) (bool, error) {
+		j, err := s.jobs.Store.Get(r.Context(), tenant, id)
+		if err != nil || j.StateVersion <= shown {
+			return false, err
+		}
+		shown = j.StateVersion
+		if err := sse.send(cursor, "snapshot", viewOf(j)); err != nil {
+			return true, err
+		}
+		return j.State.Final(), nil
+	}
+	s.follow(r.Context(), sse, tenant, id, after, keep, recheck)
 	return http.StatusOK
 }
 
@@ -171,7 +187,7 @@ func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int 
 		}
 		shown[e.JobID] = e.StateVersion
 		return true, false
-	})
+	}, nil)
 	return http.StatusOK
 }
 
@@ -203,10 +219,12 @@ func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string
 // follow sends the feed's events after the cursor as they are published,
 // until the client leaves, keep says the stream is done, or the store
 // fails (the client reconnects with its Last-Event-ID). keep decides per
-// event whether to send it and whether it ends the stream.
-func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID string, after int64, keep func(store.Event) (send, last bool)) {
-	recheck := time.NewTicker(feedRecheck)
-	defer recheck.Stop()
+// event whether to send it and whether it ends the stream; recheck, when
+// set, runs on every periodic look and may end the stream too.
+func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID string, after int64,
+	keep func(store.Event) (send, last bool), recheck func(cursor int64) (last bool, err error)) {
+	tick := time.NewTicker(feedRecheck)
+	defer tick.Stop()
 	lastWrite := time.Now()
 	for {
 		// Take the notice channel before reading, so that a notice that
@@ -244,7 +262,12 @@ func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID strin
 		case <-ctx.Done():
 			return
 		case <-changed:
-		case <-recheck.C:
+		case <-tick.C:
+			if recheck != nil {
+				if last, err := recheck(after); last || err != nil {
+					return
+				}
+			}
 			if time.Since(lastWrite) >= sseKeepalive {
 				if sse.comment("keepalive") != nil {
 					return

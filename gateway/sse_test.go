@@ -227,3 +227,24 @@ func TestJobAttemptsNeedOperator(t *testing.T) {
 		t.Errorf("operator: %d %s", code, body)
 	}
 }
+
+// Without published events (no relay: a broker outage), a job's stream
+// still follows the job's row and ends on its final state.
+func TestJobEventStreamWithoutBroker(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 1, jobs: true, runner: true, speedup: 20})
+	_, v := submitJob(t, f, "k1", chatJob("no broker", 4))
+	s := openStream(t, f.srv.URL+"/v1/jobs/"+v.ID+"/events")
+	var last jobView
+	for {
+		e, ok := s.next(t)
+		if !ok {
+			break
+		}
+		if e.Event != "snapshot" || json.Unmarshal([]byte(e.Data), &last) != nil {
+			t.Fatalf("event %+v, want snapshots only", e)
+		}
+	}
+	if last.State != string(store.Succeeded) {
+		t.Errorf("stream ended on %s, want SUCCEEDED", last.State)
+	}
+}
