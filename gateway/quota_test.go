@@ -122,70 +122,82 @@ func decodeError(t *testing.T, b []byte) errorBody {
 func TestQuotaRaceTwoReplicas(t *testing.T) {
 	const n, callers = 20, 300
 	st := pgtest.Open(t)
+	// Few connections: the tenant's admissions are serialised anyway, and
+	// the test server is shared.
+	st.DB().SetMaxOpenConns(8)
 	clock := &testClock{now: quotaT0}
-	release := make(chan struct{})
-	var once sync.Once
-	unblock := func() { once.Do(func() { close(release) }) }
-	t.Cleanup(unblock)
-	var holding bool
-	var hmu sync.Mutex
-	// hold keeps inference requests at the backend while holding is set.
-	hold := func(_ int, h http.Handler) http.Handler {
+	var atBackends atomic.Int64 // inference requests the simulators are serving
+	count := func(_ int, h http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			hmu.Lock()
-			wait := holding && r.Method == http.MethodPost
-			hmu.Unlock()
-			if wait {
-				<-release
+			if r.Method == http.MethodPost {
+				atBackends.Add(1)
+				defer atBackends.Add(-1)
 			}
 			h.ServeHTTP(w, r)
 		})
 	}
-	opts := fleetOpts{store: st, speedup: 50, wrap: hold, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}}}
+	opts := fleetOpts{store: st, wrap: count, speedup: 1, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}}}
 	replicas := []*fleet{startFleet(t, opts), startFleet(t, opts)}
 
+	// burst sends the callers' requests, half to each replica, and sorts
+	// the answers; a request whose context ends first counts as admitted.
 	var answered atomic.Int64
-	burst := func(key string) (ok, limited int, codes map[string]int) {
+	burst := func(ctx context.Context, key string, maxTokens int) (ok, limited int, codes map[string]int) {
 		var mu sync.Mutex
 		var wg sync.WaitGroup
 		codes = map[string]int{}
 		for i := range callers {
 			wg.Go(func() {
-				resp, b := send(t, replicas[i%2].srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(2))
-				answered.Add(1)
+				reqBody := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hello there"}],"max_tokens":%d,"ignore_eos":true}`,
+					llama, maxTokens)
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, replicas[i%2].srv.URL+"/v1/chat/completions",
+					strings.NewReader(reqBody))
+				req.Header.Set("Authorization", "Bearer "+key)
+				resp, err := http.DefaultClient.Do(req)
+				status, body := 0, []byte(nil)
+				if err == nil {
+					body, _ = io.ReadAll(resp.Body)
+					resp.Body.Close()
+					status = resp.StatusCode
+				}
 				mu.Lock()
 				defer mu.Unlock()
-				switch resp.StatusCode {
-				case http.StatusOK:
+				switch {
+				case status == http.StatusOK || (status == 0 && ctx.Err() != nil):
 					ok++
-				case http.StatusTooManyRequests:
+				case status == http.StatusTooManyRequests:
+					answered.Add(1)
 					limited++
 					var e errorBody
-					_ = json.Unmarshal(b, &e)
+					_ = json.Unmarshal(body, &e)
 					if e.Error.Code != nil {
 						codes[*e.Error.Code]++
 					}
 				default:
-					codes[fmt.Sprintf("status %d: %s", resp.StatusCode, b)]++
+					answered.Add(1)
+					codes[fmt.Sprintf("status %d %v: %s", status, err, body)]++
 				}
 			})
 		}
 		wg.Wait()
 		return ok, limited, codes
 	}
+	released := func(tenant string) {
+		t.Helper()
+		waitFor(t, "every permit released", func() bool {
+			us, _ := st.Usage(context.Background(), tenant, quotaT0, quotaT0)
+			return len(us) == 1 && us[0].ReservedTokens == 0
+		})
+	}
 
 	t.Run("rpm", func(t *testing.T) {
 		key := newTenant(t, st, "rpm-tenant", store.Limits{RPM: n}, store.RoleUser)
-		ok, limited, codes := burst(key)
+		ok, limited, codes := burst(context.Background(), key, 2)
 		if ok != n || limited != callers-n || codes["rate_limit_exceeded"] != callers-n {
 			t.Errorf("%d requests against an RPM of %d on two replicas: %d admitted, %d limited, %v", callers, n, ok, limited, codes)
 		}
-		// Each permit is released after its response went out.
-		var us []store.UsageDay
-		waitFor(t, "every permit released", func() bool {
-			us, _ = st.Usage(context.Background(), "rpm-tenant", quotaT0, quotaT0)
-			return len(us) == 1 && us[0].ReservedTokens == 0
-		})
+		released("rpm-tenant") // each after its response went out
+		us, _ := st.Usage(context.Background(), "rpm-tenant", quotaT0, quotaT0)
 		if u := us[0]; u.Requests != n || u.Attempts != n || u.CompletionTokens != 2*n || u.PromptTokens == 0 || u.Uncertain != 0 {
 			t.Errorf("ledger: %+v", u)
 		}
@@ -194,36 +206,143 @@ func TestQuotaRaceTwoReplicas(t *testing.T) {
 
 	t.Run("concurrency", func(t *testing.T) {
 		key := newTenant(t, st, "conc-tenant", store.Limits{MaxConcurrency: n}, store.RoleUser)
-		hmu.Lock()
-		holding = true
-		hmu.Unlock()
+		// Long generations: the admitted requests run while the others are
+		// refused; once every refusal is in, they are cancelled.
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
 		var ok, limited int
 		var codes map[string]int
 		answered.Store(0)
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			ok, limited, codes = burst(key)
+			ok, limited, codes = burst(ctx, key, 4000)
 		}()
-		// Every refused request has its answer while the admitted ones
-		// wait at the backend (had more been admitted, fewer would be
-		// answered, and this would time out); then they may finish.
-		waitFor(t, "the refusals", func() bool { return answered.Load() == callers-n })
-		if got := replicas[0].inflight() + replicas[1].inflight(); got != n {
-			t.Errorf("%d requests in flight at the backends, want %d", got, n)
+		waitFor(t, "the refusals", func() bool { return answered.Load() >= callers-n })
+		waitFor(t, "the admitted requests at the backends", func() bool { return atBackends.Load() >= n })
+		if got, refused := atBackends.Load(), answered.Load(); got != n || refused != callers-n {
+			t.Errorf("%d requests at the backends at once and %d refused, want %d and %d", got, refused, n, callers-n)
 		}
-		unblock()
+		cancel()
 		<-done
 		if ok != n || limited != callers-n || codes["rate_limit_exceeded"] != callers-n {
 			t.Errorf("%d requests against a concurrency of %d on two replicas: %d admitted, %d limited, %v", callers, n, ok, limited, codes)
 		}
-		// The permits come back: the next request runs.
-		waitFor(t, "every permit released", func() bool {
-			us, _ := st.Usage(context.Background(), "conc-tenant", quotaT0, quotaT0)
-			return len(us) == 1 && us[0].ReservedTokens == 0
-		})
+		// Cut off after they were sent: their usage is unknown, charged as
+		// uncertain; the permits come back, and the next request runs.
+		released("conc-tenant")
+		us, _ := st.Usage(context.Background(), "conc-tenant", quotaT0, quotaT0)
+		if u := us[0]; u.Requests != n || u.Uncertain != n || u.UncertainTokens == 0 {
+			t.Errorf("ledger after cancelling: %+v", u)
+		}
 		if resp, b := send(t, replicas[0].srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(2)); resp.StatusCode != http.StatusOK {
 			t.Errorf("after the burst: %d %s", resp.StatusCode, b)
 		}
 	})
+}
+
+// TestQuota429Shape: a tenant over its RPM gets OpenAI's 429, with
+// Retry-After and the x-ratelimit-* headers; the admitted request carries
+// the headers too; a spent daily budget is insufficient_quota.
+func TestQuota429Shape(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0} // 10 s into a minute
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}}})
+	key := newTenant(t, st, "acme", store.Limits{RPM: 1, TPM: 1000}, store.RoleUser)
+
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4))
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("first request: %d %s", resp.StatusCode, b)
+	}
+	for h, want := range map[string]string{"x-ratelimit-limit-requests": "1", "x-ratelimit-remaining-requests": "0",
+		"x-ratelimit-reset-requests": "50s", "x-ratelimit-limit-tokens": "1000", "x-ratelimit-reset-tokens": "50s"} {
+		if got := resp.Header.Get(h); got != want {
+			t.Errorf("admitted: %s = %q, want %q", h, got, want)
+		}
+	}
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4))
+	e := decodeError(t, b)
+	if resp.StatusCode != http.StatusTooManyRequests || e.Error.Type != "rate_limit_error" || *e.Error.Code != "rate_limit_exceeded" ||
+		!strings.Contains(e.Error.Message, "requests per min (RPM): Limit 1, Used 1, Requested 1") || e.Error.Param != nil {
+		t.Errorf("over RPM: %d %s", resp.StatusCode, b)
+	}
+	for h, want := range map[string]string{"Retry-After": "50", "retry-after-ms": "50000", "x-ratelimit-limit-requests": "1",
+		"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "50s"} {
+		if got := resp.Header.Get(h); got != want {
+			t.Errorf("429: %s = %q, want %q", h, got, want)
+		}
+	}
+	// The next minute admits again.
+	clock.Advance(50 * time.Second)
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4)); resp.StatusCode != http.StatusOK {
+		t.Errorf("next minute: %d %s", resp.StatusCode, b)
+	}
+	// A request larger than the TPM can never pass: tokens.
+	big := newTenant(t, st, "big", store.Limits{TPM: 1000}, store.RoleUser)
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", big, chatReq(2000))
+	if e := decodeError(t, b); resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(e.Error.Message, "tokens per min (TPM)") {
+		t.Errorf("over TPM: %d %s", resp.StatusCode, b)
+	}
+
+	// A spent budget: insufficient_quota, and clients should not retry.
+	budget := newTenant(t, st, "frugal", store.Limits{DailyTokens: 60}, store.RoleUser)
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", budget, chatReq(30)); resp.StatusCode != http.StatusOK {
+		t.Fatalf("within budget: %d %s", resp.StatusCode, b)
+	}
+	waitFor(t, "the release", func() bool {
+		us, _ := st.Usage(context.Background(), "frugal", quotaT0, quotaT0)
+		return len(us) == 1 && us[0].ReservedTokens == 0
+	})
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", budget, chatReq(30))
+	e = decodeError(t, b)
+	if resp.StatusCode != http.StatusTooManyRequests || e.Error.Type != "insufficient_quota" || *e.Error.Code != "insufficient_quota" ||
+		resp.Header.Get("x-should-retry") != "false" || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("over the daily budget: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+}
+
+// failingTenants is a store whose limiter state cannot be reached.
+type failingTenants struct{ store.Tenants }
+
+func (failingTenants) Acquire(context.Context, store.Acquisition) (store.Permit, error) {
+	return store.Permit{}, fmt.Errorf("acquire quota: %w: connection refused", store.ErrUnavailable)
+}
+
+func (failingTenants) ReserveJob(context.Context, string, string, int64, store.Limits, time.Time, time.Duration) error {
+	return fmt.Errorf("reserve job: %w: connection refused", store.ErrUnavailable)
+}
+
+// TestQuotaUnreachable: limiter state out of reach fails closed (503 with
+// Retry-After) by default, and admits with FailOpen.
+func TestQuotaUnreachable(t *testing.T) {
+	for _, open := range []bool{false, true} {
+		t.Run(fmt.Sprintf("fail_open=%v", open), func(t *testing.T) {
+			st := sqliteStore(t)
+			key := newTenant(t, st, "acme", store.Limits{RPM: 100, MaxPendingJobs: 10}, store.RoleUser)
+			f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: failingTenants{st}, FailOpen: open}}})
+			resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4))
+			req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/jobs", strings.NewReader(chatJob("x", 4)))
+			req.Header.Set("Authorization", "Bearer "+key)
+			req.Header.Set("Idempotency-Key", "j1")
+			job, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			jb, _ := io.ReadAll(job.Body)
+			job.Body.Close()
+			if open {
+				if resp.StatusCode != http.StatusOK || job.StatusCode != http.StatusAccepted {
+					t.Errorf("fail open: request %d %s, job %d %s", resp.StatusCode, b, job.StatusCode, jb)
+				}
+				return
+			}
+			e := decodeError(t, b)
+			if resp.StatusCode != http.StatusServiceUnavailable || *e.Error.Code != "quota_unavailable" || resp.Header.Get("Retry-After") != "1" {
+				t.Errorf("fail closed: %d %v %s", resp.StatusCode, resp.Header, b)
+			}
+			if e := decodeError(t, jb); job.StatusCode != http.StatusServiceUnavailable || *e.Error.Code != "quota_unavailable" {
+				t.Errorf("fail closed, job: %d %s", job.StatusCode, jb)
+			}
+		})
+	}
 }
