@@ -3,10 +3,12 @@ package main
 import (
 	"context"
 	"io"
+	"net/http"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/gateway"
 	"github.com/kvgate/kvgate/store/postgres/pgtest"
@@ -134,5 +136,80 @@ func TestQuotaConfig(t *testing.T) {
 	}
 	if cfg, _, err := parseConfig("serve", "", nil, noenv, io.Discard); err != nil || cfg.adminKeys() != nil || cfg.Quotas.FailOpen {
 		t.Errorf("defaults: fail closed, no admin key: %+v, %v", cfg, err)
+	}
+}
+
+// TestServeWithStoreTenants: keys made with the CLI work against serve on
+// the same store, the bootstrap admin key reaches the admin API, and a
+// tenant's quota is enforced.
+func TestServeWithStoreTenants(t *testing.T) {
+	dir := t.TempDir()
+	url := "sqlite://" + filepath.Join(dir, "kvgate.db")
+	if _, errOut, err := kv(t, "tenants", "create", "acme", "--rpm", "1", "--store", url); err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	key, errOut, err := kv(t, "keys", "create", "--tenant", "acme", "--store", url)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
+	key = strings.TrimSpace(key)
+
+	ctx, cancel := context.WithCancel(t.Context())
+	var stdout, stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", dir,
+			"--store", url, "--admin-key", "bootstrap"}, noenv, &stdout, &stderr)
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}()
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
+	var base string
+	for deadline := time.Now().Add(10 * time.Second); base == ""; time.Sleep(5 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
+			base = "http://" + m[1]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("serve printed no address:\n%s", stderr.String())
+		}
+	}
+	do := func(method, path, key, body string) int {
+		req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
+		req.Header.Set("Authorization", "Bearer "+key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	chat := `{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	for deadline := time.Now().Add(10 * time.Second); do(http.MethodGet, "/v1/models", key, "") != http.StatusOK; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the CLI's key never worked:\n%s", stderr.String())
+		}
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if code := do(http.MethodPost, "/v1/chat/completions", key, chat); code == http.StatusOK {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("chat: %d\n%s", code, stderr.String())
+		}
+	}
+	if code := do(http.MethodPost, "/v1/chat/completions", key, chat); code != http.StatusTooManyRequests {
+		t.Errorf("second request in the minute against an RPM of 1: %d, want 429", code)
+	}
+	if code := do(http.MethodGet, "/v1/admin/tenants", "bootstrap", ""); code != http.StatusOK {
+		t.Errorf("admin API with the bootstrap key: %d", code)
+	}
+	if code := do(http.MethodGet, "/v1/admin/tenants", key, ""); code != http.StatusForbidden {
+		t.Errorf("admin API with a user key: %d, want 403", code)
+	}
+	if code := do(http.MethodGet, "/v1/models", "kvg_wrong", ""); code != http.StatusUnauthorized {
+		t.Errorf("a wrong key: %d, want 401", code)
 	}
 }
