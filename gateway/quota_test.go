@@ -346,3 +346,28 @@ func TestQuotaUnreachable(t *testing.T) {
 		})
 	}
 }
+
+// TestQuotaStreamUsage: a limited tenant's stream is reconciled with the
+// usage kvgate asked the backend for, which the client, who did not ask,
+// never sees.
+func TestQuotaStreamUsage(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: st, Now: func() time.Time { return quotaT0 }}}})
+	key := newTenant(t, st, "acme", store.Limits{TPM: 100000}, store.RoleUser)
+	body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hello"}],"max_tokens":5,"stream":true,"ignore_eos":true}`, llama)
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, body)
+	if resp.StatusCode != http.StatusOK || strings.Contains(string(b), `"usage"`) || !strings.Contains(string(b), "[DONE]") {
+		t.Fatalf("stream: %d\n%s", resp.StatusCode, b)
+	}
+	var u store.UsageDay
+	waitFor(t, "the release", func() bool {
+		us, _ := st.Usage(context.Background(), "acme", quotaT0, quotaT0)
+		if len(us) == 1 {
+			u = us[0]
+		}
+		return len(us) == 1 && us[0].ReservedTokens == 0
+	})
+	if u.Requests != 1 || u.Attempts != 1 || u.CompletionTokens != 5 || u.PromptTokens == 0 || u.Uncertain != 0 {
+		t.Errorf("ledger after a stream: %+v", u)
+	}
+}
