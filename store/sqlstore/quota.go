@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"math/rand/v2"
 	"time"
 
 	"github.com/kvgate/kvgate/store"
@@ -19,17 +20,22 @@ import (
 
 // lockWindow locks a scope's window, rolling it forward to start when the
 // stored one is older (never backwards: a replica whose clock lags counts
-// in the newer window), and returns the window's start and counts.
-func (s *Store) lockWindow(ctx context.Context, tx *sql.Tx, scope string, start time.Time) (time.Time, int64, int64, error) {
+// in the newer window), adds reqs requests and toks tokens to it, and
+// returns the window's start and its counts before the addition. The
+// caller rolls the transaction back when the addition does not fit: one
+// round trip takes the lock, reads and takes.
+func (s *Store) lockWindow(ctx context.Context, tx *sql.Tx, scope string, start time.Time, reqs, toks int64) (time.Time, int64, int64, error) {
 	var ws, req, tok int64
-	err := tx.QueryRowContext(ctx, s.rb(`INSERT INTO quota_windows (scope, window_start, requests, tokens) VALUES (?, ?, 0, 0)
+	err := tx.QueryRowContext(ctx, s.rb(`INSERT INTO quota_windows (scope, window_start, requests, tokens) VALUES (?, ?, ?, ?)
 		ON CONFLICT (scope) DO UPDATE SET
-			requests = CASE WHEN excluded.window_start > quota_windows.window_start THEN 0 ELSE quota_windows.requests END,
-			tokens = CASE WHEN excluded.window_start > quota_windows.window_start THEN 0 ELSE quota_windows.tokens END,
+			requests = CASE WHEN excluded.window_start > quota_windows.window_start THEN 0 ELSE quota_windows.requests END
+				+ excluded.requests,
+			tokens = CASE WHEN excluded.window_start > quota_windows.window_start THEN 0 ELSE quota_windows.tokens END
+				+ excluded.tokens,
 			window_start = CASE WHEN excluded.window_start > quota_windows.window_start THEN excluded.window_start
 				ELSE quota_windows.window_start END
-		RETURNING window_start, requests, tokens`), scope, micros(start)).Scan(&ws, &req, &tok)
-	return fromMicros(ws), req, tok, err
+		RETURNING window_start, requests, tokens`), scope, micros(start), reqs, toks).Scan(&ws, &req, &tok)
+	return fromMicros(ws), req - reqs, tok - toks, err
 }
 
 // checkWindow refuses tokens more in a window that has no room for them.
@@ -73,7 +79,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Day: store.DayOf(a.Now)}
 	keyScoped := a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
 	err := s.tx(ctx, "acquire quota", func(tx *sql.Tx) error {
-		ws, req, tok, err := s.lockWindow(ctx, tx, "t:"+a.Tenant, start)
+		ws, req, tok, err := s.lockWindow(ctx, tx, "t:"+a.Tenant, start, 1, a.Tokens)
 		if err != nil {
 			return err
 		}
@@ -83,7 +89,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 			return err
 		}
 		if keyScoped {
-			kws, kreq, ktok, err := s.lockWindow(ctx, tx, "k:"+a.KeyID, start)
+			kws, kreq, ktok, err := s.lockWindow(ctx, tx, "k:"+a.KeyID, start, 1, a.Tokens)
 			if err != nil {
 				return err
 			}
@@ -93,8 +99,13 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 			}
 			p.Window = tighter(p.Window, kw)
 		}
-		if err := s.sweepPermits(ctx, tx, a.Tenant, a.Now); err != nil {
-			return err
+		// Expired permits matter at once to concurrency and budgets;
+		// elsewhere only to the ledger, swept now and then.
+		l := a.Limits
+		if l.MaxConcurrency > 0 || l.DailyTokens > 0 || l.MonthlyTokens > 0 || a.KeyLimits.MaxConcurrency > 0 || rand.IntN(64) == 0 {
+			if err := s.sweepPermits(ctx, tx, a.Tenant, a.Now); err != nil {
+				return err
+			}
 		}
 		if err := s.checkConcurrency(ctx, tx, "tenant", `tenant = ?`, a.Tenant, a.Limits.MaxConcurrency, p.Window); err != nil {
 			return err
@@ -107,17 +118,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 		if err := s.checkBudgets(ctx, tx, a, p.Window); err != nil {
 			return err
 		}
-		// Room everywhere: take it.
-		scopes := []string{"t:" + a.Tenant}
-		if keyScoped {
-			scopes = append(scopes, "k:"+a.KeyID)
-		}
-		for _, sc := range scopes {
-			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET requests = requests + 1, tokens = tokens + ? WHERE scope = ?`),
-				a.Tokens, sc); err != nil {
-				return err
-			}
-		}
+		// Room everywhere: the windows took theirs already.
 		if _, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
 			reserved_tokens, uncertain, uncertain_tokens) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0)
 			ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + 1,
@@ -157,6 +158,9 @@ func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return err
+	}
+	if len(ex) == 0 {
+		return nil
 	}
 	for _, e := range ex {
 		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), 0, 0, 0, 0, -e.tokens, 1, e.tokens, tenant, e.day); err != nil {
@@ -215,14 +219,29 @@ func (s *Store) checkBudgets(ctx context.Context, tx *sql.Tx, a store.Acquisitio
 // Release implements store.Store.
 func (s *Store) Release(ctx context.Context, r store.Release) error {
 	p := r.Permit
+	actual := r.PromptTokens + r.CompletionTokens
+	var window [2]int64 // requests and tokens given back to the window
+	switch r.Outcome {
+	case store.NotSent:
+		window = [2]int64{-1, -p.Tokens}
+	case store.Reported:
+		window = [2]int64{0, actual - p.Tokens}
+	}
 	return s.tx(ctx, "release quota", func(tx *sql.Tx) error {
-		// Rows are locked in Acquire's order (the tenant's window, the
-		// key's, the permits, the ledger), so the two never deadlock.
+		// The windows first, as in Acquire (the tenant's, then the key's;
+		// then the permits, then the ledger), so the two never deadlock.
+		// Only while the permit is there (not released before), and only
+		// in the window that counted it: a later one never saw it.
 		for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
 			if sc == "k:" {
 				continue
 			}
-			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET requests = requests WHERE scope = ?`), sc); err != nil {
+			ws := micros(p.WindowStart)
+			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET
+				requests = CASE WHEN window_start <> ? THEN requests WHEN requests + ? < 0 THEN 0 ELSE requests + ? END,
+				tokens = CASE WHEN window_start <> ? THEN tokens WHEN tokens + ? < 0 THEN 0 ELSE tokens + ? END
+				WHERE scope = ? AND EXISTS (SELECT 1 FROM quota_permits WHERE id = ?)`),
+				ws, window[0], window[0], ws, window[1], window[1], sc, p.ID); err != nil {
 				return err
 			}
 		}
@@ -234,52 +253,31 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 		if err != nil {
 			return err
 		}
-		actual := r.PromptTokens + r.CompletionTokens
 		// Ledger deltas: requests, attempts, prompt, completion, reserved,
 		// uncertain, uncertain tokens. A swept permit's reservation is
 		// already uncertain usage: take it back from there.
 		var d [7]int64
-		held, heldCount := 4, 0 // where the reservation sits: reserved_tokens
+		held, heldCount := 4, int64(0) // where the reservation sits: reserved_tokens
 		if swept == 1 {
 			held, heldCount = 6, 1 // uncertain_tokens, one uncertain request
 		}
 		d[1] = int64(r.Attempts)
-		var window [2]int64 // requests, tokens given back to the window
 		switch r.Outcome {
 		case store.NotSent:
 			d[0] = -1
 			d[held] -= p.Tokens
-			d[5] -= int64(heldCount)
-			window = [2]int64{-1, -p.Tokens}
+			d[5] -= heldCount
 		case store.Reported:
 			d[2], d[3] = r.PromptTokens, r.CompletionTokens
 			d[held] -= p.Tokens
-			d[5] -= int64(heldCount)
-			window = [2]int64{0, actual - p.Tokens}
+			d[5] -= heldCount
 		case store.Uncertain:
 			if swept == 0 {
 				d[4], d[5], d[6] = -p.Tokens, 1, p.Tokens
 			}
 		}
-		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], p.Tenant, p.Day); err != nil {
-			return err
-		}
-		if window == [2]int64{} {
-			return nil
-		}
-		// Within the same window only: a later window never saw it.
-		for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
-			if sc == "k:" {
-				continue
-			}
-			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET
-				requests = CASE WHEN requests + ? < 0 THEN 0 ELSE requests + ? END,
-				tokens = CASE WHEN tokens + ? < 0 THEN 0 ELSE tokens + ? END
-				WHERE scope = ? AND window_start = ?`), window[0], window[0], window[1], window[1], sc, micros(p.WindowStart)); err != nil {
-				return err
-			}
-		}
-		return nil
+		_, err = tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], p.Tenant, p.Day)
+		return err
 	})
 }
 
@@ -293,7 +291,7 @@ const pendingStates = `('READY', 'RUNNING', 'RETRY_SCHEDULED')`
 // zero times.
 func (s *Store) ReserveJob(ctx context.Context, id, tenant string, tokens int64, l store.Limits, now time.Time, lease time.Duration) error {
 	return s.tx(ctx, "reserve job", func(tx *sql.Tx) error {
-		if _, _, _, err := s.lockWindow(ctx, tx, "t:"+tenant, now.Truncate(time.Minute)); err != nil {
+		if _, _, _, err := s.lockWindow(ctx, tx, "t:"+tenant, now.Truncate(time.Minute), 0, 0); err != nil {
 			return err
 		}
 		if _, err := tx.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE tenant = ? AND expires_at <= ?`), tenant, micros(now)); err != nil {
