@@ -21,9 +21,10 @@ import (
 // row is locked first, then the key's), a request and a token reservation
 // from the current fixed one-minute window, a concurrency permit (a leased
 // row) and a charge against the daily and monthly token budgets, or none
-// of them. A permit whose replica died is expired by the next Acquire of
-// its tenant after its lease; its reservation then stays charged as
-// uncertain usage. Release returns the permit and reconciles the
+// of them. A permit whose replica died is expired by an Acquire of its
+// tenant after its lease (the next one where a concurrency cap or a budget
+// is set, one now and then otherwise); its reservation then stays charged
+// as uncertain usage. Release returns the permit and reconciles the
 // reservation with the usage the backend reported.
 //
 // Slack. Counts are exact across replicas: no two Acquires of one tenant
