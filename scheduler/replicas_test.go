@@ -13,7 +13,7 @@ func TestMembershipShares(t *testing.T) {
 	_, js := connect(t, ns.ClientURL())
 	a := newTestScheduler(t, Policy{}, backendSnap("x", 1000))
 	b := newTestScheduler(t, Policy{}, backendSnap("x", 1000))
-	cfg := MembershipConfig{Interval: 50 * time.Millisecond, TTL: time.Second}
+	cfg := MembershipConfig{Interval: 50 * time.Millisecond, TTL: 10 * time.Second} // no key expires during the test, however loaded the machine
 	cfg.ID = "a"
 	ma, err := NewMembership(context.Background(), js, a, cfg)
 	if err != nil {
