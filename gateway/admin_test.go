@@ -210,3 +210,24 @@ func TestKeyRevocationReachesOtherReplicas(t *testing.T) {
 		t.Errorf("after the TTL the other replica still takes the key: %d", resp.StatusCode)
 	}
 }
+
+// A tenant's weight reaches the scheduler's tickets; tenants the store
+// does not know weigh 1.
+func TestTenantWeightOnTickets(t *testing.T) {
+	st := sqliteStore(t)
+	if err := st.CreateTenant(t.Context(), store.Tenant{Name: "heavy", Weight: 3, CreatedAt: quotaT0}); err != nil {
+		t.Fatal(err)
+	}
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: st}}})
+	if w := f.api.weight(t.Context(), "heavy"); w != 3 {
+		t.Errorf("heavy's weight %v, want 3", w)
+	}
+	if w := f.api.weight(t.Context(), "stranger"); w != 1 {
+		t.Errorf("an unknown tenant's weight %v, want 1", w)
+	}
+	tk, err := f.api.Ticket(store.Job{ID: "j", Tenant: "heavy", Endpoint: "/v1/completions",
+		Body: []byte(`{"model":"` + llama + `","prompt":"hi","max_tokens":4}`)})
+	if err != nil || tk.Weight != 3 {
+		t.Errorf("a job's ticket: weight %v, %v", tk.Weight, err)
+	}
+}

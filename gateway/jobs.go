@@ -283,7 +283,8 @@ func (s *Server) Ticket(j store.Job) (*scheduler.Ticket, error) {
 		model = gpu.Model{ID: c.model} // the scheduler waits for a backend to serve it
 	}
 	prompt, maxOut, exact := s.reservation(context.Background(), c, model)
-	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut}
+	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut,
+		Weight: s.weight(context.Background(), j.Tenant)}
 	if !exact {
 		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}

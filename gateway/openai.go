@@ -245,7 +245,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		permit.release(ctx, o, attempts, u)
 	}()
 	ticket := &scheduler.Ticket{
-		Tenant: tenantOf(ctx), Class: scheduler.Interactive, Model: model.ID,
+		Tenant: tenantOf(ctx), Weight: s.weight(ctx, tenantOf(ctx)), Class: scheduler.Interactive, Model: model.ID,
 		PromptTokens: prompt, MaxTokens: maxOut,
 	}
 	if !exact {

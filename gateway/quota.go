@@ -276,3 +276,17 @@ func (s *Server) reserveJob(ctx context.Context, tokens int) (func(), error) {
 	}
 	return nil, errQuotaUnavailable
 }
+
+// weight returns a tenant's share in the scheduler's fair queueing: its
+// configured weight, or 1 without a tenant store, for a tenant the store
+// does not know, or when the store does not answer.
+func (s *Server) weight(ctx context.Context, tenant string) float64 {
+	if s.limits == nil {
+		return 1
+	}
+	t, found, err := s.tenant(ctx, tenant)
+	if err != nil || !found || t.Weight < 1 {
+		return 1
+	}
+	return float64(t.Weight)
+}
