@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -125,35 +126,6 @@ func getAnyJob(f *fleet, id string) (store.Job, error) {
 	return f.store.Get(context.Background(), tenant, id)
 }
 
-// jain is Jain's fairness index of xs: 1 when all are equal, 1/n when one
-// has everything.
-func jain(xs []float64) float64 {
-	var sum, sq float64
-	for _, x := range xs {
-		sum += x
-		sq += x * x
-	}
-	if sq == 0 {
-		return 1
-	}
-	return sum * sum / (float64(len(xs)) * sq)
-}
-
-func TestJain(t *testing.T) {
-	for _, tc := range []struct {
-		xs   []float64
-		want float64
-	}{
-		{[]float64{1, 1, 1, 1}, 1},
-		{[]float64{1, 0, 0, 0}, 0.25},
-		{[]float64{3, 1}, 0.8}, // 16 / (2*10)
-	} {
-		if got := jain(tc.xs); got < tc.want-1e-9 || got > tc.want+1e-9 {
-			t.Errorf("jain(%v) = %v, want %v", tc.xs, got, tc.want)
-		}
-	}
-}
-
 // TestFairnessBurst is the fairness experiment on the simulated fleet, on
 // PostgreSQL and JetStream as kvgate serve runs them:
 //
@@ -225,7 +197,7 @@ func TestFairnessBurst(t *testing.T) {
 	if t.Failed() {
 		return
 	}
-	index := jain(shares)
+	index := bench.JainIndex(shares)
 
 	pct := func(d []time.Duration, p float64) time.Duration { return d[min(len(d)-1, int(p*float64(len(d))))] }
 	t.Logf("Jain's index, 4 equal-weight tenants x %d jobs, completions while all had work: %.4f (%v)", backlog, index, shares)

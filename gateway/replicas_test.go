@@ -8,7 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -38,17 +37,8 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 	var js jetstream.JetStream
 	var nc *nats.Conn
 	if shared {
-		ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
-			StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
-		if err != nil {
-			t.Fatal(err)
-		}
-		ns.Start()
-		t.Cleanup(ns.Shutdown)
-		if !ns.ReadyForConnections(10 * time.Second) {
-			t.Fatal("nats server did not start")
-		}
-		nc, err = nats.Connect(ns.ClientURL())
+		var err error
+		nc, err = nats.Connect(startTestNATS(t).ClientURL())
 		if err != nil {
 			t.Fatal(err)
 		}

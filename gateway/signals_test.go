@@ -23,7 +23,9 @@ type testSignals struct {
 	inbox *scheduler.Inbox
 }
 
-func startTestSignals(t testing.TB, st store.Store, wake func()) *testSignals {
+// startTestNATS runs a real NATS server with JetStream on a loopback
+// port until the test ends.
+func startTestNATS(t testing.TB) *server.Server {
 	t.Helper()
 	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
 		StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
@@ -35,6 +37,12 @@ func startTestSignals(t testing.TB, st store.Store, wake func()) *testSignals {
 	if !ns.ReadyForConnections(10 * time.Second) {
 		t.Fatal("nats server did not start")
 	}
+	return ns
+}
+
+func startTestSignals(t testing.TB, st store.Store, wake func()) *testSignals {
+	t.Helper()
+	ns := startTestNATS(t)
 	nc, err := nats.Connect(ns.ClientURL(), nats.MaxReconnects(-1), nats.ReconnectWait(50*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
