@@ -54,14 +54,18 @@ lint: $(STATICCHECK)
 fmt:
 	gofmt -w $$(git ls-files '*.go')
 
-# Go benchmarks, the gateway's overhead and throughput, then the
-# simulator's calibration table and CPU cost.
+# Go benchmarks, the gateway's overhead and throughput, the simulator's
+# calibration table and CPU cost, then the named scenarios at a quarter of
+# their size (about three minutes): kvgate, round-robin and an EPP-style
+# threshold router, each in front of a fresh simulated fleet, on the same
+# arrivals; reports in bin/bench/<scenario>/.
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem -count 5 ./bench/... ./gpu/ | tee bin/bench.txt
 	$(GO) test -run '^$$' -bench 'GatewayOverhead' -benchtime 1x ./cmd/kvgate/ | tee -a bin/bench.txt
 	$(GO) test -run '^$$' -bench 'GatewayThroughput' -benchtime 20000x -count 3 ./cmd/kvgate/ | tee -a bin/bench.txt
 	$(BIN) sim calibrate
 	$(BIN) sim cost
+	$(BIN) bench scenario all --scale 0.25 --out bin/bench | tee bin/bench-scenarios.txt
 
 calibrate: build
 	$(BIN) sim calibrate
