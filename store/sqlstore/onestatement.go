@@ -47,7 +47,13 @@ var acceptCTE = `WITH ins AS (
 // claimCTE leases up to limit runnable jobs, fairly across tenants by
 // their weights (see fair.go), and writes a job.running event for each, in claim order, with
 // ids from the array parameter.
-func claimCTE(d Dialect) string {
+//
+// The candidates are read without locks, twice the batch spread over the
+// considered tenants and at least 16 of each; the batch locks them in
+// fair order, skipping any that a concurrent claimer holds and taking the
+// next (LIMIT above FOR UPDATE SKIP LOCKED), so that claimers racing for
+// the same tenants' heads each get their own jobs instead of none.
+func claimCTE() string {
 	return `WITH considered AS (
 		SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) AS weight
 		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
@@ -60,13 +66,15 @@ func claimCTE(d Dialect) string {
 		SELECT c.id, (c.rn - 1)::float8 / GREATEST(t.weight, 1) AS turn, t.served_at, t.tenant FROM considered t CROSS JOIN LATERAL (
 			SELECT id, row_number() OVER (ORDER BY priority, available_at, id) AS rn FROM jobs
 			WHERE tenant = t.tenant AND state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
-			ORDER BY priority, available_at, id LIMIT ?) c
+			ORDER BY priority, available_at, id
+			LIMIT (SELECT GREATEST(16, CEIL(2.0 * ?::int / GREATEST(count(*), 1)))::int FROM considered)) c
 		UNION ALL
 		SELECT h.id, CASE WHEN EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) THEN 2147483647 ELSE 0 END,
 			-1, h.tenant FROM oldest h),
 	picked AS (
-		SELECT id FROM jobs WHERE id IN (SELECT id FROM cand ORDER BY turn, served_at, tenant LIMIT ?)
-			AND state IN ('READY', 'RETRY_SCHEDULED') ` + d.LockRunnable + `),
+		SELECT j.id FROM cand c JOIN jobs j ON j.id = c.id
+		WHERE j.state IN ('READY', 'RETRY_SCHEDULED')
+		ORDER BY c.turn, c.served_at, c.tenant LIMIT ? FOR UPDATE OF j SKIP LOCKED),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
 			lease_until = ?, state_version = state_version + 1, updated_at = ?

@@ -264,7 +264,7 @@ func buildQueries(d Dialect) queries {
 		fenceState:    r(`SELECT fence, state FROM jobs WHERE id = ?`),
 	}
 	if d.WritableCTE {
-		q.acceptCTE, q.claimCTE, q.finishCTE = r(acceptCTE), r(claimCTE(d)), r(finishCTE)
+		q.acceptCTE, q.claimCTE, q.finishCTE = r(acceptCTE), r(claimCTE()), r(finishCTE)
 		q.acceptBatch, q.finishBatch = r(acceptBatch), r(finishBatch)
 	}
 	return q
