@@ -24,7 +24,11 @@ import (
 // usage the backend reported; a request sent whose usage never came back
 // (a timeout, a cut stream, a client that left) stays charged as uncertain
 // usage. A job's submission reserves room under the tenant's pending-job
-// limits until the job is stored. Tenants that the store does not know
+// limits until the job is stored; when the job runs, its request takes a
+// permit of its tenant's (no key's) like an interactive one, after the
+// scheduler granted it a backend: a quota that refuses it makes the job
+// wait for the quota's reset (scheduler.ClassQuota), and its usage lands in
+// the tenant's ledger. Tenants that the store does not know
 // (static keys, development mode) are not limited and have no ledger.
 //
 // When the store does not answer, the request is refused with 503 (fail
@@ -147,19 +151,26 @@ type permit struct {
 // when nothing limits the caller), a *store.QuotaError, or
 // errQuotaUnavailable.
 func (s *Server) acquireQuota(ctx context.Context, tokens int) (*permit, error) {
+	pr := principalOf(ctx)
+	return s.acquireQuotaFor(ctx, pr.tenant, pr.keyID, pr.keyLimits, tokens)
+}
+
+// acquireQuotaFor admits a request of tokens for a tenant, and for its key
+// when keyID is set ("" for a durable job, which runs under its tenant's
+// quotas only); it returns what acquireQuota does.
+func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyLimits store.Limits, tokens int) (*permit, error) {
 	if s.cfg.Tenants.Store == nil {
 		return nil, nil
 	}
-	pr := principalOf(ctx)
-	t, found, err := s.tenant(ctx, pr.tenant)
+	t, found, err := s.tenant(ctx, tenant)
 	if err == nil && !found {
 		return nil, nil
 	}
 	var p store.Permit
 	if err == nil {
 		p, err = s.cfg.Tenants.Store.Acquire(ctx, store.Acquisition{
-			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: pr.tenant, KeyID: pr.keyID, Tokens: int64(tokens),
-			Limits: t.Limits, KeyLimits: pr.keyLimits, Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease,
+			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, KeyID: keyID, Tokens: int64(tokens),
+			Limits: t.Limits, KeyLimits: keyLimits, Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease,
 		})
 	}
 	var qe *store.QuotaError
@@ -172,11 +183,11 @@ func (s *Server) acquireQuota(ctx context.Context, tokens int) (*permit, error) 
 	case ctx.Err() != nil:
 		return nil, ctx.Err()
 	case s.cfg.Tenants.FailOpen:
-		s.log.Warn("quota store unreachable: admitting without a permit", "tenant", pr.tenant, "err", err)
+		s.log.Warn("quota store unreachable: admitting without a permit", "tenant", tenant, "err", err)
 		s.quota.failOpen.Inc()
 		return nil, nil
 	}
-	s.log.Warn("quota store unreachable: refusing", "tenant", pr.tenant, "err", err)
+	s.log.Warn("quota store unreachable: refusing", "tenant", tenant, "err", err)
 	return nil, errQuotaUnavailable
 }
 

@@ -65,8 +65,12 @@ type RunnerConfig struct {
 	Poll        time.Duration // store scan period when nothing wakes it [500ms]
 	ReapEvery   time.Duration // reaper period [5s]
 	Backoff     Backoff
-	Logger      *slog.Logger
-	Now         func() time.Time
+	// QuotaWait is the longest an attempt waits in place, holding its
+	// slot, for its tenant's own quota; a longer wait hands the job back
+	// as a retry, which counts as an attempt [1m: a rate window's reset].
+	QuotaWait time.Duration
+	Logger    *slog.Logger
+	Now       func() time.Time
 	// OnEvents, when set, is called after the runner committed outbox
 	// events (claims, outcomes): the wiring wakes the relay with it.
 	OnEvents func()
@@ -97,6 +101,7 @@ func NewRunner(st jobStore, sched *Scheduler, exec Executor, cfg RunnerConfig) *
 	cfg.Lease = cmp.Or(cfg.Lease, time.Minute)
 	cfg.Poll = cmp.Or(cfg.Poll, 500*time.Millisecond)
 	cfg.ReapEvery = cmp.Or(cfg.ReapEvery, 5*time.Second)
+	cfg.QuotaWait = cmp.Or(cfg.QuotaWait, time.Minute)
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -205,7 +210,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	case err == nil:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, backend, xerr := r.infer(ctx, j)
+		out, backend, xerr := r.inferWithinQuota(ctx, j)
 		attempt.Backend = backend
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, attempt, xerr)
@@ -250,6 +255,43 @@ func (r *Runner) infer(ctx context.Context, j store.Job) (Outcome, string, error
 	defer g.Release()
 	out, err := r.exec.Execute(ctx, j, g)
 	return out, g.Backend, err
+}
+
+// inferWithinQuota runs infer, and runs it again while the executor says
+// the job's tenant is over its own quota (ClassQuota): the claim counted an
+// attempt that the store cannot give back, so a wait for the tenant's
+// quota happens inside the attempt, with the backend's grant released and
+// the lease renewed. It looks again at the quota's reset, or sooner
+// (Backoff.Max), or after a jitter under Backoff.Base when the reset is
+// unknown (a concurrency cap: when work in flight ends). A reset further
+// than QuotaWait, a wait longer than QuotaWait in all, or one past the
+// deadline returns the refusal: failed then hands the job back for a
+// retry at the reset, which counts as an attempt, so that a tenant's long
+// wait does not hold a runner slot other tenants' jobs could use.
+func (r *Runner) inferWithinQuota(ctx context.Context, j store.Job) (Outcome, string, error) {
+	var waited time.Duration
+	for {
+		out, backend, err := r.infer(ctx, j)
+		var xe *ExecError
+		if !errors.As(err, &xe) || xe.Class != ClassQuota || xe.RetryAfter > r.cfg.QuotaWait {
+			return out, backend, err
+		}
+		r.rngMu.Lock()
+		d := r.cfg.Backoff.Delay(1, min(xe.RetryAfter, cmp.Or(r.cfg.Backoff.Max, time.Minute)), r.rng)
+		r.rngMu.Unlock()
+		if waited+d > r.cfg.QuotaWait || !r.cfg.Now().Add(d).Before(j.Deadline) {
+			return out, backend, err
+		}
+		r.m.quotaWaits.Inc()
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return out, backend, err
+		case <-t.C:
+		}
+		waited += d
+	}
 }
 
 // failed records a failed attempt: a retry at a full-jitter delay (never
@@ -330,6 +372,7 @@ type runnerMetrics struct {
 	stale       prometheus.Counter
 	reaped      prometheus.Counter
 	stageReused prometheus.Counter
+	quotaWaits  prometheus.Counter
 }
 
 func newRunnerMetrics() *runnerMetrics {
@@ -349,9 +392,12 @@ func newRunnerMetrics() *runnerMetrics {
 		stageReused: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvgate_scheduler_job_stage_reuses_total", Help: "Job attempts that found the inference checkpointed and did not call the model again.",
 		}),
+		quotaWaits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvgate_scheduler_job_quota_waits_total", Help: "Times a job attempt waited in place for its tenant's quota instead of spending an attempt.",
+		}),
 	}
 }
 
 func (m *runnerMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.finished, m.retried, m.stale, m.reaped, m.stageReused}
+	return []prometheus.Collector{m.finished, m.retried, m.stale, m.reaped, m.stageReused, m.quotaWaits}
 }

@@ -15,6 +15,11 @@ const (
 	ClassTimeout     ErrorClass = "timeout"         // the backend stalled
 	ClassCapacity    ErrorClass = "no_capacity"     // kvgate's own queue timed out
 	ClassInvalid     ErrorClass = "invalid_request" // 4xx: the request itself is wrong
+	// ClassQuota: the job's tenant is over its own rate, concurrency or
+	// budget quota; RetryAfter is when the quota resets (0: when work in
+	// flight ends). The runner waits in place for a short reset rather
+	// than spending an attempt on it.
+	ClassQuota ErrorClass = "quota_wait"
 )
 
 // Transient reports whether an attempt that failed so may succeed later.

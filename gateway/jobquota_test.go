@@ -1,0 +1,265 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+// jobsFleet starts a fleet whose runner runs jobs under st's tenants, on
+// the quota clock given; wrap stands before the backend.
+func jobsFleet(t *testing.T, st *sqlstore.Store, clock *testClock, wrap func(int, http.Handler) http.Handler, cfg Config) *fleet {
+	t.Helper()
+	cfg.Tenants = Tenants{Store: st, Now: clock.Now}
+	return startFleet(t, fleetOpts{store: st, runner: true, speedup: 20, wrap: wrap, gateway: cfg})
+}
+
+// submitJobs submits n jobs of body for a tenant's key and returns their ids.
+func submitJobs(t *testing.T, f *fleet, key, prefix, body string, n int) []string {
+	t.Helper()
+	var ids []string
+	for i := range n {
+		resp, v := submitJob(t, f, fmt.Sprintf("%s-%d", prefix, i), body, "Authorization", "Bearer "+key)
+		if resp.StatusCode != http.StatusAccepted {
+			t.Fatalf("submit %s-%d: %d", prefix, i, resp.StatusCode)
+		}
+		ids = append(ids, v.ID)
+	}
+	return ids
+}
+
+// succeeded counts the jobs that succeeded.
+func succeeded(t *testing.T, f *fleet, tenant string, ids []string) int {
+	t.Helper()
+	n := 0
+	for _, id := range ids {
+		if j, err := f.store.Get(context.Background(), tenant, id); err == nil && j.State == store.Succeeded {
+			n++
+		}
+	}
+	return n
+}
+
+// waitJob waits for a tenant's job to reach a state, read from the store.
+func waitJob(t *testing.T, f *fleet, tenant, id string, want store.State) {
+	t.Helper()
+	waitFor(t, "job "+id+" to reach "+string(want), func() bool {
+		j, err := f.store.Get(context.Background(), tenant, id)
+		return err == nil && j.State == want
+	})
+}
+
+// usageOf returns a tenant's one ledger day through GET /v1/usage, once
+// nothing is in flight.
+func usageOf(t *testing.T, f *fleet, operator string) UsageView {
+	t.Helper()
+	var days []UsageView
+	waitFor(t, "the usage", func() bool {
+		_, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", operator, "")
+		days = decode[struct{ Data []UsageView }](t, b).Data
+		return len(days) == 1 && days[0].ReservedTokens == 0
+	})
+	return days[0]
+}
+
+// attemptsOf checks that each job succeeded on its first attempt and
+// returns the tokens the backend reported for them all.
+func attemptsOf(t *testing.T, f *fleet, tenant string, ids []string) (prompt, completion int64) {
+	t.Helper()
+	for _, id := range ids {
+		j, err := f.store.Get(context.Background(), tenant, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, as := outcomes(t, f.store, id)
+		if j.Attempt != 1 || len(as) != 1 || as[0].Outcome != "succeeded" {
+			t.Errorf("job %s: attempt %d, attempts %+v; want one success: a quota wait spends no attempt", id, j.Attempt, as)
+			continue
+		}
+		prompt += int64(as[0].PromptTokens)
+		completion += int64(as[0].CompletionTokens)
+	}
+	return prompt, completion
+}
+
+// A tenant's concurrency cap holds for its jobs: ten jobs of a tenant
+// limited to two requests in flight never have more than two at the
+// backends, all succeed on their first attempt, and the tenant's usage
+// shows their requests, attempts and tokens.
+func TestJobsRunUnderTenantConcurrency(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	var inFlight, peak atomic.Int64
+	count := func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/chat/completions" {
+				n := inFlight.Add(1)
+				defer inFlight.Add(-1)
+				for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+				}
+				// Slow enough that the tenant's jobs overlap.
+				select {
+				case <-time.After(100 * time.Millisecond):
+				case <-r.Context().Done():
+				}
+			}
+			h.ServeHTTP(w, r)
+		})
+	}
+	user := newTenant(t, st, "acme", store.Limits{MaxConcurrency: 2}, store.RoleUser)
+	operator := newKey(t, st, "acme", store.RoleOperator)
+	f := jobsFleet(t, st, clock, count, Config{})
+
+	ids := submitJobs(t, f, user, "c", chatJob("summarise the document", 16), 10)
+	waitForLong(t, "ten jobs to succeed", 30*time.Second, func() bool { return succeeded(t, f, "acme", ids) == 10 })
+	if p := peak.Load(); p > 2 || p < 1 {
+		t.Errorf("%d of the tenant's requests at the backends at once, want at most 2", p)
+	}
+	if n := testutil.ToFloat64(f.api.quota.rejected.WithLabelValues("concurrency")); n == 0 {
+		t.Errorf("no job waited for the concurrency cap; the test proves nothing")
+	}
+	prompt, completion := attemptsOf(t, f, "acme", ids)
+	u := usageOf(t, f, operator)
+	if u.Requests != 10 || u.Attempts != 10 || u.PromptTokens != prompt || u.CompletionTokens != completion ||
+		completion == 0 || u.UncertainRequests != 0 || u.ChargedTokens != prompt+completion {
+		t.Errorf("usage %+v, want 10 requests and attempts, %d prompt and %d completion tokens", u, prompt, completion)
+	}
+}
+
+// A tenant's TPM holds for its jobs: with room for one job's reservation
+// a minute, jobs run one per window as the quota clock moves, each on its
+// first attempt, after waiting for the window's reset.
+func TestJobsWaitForTenantTPM(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	body := chatJob("summarise the document", 8)
+	f := jobsFleet(t, st, clock, nil, Config{TokenCount: "tokenize"})
+
+	// The reservation, counted as Execute counts it: exactly, so that TPM
+	// holds one job and not two.
+	var req jobRequest
+	if err := json.Unmarshal([]byte(body), &req); err != nil {
+		t.Fatal(err)
+	}
+	c, model, err := f.api.jobCall(store.Job{ID: "probe", Endpoint: req.Endpoint, Body: req.Body})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt, maxOut, exact := f.api.reservation(context.Background(), c, model)
+	if !exact {
+		t.Fatal("the simulator did not tokenize the prompt")
+	}
+	user := newTenant(t, st, "tiny", store.Limits{TPM: int64(prompt + maxOut)}, store.RoleUser)
+	operator := newKey(t, st, "tiny", store.RoleOperator)
+
+	ids := submitJobs(t, f, user, "t", body, 3)
+	for k := 1; k <= len(ids); k++ {
+		for deadline := time.Now().Add(10 * time.Second); succeeded(t, f, "tiny", ids) < k; time.Sleep(2 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				for _, id := range ids {
+					j, _ := f.store.Get(context.Background(), "tiny", id)
+					_, as := outcomes(t, f.store, id)
+					t.Logf("job %s: %s, attempt %d, available at %v, attempts %+v", id, j.State, j.Attempt, j.AvailableAt, as)
+				}
+				t.Fatalf("timed out waiting for job %d of the window to succeed", k)
+			}
+		}
+		if n := succeeded(t, f, "tiny", ids); n != k {
+			t.Fatalf("%d jobs succeeded within %d minute windows; the TPM holds one a window", n, k)
+		}
+		clock.Advance(time.Minute)
+	}
+	if n := testutil.ToFloat64(f.api.quota.rejected.WithLabelValues("tokens")); n == 0 {
+		t.Errorf("no job waited for the TPM window; the test proves nothing")
+	}
+	pt, ct := attemptsOf(t, f, "tiny", ids)
+	if u := usageOf(t, f, operator); u.Requests != 3 || u.Attempts != 3 || u.PromptTokens != pt || u.CompletionTokens != ct {
+		t.Errorf("usage %+v, want 3 requests and attempts, %d prompt and %d completion tokens", u, pt, ct)
+	}
+}
+
+// A spent daily budget hands the job back for a retry when the budget
+// resets (the next UTC day), an attempt that says so; a job bigger than
+// the whole budget fails at once.
+func TestJobsWaitForTenantBudget(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	f := jobsFleet(t, st, clock, nil, Config{TokenCount: "tokenize"})
+	body := chatJob("summarise the document", 8)
+	var req jobRequest
+	if err := json.Unmarshal([]byte(body), &req); err != nil {
+		t.Fatal(err)
+	}
+	c, model, err := f.api.jobCall(store.Job{ID: "probe", Endpoint: req.Endpoint, Body: req.Body})
+	if err != nil {
+		t.Fatal(err)
+	}
+	prompt, maxOut, _ := f.api.reservation(context.Background(), c, model)
+	res := int64(prompt + maxOut)
+	user := newTenant(t, st, "frugal", store.Limits{DailyTokens: res + res/2}, store.RoleUser)
+	big := newTenant(t, st, "tight", store.Limits{DailyTokens: res - 1}, store.RoleUser)
+
+	first := submitJobs(t, f, user, "b1", body, 1)
+	waitJob(t, f, "frugal", first[0], store.Succeeded)
+	second := submitJobs(t, f, user, "b2", body, 1)
+	waitJob(t, f, "frugal", second[0], store.RetryScheduled)
+	j, err := f.store.Get(context.Background(), "frugal", second[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	untilReset := time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC).Sub(quotaT0)
+	if wait := time.Until(j.AvailableAt); wait < untilReset-time.Minute {
+		t.Errorf("retry in %s, want at the budget's reset, in %s", wait, untilReset)
+	}
+	if _, as := outcomes(t, f.store, j.ID); len(as) != 1 || as[0].ErrorClass != string(scheduler.ClassQuota) || !strings.Contains(as[0].Error, "daily_tokens") {
+		t.Errorf("attempts %+v, want one %s on daily_tokens", as, scheduler.ClassQuota)
+	}
+
+	tooBig := submitJobs(t, f, big, "b3", body, 1)
+	waitJob(t, f, "tight", tooBig[0], store.FailedTerminal)
+	if _, as := outcomes(t, f.store, tooBig[0]); len(as) != 1 || as[0].ErrorClass != string(scheduler.ClassInvalid) {
+		t.Errorf("attempts %+v, want one %s", as, scheduler.ClassInvalid)
+	}
+}
+
+// A job whose request was sent and never answered stays charged to its
+// tenant as uncertain usage, one attempt each time; a job refused by the
+// backend is refunded.
+func TestJobsTimeoutsChargeUncertainUsage(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	stall := func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			b, _ := io.ReadAll(r.Body)
+			if bytes.Contains(b, []byte("never answered")) {
+				<-r.Context().Done() // the job's request: never answered
+				return
+			}
+			r.Body = io.NopCloser(bytes.NewReader(b))
+			h.ServeHTTP(w, r)
+		})
+	}
+	user := newTenant(t, st, "acme", store.Limits{MaxConcurrency: 4}, store.RoleUser)
+	operator := newKey(t, st, "acme", store.RoleOperator)
+	f := jobsFleet(t, st, clock, stall, Config{RequestTimeout: 200 * time.Millisecond, Jobs: Jobs{MaxAttempts: 2}})
+
+	ids := submitJobs(t, f, user, "s", chatJob("never answered", 8), 1)
+	waitJob(t, f, "acme", ids[0], store.FailedTerminal)
+	if u := usageOf(t, f, operator); u.Requests != 2 || u.Attempts != 2 || u.UncertainRequests != 2 || u.UncertainTokens == 0 ||
+		u.PromptTokens != 0 || u.ChargedTokens != u.UncertainTokens {
+		t.Errorf("usage %+v, want 2 requests, attempts and uncertain requests, charged as uncertain", u)
+	}
+}

@@ -1,0 +1,89 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// quotaExecutor refuses the first refusals calls as over the tenant's
+// quota, resetting after reset, then answers.
+type quotaExecutor struct {
+	scriptedExecutor
+	refusals int64
+	reset    time.Duration
+	seen     atomic.Int64
+}
+
+func (e *quotaExecutor) Execute(ctx context.Context, j store.Job, g *Grant) (Outcome, error) {
+	if e.seen.Add(1) <= e.refusals {
+		return Outcome{}, &ExecError{Class: ClassQuota, Status: 429, RetryAfter: e.reset, Err: errors.New("tenant quota tokens")}
+	}
+	return e.scriptedExecutor.Execute(ctx, j, g)
+}
+
+// A short quota wait happens inside the attempt: the job succeeds on its
+// first attempt however often its tenant's quota refused it.
+func TestRunnerWaitsForQuotaInPlace(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		reset time.Duration
+	}{
+		{"rate window resets", 3 * time.Millisecond},
+		{"concurrency frees up (no reset)", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			exec := &quotaExecutor{refusals: 20, reset: tc.reset}
+			f := startRunner(t, exec, time.Minute)
+			j := f.submit(t, "k")
+			got := f.waitState(t, j.ID, store.Succeeded)
+			if got.Attempt != 1 {
+				t.Errorf("attempt %d, want 1: quota waits must not spend attempts", got.Attempt)
+			}
+			as, _ := f.st.Attempts(context.Background(), j.ID)
+			if len(as) != 1 || as[0].Outcome != "succeeded" {
+				t.Errorf("attempts %+v, want one success", as)
+			}
+			if n := testutil.ToFloat64(f.runner.m.quotaWaits); n != 20 {
+				t.Errorf("%v quota waits, want 20", n)
+			}
+		})
+	}
+}
+
+// A reset later than QuotaWait (a minute) hands the job back for a retry at the
+// reset (an attempt spent), or ends it when the reset is past the deadline.
+func TestRunnerHandsLongQuotaWaitsBack(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		reset time.Duration
+		want  store.State
+	}{
+		{"budget resets before the deadline", 30 * time.Minute, store.RetryScheduled},
+		{"budget resets after the deadline", 2 * time.Hour, store.FailedTerminal},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			exec := &quotaExecutor{refusals: 1 << 30, reset: tc.reset}
+			f := startRunner(t, exec, time.Minute)
+			start := time.Now()
+			j := f.submit(t, "k")
+			got := f.waitState(t, j.ID, tc.want)
+			if tc.want == store.RetryScheduled && got.AvailableAt.Before(start.Add(tc.reset)) {
+				t.Errorf("available at %v, want at the reset, %v or later", got.AvailableAt, start.Add(tc.reset))
+			}
+			as, _ := f.st.Attempts(context.Background(), j.ID)
+			if len(as) != 1 || as[0].ErrorClass != string(ClassQuota) {
+				t.Errorf("attempts %+v, want one %s", as, ClassQuota)
+			}
+			if n := testutil.ToFloat64(f.runner.m.quotaWaits); n != 0 {
+				t.Errorf("%v quota waits in place, want 0", n)
+			}
+		})
+	}
+}
