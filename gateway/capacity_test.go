@@ -138,7 +138,9 @@ func TestOverloadNoPreemption(t *testing.T) {
 
 	gw := startFleet(t, fleetOpts{profile: p, backends: 2, speedup: speedup,
 		policy: scheduler.Policy{MaxQueueWait: 5 * time.Second}})
+	peak := watchKVUsage(t, gw.urls)
 	viaKVGate := driveOverload(t, gw.sims, gw.urls, func(int) string { return gw.srv.URL }, speedup, rate, dur, 1)
+	viaKVGatePeak := peak()
 
 	direct := startFleet(t, fleetOpts{profile: p, backends: 2, speedup: speedup})
 	roundRobin := driveOverload(t, direct.sims, direct.urls, func(i int) string { return direct.urls[i%2] }, speedup, rate, dur, 1)
@@ -147,7 +149,7 @@ func TestOverloadNoPreemption(t *testing.T) {
 	t.Logf("2x overload, 2 simulated H100s (32k KV tokens each), %v simulated at %.0fx:", dur, speedup)
 	t.Logf("  kvgate:      %7.0f output tok/s, %4.0f preemptions, %d answered, %d shed with 503", viaKVGate.tokPerSec, viaKVGate.preemptions, viaKVGate.ok, viaKVGate.shed)
 	t.Logf("  round-robin: %7.0f output tok/s, %4.0f preemptions, %d answered, %d unfinished", roundRobin.tokPerSec, roundRobin.preemptions, roundRobin.ok, roundRobin.shed)
-	t.Logf("  kvgate / round-robin throughput: %.3f", ratio)
+	t.Logf("  kvgate / round-robin throughput: %.3f; peak KV use through kvgate %.3f", ratio, viaKVGatePeak)
 	if viaKVGate.preemptions != 0 {
 		t.Errorf("kvgate caused %v preemptions", viaKVGate.preemptions)
 	}

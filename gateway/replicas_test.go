@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"net/http/httptest"
 	"sync"
 	"testing"
@@ -96,7 +97,7 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 		}
 		if shared {
 			m, err := scheduler.NewMembership(ctx, js, r.sched, scheduler.MembershipConfig{ID: fmt.Sprintf("replica-%d", i),
-				Interval: 100 * time.Millisecond, TTL: time.Second})
+				Interval: 250 * time.Millisecond, TTL: 5 * time.Second})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -161,7 +162,9 @@ func TestThreeReplicasOneFleet(t *testing.T) {
 			`{"endpoint":"/v1/completions","body":{"model":"%s","prompt":"document %d","max_tokens":16}}`, llama, i))
 		ids = append(ids, v.ID)
 	}
+	peak := watchKVUsage(t, urls)
 	shared := driveOverload(t, sims, urls, func(i int) string { return reps[i%3].srv.URL }, speedup, rate, dur, 1)
+	sharedPeak := peak()
 	waitForLong(t, "every job to finish", 2*time.Minute, func() bool {
 		n, err := countStatesIn(st, store.Succeeded, store.FailedTerminal)
 		return err == nil && n == jobs
@@ -178,13 +181,20 @@ func TestThreeReplicasOneFleet(t *testing.T) {
 
 	sims2, urls2 := newFleet()
 	alone := startReplicas(t, 3, urls2, nil, false)
+	peak2 := watchKVUsage(t, urls2)
 	unshared := driveOverload(t, sims2, urls2, func(i int) string { return alone[i%3].srv.URL }, speedup, rate, dur, 1)
+	alonePeak := peak2()
 
 	t.Logf("3 replicas, 2 simulated H100s (32k KV tokens each), 2x overload, %v simulated at %.0fx:", dur, speedup)
-	t.Logf("  sharing the fleet: %7.0f output tok/s, %4.0f preemptions, %d answered, %d shed; %d jobs: %d successful attempts of %d",
-		shared.tokPerSec, shared.preemptions, shared.ok, shared.shed, jobs, succeeded, attempts)
-	t.Logf("  each alone:        %7.0f output tok/s, %4.0f preemptions, %d answered, %d shed",
-		unshared.tokPerSec, unshared.preemptions, unshared.ok, unshared.shed)
+	t.Logf("  sharing the fleet: %7.0f output tok/s, %4.0f preemptions, peak KV use %.3f, %d answered, %d shed; %d jobs: %d successful attempts of %d",
+		shared.tokPerSec, shared.preemptions, sharedPeak, shared.ok, shared.shed, jobs, succeeded, attempts)
+	t.Logf("  each alone:        %7.0f output tok/s, %4.0f preemptions, peak KV use %.3f, %d answered, %d shed",
+		unshared.tokPerSec, unshared.preemptions, alonePeak, unshared.ok, unshared.shed)
+	// Within one percent of capacity: vLLM reports whole blocks against
+	// num_gpu_blocks-1, and prompts are estimated until usage settles them.
+	if target := reps[0].sched.Policy().KVTarget; sharedPeak > target+0.01 {
+		t.Errorf("sharing replicas drove a backend's KV use to %.3f, past the target %.2f", sharedPeak, target)
+	}
 	if shared.preemptions != 0 {
 		t.Errorf("three replicas sharing the fleet caused %v preemptions", shared.preemptions)
 	}
@@ -245,5 +255,49 @@ func TestCooldownReachesEveryReplica(t *testing.T) {
 	}
 	if got := sims[0].Engine().Stats().Finished; got != before {
 		t.Errorf("sim0 finished %d requests during its cooldown", got-before)
+	}
+}
+
+// watchKVUsage samples the backends' vllm:kv_cache_usage_perc every 50 ms
+// (wall) until the returned function is called, which returns the
+// highest value any backend reported.
+func watchKVUsage(t *testing.T, urls []string) func() float64 {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	var (
+		mu   sync.Mutex
+		peak float64
+		wg   sync.WaitGroup
+	)
+	wg.Go(func() {
+		tick := time.NewTicker(50 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			for _, u := range urls {
+				resp, err := http.Get(u + "/metrics")
+				if err != nil {
+					continue
+				}
+				m, err := gpu.ParseEngineMetrics(resp.Body)
+				resp.Body.Close()
+				if err == nil {
+					mu.Lock()
+					peak = max(peak, m.KVUsage)
+					mu.Unlock()
+				}
+			}
+		}
+	})
+	return func() float64 {
+		cancel()
+		wg.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		return peak
 	}
 }

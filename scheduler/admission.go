@@ -118,7 +118,10 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 			return verdict{reason: reasonShare}
 		}
 	}
-	if l.measuredWaiting > p.MaxBackendWaiting {
+	// vLLM's own queue: beside other replicas, each may add to it
+	// unseen, and a request waiting there makes the progress estimate of
+	// every non-streaming flight run ahead; so each keeps to its share.
+	if l.measuredWaiting > int(l.share*float64(p.MaxBackendWaiting)) {
 		return verdict{reason: reasonWaiting}
 	}
 
