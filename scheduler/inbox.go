@@ -18,14 +18,20 @@ import (
 // inboxStore is what the inbox needs of the store.
 type inboxStore interface {
 	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
+	PruneInbox(ctx context.Context, before time.Time, limit int) (int, error)
 }
 
 // InboxConfig tunes the inbox consumer.
 type InboxConfig struct {
 	Batch   int           // messages fetched at once [128]
 	MaxWait time.Duration // longest wait of one fetch [1s]
-	Logger  *slog.Logger
-	Now     func() time.Time
+	// Retention is how long a record is kept: longer than the stream
+	// keeps a message (SignalsConfig.MaxAge), so that no redelivery can
+	// outlive it [48h]. PruneEvery is how often old records go [1h].
+	Retention  time.Duration
+	PruneEvery time.Duration
+	Logger     *slog.Logger
+	Now        func() time.Time
 	// Publish, when set, is used to set a quarantined message aside on
 	// the QuarantineSubj subject (the wiring passes JetStream's publish).
 	Publish func(ctx context.Context, m *nats.Msg) error
@@ -63,6 +69,8 @@ type Inbox struct {
 func NewInbox(st inboxStore, cons jetstream.Consumer, cfg InboxConfig) *Inbox {
 	cfg.Batch = cmp.Or(cfg.Batch, 128)
 	cfg.MaxWait = cmp.Or(cfg.MaxWait, time.Second)
+	cfg.Retention = cmp.Or(cfg.Retention, 48*time.Hour)
+	cfg.PruneEvery = cmp.Or(cfg.PruneEvery, time.Hour)
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
@@ -80,7 +88,12 @@ func (in *Inbox) Collectors() []prometheus.Collector { return in.m.collectors() 
 // errors are logged and retried with backoff.
 func (in *Inbox) Run(ctx context.Context) error {
 	failures := 0
+	var pruned time.Time
 	for ctx.Err() == nil {
+		if now := in.cfg.Now(); now.Sub(pruned) >= in.cfg.PruneEvery {
+			in.prune(ctx, now)
+			pruned = now
+		}
 		batch, err := in.cons.Fetch(in.cfg.Batch, jetstream.FetchMaxWait(in.cfg.MaxWait))
 		if err == nil {
 			for msg := range batch.Messages() {
@@ -99,6 +112,22 @@ func (in *Inbox) Run(ctx context.Context) error {
 		failures = 0
 	}
 	return ctx.Err()
+}
+
+// prune forgets records older than the retention, in bounded batches.
+func (in *Inbox) prune(ctx context.Context, now time.Time) {
+	const batch = 10_000
+	for ctx.Err() == nil {
+		n, err := in.st.PruneInbox(ctx, now.Add(-in.cfg.Retention), batch)
+		if err != nil {
+			in.log.Warn("inbox prune failed", "err", err)
+			return
+		}
+		in.m.pruned.Add(float64(n))
+		if n < batch {
+			return
+		}
+	}
 }
 
 // handle records one delivery, then acks it. It never returns an error:
@@ -166,7 +195,7 @@ func (in *Inbox) quarantine(ctx context.Context, msg jetstream.Msg, id, why stri
 }
 
 type inboxMetrics struct {
-	recorded, duplicates, quarantined, errors prometheus.Counter
+	recorded, duplicates, quarantined, errors, pruned prometheus.Counter
 }
 
 func newInboxMetrics() *inboxMetrics {
@@ -179,9 +208,11 @@ func newInboxMetrics() *inboxMetrics {
 			Help: "Events set aside: malformed, or an id seen before with a different payload."}),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_inbox_errors_total",
 			Help: "Fetches or records that failed and were retried."}),
+		pruned: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_inbox_pruned_total",
+			Help: "Inbox records forgotten after the retention, when no redelivery can come."}),
 	}
 }
 
 func (m *inboxMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.recorded, m.duplicates, m.quarantined, m.errors}
+	return []prometheus.Collector{m.recorded, m.duplicates, m.quarantined, m.errors, m.pruned}
 }

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"path/filepath"
 	"sync"
@@ -403,5 +404,24 @@ func TestConcurrentRelaysOnPostgres(t *testing.T) {
 	}
 	if _, total := f.log.count(); total != 300 {
 		t.Errorf("inbox acted on %d events, want 300", total)
+	}
+}
+
+// The inbox forgets records older than its retention, and only those.
+func TestInboxPrunesOldRecords(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := openSQLite(t)
+	now := time.Now()
+	for i, age := range []time.Duration{72 * time.Hour, 50 * time.Hour, time.Hour} {
+		if _, err := st.RecordInbox(context.Background(), fmt.Sprintf("old%d", i), "d", now.Add(-age)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := startSignals(t, st, ns.ClientURL())
+	in := NewInbox(st, f.cons, InboxConfig{MaxWait: 50 * time.Millisecond, Retention: 48 * time.Hour})
+	runBG(t, in.Run)
+	eventually(t, "two records pruned", func() bool { return testutil.ToFloat64(in.m.pruned) == 2 })
+	if dup, err := st.RecordInbox(context.Background(), "old2", "d", now); err != nil || !dup {
+		t.Errorf("a record within the retention was pruned: dup %v, %v", dup, err)
 	}
 }

@@ -222,6 +222,10 @@ type Store interface {
 	// RecordInbox records a delivered event once: duplicate reports a
 	// redelivery; ErrDigestMismatch a redelivery with other content.
 	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
+	// PruneInbox forgets up to limit inbox records received before
+	// before, oldest first, and returns how many it removed. Records must
+	// outlive every redelivery of their event (the stream's retention).
+	PruneInbox(ctx context.Context, before time.Time, limit int) (int, error)
 	// Close releases the store's connections.
 	Close() error
 	// Tenants, keys, quotas and usage (tenants.go).

@@ -46,6 +46,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Stages", testStages},
 		{"Outbox", testOutbox},
 		{"Inbox", testInbox},
+		{"PruneInbox", testPruneInbox},
 		{"Tenants", testTenants},
 		{"Keys", testKeys},
 		{"QuotaWindow", testQuotaWindow},
@@ -807,5 +808,23 @@ func testInbox(t *testing.T, s store.Store) {
 	}
 	if _, err := s.RecordInbox(ctx, "e1", "other", t0); !errors.Is(err, store.ErrDigestMismatch) {
 		t.Errorf("same id, other content: %v, want ErrDigestMismatch", err)
+	}
+}
+
+func testPruneInbox(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	for i, at := range []time.Time{t0, t0.Add(time.Hour), t0.Add(2 * time.Hour)} {
+		if _, err := s.RecordInbox(ctx, fmt.Sprintf("e%d", i), "d", at); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := s.PruneInbox(ctx, t0.Add(90*time.Minute), 100); err != nil || n != 2 {
+		t.Fatalf("pruned %d, %v; want the 2 older records", n, err)
+	}
+	if dup, err := s.RecordInbox(ctx, "e2", "d", t0.Add(3*time.Hour)); err != nil || !dup {
+		t.Errorf("the newest record was pruned too: dup %v, %v", dup, err)
+	}
+	if dup, err := s.RecordInbox(ctx, "e0", "d", t0.Add(3*time.Hour)); err != nil || dup {
+		t.Errorf("a pruned record still counts: dup %v, %v", dup, err)
 	}
 }
