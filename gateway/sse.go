@@ -171,13 +171,19 @@ func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int 
 	if err != nil {
 		return http.StatusOK
 	}
+	shown := map[string]int64{}
 	if !resume {
-		if s.sendSnapshot(ctx, sse, tenant, head) != nil {
+		// The snapshot may already show states whose events come after
+		// head: those events must not take a job back.
+		jobs, err := s.sendSnapshot(ctx, sse, tenant, head)
+		if err != nil {
 			return http.StatusOK
+		}
+		for _, j := range jobs {
+			shown[j.ID] = j.StateVersion
 		}
 		after = head
 	}
-	shown := map[string]int64{}
 	s.follow(ctx, sse, tenant, "", after, func(e store.Event) (bool, bool) {
 		if e.StateVersion <= shown[e.JobID] {
 			return false, false
@@ -200,10 +206,10 @@ func (s *Server) behind(ctx context.Context, tenant string, after int64) bool {
 
 // sendSnapshot sends the tenant's latest jobs as one snapshot event whose
 // id is the feed's head.
-func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string, head int64) error {
+func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string, head int64) ([]store.Job, error) {
 	jobs, _, err := s.jobs.Store.List(ctx, tenant, store.ListFilter{Limit: snapshotJobs})
 	if err != nil {
-		return err
+		return nil, err
 	}
 	snap := struct {
 		Object string    `json:"object"`
@@ -213,7 +219,7 @@ func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string
 	for i, j := range jobs {
 		snap.Data[i] = viewOf(j)
 	}
-	return sse.send(head, "snapshot", snap)
+	return jobs, sse.send(head, "snapshot", snap)
 }
 
 // follow sends the feed's events after the cursor as they are published,

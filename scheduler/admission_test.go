@@ -140,11 +140,23 @@ func TestDecide(t *testing.T) {
 		},
 		{
 			name: "a share caps sequences too",
-			mod:  func(l *load) { l.share = 0.25; l.maxNumSeqs = 8; l.inflight = 2 }, prompt: 1, out: 1, reason: reasonShare,
+			mod: func(l *load) {
+				l.share, l.maxNumSeqs = 0.25, 8
+				l.flights = []flight{{held: 2, remaining: 0}, {held: 2, remaining: 0}}
+				l.reserved, l.inflight = 4, 2
+			}, prompt: 1, out: 1, reason: reasonShare,
 		},
 		{
-			name: "a replica with no share yet admits nothing",
-			mod:  func(l *load) { l.share = 0 }, prompt: 1, out: 1, reason: reasonShare,
+			name: "a replica with no share yet admits nothing beside its own flights",
+			mod: func(l *load) {
+				l.share = 0
+				l.flights = []flight{{held: 10, remaining: 10}}
+				l.reserved, l.inflight = 20, 1
+			}, prompt: 1, out: 1, reason: reasonShare,
+		},
+		{
+			name: "a replica with nothing in flight may send one request that fits the whole",
+			mod:  func(l *load) { l.share = 0.1 }, prompt: 30_000, out: 30_000, ok: true,
 		},
 		{
 			name: "without the exact ledger, a tight fit asks for it",

@@ -53,6 +53,27 @@ func (c *fairClock) admitted(t *Ticket, queued int) {
 	}
 }
 
+// removed forgets a ticket that left the queue unserved (cancelled or
+// timed out): its tenant's finish tag goes back to its last queued
+// ticket's, or to none, so that work a tenant never got does not push its
+// next requests behind everyone else's.
+func (c *fairClock) removed(t *Ticket, q []*Ticket) {
+	if c.finish[t.Tenant] != t.vfinish {
+		return // a later ticket of the tenant holds the tag
+	}
+	last := 0.0
+	for _, x := range q {
+		if x.Tenant == t.Tenant && x.vfinish > last {
+			last = x.vfinish
+		}
+	}
+	if last > 0 {
+		c.finish[t.Tenant] = last
+	} else {
+		delete(c.finish, t.Tenant)
+	}
+}
+
 // insertFair puts t into q in finish-tag order, after tickets with the
 // same tag (first come, first served among equals).
 func insertFair(q []*Ticket, t *Ticket) []*Ticket {

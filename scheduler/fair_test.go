@@ -95,3 +95,28 @@ func TestFairKeepsClassOrder(t *testing.T) {
 		t.Errorf("admission order %v, want the interactive ticket first", order)
 	}
 }
+
+// A tenant whose queued tickets time out or are cancelled is not pushed
+// behind the others for the work it never got.
+func TestFairForgetsRemovedTickets(t *testing.T) {
+	var c fairClock
+	q := []*Ticket{}
+	for range 50 {
+		tk := &Ticket{Tenant: "gone", PromptTokens: 100, MaxTokens: 100}
+		c.tag(tk)
+		q = insertFair(q, tk)
+	}
+	// All 50 time out, last first and first last.
+	for len(q) > 0 {
+		tk := q[len(q)-1]
+		q = q[:len(q)-1]
+		c.removed(tk, q)
+	}
+	next := &Ticket{Tenant: "gone", PromptTokens: 100, MaxTokens: 100}
+	other := &Ticket{Tenant: "other", PromptTokens: 100, MaxTokens: 100}
+	c.tag(next)
+	c.tag(other)
+	if next.vfinish != other.vfinish {
+		t.Errorf("after its backlog timed out, the tenant's next ticket finishes at %v, another's at %v: want equal", next.vfinish, other.vfinish)
+	}
+}

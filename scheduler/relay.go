@@ -149,11 +149,11 @@ wait:
 	for i, f := range futures {
 		select {
 		case ack := <-f.Ok():
-			if ack.Duplicate {
-				dups++
-			}
 			if acked == i {
 				acked++
+				if ack.Duplicate {
+					dups++
+				}
 			}
 		case err := <-f.Err():
 			pubErr = cmp.Or(pubErr, fmt.Errorf("publish event %s: %w", evs[i].ID, err))
@@ -161,7 +161,8 @@ wait:
 			pubErr = cmp.Or(pubErr, fmt.Errorf("publish: no ack within %s", r.cfg.AckTimeout))
 			break wait
 		case <-ctx.Done():
-			return 0, ctx.Err()
+			pubErr = cmp.Or(pubErr, ctx.Err())
+			break wait // still record what was acknowledged
 		}
 	}
 	if acked > 0 {

@@ -32,7 +32,12 @@ import (
 // keeps its share idle until TTL passes (capacity unused, never
 // overfilled), and requests admitted under a larger share finish as they
 // are (a smaller share holds back new ones only). While the bucket cannot
-// be read, a replica keeps the share it has.
+// be read, a replica keeps the share it has; if its key expires meanwhile,
+// the others grow into its share, so during such a partition the shares
+// can sum to more than the whole, by at most this replica's share. When it
+// renews again it joins anew, with the grace. A replica with nothing in
+// flight on a backend may always send it one request (admission.go): one
+// request per replica and backend of slack.
 //
 // Equal shares suit replicas behind one load balancer, whose traffic is
 // alike; a replica with less traffic leaves part of its share idle.
@@ -56,6 +61,10 @@ type Membership struct {
 	cfg   MembershipConfig
 	log   *slog.Logger
 	live  prometheus.Gauge
+
+	// Guarded by being used from Run's goroutine only.
+	joined  time.Time // when this replica (re)joined: the grace counts from it
+	renewed time.Time // the last successful renewal
 }
 
 // NewMembership creates (or opens) the bucket and returns the membership;
@@ -77,6 +86,8 @@ func NewMembership(ctx context.Context, js jetstream.JetStream, sched *Scheduler
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	// Nothing beyond one request per backend until the first count.
+	sched.SetShare(0)
 	return &Membership{kv: kv, sched: sched, cfg: cfg, log: log.With("component", "membership", "replica", cfg.ID),
 		live: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_scheduler_replicas",
 			Help: "Live kvgate replicas sharing the fleet, as this replica last counted them."})}, nil
@@ -88,11 +99,10 @@ func (m *Membership) Collectors() []prometheus.Collector { return []prometheus.C
 // Run renews this replica's key and recounts until ctx ends, then deletes
 // the key so that the others grow at once. It returns ctx's error.
 func (m *Membership) Run(ctx context.Context) error {
-	joined := time.Now()
 	t := time.NewTicker(m.cfg.Interval)
 	defer t.Stop()
 	for {
-		m.refresh(ctx, joined)
+		m.refresh(ctx, time.Now())
 		select {
 		case <-ctx.Done():
 			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
@@ -104,13 +114,20 @@ func (m *Membership) Run(ctx context.Context) error {
 	}
 }
 
-func (m *Membership) refresh(ctx context.Context, joined time.Time) {
-	if _, err := m.kv.Put(ctx, m.cfg.ID, []byte(joined.UTC().Format(time.RFC3339Nano))); err != nil {
+func (m *Membership) refresh(ctx context.Context, now time.Time) {
+	if _, err := m.kv.Put(ctx, m.cfg.ID, []byte(now.UTC().Format(time.RFC3339Nano))); err != nil {
 		if ctx.Err() == nil {
 			m.log.Warn("membership renewal failed; keeping the current share", "err", err)
 		}
 		return
 	}
+	// First renewal, or the first after our key may have expired (the
+	// others may have grown into our share meanwhile): join anew, with
+	// the grace.
+	if m.renewed.IsZero() || now.Sub(m.renewed) > m.cfg.TTL {
+		m.joined = now
+	}
+	m.renewed = now
 	keys, err := m.kv.Keys(ctx)
 	if err != nil && !errors.Is(err, jetstream.ErrNoKeysFound) {
 		if ctx.Err() == nil {
@@ -121,7 +138,7 @@ func (m *Membership) refresh(ctx context.Context, joined time.Time) {
 	n := max(len(keys), 1)
 	m.live.Set(float64(n))
 	share := 1 / float64(n)
-	if n > 1 && time.Since(joined) < 2*m.cfg.Interval {
+	if n > 1 && now.Sub(m.joined) < 2*m.cfg.Interval {
 		share = 0 // the others have not shrunk yet
 	}
 	m.sched.SetShare(share)

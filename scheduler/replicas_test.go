@@ -32,6 +32,18 @@ func TestMembershipShares(t *testing.T) {
 	if b.Share() != 0 {
 		t.Errorf("a joining replica took %v at once, want 0 until the others shrink", b.Share())
 	}
+	// Past the grace it takes its half; after a gap longer than its key
+	// lives (a partition), it joins anew, with the grace again.
+	mb.joined = time.Now().Add(-time.Minute)
+	mb.refresh(context.Background(), time.Now())
+	if b.Share() != 0.5 {
+		t.Errorf("past the grace: share %v, want 0.5", b.Share())
+	}
+	mb.renewed = time.Now().Add(-cfg.TTL - time.Second)
+	mb.refresh(context.Background(), time.Now())
+	if b.Share() != 0 {
+		t.Errorf("renewing after a partition: share %v, want 0 until the others shrink", b.Share())
+	}
 	stopB := runBG(t, mb.Run)
 	eventually(t, "halves", func() bool { return a.Share() == 0.5 && b.Share() == 0.5 })
 	stopB()

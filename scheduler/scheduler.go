@@ -414,6 +414,7 @@ func (s *Scheduler) removeLocked(t *Ticket) {
 	t.state = ticketGone
 	s.dequeuedLocked(t)
 	s.queues[t.Class] = slices.DeleteFunc(s.queues[t.Class], func(x *Ticket) bool { return x == t })
+	s.fair[t.Class].removed(t, s.queues[t.Class])
 }
 
 func (s *Scheduler) dequeuedLocked(t *Ticket) {

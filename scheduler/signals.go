@@ -165,6 +165,9 @@ func FollowFeed(ctx context.Context, nc *nats.Conn, feed *Feed) error {
 // CooldownSubject carries backends' cooldowns between replicas.
 const CooldownSubject = "kvgate.cooldown"
 
+// maxCooldown bounds a cooldown received from another replica.
+const maxCooldown = time.Minute
+
 type cooldownMsg struct {
 	URL   string    `json:"url"`
 	Until time.Time `json:"until"`
@@ -188,7 +191,12 @@ func FollowCooldowns(ctx context.Context, nc *nats.Conn, apply func(url string, 
 	sub, err := nc.Subscribe(CooldownSubject, func(m *nats.Msg) {
 		var c cooldownMsg
 		if json.Unmarshal(m.Data, &c) == nil && c.URL != "" {
-			apply(c.URL, c.Until)
+			// Another replica's clock: never more than a minute ahead of ours.
+			until := c.Until
+			if limit := time.Now().Add(maxCooldown); until.After(limit) {
+				until = limit
+			}
+			apply(c.URL, until)
 		}
 	})
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"runtime/debug"
 	"strings"
+	"sync/atomic"
 	"text/tabwriter"
 	"time"
 
@@ -96,10 +97,12 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	defer st.Close()
 	log.Info("job store open", "kind", loc.Kind, "store", redact(loc), "migrations_applied", applied)
-	var runner *scheduler.Runner
+	// The inbox may wake the runner before it exists (it replays the
+	// stream's backlog at once): the runner is published atomically.
+	var runnerPtr atomic.Pointer[scheduler.Runner]
 	wakeRunner := func() {
-		if runner != nil {
-			runner.Wake()
+		if r := runnerPtr.Load(); r != nil {
+			r.Wake()
 		}
 	}
 	sig, err := startSignals(ctx, cfg, st, sched, pool, wakeRunner, reg, log)
@@ -122,10 +125,11 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	if err != nil {
 		return fail(err)
 	}
-	runner = scheduler.NewRunner(st, sched, api, scheduler.RunnerConfig{
+	runner := scheduler.NewRunner(st, sched, api, scheduler.RunnerConfig{
 		Concurrency: cfg.Jobs.Concurrency, Lease: cfg.Jobs.Lease, Logger: log,
 		OnEvents: sig.relay.Wake,
 	})
+	runnerPtr.Store(runner)
 	reg.MustRegister(runner.Collectors()...)
 
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })

@@ -31,8 +31,10 @@ import (
 // work is not available yet), and first when its tenant is missing from
 // job_tenants. The reaper drops tenants with nothing runnable left, which
 // can race with an acceptance (the row is dropped as the tenant's new job
-// commits); the claim then puts the tenant back: a lost row costs that
-// tenant one claim of delay, never its jobs.
+// commits); the reaper's next pass lists every tenant with runnable work
+// again (fairRelist), and a claim that meets such a tenant's job as the
+// oldest puts it back at once: a lost row costs that tenant at most one
+// reaper period, never its jobs.
 
 // fairTenants is how many tenants one claim of limit jobs considers.
 func fairTenants(limit int) int { return max(limit, 1) }
@@ -48,11 +50,24 @@ const (
 	fairListed   = `SELECT count(*) FROM job_tenants WHERE tenant = ?`
 	fairClaimOne = `UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
 			lease_until = ?, state_version = state_version + 1, updated_at = ?
-		WHERE id = ? AND state IN ('READY', 'RETRY_SCHEDULED') RETURNING ` + jobColumns
+		WHERE id = ? AND state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
+		RETURNING ` + jobColumns
 	// fairServed sends a tenant to the back: past every other, even
 	// within one microsecond.
 	fairServed = `UPDATE job_tenants SET served_at = max(?, (SELECT max(served_at) FROM job_tenants) + 1) WHERE tenant = ?`
 	fairHeal   = `INSERT INTO job_tenants (tenant) VALUES (?) ON CONFLICT (tenant) DO NOTHING`
+	// fairRelist puts back every tenant with runnable jobs that the table
+	// lacks, found by skipping through jobs_runnable_tenant one tenant at
+	// a time (an index probe per tenant, never the backlog); the reaper
+	// runs it after fairPrune, whose race with an acceptance can drop a
+	// tenant whose new job was not yet committed.
+	fairRelist = `WITH RECURSIVE t(tenant) AS (
+			SELECT min(tenant) FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED')
+			UNION ALL
+			SELECT (SELECT min(j.tenant) FROM jobs j WHERE j.state IN ('READY', 'RETRY_SCHEDULED') AND j.tenant > t.tenant)
+			FROM t WHERE t.tenant IS NOT NULL)
+		INSERT INTO job_tenants (tenant) SELECT tenant FROM t WHERE tenant IS NOT NULL
+		ON CONFLICT (tenant) DO NOTHING`
 	// fairPrune drops tenants with nothing runnable; the reaper runs it.
 	fairPrune = `DELETE FROM job_tenants WHERE served_at < ? AND NOT EXISTS (
 		SELECT 1 FROM jobs WHERE jobs.tenant = job_tenants.tenant AND jobs.state IN ('READY', 'RETRY_SCHEDULED'))`
@@ -132,7 +147,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	var out []store.Job
 	tenants := map[string]bool{}
 	for _, c := range cands[:min(len(cands), limit)] {
-		j, err := scanJob(s.queryRow(ctx, tx, rebind(s.d, fairClaimOne), micros(now.Add(lease)), micros(now), c.id))
+		j, err := scanJob(s.queryRow(ctx, tx, rebind(s.d, fairClaimOne), micros(now.Add(lease)), micros(now), c.id, micros(now), micros(now)))
 		if errors.Is(err, sql.ErrNoRows) {
 			continue // another claimer's; SQLite serialises them, so only in theory
 		}

@@ -73,7 +73,7 @@ func claimCTE() string {
 			-1, h.tenant FROM oldest h),
 	picked AS (
 		SELECT j.id FROM cand c JOIN jobs j ON j.id = c.id
-		WHERE j.state IN ('READY', 'RETRY_SCHEDULED')
+		WHERE j.state IN ('READY', 'RETRY_SCHEDULED') AND j.available_at <= ? AND j.deadline_at > ?
 		ORDER BY c.turn, c.served_at, c.tenant LIMIT ? FOR UPDATE OF j SKIP LOCKED),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
@@ -161,8 +161,10 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	for i := range ids {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
 	}
+	// The lock re-reads a row another claimer changed; availability and
+	// the deadline are checked again on the version it locks.
 	rows, err := s.query(ctx, nil, s.q.claimCTE, fairTenants(limit), micros(now), micros(now), micros(now), micros(now), limit,
-		limit, micros(now.Add(lease)), micros(now), micros(now), ids, micros(now))
+		micros(now), micros(now), limit, micros(now.Add(lease)), micros(now), micros(now), ids, micros(now))
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}

@@ -625,7 +625,10 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 		// Tenants left with nothing runnable leave the fair claim's table
 		// (fair.go); those served within the last minute stay, being
 		// likely to come back.
-		_, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute)))
+		if _, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute))); err != nil {
+			return err
+		}
+		_, err := s.exec(ctx, tx, rebind(s.d, fairRelist))
 		return err
 	})
 	return n, err

@@ -2,6 +2,7 @@ package storetest
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"testing"
 	"time"
@@ -119,5 +120,27 @@ func testClaimFairWeights(t *testing.T, s store.Store) {
 	}
 	if per["heavy"] != 6 || per["plain"] != 2 {
 		t.Errorf("a batch of 8 over weights 3 and 1: %v, want 6 and 2", per)
+	}
+}
+
+// testClaimFairRelist: a tenant with runnable jobs that job_tenants lost
+// (the prune's race with an acceptance) is listed again by the reaper.
+func testClaimFairRelist(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	db, ok := s.(interface{ DB() *sql.DB })
+	if !ok {
+		t.Skip("not a SQL store")
+	}
+	accept(t, s, newJob("a", "a0"))
+	accept(t, s, newJob("b", "b0"))
+	if _, err := db.DB().ExecContext(ctx, `DELETE FROM job_tenants`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Reap(ctx, t0, 100); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := db.DB().QueryRowContext(ctx, `SELECT count(*) FROM job_tenants`).Scan(&n); err != nil || n != 2 {
+		t.Errorf("tenants listed after the reaper's pass: %d, %v; want 2", n, err)
 	}
 }

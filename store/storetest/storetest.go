@@ -31,6 +31,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"ClaimFairAcrossTenants", testClaimFairAcrossTenants},
 		{"ClaimFairNoStall", testClaimFairNoStall},
 		{"ClaimFairWeights", testClaimFairWeights},
+		{"ClaimFairRelist", testClaimFairRelist},
 		{"AcceptConcurrentSameKey", testAcceptConcurrentSameKey},
 		{"ConcurrentAcceptsApart", testConcurrentAcceptsApart},
 		{"ClaimConcurrent", testClaimConcurrent},
