@@ -100,14 +100,11 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	j, err := s.jobs.Store.Get(r.Context(), tenant, id)
-	if err != nil {
-		return writeError(w, s.log, err)
-	}
-	var shown int64 // the state_version the client has seen
 	if !resume {
-		// The snapshot's id: the job's latest published event, so that a
-		// reconnect resumes after it.
+		// The snapshot's id: the job's latest published event, read
+		// before the job itself, so that an event published in between
+		// comes after the cursor (and, not being newer than the snapshot,
+		// is skipped) rather than before it, unsent.
 		evs, err := s.jobs.Store.Events(r.Context(), tenant, id, 0, 1000)
 		if err != nil {
 			return writeError(w, s.log, err)
@@ -116,6 +113,11 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 			after = evs[len(evs)-1].Cursor
 		}
 	}
+	j, err := s.jobs.Store.Get(r.Context(), tenant, id)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	var shown int64 // the state_version the client has seen
 	sse, err := startSSE(w)
 	if err != nil {
 		return http.StatusOK
