@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"flag"
+	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -304,6 +306,88 @@ func TestKeyRoles(t *testing.T) {
 	} {
 		if _, _, err := (&config{APIKeys: bad}).keyMaps(); err == nil {
 			t.Errorf("keys %+v accepted", bad)
+		}
+	}
+}
+
+// TestServeStartsWithNATSDown: an external NATS server that is down at
+// start does not stop kvgate serve: a job is accepted and runs meanwhile,
+// and its events reach the inbox once the server is up.
+func TestServeStartsWithNATSDown(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close() // nothing listens there yet
+	var base string
+	ctx, cancel := context.WithCancel(t.Context())
+	var stdout, stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", t.TempDir(),
+			"--nats-url", fmt.Sprintf("nats://127.0.0.1:%d", port)}, noenv, &stdout, &stderr)
+	}()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	}()
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
+	for deadline := time.Now().Add(20 * time.Second); base == ""; time.Sleep(10 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
+			base = "http://" + m[1]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("serve printed no address with NATS down:\n%s", stderr.String())
+		}
+	}
+	req, _ := http.NewRequest(http.MethodPost, base+"/v1/jobs", strings.NewReader(
+		`{"endpoint":"/v1/completions","body":{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"hi","max_tokens":3}}`))
+	req.Header.Set("Idempotency-Key", "while-nats-is-down")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	loc := resp.Header.Get("Location")
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit with NATS down: %d", resp.StatusCode)
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		r, err := http.Get(base + loc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v struct{ State string }
+		_ = json.NewDecoder(r.Body).Decode(&v)
+		r.Body.Close()
+		if v.State == "SUCCEEDED" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("job still %s with NATS down", v.State)
+		}
+	}
+	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns.Start()
+	defer ns.Shutdown()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		r, err := http.Get(base + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(r.Body)
+		r.Body.Close()
+		if m := regexp.MustCompile(`(?m)^kvgate_scheduler_inbox_recorded_total (\d+)`).FindSubmatch(b); m != nil && string(m[1]) != "0" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the job's events never reached the inbox after NATS came up")
 		}
 	}
 }

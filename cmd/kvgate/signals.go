@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -33,8 +34,16 @@ type signals struct {
 
 // startSignals connects to NATS (cfg.NATS.URL, or an embedded server
 // with its files under the data directory and no listening port), creates
-// the stream and the consumer, and builds the relay and the inbox. wake is
-// called for each event that may mean runnable work.
+// the stream, the consumer and the membership bucket, and builds the
+// relay, the inbox and the membership. wake is called for each event that
+// may mean runnable work.
+//
+// An external server that cannot be reached at start does not stop
+// kvgate: jobs are accepted and run without it (their events wait in the
+// outbox), the connection and the setup are retried in the background,
+// and until the setup is done the scheduler keeps to a share of 0 (one
+// request per backend at a time: it cannot know whether other replicas
+// share the fleet).
 func startSignals(ctx context.Context, cfg *config, st store.Store, sched *scheduler.Scheduler, pool *gpu.Pool, wake func(),
 	reg prometheus.Registerer, log *slog.Logger) (*signals, error) {
 	opts := []nats.Option{nats.Name("kvgate"), nats.MaxReconnects(-1), nats.ReconnectWait(time.Second),
@@ -63,6 +72,8 @@ func startSignals(ctx context.Context, cfg *config, st store.Store, sched *sched
 		}
 		opts = append(opts, nats.InProcessServer(ns))
 		url = "in-process"
+	} else {
+		opts = append(opts, nats.RetryOnFailedConnect(true))
 	}
 	closeAll := func(nc *nats.Conn) {
 		if nc != nil {
@@ -83,46 +94,69 @@ func startSignals(ctx context.Context, cfg *config, st store.Store, sched *sched
 		closeAll(nc)
 		return nil, err
 	}
-	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	cons, err := scheduler.SetupSignals(sctx, js, scheduler.SignalsConfig{Replicas: cfg.NATS.Replicas})
-	if err != nil {
-		closeAll(nc)
-		return nil, err
-	}
-	// Replicas on one fleet share its capacity (scheduler/replicas.go).
-	mem, err := scheduler.NewMembership(sctx, js, sched, scheduler.MembershipConfig{ID: replicaID(), Logger: log})
-	if err != nil {
-		closeAll(nc)
-		return nil, err
-	}
+	// Alone or beside other replicas? Not known until membership counts:
+	// until then, one request per backend at a time.
+	sched.SetShare(0)
 	feed := scheduler.NewFeed()
 	relay := scheduler.NewRelay(st, js, scheduler.RelayConfig{Logger: log,
 		Announce: func() { _ = nc.Publish(scheduler.FeedSubject, nil) }})
-	inbox := scheduler.NewInbox(st, cons, scheduler.InboxConfig{Logger: log,
-		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := js.PublishMsg(ctx, m); return err },
-		OnEvent: func(e scheduler.Event) {
-			if e.State == store.Ready || e.State == store.RetryScheduled {
-				wake()
-			}
-		},
-	})
 	reg.MustRegister(relay.Collectors()...)
-	reg.MustRegister(inbox.Collectors()...)
-	reg.MustRegister(mem.Collectors()...)
-	log.Info("signals over nats", "url", url, "stream", scheduler.StreamName)
 	cooldown := func(url string, until time.Time) {
 		if err := scheduler.PublishCooldown(nc, url, until); err != nil {
 			log.Warn("cooldown not shared", "backend_url", url, "err", err)
 		}
 	}
+	// setup creates what lives on the broker and starts what needs it.
+	var inboxMetrics sync.Once
+	setup := func(ctx context.Context, g *errgroup.Group) error {
+		sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		cons, err := scheduler.SetupSignals(sctx, js, scheduler.SignalsConfig{Replicas: cfg.NATS.Replicas})
+		if err != nil {
+			return err
+		}
+		// Replicas on one fleet share its capacity (scheduler/replicas.go).
+		mem, err := scheduler.NewMembership(sctx, js, sched, scheduler.MembershipConfig{ID: replicaID(), Logger: log})
+		if err != nil {
+			return err
+		}
+		inbox := scheduler.NewInbox(st, cons, scheduler.InboxConfig{Logger: log,
+			Publish: func(ctx context.Context, m *nats.Msg) error { _, err := js.PublishMsg(ctx, m); return err },
+			OnEvent: func(e scheduler.Event) {
+				if e.State == store.Ready || e.State == store.RetryScheduled {
+					wake()
+				}
+			},
+		})
+		inboxMetrics.Do(func() {
+			reg.MustRegister(inbox.Collectors()...)
+			reg.MustRegister(mem.Collectors()...)
+		})
+		log.Info("signals over nats", "url", url, "stream", scheduler.StreamName)
+		g.Go(func() error { return ignoreCanceled(inbox.Run(ctx)) })
+		g.Go(func() error { return ignoreCanceled(mem.Run(ctx)) })
+		return nil
+	}
 	return &signals{relay: relay, feed: feed, cooldown: cooldown, run: func(ctx context.Context) error {
 		g, gctx := errgroup.WithContext(ctx)
 		g.Go(func() error { return ignoreCanceled(relay.Run(gctx)) })
-		g.Go(func() error { return ignoreCanceled(inbox.Run(gctx)) })
 		g.Go(func() error { return ignoreCanceled(scheduler.FollowFeed(gctx, nc, feed)) })
-		g.Go(func() error { return ignoreCanceled(mem.Run(gctx)) })
 		g.Go(func() error { return ignoreCanceled(scheduler.FollowCooldowns(gctx, nc, pool.CooldownURL)) })
+		g.Go(func() error {
+			for failures := 1; ; failures++ {
+				err := setup(gctx, g)
+				if err == nil || gctx.Err() != nil {
+					return nil
+				}
+				wait := min(30*time.Second, time.Second<<min(failures-1, 5))
+				log.Warn("nats setup failed; jobs still run, their events wait in the outbox", "url", url, "err", err, "retry_in", wait)
+				select {
+				case <-gctx.Done():
+					return nil
+				case <-time.After(wait):
+				}
+			}
+		})
 		err := g.Wait()
 		closeAll(nc)
 		return err
