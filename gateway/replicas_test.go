@@ -191,7 +191,8 @@ func TestThreeReplicasOneFleet(t *testing.T) {
 	t.Logf("  each alone:        %7.0f output tok/s, %4.0f preemptions, peak KV use %.3f, %d answered, %d shed",
 		unshared.tokPerSec, unshared.preemptions, alonePeak, unshared.ok, unshared.shed)
 	// Within one percent of capacity: vLLM reports whole blocks against
-	// num_gpu_blocks-1, and prompts are estimated until usage settles them.
+	// num_gpu_blocks-1, and each replica estimates prompts until usage
+	// settles them (the single-replica overload peaks near 0.91).
 	if target := reps[0].sched.Policy().KVTarget; sharedPeak > target+0.01 {
 		t.Errorf("sharing replicas drove a backend's KV use to %.3f, past the target %.2f", sharedPeak, target)
 	}

@@ -27,7 +27,8 @@ import (
 // its key every Interval, and a key not renewed for TTL expires. A
 // replica that joins beside others admits nothing for two intervals, so
 // that they have shrunk to their new share before it takes its own; one
-// that leaves deletes its key, and the others grow at their next look.
+// that leaves deletes its key, and the others grow once three listings in
+// a row have counted fewer (a listing can miss a key being renewed).
 // The slack is bounded: a replica that dies without deleting its key
 // keeps its share idle until TTL passes (capacity unused, never
 // overfilled), and requests admitted under a larger share finish as they
@@ -65,7 +66,13 @@ type Membership struct {
 	// Guarded by being used from Run's goroutine only.
 	joined  time.Time // when this replica (re)joined: the grace counts from it
 	renewed time.Time // the last successful renewal
+	count   int       // the live replicas the share is computed from
+	lower   int       // listings in a row that counted fewer
 }
+
+// shrinkAfter is how many listings in a row must count fewer replicas
+// before the share grows.
+const shrinkAfter = 3
 
 // NewMembership creates (or opens) the bucket and returns the membership;
 // Run keeps it.
@@ -135,7 +142,17 @@ func (m *Membership) refresh(ctx context.Context, now time.Time) {
 		}
 		return
 	}
+	// A listing can miss a key that is being renewed as it runs: a count
+	// that rises applies at once (this share shrinks), one that falls
+	// only when seen shrinkAfter times in a row (this share grows late,
+	// never early).
 	n := max(len(keys), 1)
+	if n >= m.count {
+		m.count, m.lower = n, 0
+	} else if m.lower++; m.lower >= shrinkAfter {
+		m.count, m.lower = n, 0
+	}
+	n = m.count
 	m.live.Set(float64(n))
 	share := 1 / float64(n)
 	if n > 1 && now.Sub(m.joined) < 2*m.cfg.Interval {
