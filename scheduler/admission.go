@@ -111,15 +111,19 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	// Several replicas: each keeps its own flights within its share of
 	// the budget and of the sequences, so that together they stay within
 	// the whole whatever the others admitted since the last scrape.
-	// A replica with nothing in flight on the backend may always send one
-	// request that fits the whole (the whole-backend checks still apply):
-	// a share rounded below one sequence, or below one long request, must
-	// not hold work back for ever. That is the bounded slack: one request
-	// per replica and backend beyond the shares.
 	shareBudget := budget
-	if l.share < 1 && l.inflight > 0 {
+	if l.share < 1 {
 		shareBudget = int(l.share * float64(budget))
-		if l.inflight+1 > max(1, int(l.share*float64(l.maxNumSeqs))) {
+		seqs := int(l.share * float64(l.maxNumSeqs))
+		// A replica with nothing in flight on the backend may send one
+		// request its share cannot hold (a share rounded below one
+		// sequence, or below one long request, must not hold work back
+		// for ever; the whole-backend checks still apply): the bounded
+		// slack, one such request per replica and backend.
+		if l.inflight == 0 && (seqs < 1 || prompt+maxOut > shareBudget) {
+			shareBudget, seqs = budget, 1
+		}
+		if l.inflight+1 > seqs {
 			return verdict{reason: reasonShare}
 		}
 	}
