@@ -198,29 +198,7 @@ func TestServeOnPostgresAndExternalNATS(t *testing.T) {
 
 func serveRunsJob(t *testing.T, dir string, args ...string) {
 	t.Helper()
-	ctx, cancel := context.WithCancel(t.Context())
-	var stdout, stderr syncBuffer
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", dir}, args...),
-			noenv, &stdout, &stderr)
-	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	}()
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
-	var base string
-	for deadline := time.Now().Add(10 * time.Second); base == ""; time.Sleep(5 * time.Millisecond) {
-		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
-			base = "http://" + m[1]
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("serve printed no address:\n%s", stderr.String())
-		}
-	}
+	base, _ := startServe(t, append([]string{"--data-dir", dir}, args...)...)
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		if r, err := http.Get(base + "/readyz"); err == nil {
 			r.Body.Close()
@@ -232,9 +210,60 @@ func serveRunsJob(t *testing.T, dir string, args ...string) {
 			t.Fatal("never ready")
 		}
 	}
+	submitAndWait(t, base, "one")
+	// The job's events went through the embedded NATS server: published
+	// (so in the feed, replayed from cursor 0) and recorded by the inbox.
+	client := &http.Client{Timeout: 10 * time.Second}
+	req, _ := http.NewRequest(http.MethodGet, base+"/v1/events", nil)
+	req.Header.Set("Last-Event-ID", "0")
+	resp, err := client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	first, _ := bufio.NewReader(resp.Body).ReadString('\n')
+	resp.Body.Close()
+	if !strings.HasPrefix(first, "id: ") {
+		t.Errorf("event stream began with %q, want a replayed event", first)
+	}
+	waitInboxRecorded(t, base, 10*time.Second)
+}
+
+// startServe runs kvgate serve (on a free port, simulated backends at
+// full speed, no NVML) with the extra args until the test ends, and
+// returns its base URL and its log.
+func startServe(t *testing.T, args ...string) (string, *syncBuffer) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	var stdout, stderr syncBuffer
+	done := make(chan error, 1)
+	go func() {
+		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml"}, args...),
+			noenv, &stdout, &stderr)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
+			return "http://" + m[1], &stderr
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("serve printed no address:\n%s", stderr.String())
+		}
+	}
+}
+
+// submitAndWait submits a small completion job under key and waits for it
+// to succeed.
+func submitAndWait(t *testing.T, base, key string) {
+	t.Helper()
 	req, _ := http.NewRequest(http.MethodPost, base+"/v1/jobs", strings.NewReader(
 		`{"endpoint":"/v1/completions","body":{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"hi","max_tokens":3}}`))
-	req.Header.Set("Idempotency-Key", "one")
+	req.Header.Set("Idempotency-Key", key)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -244,7 +273,7 @@ func serveRunsJob(t *testing.T, dir string, args ...string) {
 	if resp.StatusCode != http.StatusAccepted || loc == "" {
 		t.Fatalf("submit: %d %q", resp.StatusCode, loc)
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		r, err := http.Get(base + loc)
 		if err != nil {
 			t.Fatal(err)
@@ -253,35 +282,27 @@ func serveRunsJob(t *testing.T, dir string, args ...string) {
 		_ = json.NewDecoder(r.Body).Decode(&v)
 		r.Body.Close()
 		if v.State == "SUCCEEDED" {
-			break
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("job still %s", v.State)
 		}
 	}
-	// The job's events went through the embedded NATS server: published
-	// (so in the feed, replayed from cursor 0) and recorded by the inbox.
-	client := &http.Client{Timeout: 10 * time.Second}
-	req, _ = http.NewRequest(http.MethodGet, base+"/v1/events", nil)
-	req.Header.Set("Last-Event-ID", "0")
-	resp, err = client.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	first, _ := bufio.NewReader(resp.Body).ReadString('\n')
-	resp.Body.Close()
-	if !strings.HasPrefix(first, "id: ") {
-		t.Errorf("event stream began with %q, want a replayed event", first)
-	}
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+}
+
+// waitInboxRecorded waits until serve's inbox has recorded an event.
+func waitInboxRecorded(t *testing.T, base string, limit time.Duration) {
+	t.Helper()
+	recorded := regexp.MustCompile(`(?m)^kvgate_scheduler_inbox_recorded_total (\d+)`)
+	for deadline := time.Now().Add(limit); ; time.Sleep(10 * time.Millisecond) {
 		r, err := http.Get(base + "/metrics")
 		if err != nil {
 			t.Fatal(err)
 		}
 		b, _ := io.ReadAll(r.Body)
 		r.Body.Close()
-		if m := regexp.MustCompile(`(?m)^kvgate_scheduler_inbox_recorded_total (\d+)`).FindSubmatch(b); m != nil && string(m[1]) != "0" {
-			break
+		if m := recorded.FindSubmatch(b); m != nil && string(m[1]) != "0" {
+			return
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("the inbox recorded no event")
@@ -320,74 +341,13 @@ func TestServeStartsWithNATSDown(t *testing.T) {
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close() // nothing listens there yet
-	var base string
-	ctx, cancel := context.WithCancel(t.Context())
-	var stdout, stderr syncBuffer
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", t.TempDir(),
-			"--nats-url", fmt.Sprintf("nats://127.0.0.1:%d", port)}, noenv, &stdout, &stderr)
-	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	}()
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
-	for deadline := time.Now().Add(20 * time.Second); base == ""; time.Sleep(10 * time.Millisecond) {
-		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
-			base = "http://" + m[1]
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("serve printed no address with NATS down:\n%s", stderr.String())
-		}
-	}
-	req, _ := http.NewRequest(http.MethodPost, base+"/v1/jobs", strings.NewReader(
-		`{"endpoint":"/v1/completions","body":{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"hi","max_tokens":3}}`))
-	req.Header.Set("Idempotency-Key", "while-nats-is-down")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	loc := resp.Header.Get("Location")
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusAccepted {
-		t.Fatalf("submit with NATS down: %d", resp.StatusCode)
-	}
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		r, err := http.Get(base + loc)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var v struct{ State string }
-		_ = json.NewDecoder(r.Body).Decode(&v)
-		r.Body.Close()
-		if v.State == "SUCCEEDED" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("job still %s with NATS down", v.State)
-		}
-	}
+	base, _ := startServe(t, "--data-dir", t.TempDir(), "--nats-url", fmt.Sprintf("nats://127.0.0.1:%d", port))
+	submitAndWait(t, base, "while-nats-is-down")
 	ns, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: port, JetStream: true, StoreDir: t.TempDir(), NoLog: true, NoSigs: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ns.Start()
-	defer ns.Shutdown()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		r, err := http.Get(base + "/metrics")
-		if err != nil {
-			t.Fatal(err)
-		}
-		b, _ := io.ReadAll(r.Body)
-		r.Body.Close()
-		if m := regexp.MustCompile(`(?m)^kvgate_scheduler_inbox_recorded_total (\d+)`).FindSubmatch(b); m != nil && string(m[1]) != "0" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the job's events never reached the inbox after NATS came up")
-		}
-	}
+	t.Cleanup(ns.Shutdown)
+	waitInboxRecorded(t, base, 30*time.Second)
 }

@@ -154,29 +154,7 @@ func TestServeWithStoreTenants(t *testing.T) {
 	}
 	key = strings.TrimSpace(key)
 
-	ctx, cancel := context.WithCancel(t.Context())
-	var stdout, stderr syncBuffer
-	done := make(chan error, 1)
-	go func() {
-		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", dir,
-			"--store", url, "--admin-key", "bootstrap"}, noenv, &stdout, &stderr)
-	}()
-	defer func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-	}()
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
-	var base string
-	for deadline := time.Now().Add(10 * time.Second); base == ""; time.Sleep(5 * time.Millisecond) {
-		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
-			base = "http://" + m[1]
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("serve printed no address:\n%s", stderr.String())
-		}
-	}
+	base, stderr := startServe(t, "--data-dir", dir, "--store", url, "--admin-key", "bootstrap")
 	do := func(method, path, key, body string) int {
 		req, _ := http.NewRequest(method, base+path, strings.NewReader(body))
 		req.Header.Set("Authorization", "Bearer "+key)
