@@ -117,19 +117,29 @@ func (l *limitFlags) apply(fs *flag.FlagSet, t *store.Tenant) error {
 	return err
 }
 
+// subcommand reads the subcommand of `kvgate group` and returns a flag set
+// for it; without one (help, or nothing given) it prints usage and returns
+// a nil flag set, with an error when nothing was given.
+func subcommand(group, usage string, args []string, stderr io.Writer) (string, *flag.FlagSet, error) {
+	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
+		fmt.Fprint(stderr, usage)
+		if len(args) == 0 {
+			return "", nil, fmt.Errorf("no %s command given", group)
+		}
+		return "", nil, nil
+	}
+	fs := flag.NewFlagSet("kvgate "+group+" "+args[0], flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() { fmt.Fprint(stderr, usage) }
+	return args[0], fs, nil
+}
+
 // runTenants is `kvgate tenants`.
 func runTenants(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
-		fmt.Fprint(stderr, tenantsUsage)
-		if len(args) == 0 {
-			return errors.New("no tenants command given")
-		}
-		return nil
+	cmd, fs, err := subcommand("tenants", tenantsUsage, args, stderr)
+	if fs == nil {
+		return err
 	}
-	cmd := args[0]
-	fs := flag.NewFlagSet("kvgate tenants "+cmd, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, tenantsUsage) }
 	var sf storeFlags
 	sf.register(fs, getenv)
 	var lf limitFlags
@@ -226,17 +236,10 @@ func printTenants(w io.Writer, ts []store.Tenant) error {
 
 // runKeys is `kvgate keys`.
 func runKeys(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
-	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" {
-		fmt.Fprint(stderr, keysUsage)
-		if len(args) == 0 {
-			return errors.New("no keys command given")
-		}
-		return nil
+	cmd, fs, err := subcommand("keys", keysUsage, args, stderr)
+	if fs == nil {
+		return err
 	}
-	cmd := args[0]
-	fs := flag.NewFlagSet("kvgate keys "+cmd, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() { fmt.Fprint(stderr, keysUsage) }
 	var sf storeFlags
 	sf.register(fs, getenv)
 	var tenant, role, name string
