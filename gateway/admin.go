@@ -125,10 +125,7 @@ func (s *Server) handleListTenants(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	list := struct {
-		Object string       `json:"object"`
-		Data   []TenantView `json:"data"`
-	}{Object: "list", Data: []TenantView{}}
+	list := listOf([]TenantView{})
 	for _, t := range ts {
 		list.Data = append(list.Data, tenantView(t))
 	}
@@ -240,10 +237,7 @@ func (s *Server) handleListKeys(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	list := struct {
-		Object string    `json:"object"`
-		Data   []KeyView `json:"data"`
-	}{Object: "list", Data: []KeyView{}}
+	list := listOf([]KeyView{})
 	for _, k := range ks {
 		list.Data = append(list.Data, keyView(k, ""))
 	}
@@ -382,10 +376,7 @@ func (s *Server) handleUsage(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	list := struct {
-		Object string      `json:"object"`
-		Data   []UsageView `json:"data"`
-	}{Object: "list", Data: []UsageView{}}
+	list := listOf([]UsageView{})
 	for _, u := range us {
 		list.Data = append(list.Data, UsageView{Object: "usage.day", Tenant: u.Tenant, Date: u.Day.Format(time.DateOnly),
 			Requests: u.Requests, Attempts: u.Attempts, PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens,

@@ -225,10 +225,7 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
 		OwnedBy     string `json:"owned_by"`
 		MaxModelLen int    `json:"max_model_len,omitempty"`
 	}
-	list := struct {
-		Object string  `json:"object"`
-		Data   []model `json:"data"`
-	}{Object: "list", Data: []model{}}
+	list := listOf([]model{})
 	for _, m := range s.pool.Models() {
 		list.Data = append(list.Data, model{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
 	}
@@ -237,6 +234,15 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
 }
 
 var startTime = time.Now().Unix()
+
+// list is OpenAI's list object.
+type list[T any] struct {
+	Object string `json:"object"`
+	Data   []T    `json:"data"`
+}
+
+// listOf starts a list with data (empty, not null, when there is none).
+func listOf[T any](data []T) list[T] { return list[T]{Object: "list", Data: data} }
 
 // handleReady answers 200 while at least one backend can take work.
 func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
