@@ -105,21 +105,24 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			r.Wake()
 		}
 	}
-	sig, err := startSignals(ctx, cfg, st, sched, pool, wakeRunner, reg, log)
+	sig, err := scheduler.StartBroker(st, sched, scheduler.BrokerConfig{
+		URL: cfg.NATS.URL, DataDir: cfg.DataDir, Replicas: cfg.NATS.Replicas,
+		Wake: wakeRunner, ApplyCooldown: pool.CooldownURL, Registerer: reg, Logger: log,
+	})
 	if err != nil {
 		return fail(fmt.Errorf("signals: %w", err))
 	}
-	g.Go(func() error { return sig.run(gctx) })
+	g.Go(func() error { return sig.Run(gctx) })
 	api, err := gateway.New(gateway.Config{
 		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
-		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.cooldown,
+		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(),
 		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
-			Feed: sig.feed,
-			Wake: func() { wakeRunner(); sig.relay.Wake() },
+			Feed: sig.Feed,
+			Wake: func() { wakeRunner(); sig.Relay.Wake() },
 		},
 	}, pool, sched, reg, log)
 	if err != nil {
@@ -127,7 +130,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	runner := scheduler.NewRunner(st, sched, api, scheduler.RunnerConfig{
 		Concurrency: cfg.Jobs.Concurrency, Lease: cfg.Jobs.Lease, Logger: log,
-		OnEvents: sig.relay.Wake,
+		OnEvents: sig.Relay.Wake,
 	})
 	runnerPtr.Store(runner)
 	reg.MustRegister(runner.Collectors()...)

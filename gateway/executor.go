@@ -1,0 +1,194 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
+)
+
+// jobCall parses a job's request and looks up its model: a model no
+// backend serves yet stands for itself (the scheduler waits for one).
+func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
+	ep, ok := jobEndpoints[j.Endpoint]
+	if !ok {
+		return nil, gpu.Model{}, fmt.Errorf("job %s: unknown endpoint %q", j.ID, j.Endpoint)
+	}
+	c, err := parseCall(j.Body, ep)
+	if err != nil {
+		return nil, gpu.Model{}, fmt.Errorf("job %s: %w", j.ID, err)
+	}
+	model, ok := s.lookupModel(c.model)
+	if !ok {
+		model = gpu.Model{ID: c.model}
+	}
+	return c, model, nil
+}
+
+// Ticket implements scheduler.Executor: a job's admission ticket, counted
+// as its request would be on the interactive path.
+func (s *Server) Ticket(j store.Job) (*scheduler.Ticket, error) {
+	c, model, err := s.jobCall(j)
+	if err != nil {
+		return nil, err
+	}
+	prompt, maxOut, exact := s.reservation(context.Background(), c, model)
+	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut,
+		Weight: s.weight(context.Background(), j.Tenant)}
+	if !exact {
+		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
+	}
+	return t, nil
+}
+
+// Execute implements scheduler.Executor: the job's request, sent to the
+// granted backend and read whole. With a tenant store, the request first
+// takes a permit of the job's tenant for its reservation (prompt plus
+// output budget, as Ticket counts them) and gives it back with the usage
+// the backend reported, so that jobs count against their tenant's rates,
+// concurrency and budgets and land in its usage ledger. A quota that
+// refuses the permit fails the attempt with scheduler.ClassQuota and the
+// quota's reset as RetryAfter; one the job's request alone exceeds fails
+// it for good.
+func (s *Server) Execute(ctx context.Context, j store.Job, g *scheduler.Grant) (scheduler.Outcome, error) {
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	if s.cfg.Tenants.Store == nil {
+		out, _, err := s.execute(ctx, j, g)
+		return out.Outcome, err
+	}
+	c, model, err := s.jobCall(j)
+	if err != nil {
+		return scheduler.Outcome{}, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
+	}
+	prompt, maxOut, _ := s.reservation(ctx, c, model)
+	p, err := s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt+maxOut)
+	if err != nil {
+		return scheduler.Outcome{}, jobQuotaError(err)
+	}
+	out, sent, err := s.execute(ctx, j, g)
+	o, attempts, u := store.NotSent, 0, (*usage)(nil)
+	switch {
+	case sent == sentNothing:
+	case err == nil:
+		o, attempts, u = store.Reported, 1, &usage{PromptTokens: out.PromptTokens, CompletionTokens: out.CompletionTokens}
+		if !out.reported {
+			u = &usage{PromptTokens: prompt, CompletionTokens: maxOut} // served without a report: charge what was reserved
+		}
+	case sent == sentRefused:
+		o, attempts, u = store.Reported, 1, &usage{} // the backend refused it
+	default:
+		o, attempts = store.Uncertain, 1 // sent, and how much it used is unknown
+	}
+	p.release(ctx, o, attempts, u)
+	return out.Outcome, err
+}
+
+// jobQuotaError turns acquireQuotaFor's refusal into a job attempt's.
+func jobQuotaError(err error) error {
+	var qe *store.QuotaError
+	switch {
+	case errors.As(err, &qe) && qe.Max > 0 && qe.Asked > qe.Max:
+		// No reset makes room for it.
+		return &scheduler.ExecError{Class: scheduler.ClassInvalid, Status: http.StatusTooManyRequests, Err: err}
+	case errors.As(err, &qe):
+		reset := qe.Reset
+		if !qe.Budget() {
+			// A rate window ends within its minute of the replica that
+			// opened it; a later reset is clock skew between replicas.
+			reset = min(reset, time.Minute)
+		}
+		return &scheduler.ExecError{Class: scheduler.ClassQuota, Status: http.StatusTooManyRequests, RetryAfter: reset, Err: err}
+	case errors.Is(err, errQuotaUnavailable):
+		// Fail closed, as the interactive path does, and look again as
+		// soon as it would.
+		return &scheduler.ExecError{Class: scheduler.ClassQuota, Status: http.StatusServiceUnavailable, RetryAfter: time.Second, Err: err}
+	}
+	return &scheduler.ExecError{Class: scheduler.ClassCapacity, Err: err} // ctx ended
+}
+
+// sendState is how far a job's request got.
+type sendState int
+
+const (
+	sentNothing  sendState = iota // no backend received it
+	sentRefused                   // the backend answered it with an error status
+	sentAnswered                  // the backend answered it, or may have
+)
+
+// execOutcome is a backend's answer: reported says whether it reported
+// usage.
+type execOutcome struct {
+	scheduler.Outcome
+	reported bool
+}
+
+// execute sends the job's request to the granted backend and reads its
+// answer whole.
+func (s *Server) execute(ctx context.Context, j store.Job, g *scheduler.Grant) (execOutcome, sendState, error) {
+	fail := func(sent sendState, class scheduler.ErrorClass, status int, retryAfter time.Duration, err error) (execOutcome, sendState, error) {
+		return execOutcome{}, sent, &scheduler.ExecError{Class: class, Status: status, RetryAfter: retryAfter, Err: err}
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+j.Endpoint, bytes.NewReader(j.Body))
+	if err != nil {
+		return fail(sentNothing, scheduler.ClassInvalid, 0, 0, err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := s.client.Do(req)
+	if err != nil {
+		sent := sentAnswered
+		if op := (*net.OpError)(nil); errors.As(err, &op) && op.Op == "dial" {
+			sent = sentNothing
+		}
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			s.pool.ReportFailure(g.Backend, errStalled)
+			return fail(sent, scheduler.ClassTimeout, 0, 0, err)
+		}
+		s.pool.ReportFailure(g.Backend, err)
+		return fail(sent, scheduler.ClassBackend, 0, 0, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		s.pool.ReportFailure(g.Backend, err)
+		return fail(sentAnswered, scheduler.ClassBackend, resp.StatusCode, 0, err)
+	}
+	switch {
+	case resp.StatusCode == http.StatusTooManyRequests:
+		retryAfter := parseRetryAfter(resp.Header.Get("Retry-After"))
+		s.cooldown(g, retryAfter)
+		return fail(sentRefused, scheduler.ClassRateLimited, resp.StatusCode, retryAfter, errors.New(errorMessage(body)))
+	case resp.StatusCode >= 500:
+		s.pool.ReportFailure(g.Backend, fmt.Errorf("status %d", resp.StatusCode))
+		return fail(sentRefused, scheduler.ClassBackend, resp.StatusCode, parseRetryAfter(resp.Header.Get("Retry-After")), errors.New(errorMessage(body)))
+	case resp.StatusCode >= 400:
+		s.pool.ReportSuccess(g.Backend)
+		return fail(sentRefused, scheduler.ClassInvalid, resp.StatusCode, 0, errors.New(errorMessage(body)))
+	}
+	var parsed struct {
+		Usage *usage `json:"usage"`
+	}
+	if err := json.Unmarshal(body, &parsed); err != nil {
+		s.pool.ReportFailure(g.Backend, err)
+		return fail(sentAnswered, scheduler.ClassBackend, resp.StatusCode, 0, fmt.Errorf("malformed response: %w", err))
+	}
+	s.pool.ReportSuccess(g.Backend)
+	out := execOutcome{Outcome: scheduler.Outcome{Body: body}}
+	if parsed.Usage != nil {
+		out.reported = true
+		out.PromptTokens, out.CompletionTokens = parsed.Usage.PromptTokens, parsed.Usage.CompletionTokens
+		if p, err := parseCall(j.Body, jobEndpoints[j.Endpoint]); err == nil && p.promptBytes > 0 {
+			s.est.observe(j.Model, p.promptBytes, out.PromptTokens)
+		}
+	}
+	return out, sentAnswered, nil
+}

@@ -1,0 +1,136 @@
+package scheduler
+
+import (
+	"cmp"
+	"math"
+	"slices"
+	"sync/atomic"
+	"time"
+)
+
+// ledger is kvgate's record of what it has admitted to one backend.
+type ledger struct {
+	grants   []*Grant // in admission order
+	reserved int      // Σ prompt + maxOut
+	sumOut   int      // Σ maxOut
+	// lastAdmitStep is the backend's engine step count at kvgate's last
+	// admission to it, for pacing; < 0 when unknown.
+	lastAdmitStep float64
+	// released are recent releases: the backend's last scrape may still
+	// show their KV, which is kvgate's own and not foreign load.
+	released []release
+}
+
+type release struct {
+	at     time.Time
+	tokens int
+}
+
+// maxReleases bounds the releases a ledger remembers between two scrapes of
+// its backend, should scrapes stop.
+const maxReleases = 4096
+
+// Grant is an admitted ticket: the backend to call and the reservation to
+// release when the call ends.
+type Grant struct {
+	Backend string
+	URL     string
+	Waited  time.Duration // time spent queued
+
+	s          *Scheduler
+	l          *ledger
+	estimate   func() int // re-counts prompt; nil when exact
+	prompt     int
+	maxOut     int
+	admittedAt time.Time
+	// admittedStep is the backend's engine step count at admission, when
+	// the backend publishes one (else -1).
+	admittedStep float64
+	generated    atomic.Int64 // -1 until reported
+	released     bool         // guarded by s.mu
+}
+
+// progress brackets the output a grant has produced: lo and hi tokens.
+// A stream reports it exactly. Otherwise, with the backend's engine step
+// counter, a sequence has made at most one token per step since its
+// admission (hi), and at least ProgressFactor of that less the prefill
+// step (lo), since it may have waited in vLLM's queue. Without a step
+// counter the estimate is the time since admission times the per-sequence
+// decode rate, bracketed twice as wide on both sides. Admission projects a
+// flight from the high end (what it may hold now) to the low end (how long
+// it may still grow), which is safe both ways.
+func (g *Grant) progress(now time.Time, stepsNow, decodeRate, factor float64) (lo, hi int) {
+	if n := g.generated.Load(); n >= 0 {
+		n := min(int(n), g.maxOut)
+		return n, min(n+1, g.maxOut) // a token may be in the making
+	}
+	var loF, hiF float64
+	if stepsNow >= 0 && g.admittedStep >= 0 {
+		steps := max(0, stepsNow-g.admittedStep)
+		loF, hiF = factor*(steps-1), steps+1
+	} else {
+		est := decodeRate * now.Sub(g.admittedAt).Seconds()
+		wide := 2 * (1 - factor)
+		loF, hiF = (1-wide)*est, (1+wide)*est+1
+	}
+	const eps = 1e-9 // so that 0.9×100 is 90, not 89
+	lo = max(0, min(int(loF+eps), g.maxOut-1))
+	hi = max(lo, min(int(math.Ceil(hiF-eps)), g.maxOut))
+	return lo, hi
+}
+
+// Progress reports how many output tokens the request has produced so
+// far, as a streaming response counts them. It makes admission exact.
+func (g *Grant) Progress(generated int) { g.generated.Store(int64(generated)) }
+
+// Release returns the grant's reservation and lets waiting tickets in.
+// It is idempotent.
+func (g *Grant) Release() {
+	s := g.s
+	s.mu.Lock()
+	if g.released {
+		s.mu.Unlock()
+		return
+	}
+	g.released = true
+	l := g.l
+	l.grants = slices.DeleteFunc(l.grants, func(x *Grant) bool { return x == g })
+	l.reserved -= g.prompt + g.maxOut
+	l.sumOut -= g.maxOut
+	now := s.now()
+	// What the backend's last scrape surely showed of it: its prompt and
+	// the output a stream reported, not its whole budget, which would
+	// hide other load.
+	held := g.prompt
+	if n := g.generated.Load(); n >= 0 {
+		held += min(int(n), g.maxOut)
+	}
+	// In time order; loadOf drops those the next scrape no longer shows.
+	if len(l.released) >= maxReleases {
+		l.released = append(l.released[:0], l.released[len(l.released)/2:]...)
+	}
+	l.released = append(l.released, release{at: now, tokens: held})
+	if s.queued > 0 {
+		s.pumpLocked(s.src.Snapshots(), now)
+	}
+	s.mu.Unlock()
+}
+
+// BackendLoad is what kvgate has admitted to one backend, for reports.
+type BackendLoad struct {
+	Backend  string
+	Inflight int
+	Reserved int // KV tokens, prompt plus max output of each in-flight request
+}
+
+// Loads returns the ledger of every backend that has had work.
+func (s *Scheduler) Loads() []BackendLoad {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]BackendLoad, 0, len(s.ledgers))
+	for name, l := range s.ledgers {
+		out = append(out, BackendLoad{Backend: name, Inflight: len(l.grants), Reserved: l.reserved})
+	}
+	slices.SortFunc(out, func(a, b BackendLoad) int { return cmp.Compare(a.Backend, b.Backend) })
+	return out
+}

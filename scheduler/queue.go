@@ -1,0 +1,271 @@
+package scheduler
+
+import (
+	"context"
+	"errors"
+	"math"
+	"slices"
+	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// Acquire waits until t is admitted to a backend and returns the grant,
+// which the caller must Release. It returns *TooLargeError at once for a
+// ticket no backend could hold, ErrNoBackend for a model nobody serves,
+// *RejectedError when the queue is full or the deadline passes, and ctx's
+// error when the caller gives up (its ticket leaves the queue).
+func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
+	now := s.now()
+	t.enqueued = now
+	deadline := t.Deadline
+	if deadline.IsZero() {
+		deadline = now.Add(s.policy.MaxQueueWait)
+	}
+	snaps := s.src.Snapshots()
+
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		s.m.outcome(t.Class, outcomeShutdown)
+		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
+	}
+	if err := s.checkFits(t, snaps); err != nil {
+		s.mu.Unlock()
+		if errors.Is(err, ErrNoBackend) {
+			s.m.outcome(t.Class, outcomeNoBackend)
+		} else {
+			s.m.outcome(t.Class, outcomeTooLarge)
+		}
+		return nil, err
+	}
+	counts := s.byModel[t.Model]
+	ahead := 0
+	if counts != nil {
+		for c := Class(0); c <= t.Class; c++ {
+			ahead += counts[c]
+		}
+	}
+	if ahead == 0 {
+		if g := s.tryAdmit(t, snaps, now, false, nil); g != nil {
+			s.mu.Unlock()
+			s.m.outcome(t.Class, outcomeAdmitted)
+			s.m.waited(t.Class, 0)
+			return g, nil
+		}
+	}
+	// Per class: a batch backlog never fills interactive traffic's queue.
+	if len(s.queues[t.Class]) >= s.policy.MaxQueue {
+		retry := s.retryAfterLocked()
+		s.mu.Unlock()
+		s.m.outcome(t.Class, outcomeQueueFull)
+		return nil, &RejectedError{Reason: "queue_full", RetryAfter: retry}
+	}
+	s.enqueueLocked(t)
+	s.mu.Unlock()
+
+	timer := time.NewTimer(deadline.Sub(now))
+	defer timer.Stop()
+	select {
+	case <-t.done:
+	case <-ctx.Done():
+	case <-timer.C:
+	}
+	s.mu.Lock()
+	if t.state == ticketGranted {
+		s.mu.Unlock()
+		if ctx.Err() != nil {
+			// Granted as the caller left: hand the capacity back.
+			t.grant.Release()
+			s.m.outcome(t.Class, outcomeCancelled)
+			return nil, ctx.Err()
+		}
+		s.m.outcome(t.Class, outcomeQueuedAdmitted)
+		s.m.waited(t.Class, t.grant.Waited)
+		return t.grant, nil
+	}
+	closed := s.closed
+	s.removeLocked(t)
+	retry := s.retryAfterLocked()
+	s.mu.Unlock()
+	switch {
+	case ctx.Err() != nil:
+		s.m.outcome(t.Class, outcomeCancelled)
+		return nil, ctx.Err()
+	case closed:
+		s.m.outcome(t.Class, outcomeShutdown)
+		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
+	}
+	s.m.outcome(t.Class, outcomeTimeout)
+	return nil, &RejectedError{Reason: "queue_timeout", RetryAfter: retry}
+}
+
+// checkFits fails a ticket that needs more than any backend serving its
+// model could ever give it, or whose model nobody serves.
+func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot) error {
+	serving, known, largest := false, false, 0
+	for _, sn := range snaps {
+		if _, ok := sn.Serves(t.Model); !ok {
+			continue
+		}
+		serving = true
+		if sn.CapacityTokens > 0 {
+			known = true
+			largest = max(largest, int(s.policy.KVTarget*float64(sn.CapacityTokens)))
+		}
+	}
+	switch {
+	case !serving:
+		return ErrNoBackend
+	case known && t.Need() > largest:
+		return &TooLargeError{Need: t.Need(), Capacity: largest}
+	}
+	return nil
+}
+
+func (s *Scheduler) enqueueLocked(t *Ticket) {
+	t.done = make(chan struct{})
+	t.state = ticketQueued
+	s.fair[t.Class].tag(t)
+	s.queues[t.Class] = insertFair(s.queues[t.Class], t)
+	s.queued++
+	c := s.byModel[t.Model]
+	if c == nil {
+		c = new([numClasses]int)
+		s.byModel[t.Model] = c
+	}
+	c[t.Class]++
+}
+
+// removeLocked takes a queued ticket out (cancelled or expired).
+func (s *Scheduler) removeLocked(t *Ticket) {
+	if t.state != ticketQueued {
+		return
+	}
+	t.state = ticketGone
+	s.dequeuedLocked(t)
+	s.queues[t.Class] = slices.DeleteFunc(s.queues[t.Class], func(x *Ticket) bool { return x == t })
+	s.fair[t.Class].removed(t, s.queues[t.Class])
+}
+
+func (s *Scheduler) dequeuedLocked(t *Ticket) {
+	s.queued--
+	if c := s.byModel[t.Model]; c != nil {
+		c[t.Class]--
+	}
+}
+
+// retryAfterLocked estimates when capacity for a new ticket may exist: the
+// queue ahead divided by the recent admission rate, between 1 s and 60 s.
+func (s *Scheduler) retryAfterLocked() time.Duration {
+	rate := math.Max(s.admitted, 1)
+	sec := math.Ceil(float64(s.queued) / rate)
+	return time.Duration(min(max(sec, 1), 60)) * time.Second
+}
+
+// tryAdmit grants t on the backend with the most headroom that can take
+// it, or returns nil. paced says t comes from a backlog. exact, when not
+// nil, keeps each backend's exact load across the tickets of one pass (the
+// costly part of a decision); an admission drops its backend's.
+// Wake re-evaluates the queue, after backend state changed. Cheap when the
+// queue is empty.
+func (s *Scheduler) Wake() {
+	s.mu.Lock()
+	if s.queued > 0 {
+		s.pumpLocked(s.src.Snapshots(), s.now())
+	}
+	s.mu.Unlock()
+}
+
+// maxScanMisses bounds the work of one pump over a long queue: after this
+// many tickets in a row fit nowhere, the rest wait for the next event.
+const maxScanMisses = 32
+
+// pumpLocked admits queued tickets in priority order, each class in its
+// weighted fair order, while they fit. A
+// ticket that does not fit is passed over by later ones of its model until
+// it has waited StarvationGuard; then it blocks them.
+func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
+	if s.queued == 0 || s.closed {
+		return
+	}
+	var blocked map[string]bool
+	exact := map[string]*load{}
+	misses := 0
+	for c := range s.queues {
+		q := s.queues[c]
+		kept := q[:0]
+		for i, t := range q {
+			if misses >= maxScanMisses {
+				kept = append(kept, q[i:]...)
+				break
+			}
+			if blocked[t.Model] {
+				kept = append(kept, t)
+				continue
+			}
+			if t.PromptEstimate != nil {
+				t.PromptTokens = t.PromptEstimate()
+			}
+			if g := s.tryAdmit(t, snaps, now, true, exact); g != nil {
+				t.grant, t.state = g, ticketGranted
+				s.dequeuedLocked(t)
+				s.fair[c].admitted(t, s.queued)
+				close(t.done)
+				misses = 0
+				continue
+			}
+			misses++
+			kept = append(kept, t)
+			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
+				if blocked == nil {
+					blocked = map[string]bool{}
+				}
+				blocked[t.Model] = true
+			}
+		}
+		clear(q[len(kept):])
+		s.queues[c] = kept
+	}
+}
+
+// tick is how often Run re-evaluates the queue: estimated decode progress
+// and metric staleness change with time alone.
+const tick = 50 * time.Millisecond
+
+// Run re-evaluates the queue on a timer until ctx is done, then rejects
+// whatever still waits. It returns ctx's error.
+func (s *Scheduler) Run(ctx context.Context) error {
+	t := time.NewTicker(tick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			s.mu.Lock()
+			s.closed = true
+			for c := range s.queues {
+				for _, tk := range s.queues[c] {
+					tk.state = ticketGone // its Acquire rejects it
+					s.dequeuedLocked(tk)
+					close(tk.done)
+				}
+				s.queues[c] = nil
+			}
+			s.mu.Unlock()
+			return ctx.Err()
+		case <-t.C:
+			s.Wake()
+		}
+	}
+}
+
+// Queued returns the number of tickets waiting, by class.
+func (s *Scheduler) Queued() [numClasses]int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out [numClasses]int
+	for c := range s.queues {
+		out[c] = len(s.queues[c])
+	}
+	return out
+}
