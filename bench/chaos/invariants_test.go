@@ -151,7 +151,7 @@ func violations(s snapshot) []violation {
 				spent++
 				switch {
 				case slices.Contains(waitOutcomes, a.outcome):
-					add(invExplained, j.id, "attempt %d (fence %d) spent an attempt on a %s (%s: %s)", a.attempt, a.fence, a.outcome, a.class, a.err)
+					add(invExplained, j.id, "attempt %d (fence %d) spent an attempt, though its outcome is %s (%s: %s)", a.attempt, a.fence, a.outcome, a.class, a.err)
 				case slices.Contains(waitClasses, a.class):
 					add(invExplained, j.id, "attempt %d (fence %d) spent an attempt waiting, not at a backend (%s %s: %s)", a.attempt, a.fence, a.outcome, a.class, a.err)
 				case !a.sent && a.class != "invalid_request":
@@ -253,9 +253,11 @@ func report(t *testing.T, s snapshot, vs []violation) {
 	for _, inv := range order {
 		list := by[inv]
 		jobs := map[string]bool{}
+		for _, v := range list {
+			jobs[v.job] = true
+		}
 		var lines []string
 		for i, v := range list {
-			jobs[v.job] = true
 			if i == 12 {
 				lines = append(lines, fmt.Sprintf("  ... and %d more", len(list)-12))
 				break

@@ -91,7 +91,17 @@ func prepare() (func(), error) {
 		return cleanup, err
 	}
 	suite.keep = os.Getenv("KVGATE_CHAOS_KEEP") == "1"
-	suite.report = os.Getenv("KVGATE_CHAOS_REPORT")
+	if suite.report = os.Getenv("KVGATE_CHAOS_REPORT"); suite.report != "" {
+		head := fmt.Sprintf("chaos suite, %s, %s\n\n", suite.why, time.Now().UTC().Format(time.RFC3339)) +
+			"| scenario | jobs | final states | spent attempts | records that spent nothing | attempt records by outcome | engine requests | run to their end | duration | result |\n" +
+			"|---|---|---|---|---|---|---|---|---|---|\n"
+		if err := os.MkdirAll(filepath.Dir(suite.report), 0o755); err != nil {
+			return cleanup, err
+		}
+		if err := os.WriteFile(suite.report, []byte(head), 0o644); err != nil {
+			return cleanup, err
+		}
+	}
 	if d := os.Getenv("KVGATE_CHAOS_DIR"); d != "" {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return cleanup, err

@@ -86,7 +86,8 @@ func TestColdStart(t *testing.T) {
 
 // TestKillMidBurst kills kvgate with SIGKILL while a burst of jobs runs,
 // and starts it again; the full suite does it twice, the second time
-// while a second burst is being submitted. Leases expire, the reaper
+// while a second burst is being submitted (the client retries what was
+// not answered, under the same Idempotency-Key). Leases expire, the reaper
 // hands the jobs back, and every job must succeed.
 func TestKillMidBurst(t *testing.T) {
 	need(t, "short")
@@ -98,11 +99,12 @@ func TestKillMidBurst(t *testing.T) {
 	e.gw.start()
 	e.mark("kvgate restarted")
 	if suite.mode == "full" {
-		before, _ := e.states()
-		wait := e.submitInBackground(batch{name: "burst2", n: 150, maxTokens: 200})
-		e.waitSucceeded(before["SUCCEEDED"]+40, 2*time.Minute)
+		m, _ := e.states()
+		e.waitSucceeded(m["SUCCEEDED"]+30, 2*time.Minute)
+		wait := e.submitInBackground(batch{name: "burst2", n: 300, maxTokens: 200})
+		e.waitKeys("burst2-", 100, time.Minute)
 		e.gw.kill()
-		e.logStates("kill -9 kvgate again, while burst2 is submitted")
+		e.logStates("kill -9 kvgate again, with burst2 being submitted")
 		e.gw.start()
 		e.mark("kvgate restarted")
 		wait()
@@ -131,10 +133,10 @@ func TestSIGTERMWhileJobsWait(t *testing.T) {
 	e.finish(expectSucceeded)
 }
 
-// TestNATSKillRestart kills nats-server with SIGKILL mid-burst, keeps it
-// down for ten seconds and starts it again on the same port and store:
-// jobs go on (the runner scans the store), and the relay publishes what
-// waited in the outbox.
+// TestNATSKillRestart kills nats-server with SIGKILL mid-burst, submits
+// more jobs while it is down, and starts it again after ten seconds on
+// the same port and store: jobs are accepted and go on (the runner scans
+// the store), and the relay publishes what waited in the outbox.
 func TestNATSKillRestart(t *testing.T) {
 	need(t, "full")
 	e := newEnv(t, options{})
@@ -142,7 +144,9 @@ func TestNATSKillRestart(t *testing.T) {
 	e.waitSucceeded(40, 2*time.Minute)
 	e.nats.kill()
 	e.logStates("kill -9 nats-server")
-	hold(t, 10*time.Second, "NATS down", e.gw.alive)
+	down := time.Now()
+	e.submitAll(batch{name: "nats-down", n: 100, maxTokens: 200})
+	hold(t, 10*time.Second-time.Since(down), "NATS down", e.gw.alive)
 	e.nats.start()
 	e.logStates("nats-server restarted")
 	e.waitFinal(3 * time.Minute)
