@@ -366,3 +366,36 @@ func TestRunnerClassifiesFailures(t *testing.T) {
 		})
 	}
 }
+
+// TestRunnerClaimsOnlyWhatCanStart: with room for two sequences in the
+// fleet, a runner of many slots leases two jobs and leaves the rest in
+// the store for any replica, instead of holding them in its own queue.
+func TestRunnerClaimsOnlyWhatCanStart(t *testing.T) {
+	snap := backendSnap("a", 100_000)
+	snap.MaxNumSeqs = 2
+	exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 10)}
+	f := startRunnerOn(t, openStore(t), &staticSource{snaps: []*gpu.Snapshot{snap}}, exec, time.Minute)
+	var jobs []store.Job
+	for i := range 10 {
+		jobs = append(jobs, f.submit(t, fmt.Sprint("k", i)))
+	}
+	<-exec.started
+	<-exec.started
+	for range 20 {
+		f.runner.Wake()
+		time.Sleep(5 * time.Millisecond)
+	}
+	running := 0
+	for _, j := range jobs {
+		if got, _ := f.st.Get(context.Background(), "acme", j.ID); got.State == store.Running {
+			running++
+		}
+	}
+	if running != 2 {
+		t.Errorf("%d jobs leased, want 2: the fleet has room for two", running)
+	}
+	close(exec.hold)
+	for _, j := range jobs {
+		f.waitState(t, j.ID, store.Succeeded)
+	}
+}

@@ -113,7 +113,10 @@ type Runner struct {
 
 	rngMu    sync.Mutex
 	rng      *rand.Rand
-	inflight atomic.Int64
+	inflight atomic.Int64 // claimed jobs being worked on
+	// admitting counts claimed jobs not yet through the scheduler's
+	// admission (work ends it once, with admitted).
+	admitting atomic.Int64
 }
 
 // NewRunner returns a runner; Run starts it.
@@ -196,7 +199,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		if r.draining.Load() {
 			continue
 		}
-		free := min(cap(slots)-len(slots), r.sched.Room())
+		// Jobs claimed but not yet admitted are not in the scheduler's
+		// books yet: count them against the room.
+		free := min(cap(slots)-len(slots), r.sched.Room()-int(r.admitting.Load()))
 		models := r.sched.RoutableModels()
 		if free <= 0 || len(models) == 0 {
 			continue
@@ -214,6 +219,7 @@ func (r *Runner) Run(ctx context.Context) error {
 		for _, j := range jobs {
 			slots <- struct{}{}
 			r.inflight.Add(1)
+			r.admitting.Add(1)
 			wg.Go(func() {
 				defer func() {
 					r.inflight.Add(-1)
@@ -243,6 +249,9 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	defer hb.Wait()
 	defer cancel(nil) // stops the heartbeat before the wait
 
+	var once sync.Once
+	admitted := func() { once.Do(func() { r.admitting.Add(-1) }) }
+	defer admitted()
 	a := store.Attempt{JobID: j.ID, Attempt: j.Attempt + 1, Fence: j.Fence, StartedAt: r.cfg.Now()}
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
@@ -253,7 +262,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, xerr := r.infer(ctx, j, &a)
+		out, xerr := r.infer(ctx, j, &a, admitted)
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, a, xerr)
 			return
@@ -285,7 +294,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 // reset (see quotaPause), admits it through the scheduler as the batch
 // class, marks it sent and runs it on the granted backend. It records the
 // backend and whether the request may have left in a.
-func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt) (Outcome, error) {
+func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted func()) (Outcome, error) {
 	var waited time.Duration
 	var call *Call
 	for {
@@ -298,12 +307,17 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt) (Outc
 			return Outcome{}, err
 		}
 		r.m.quotaWaits.Inc()
+		// Waiting for its tenant, the job takes no room from the others'.
+		r.admitting.Add(-1)
 		t := time.NewTimer(d)
 		select {
 		case <-ctx.Done():
-			t.Stop()
-			return Outcome{}, err
 		case <-t.C:
+		}
+		t.Stop()
+		r.admitting.Add(1)
+		if ctx.Err() != nil {
+			return Outcome{}, err
 		}
 		waited += d
 	}
@@ -311,6 +325,7 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt) (Outc
 	t := call.Ticket
 	t.Class, t.Tenant, t.Deadline = Batch, j.Tenant, j.Deadline
 	g, err := r.sched.Acquire(ctx, t)
+	admitted()
 	if err != nil {
 		return Outcome{}, admissionError(err)
 	}
