@@ -5,7 +5,7 @@ PKGS     := ./...
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(shell $(GO) env GOPATH)/bin/staticcheck
 
-.PHONY: all build run test test-short node-deps lint fmt bench calibrate simcost clean
+.PHONY: all build run test experiments test-short node-deps lint fmt bench calibrate simcost clean
 
 all: build
 
@@ -17,14 +17,18 @@ build:
 run: build
 	$(BIN) serve
 
-# Every test under the race detector, then four experiments on their own:
-# the overload, three-replica and fairness ones measure throughput,
-# preemption and waits, which the race detector's slowdown and parallel
-# packages would distort, and the job burst runs at its full 10,000 jobs
-# (1,000 under -race).
+# Every test under the race detector, then the long experiments on their
+# own.
 test: node-deps
 	$(GO) test -race -count=1 $(PKGS)
-	$(GO) test -count=1 -v -run '^(TestOverloadNoPreemption|TestJobBurst|TestThreeReplicasOneFleet|TestFairnessBurst)$$' ./gateway/
+	$(MAKE) experiments
+
+# Four experiments that measure throughput, preemption and waits, which
+# the race detector's slowdown and parallel packages would distort: the
+# overload, three-replica and fairness ones, and the job burst at its full
+# 10,000 jobs (1,000 in the ordinary run). A plain go test skips them.
+experiments:
+	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^(TestOverloadNoPreemption|TestJobBurst|TestThreeReplicasOneFleet|TestFairnessBurst)$$' ./gateway/
 
 # The OpenAI Node SDK for cmd/kvgate's TestOpenAINodeSDK, installed from the
 # lockfile when it changed. Without node and npm the test skips (with

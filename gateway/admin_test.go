@@ -225,9 +225,10 @@ func TestTenantWeightOnTickets(t *testing.T) {
 	if w := f.api.weight(t.Context(), "stranger"); w != 1 {
 		t.Errorf("an unknown tenant's weight %v, want 1", w)
 	}
-	tk, err := f.api.Ticket(store.Job{ID: "j", Tenant: "heavy", Endpoint: "/v1/completions",
+	c, err := f.api.Prepare(t.Context(), store.Job{ID: "j", Tenant: "heavy", Endpoint: "/v1/completions",
 		Body: []byte(`{"model":"` + llama + `","prompt":"hi","max_tokens":4}`)})
-	if err != nil || tk.Weight != 3 {
-		t.Errorf("a job's ticket: weight %v, %v", tk.Weight, err)
+	if err != nil || c.Ticket.Weight != 3 {
+		t.Fatalf("a job's ticket: %+v, %v", c, err)
 	}
+	c.Release()
 }

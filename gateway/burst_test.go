@@ -19,9 +19,9 @@ import (
 // separate figures. The store is PostgreSQL, the events go through NATS
 // JetStream, and the runner is what kvgate serve runs.
 func TestJobBurst(t *testing.T) {
-	n := 10_000
-	if raceEnabled || testing.Short() {
-		n = 1_000
+	n := 1_000 // a quick check; the experiment's full size
+	if experiments() {
+		n = 10_000
 	}
 	f := startFleet(t, fleetOpts{backends: 2, jobs: true, pg: true, signals: true, speedup: 100})
 	exec := &countingExec{Server: f.api}

@@ -120,12 +120,7 @@ func driveOverload(t *testing.T, sims []*vllmsim.Sim, urls []string, target func
 // round-robin, on the same arrivals. kvgate must cause no preemption and
 // keep at least 95% of the round-robin run's output token throughput.
 func TestOverloadNoPreemption(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a 40-second experiment")
-	}
-	if raceEnabled {
-		t.Skip("measures throughput: run without -race (make test runs it on its own)")
-	}
+	experiment(t) // 40 seconds, measuring throughput
 	p := llamaProfile(t)
 	p.NumGPUBlocks, p.MaxModelLen = 2048, 8192
 	const (

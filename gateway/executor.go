@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/kvgate/kvgate/gpu"
@@ -34,63 +35,57 @@ func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 	return c, model, nil
 }
 
-// Ticket implements scheduler.Executor: a job's admission ticket, counted
-// as its request would be on the interactive path.
-func (s *Server) Ticket(j store.Job) (*scheduler.Ticket, error) {
+// Prepare implements scheduler.Executor. The job's request is parsed and
+// counted once, as it would be on the interactive path, and admitted in
+// the interactive path's order: first the tenant's quota (a permit for
+// its reservation, prompt plus output budget, so that jobs count against
+// their tenant's rates, concurrency and budgets and land in its usage
+// ledger), then, by the runner, a backend's KV grant. A quota that
+// refuses the permit fails with scheduler.ClassQuota and the quota's
+// reset as RetryAfter; one the job's request alone exceeds fails it for
+// good, as does a request that does not parse.
+func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, error) {
 	c, model, err := s.jobCall(j)
 	if err != nil {
-		return nil, err
+		return nil, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
 	}
-	prompt, maxOut, exact := s.reservation(context.Background(), c, model)
-	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut,
-		Weight: s.weight(context.Background(), j.Tenant)}
+	prompt, maxOut, exact := s.reservation(ctx, c, model)
+	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant)}
 	if !exact {
 		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}
-	return t, nil
-}
-
-// Execute implements scheduler.Executor: the job's request, sent to the
-// granted backend and read whole. With a tenant store, the request first
-// takes a permit of the job's tenant for its reservation (prompt plus
-// output budget, as Ticket counts them) and gives it back with the usage
-// the backend reported, so that jobs count against their tenant's rates,
-// concurrency and budgets and land in its usage ledger. A quota that
-// refuses the permit fails the attempt with scheduler.ClassQuota and the
-// quota's reset as RetryAfter; one the job's request alone exceeds fails
-// it for good.
-func (s *Server) Execute(ctx context.Context, j store.Job, g *scheduler.Grant) (scheduler.Outcome, error) {
-	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
-	defer cancel()
-	if s.cfg.Tenants.Store == nil {
-		out, _, err := s.execute(ctx, j, g)
-		return out.Outcome, err
-	}
-	c, model, err := s.jobCall(j)
-	if err != nil {
-		return scheduler.Outcome{}, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
-	}
-	prompt, maxOut, _ := s.reservation(ctx, c, model)
 	p, err := s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt+maxOut)
 	if err != nil {
-		return scheduler.Outcome{}, jobQuotaError(err)
+		return nil, jobQuotaError(err)
 	}
-	out, sent, err := s.execute(ctx, j, g)
-	o, attempts, u := store.NotSent, 0, (*usage)(nil)
-	switch {
-	case sent == sentNothing:
-	case err == nil:
-		o, attempts, u = store.Reported, 1, &usage{PromptTokens: out.PromptTokens, CompletionTokens: out.CompletionTokens}
-		if !out.reported {
-			u = &usage{PromptTokens: prompt, CompletionTokens: maxOut} // served without a report: charge what was reserved
-		}
-	case sent == sentRefused:
-		o, attempts, u = store.Reported, 1, &usage{} // the backend refused it
-	default:
-		o, attempts = store.Uncertain, 1 // sent, and how much it used is unknown
+	var once sync.Once
+	release := func(o store.Outcome, attempts int, u *usage) {
+		once.Do(func() { p.release(ctx, o, attempts, u) })
 	}
-	p.release(ctx, o, attempts, u)
-	return out.Outcome, err
+	return &scheduler.Call{
+		Ticket:  t,
+		Release: func() { release(store.NotSent, 0, nil) },
+		Run: func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
+			ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+			defer cancel()
+			out, sent, err := s.execute(ctx, j, c, g, sending)
+			o, attempts, u := store.NotSent, 0, (*usage)(nil)
+			switch {
+			case sent == sentNothing:
+			case err == nil:
+				o, attempts, u = store.Reported, 1, &usage{PromptTokens: out.PromptTokens, CompletionTokens: out.CompletionTokens}
+				if !out.reported {
+					u = &usage{PromptTokens: prompt, CompletionTokens: maxOut} // served without a report: charge what was reserved
+				}
+			case sent == sentRefused:
+				o, attempts, u = store.Reported, 1, &usage{} // the backend refused it
+			default:
+				o, attempts = store.Uncertain, 1 // sent, and how much it used is unknown
+			}
+			release(o, attempts, u)
+			return out.Outcome, err
+		},
+	}, nil
 }
 
 // jobQuotaError turns acquireQuotaFor's refusal into a job attempt's.
@@ -132,9 +127,9 @@ type execOutcome struct {
 	reported bool
 }
 
-// execute sends the job's request to the granted backend and reads its
-// answer whole.
-func (s *Server) execute(ctx context.Context, j store.Job, g *scheduler.Grant) (execOutcome, sendState, error) {
+// execute sends the job's request (c, parsed by Prepare) to the granted
+// backend, once sending allowed it, and reads its answer whole.
+func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler.Grant, sending func() error) (execOutcome, sendState, error) {
 	fail := func(sent sendState, class scheduler.ErrorClass, status int, retryAfter time.Duration, err error) (execOutcome, sendState, error) {
 		return execOutcome{}, sent, &scheduler.ExecError{Class: class, Status: status, RetryAfter: retryAfter, Err: err}
 	}
@@ -143,12 +138,17 @@ func (s *Server) execute(ctx context.Context, j store.Job, g *scheduler.Grant) (
 		return fail(sentNothing, scheduler.ClassInvalid, 0, 0, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
+	if err := sending(); err != nil {
+		return execOutcome{}, sentNothing, err // the claim lost the job: send nothing
+	}
 	resp, err := s.client.Do(req)
 	if err != nil {
-		sent := sentAnswered
 		if op := (*net.OpError)(nil); errors.As(err, &op) && op.Op == "dial" {
-			sent = sentNothing
+			// Nothing left: the backend is down, and the job waits.
+			s.pool.ReportFailure(g.Backend, err)
+			return fail(sentNothing, scheduler.ClassRefused, 0, 0, err)
 		}
+		sent := sentAnswered
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
 			s.pool.ReportFailure(g.Backend, errStalled)
 			return fail(sent, scheduler.ClassTimeout, 0, 0, err)
@@ -186,8 +186,8 @@ func (s *Server) execute(ctx context.Context, j store.Job, g *scheduler.Grant) (
 	if parsed.Usage != nil {
 		out.reported = true
 		out.PromptTokens, out.CompletionTokens = parsed.Usage.PromptTokens, parsed.Usage.CompletionTokens
-		if p, err := parseCall(j.Body, jobEndpoints[j.Endpoint]); err == nil && p.promptBytes > 0 {
-			s.est.observe(j.Model, p.promptBytes, out.PromptTokens)
+		if c.promptBytes > 0 {
+			s.est.observe(j.Model, c.promptBytes, out.PromptTokens)
 		}
 	}
 	return out, sentAnswered, nil

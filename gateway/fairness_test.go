@@ -139,13 +139,8 @@ func getAnyJob(f *fleet, id string) (store.Job, error) {
 //     fairness has nothing to do: the small jobs queue behind the burst,
 //     first come, first served).
 func TestFairnessBurst(t *testing.T) {
-	if raceEnabled {
-		t.Skip("measures throughput and waits: run without -race (make test runs it on its own)")
-	}
+	experiment(t) // measures throughput and waits
 	bulk := 10_000
-	if testing.Short() {
-		bulk = 1_000
-	}
 	keys := map[string]string{"kb": "bulk", "ks1": "small1", "ks2": "small2", "ks3": "small3",
 		"kj1": "j1", "kj2": "j2", "kj3": "j3", "kj4": "j4", "kone": "one"}
 	newFleet := func(t *testing.T) *fleet {

@@ -40,7 +40,7 @@ func (d *dyingStore) check() error {
 	return nil
 }
 
-func (d *dyingStore) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
+func (d *dyingStore) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int, models ...string) ([]store.Job, error) {
 	if err := d.check(); err != nil {
 		return nil, err
 	}
@@ -54,11 +54,18 @@ func (d *dyingStore) Heartbeat(ctx context.Context, id string, fence int64, now 
 	return d.Store.Heartbeat(ctx, id, fence, now, lease)
 }
 
-func (d *dyingStore) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error {
+func (d *dyingStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
 	if err := d.check(); err != nil {
 		return err
 	}
-	return d.Store.SaveStage(ctx, id, fence, stage, data)
+	return d.Store.MarkSent(ctx, id, fence, now, lease)
+}
+
+func (d *dyingStore) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
+	if err := d.check(); err != nil {
+		return err
+	}
+	return d.Store.SaveStage(ctx, id, fence, stage, data, now)
 }
 
 func (d *dyingStore) Complete(ctx context.Context, c store.Completion) error {
@@ -93,13 +100,32 @@ type countingExec struct {
 	kill  *dyingStore
 }
 
-func (e *countingExec) Execute(ctx context.Context, j store.Job, g *scheduler.Grant) (scheduler.Outcome, error) {
-	out, err := e.Server.Execute(ctx, j, g)
-	e.calls.Add(1)
-	if e.kill != nil && err == nil {
-		e.kill.dead.Store(true) // the answer is in memory; the process dies
+func (e *countingExec) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, error) {
+	return wrapRun(e.Server.Prepare(ctx, j))(func(ctx context.Context, run runFunc) (scheduler.Outcome, error) {
+		out, err := run(ctx)
+		e.calls.Add(1)
+		if e.kill != nil && err == nil {
+			e.kill.dead.Store(true) // the answer is in memory; the process dies
+		}
+		return out, err
+	})
+}
+
+// runFunc runs a prepared call on its grant.
+type runFunc func(ctx context.Context) (scheduler.Outcome, error)
+
+// wrapRun returns a prepared call whose Run goes through around.
+func wrapRun(c *scheduler.Call, err error) func(around func(ctx context.Context, run runFunc) (scheduler.Outcome, error)) (*scheduler.Call, error) {
+	return func(around func(ctx context.Context, run runFunc) (scheduler.Outcome, error)) (*scheduler.Call, error) {
+		if err != nil {
+			return nil, err
+		}
+		inner := c.Run
+		c.Run = func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
+			return around(ctx, func(ctx context.Context) (scheduler.Outcome, error) { return inner(ctx, g, sending) })
+		}
+		return c, nil
 	}
-	return out, err
 }
 
 func runRunner(t *testing.T, f *fleet, st store.Store, exec scheduler.Executor, lease time.Duration, concurrency int) {
@@ -170,8 +196,9 @@ func TestWorkerKilledAfterBackendAnswered(t *testing.T) {
 	}
 }
 
-// A worker whose lease the reaper took finishes late: its result is
-// discarded, the job keeps the one result of the worker that owns it.
+// A worker whose lease the reaper took wakes up late: the store refuses
+// it (here before it sends its request: its mark as sent is refused), and
+// the job keeps the one result of the worker that owns it.
 func TestStaleWorkerAfterReap(t *testing.T) {
 	f := startFleet(t, fleetOpts{backends: 1, jobs: true, pg: true, speedup: 50})
 	_, v := submitJob(t, f, "k", chatJob("slow worker", 4))
@@ -211,8 +238,16 @@ func (p *pausedStore) Heartbeat(context.Context, string, int64, time.Time, time.
 	return nil // never reaches the database
 }
 
-func (p *pausedStore) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error {
-	err := p.Store.SaveStage(ctx, id, fence, stage, data)
+func (p *pausedStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+	err := p.Store.MarkSent(ctx, id, fence, now, lease)
+	if errors.Is(err, store.ErrLeaseLost) {
+		p.refused.Add(1)
+	}
+	return err
+}
+
+func (p *pausedStore) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
+	err := p.Store.SaveStage(ctx, id, fence, stage, data, now)
 	if errors.Is(err, store.ErrLeaseLost) {
 		p.refused.Add(1)
 	}
@@ -234,10 +269,12 @@ type heldExec struct {
 	once    sync.Once
 }
 
-func (h *heldExec) Execute(ctx context.Context, j store.Job, g *scheduler.Grant) (scheduler.Outcome, error) {
-	h.once.Do(func() { h.started <- struct{}{} })
-	<-h.release
-	return h.Server.Execute(context.WithoutCancel(ctx), j, g)
+func (h *heldExec) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, error) {
+	return wrapRun(h.Server.Prepare(ctx, j))(func(ctx context.Context, run runFunc) (scheduler.Outcome, error) {
+		h.once.Do(func() { h.started <- struct{}{} })
+		<-h.release
+		return run(context.WithoutCancel(ctx))
+	})
 }
 
 // tcpProxy forwards a port to PostgreSQL and can cut every connection.

@@ -196,7 +196,7 @@ func TestJobRetriesThroughBackendErrors(t *testing.T) {
 	waitState(t, f, v.ID, store.Succeeded)
 	as, _ := f.store.Attempts(t.Context(), v.ID)
 	last := as[len(as)-1]
-	if last.Outcome != "succeeded" || as[0].Outcome != "retry" || as[0].ErrorClass != "backend_error" {
+	if last.Outcome != "succeeded" || as[0].Outcome != store.OutcomeFailed || !as[0].Spent || as[0].ErrorClass != "backend_error" {
 		t.Errorf("attempts %+v", as)
 	}
 }

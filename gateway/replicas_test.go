@@ -129,12 +129,7 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 // exactly once. Without sharing (each replica alone in its mind), the
 // same load preempts: the control that shows the experiment can fail.
 func TestThreeReplicasOneFleet(t *testing.T) {
-	if testing.Short() {
-		t.Skip("a 40-second experiment, twice")
-	}
-	if raceEnabled {
-		t.Skip("measures preemption under load: run without -race (make test runs it on its own)")
-	}
+	experiment(t) // 40 seconds, twice, measuring preemption under load
 	p := llamaProfile(t)
 	p.NumGPUBlocks, p.MaxModelLen = 2048, 8192
 	const (

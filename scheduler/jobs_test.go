@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"path/filepath"
 
 	"sync/atomic"
@@ -13,6 +14,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/sqlite"
 )
@@ -20,18 +22,28 @@ import (
 // scriptedExecutor answers each call with the next outcome from calls,
 // waiting for release first when hold is set.
 type scriptedExecutor struct {
-	calls   atomic.Int64
-	hold    chan struct{} // nil: answer at once
-	started chan struct{} // receives one value per call
-	fail    error         // when set, every call fails so
+	calls     atomic.Int64
+	hold      chan struct{} // nil: answer at once
+	started   chan struct{} // receives one value per call
+	fail      error         // when set, every call fails so
+	failFirst int64         // with fail: only the first calls fail
 }
 
-func (e *scriptedExecutor) Ticket(j store.Job) (*Ticket, error) {
-	return &Ticket{Model: model, PromptTokens: 10, MaxTokens: 10}, nil
+func (e *scriptedExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error) {
+	return &Call{
+		Ticket: &Ticket{Model: j.Model, PromptTokens: 10, MaxTokens: 10},
+		Run: func(ctx context.Context, g *Grant, sending func() error) (Outcome, error) {
+			if err := sending(); err != nil {
+				return Outcome{}, err
+			}
+			return e.execute(ctx)
+		},
+		Release: func() {},
+	}, nil
 }
 
-func (e *scriptedExecutor) Execute(ctx context.Context, j store.Job, g *Grant) (Outcome, error) {
-	e.calls.Add(1)
+func (e *scriptedExecutor) execute(ctx context.Context) (Outcome, error) {
+	n := e.calls.Add(1)
 	if e.started != nil {
 		e.started <- struct{}{}
 	}
@@ -42,7 +54,7 @@ func (e *scriptedExecutor) Execute(ctx context.Context, j store.Job, g *Grant) (
 			return Outcome{}, &ExecError{Class: ClassBackend, Err: ctx.Err()}
 		}
 	}
-	if e.fail != nil {
+	if e.fail != nil && (e.failFirst == 0 || n <= e.failFirst) {
 		return Outcome{}, e.fail
 	}
 	return Outcome{Body: []byte(`{"answer":42}`), PromptTokens: 10, CompletionTokens: 2}, nil
@@ -57,6 +69,11 @@ type runnerFixture struct {
 
 func startRunner(t *testing.T, exec Executor, lease time.Duration) *runnerFixture {
 	t.Helper()
+	return startRunnerOn(t, openStore(t), &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, lease)
+}
+
+func openStore(t *testing.T) store.Store {
+	t.Helper()
 	st, err := sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
 	if err != nil {
 		t.Fatal(err)
@@ -64,16 +81,23 @@ func startRunner(t *testing.T, exec Executor, lease time.Duration) *runnerFixtur
 	if _, err := sqlite.Migrate(context.Background(), st); err != nil {
 		t.Fatal(err)
 	}
-	sched := newTestScheduler(t, Policy{}, backendSnap("a", 100_000))
+	t.Cleanup(func() { st.Close() })
+	return st
+}
+
+// startRunnerOn runs a runner over st with backends from src.
+func startRunnerOn(t *testing.T, st store.Store, src snapshotSource, exec Executor, lease time.Duration) *runnerFixture {
+	t.Helper()
+	sched, err := New(src, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	r := NewRunner(st, sched, exec, RunnerConfig{Concurrency: 4, Lease: lease, Poll: 10 * time.Millisecond,
 		ReapEvery: time.Hour, Backoff: Backoff{Base: time.Millisecond, Max: 5 * time.Millisecond}})
 	ctx, cancel := context.WithCancel(context.Background())
 	f := &runnerFixture{st: st, runner: r, cancel: cancel, done: make(chan struct{})}
 	go func() { _ = r.Run(ctx); close(f.done) }()
-	t.Cleanup(func() {
-		f.stop()
-		st.Close()
-	})
+	t.Cleanup(f.stop)
 	return f
 }
 
@@ -82,13 +106,17 @@ func (f *runnerFixture) stop() {
 	<-f.done
 }
 
-func (f *runnerFixture) submit(t *testing.T, key string) store.Job {
+func (f *runnerFixture) submit(t *testing.T, key string, opts ...func(*store.NewJob)) store.Job {
 	t.Helper()
-	j, _, err := f.st.Accept(context.Background(), store.NewJob{
+	n := store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), Tenant: "acme", IdempotencyKey: key, RequestHash: key,
 		Endpoint: "/v1/completions", Model: model, Body: json.RawMessage(`{}`), MaxAttempts: 5,
 		Deadline: time.Now().Add(time.Hour), Now: time.Now(),
-	})
+	}
+	for _, o := range opts {
+		o(&n)
+	}
+	j, _, err := f.st.Accept(context.Background(), n)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,16 +190,19 @@ func TestRunnerReusesCheckpointedInference(t *testing.T) {
 	f.stop() // set the job up by hand first
 	ctx := context.Background()
 	j := f.submit(t, "k")
-	claimed, err := f.st.Claim(ctx, time.Now(), time.Millisecond, 1)
+	claimed, err := f.st.Claim(ctx, time.Now(), time.Second, 1)
 	if err != nil || len(claimed) != 1 {
 		t.Fatal(claimed, err)
 	}
 	c := claimed[0]
-	if err := f.st.SaveStage(ctx, c.ID, c.Fence, stageInference, []byte(`{"answer":"saved"}`)); err != nil {
+	if err := f.st.MarkSent(ctx, c.ID, c.Fence, time.Now(), time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.st.SaveStage(ctx, c.ID, c.Fence, stageInference, []byte(`{"answer":"saved"}`), time.Now()); err != nil {
 		t.Fatal(err)
 	}
 	// The earlier worker died before recording its end: its lease expires.
-	if _, err := f.st.Reap(ctx, time.Now().Add(10*time.Millisecond), 10); err != nil {
+	if _, err := f.st.Reap(ctx, time.Now().Add(2*time.Second), 10); err != nil {
 		t.Fatal(err)
 	}
 	f2 := &runnerFixture{st: f.st, runner: f.runner, done: make(chan struct{})}
@@ -187,23 +218,121 @@ func TestRunnerReusesCheckpointedInference(t *testing.T) {
 	if res, _ := f.st.Result(ctx, "acme", j.ID); string(res) != `{"answer":"saved"}` {
 		t.Errorf("result %s, want the checkpoint", res)
 	}
+	// One backend call, counted once (when its lease was lost), not again
+	// by the completion that reused it.
+	if got, _ := f.st.Get(ctx, "acme", j.ID); got.Attempt != 1 {
+		t.Errorf("attempt %d, want 1", got.Attempt)
+	}
 }
 
 // TestRunnerHandsJobsBackOnShutdown: stopping the runner mid-call records
-// the attempt as interrupted and makes the job runnable at once.
+// the attempt as interrupted, spends nothing, and makes the job runnable
+// at once, even on its last attempt.
 func TestRunnerHandsJobsBackOnShutdown(t *testing.T) {
 	exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 1)}
 	f := startRunner(t, exec, time.Minute)
-	j := f.submit(t, "k")
+	j := f.submit(t, "k", func(n *store.NewJob) { n.MaxAttempts = 1 })
 	<-exec.started
 	f.stop()
 	got, _ := f.st.Get(context.Background(), "acme", j.ID)
-	if got.State != store.RetryScheduled || got.AvailableAt.After(time.Now()) {
-		t.Errorf("after shutdown: %s available at %v, want RETRY_SCHEDULED now", got.State, got.AvailableAt)
+	if got.State != store.RetryScheduled || got.AvailableAt.After(time.Now()) || got.Attempt != 0 {
+		t.Errorf("after shutdown: %s available at %v attempt %d, want RETRY_SCHEDULED now with none spent", got.State, got.AvailableAt, got.Attempt)
 	}
 	as, _ := f.st.Attempts(context.Background(), j.ID)
-	if len(as) != 1 || as[0].Outcome != "interrupted" {
-		t.Errorf("attempts %+v", as)
+	if len(as) != 1 || as[0].Outcome != store.OutcomeInterrupted || as[0].Spent || !as[0].Sent || as[0].ErrorClass != string(ClassShutdown) {
+		t.Errorf("attempts %+v, want one unspent interruption of a sent request", as)
+	}
+}
+
+// TestRunnerDrains: a draining runner claims nothing new and lets the
+// attempt in flight finish.
+func TestRunnerDrains(t *testing.T) {
+	exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 2)}
+	f := startRunner(t, exec, time.Minute)
+	j := f.submit(t, "k")
+	<-exec.started
+	f.runner.Drain()
+	later := f.submit(t, "later")
+	close(exec.hold)
+	f.waitState(t, j.ID, store.Succeeded)
+	for range 20 { // the runner wakes at every poll: it would have claimed by now
+		f.runner.Wake()
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got, _ := f.st.Get(context.Background(), "acme", later.ID); got.State != store.Ready {
+		t.Errorf("a draining runner claimed a job: %s", got.State)
+	}
+}
+
+// TestRunnerHoldsJobsWithoutBackend is the cold start: with no routable
+// backend for the jobs' model (vLLM still loading it), the jobs stay READY
+// in the store, unclaimed and unspent, for as long as it takes; once a
+// backend serves the model they run with one attempt each.
+func TestRunnerHoldsJobsWithoutBackend(t *testing.T) {
+	st := openStore(t)
+	down := backendSnap("a", 100_000)
+	down.Models = nil // /v1/models not answering yet
+	src := &staticSource{snaps: []*gpu.Snapshot{down}}
+	exec := &scriptedExecutor{}
+	f := startRunnerOn(t, st, src, exec, time.Minute)
+	var jobs []store.Job
+	for i := range 20 {
+		jobs = append(jobs, f.submit(t, fmt.Sprint("k", i)))
+	}
+	for range 20 {
+		f.runner.Wake()
+		time.Sleep(5 * time.Millisecond)
+	}
+	for _, j := range jobs {
+		if got, _ := st.Get(context.Background(), "acme", j.ID); got.State != store.Ready || got.Attempt != 0 || got.Fence != 0 {
+			t.Fatalf("job %s without a backend: %s attempt %d fence %d, want READY and untouched", j.ID, got.State, got.Attempt, got.Fence)
+		}
+	}
+	src.mu.Lock()
+	src.snaps = []*gpu.Snapshot{backendSnap("a", 100_000)}
+	src.mu.Unlock()
+	f.runner.Wake()
+	for _, j := range jobs {
+		if got := f.waitState(t, j.ID, store.Succeeded); got.Attempt != 1 {
+			t.Errorf("job %s: attempt %d, want 1", j.ID, got.Attempt)
+		}
+	}
+	if n := exec.calls.Load(); n != 20 {
+		t.Errorf("%d backend calls, want 20", n)
+	}
+}
+
+// TestRunnerWaitsSpendNothing: a job of one attempt whose claims meet
+// waits (kvgate's queue full or timed out, a backend's 429s, a refused
+// connection) is handed back each time without spending, and succeeds on
+// its one attempt.
+func TestRunnerWaitsSpendNothing(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+	}{
+		{"429 storm", &ExecError{Class: ClassRateLimited, Status: 429, Err: errors.New("slow down")}},
+		{"connection refused", &ExecError{Class: ClassRefused, Err: errors.New("dial tcp: connection refused")}},
+		{"no capacity", &ExecError{Class: ClassCapacity, Err: errors.New("queue timeout")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			exec := &scriptedExecutor{fail: tc.err, failFirst: 6}
+			f := startRunner(t, exec, time.Minute)
+			j := f.submit(t, "k", func(n *store.NewJob) { n.MaxAttempts = 1 })
+			got := f.waitState(t, j.ID, store.Succeeded)
+			if got.Attempt != 1 {
+				t.Errorf("attempt %d, want 1", got.Attempt)
+			}
+			as, _ := f.st.Attempts(context.Background(), j.ID)
+			if len(as) != 7 || as[6].Outcome != store.OutcomeSucceeded {
+				t.Fatalf("attempts %+v: want 6 waits, then the success", as)
+			}
+			for _, a := range as[:6] {
+				if a.Spent || a.Outcome != store.OutcomeWait || a.ErrorClass != string(tc.err.(*ExecError).Class) {
+					t.Errorf("wait recorded as %+v", a)
+				}
+			}
+		})
 	}
 }
 
@@ -214,21 +343,59 @@ func TestRunnerClassifiesFailures(t *testing.T) {
 		want store.State
 	}{
 		{"invalid request ends the job", &ExecError{Class: ClassInvalid, Status: 400, Err: errors.New("bad")}, store.FailedTerminal},
-		{"429 retries until attempts run out", &ExecError{Class: ClassRateLimited, Status: 429, Err: errors.New("slow down")}, store.FailedTerminal},
+		{"5xx retries until attempts run out", &ExecError{Class: ClassBackend, Status: 500, Err: errors.New("boom")}, store.FailedTerminal},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			exec := &scriptedExecutor{fail: tc.err}
 			f := startRunner(t, exec, time.Minute)
 			j := f.submit(t, "k")
-			f.waitState(t, j.ID, tc.want)
+			got := f.waitState(t, j.ID, tc.want)
 			as, _ := f.st.Attempts(context.Background(), j.ID)
 			var wantAttempts = 1
 			if tc.err.(*ExecError).Class.Transient() {
 				wantAttempts = 5 // MaxAttempts
 			}
-			if len(as) != wantAttempts {
-				t.Errorf("%d attempts, want %d: %+v", len(as), wantAttempts, as)
+			if len(as) != wantAttempts || got.Attempt != wantAttempts {
+				t.Errorf("%d attempts (%d counted), want %d: %+v", len(as), got.Attempt, wantAttempts, as)
+			}
+			for _, a := range as {
+				if !a.Spent || a.Outcome != store.OutcomeFailed {
+					t.Errorf("failure recorded as %+v", a)
+				}
 			}
 		})
+	}
+}
+
+// TestRunnerClaimsOnlyWhatCanStart: with room for two sequences in the
+// fleet, a runner of many slots leases two jobs and leaves the rest in
+// the store for any replica, instead of holding them in its own queue.
+func TestRunnerClaimsOnlyWhatCanStart(t *testing.T) {
+	snap := backendSnap("a", 100_000)
+	snap.MaxNumSeqs = 2
+	exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 10)}
+	f := startRunnerOn(t, openStore(t), &staticSource{snaps: []*gpu.Snapshot{snap}}, exec, time.Minute)
+	var jobs []store.Job
+	for i := range 10 {
+		jobs = append(jobs, f.submit(t, fmt.Sprint("k", i)))
+	}
+	<-exec.started
+	<-exec.started
+	for range 20 {
+		f.runner.Wake()
+		time.Sleep(5 * time.Millisecond)
+	}
+	running := 0
+	for _, j := range jobs {
+		if got, _ := f.st.Get(context.Background(), "acme", j.ID); got.State == store.Running {
+			running++
+		}
+	}
+	if running != 2 {
+		t.Errorf("%d jobs leased, want 2: the fleet has room for two", running)
+	}
+	close(exec.hold)
+	for _, j := range jobs {
+		f.waitState(t, j.ID, store.Succeeded)
 	}
 }

@@ -21,11 +21,11 @@ type quotaExecutor struct {
 	seen     atomic.Int64
 }
 
-func (e *quotaExecutor) Execute(ctx context.Context, j store.Job, g *Grant) (Outcome, error) {
+func (e *quotaExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error) {
 	if e.seen.Add(1) <= e.refusals {
-		return Outcome{}, &ExecError{Class: ClassQuota, Status: 429, RetryAfter: e.reset, Err: errors.New("tenant quota tokens")}
+		return nil, &ExecError{Class: ClassQuota, Status: 429, RetryAfter: e.reset, Err: errors.New("tenant quota tokens")}
 	}
-	return e.scriptedExecutor.Execute(ctx, j, g)
+	return e.scriptedExecutor.Prepare(ctx, j)
 }
 
 // A short quota wait happens inside the attempt: the job succeeds on its
@@ -58,7 +58,7 @@ func TestRunnerWaitsForQuotaInPlace(t *testing.T) {
 }
 
 // A reset later than QuotaWait (a minute) hands the job back for a retry at the
-// reset (an attempt spent), or ends it when the reset is past the deadline.
+// reset (spending nothing), or ends it when the reset is past the deadline.
 func TestRunnerHandsLongQuotaWaitsBack(t *testing.T) {
 	for _, tc := range []struct {
 		name  string
@@ -78,8 +78,11 @@ func TestRunnerHandsLongQuotaWaitsBack(t *testing.T) {
 				t.Errorf("available at %v, want at the reset, %v or later", got.AvailableAt, start.Add(tc.reset))
 			}
 			as, _ := f.st.Attempts(context.Background(), j.ID)
-			if len(as) != 1 || as[0].ErrorClass != string(ClassQuota) {
-				t.Errorf("attempts %+v, want one %s", as, ClassQuota)
+			if len(as) != 1 || as[0].ErrorClass != string(ClassQuota) || as[0].Spent || got.Attempt != 0 {
+				t.Errorf("attempts %+v (%d counted), want one unspent %s", as, got.Attempt, ClassQuota)
+			}
+			if tc.want == store.FailedTerminal && got.ErrorClass != "deadline_exceeded" {
+				t.Errorf("error class %s, want deadline_exceeded: no attempt of its own failed", got.ErrorClass)
 			}
 			if n := testutil.ToFloat64(f.runner.m.quotaWaits); n != 0 {
 				t.Errorf("%v quota waits in place, want 0", n)

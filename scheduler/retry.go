@@ -8,22 +8,41 @@ import (
 // ErrorClass is how a failed attempt is treated.
 type ErrorClass string
 
-// Error classes. Transient ones retry; the rest end the job.
+// Error classes. An attempt of a spending class counts against the job's
+// attempts (its request reached a backend and failed there, or the job's
+// input is invalid); the others are waits, which hand the job back
+// without spending one. Transient classes are retried.
 const (
-	ClassRateLimited ErrorClass = "rate_limited"    // 429 from the backend
-	ClassBackend     ErrorClass = "backend_error"   // 5xx, a cut connection, a malformed answer
-	ClassTimeout     ErrorClass = "timeout"         // the backend stalled
-	ClassCapacity    ErrorClass = "no_capacity"     // kvgate's own queue timed out
-	ClassInvalid     ErrorClass = "invalid_request" // 4xx: the request itself is wrong
+	ClassBackend ErrorClass = "backend_error"   // 5xx, a cut connection, a malformed answer
+	ClassTimeout ErrorClass = "timeout"         // the backend stalled
+	ClassInvalid ErrorClass = "invalid_request" // 4xx: the request itself is wrong
+
+	// ClassRateLimited: the backend answered 429; it ran nothing, so the
+	// job waits for its Retry-After.
+	ClassRateLimited ErrorClass = "rate_limited"
+	ClassCapacity    ErrorClass = "no_capacity"        // kvgate's own queue timed out
+	ClassNoBackend   ErrorClass = "no_backend"         // no routable backend serves the model
+	ClassRefused     ErrorClass = "connection_refused" // the request never left: the backend is down
 	// ClassQuota: the job's tenant is over its own rate, concurrency or
 	// budget quota; RetryAfter is when the quota resets (0: when work in
-	// flight ends). The runner waits in place for a short reset rather
-	// than spending an attempt on it.
+	// flight ends). The runner waits in place for a short reset.
 	ClassQuota ErrorClass = "quota_wait"
+	// ClassShutdown: kvgate itself stopped the attempt (a drain ended).
+	ClassShutdown ErrorClass = "shutdown"
 )
 
 // Transient reports whether an attempt that failed so may succeed later.
 func (c ErrorClass) Transient() bool { return c != ClassInvalid }
+
+// Spends reports whether an attempt that ended so counts against the
+// job's attempts.
+func (c ErrorClass) Spends() bool {
+	switch c {
+	case ClassBackend, ClassTimeout, ClassInvalid:
+		return true
+	}
+	return false
+}
 
 // Backoff is the retry delay policy: full jitter over an exponential cap,
 // never sooner than the backend's Retry-After.

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -18,23 +19,38 @@ import (
 // jobStore is what the runner needs of the durable store; store.Store
 // satisfies it.
 type jobStore interface {
-	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error)
+	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int, models ...string) ([]store.Job, error)
 	Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
+	MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
 	Complete(ctx context.Context, c store.Completion) error
 	Fail(ctx context.Context, f store.Failure) error
 	Reap(ctx context.Context, now time.Time, limit int) (int, error)
-	SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error
+	SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error
 	Stage(ctx context.Context, id, stage string) ([]byte, error)
 }
 
-// Executor runs a durable job's request on a backend; package gateway
+// Executor prepares and runs a durable job's request; package gateway
 // implements it.
 type Executor interface {
-	// Ticket returns the admission ticket for a job's request.
-	Ticket(j store.Job) (*Ticket, error)
-	// Execute sends the request to the granted backend and returns its
-	// answer, or an *ExecError saying how the attempt failed.
-	Execute(ctx context.Context, j store.Job, g *Grant) (Outcome, error)
+	// Prepare parses and counts the job's request, once, and takes what
+	// the job's tenant must grant before the job may wait for a backend
+	// (its quota: the same order as an interactive request's). It returns
+	// the admission ticket and the call to run on the grant, or an
+	// *ExecError (ClassQuota when the tenant is over its quota).
+	Prepare(ctx context.Context, j store.Job) (*Call, error)
+}
+
+// Call is a prepared job request.
+type Call struct {
+	Ticket *Ticket
+	// Run sends the request to the granted backend and returns its answer,
+	// or an *ExecError saying how the attempt failed. It calls sending
+	// right before the request leaves, and sends nothing if that fails
+	// (the claim lost the job).
+	Run func(ctx context.Context, g *Grant, sending func() error) (Outcome, error)
+	// Release gives back what Prepare took; it is idempotent, and needed
+	// whether Run ran or not.
+	Release func()
 }
 
 // Outcome is a backend's successful answer to a job's request.
@@ -67,7 +83,8 @@ type RunnerConfig struct {
 	Backoff     Backoff
 	// QuotaWait is the longest an attempt waits in place, holding its
 	// slot, for its tenant's own quota; a longer wait hands the job back
-	// as a retry, which counts as an attempt [1m: a rate window's reset].
+	// for a retry at the reset, which spends no attempt [1m: a rate
+	// window's reset].
 	QuotaWait time.Duration
 	Logger    *slog.Logger
 	Now       func() time.Time
@@ -90,9 +107,16 @@ type Runner struct {
 	log   *slog.Logger
 	wake  chan struct{}
 	m     *runnerMetrics
+	// draining, once set, stops the claims; work in flight goes on until
+	// Run's context ends.
+	draining atomic.Bool
 
-	rngMu sync.Mutex
-	rng   *rand.Rand
+	rngMu    sync.Mutex
+	rng      *rand.Rand
+	inflight atomic.Int64 // claimed jobs being worked on
+	// admitting counts claimed jobs not yet through the scheduler's
+	// admission (work ends it once, with admitted).
+	admitting atomic.Int64
 }
 
 // NewRunner returns a runner; Run starts it.
@@ -128,9 +152,25 @@ func (r *Runner) Wake() {
 // Collectors returns the runner's metrics, to register once.
 func (r *Runner) Collectors() []prometheus.Collector { return r.m.collectors() }
 
+// Drain stops claiming new jobs; the attempts in flight go on until they
+// end or Run's context does (then each hands its job back without
+// spending an attempt). Safe to call more than once.
+func (r *Runner) Drain() {
+	if !r.draining.Swap(true) {
+		r.log.Info("runner draining: no new claims", "in_flight", r.inflight.Load())
+	}
+	r.Wake()
+}
+
 // Run claims and runs jobs until ctx is done, then waits for the jobs it
-// runs: each hands its lease back as a retry, so another process takes it
-// at once rather than after the lease expires. It returns ctx's error.
+// runs: each hands its job back at once without spending an attempt, so
+// that another process takes it rather than after the lease expires. It
+// returns ctx's error.
+//
+// It claims no more than it has free slots and the fleet has room to
+// start soon (Scheduler.Room), and only jobs whose model a routable
+// backend serves: a fleet that serves nothing yet (its backends are
+// loading their models) leaves its jobs READY in the store.
 func (r *Runner) Run(ctx context.Context) error {
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -156,11 +196,17 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-r.wake:
 		case <-done:
 		}
-		free := cap(slots) - len(slots)
-		if free == 0 {
+		if r.draining.Load() {
 			continue
 		}
-		jobs, err := r.st.Claim(ctx, r.cfg.Now(), r.cfg.Lease, free)
+		// Jobs claimed but not yet admitted are not in the scheduler's
+		// books yet: count them against the room.
+		free := min(cap(slots)-len(slots), r.sched.Room()-int(r.admitting.Load()))
+		models := r.sched.RoutableModels()
+		if free <= 0 || len(models) == 0 {
+			continue
+		}
+		jobs, err := r.st.Claim(ctx, r.cfg.Now(), r.cfg.Lease, free, models...)
 		if err != nil {
 			if ctx.Err() == nil {
 				r.log.Warn("claim failed", "err", err)
@@ -172,8 +218,11 @@ func (r *Runner) Run(ctx context.Context) error {
 		}
 		for _, j := range jobs {
 			slots <- struct{}{}
+			r.inflight.Add(1)
+			r.admitting.Add(1)
 			wg.Go(func() {
 				defer func() {
+					r.inflight.Add(-1)
 					<-slots
 					select {
 					case done <- struct{}{}:
@@ -194,42 +243,46 @@ var errLeaseLost = errors.New("lease lost")
 // work runs one claimed attempt to its recorded end.
 func (r *Runner) work(parent context.Context, j store.Job) {
 	ctx, cancel := context.WithCancelCause(parent)
-	log := r.log.With("job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt, "fence", j.Fence)
+	log := r.log.With("job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt+1, "fence", j.Fence)
 	var hb sync.WaitGroup
 	hb.Go(func() { r.heartbeat(ctx, cancel, j) })
 	defer hb.Wait()
 	defer cancel(nil) // stops the heartbeat before the wait
 
-	started := r.cfg.Now()
-	attempt := store.Attempt{JobID: j.ID, Attempt: j.Attempt, Fence: j.Fence, StartedAt: started}
+	var once sync.Once
+	admitted := func() { once.Do(func() { r.admitting.Add(-1) }) }
+	defer admitted()
+	a := store.Attempt{JobID: j.ID, Attempt: j.Attempt + 1, Fence: j.Fence, StartedAt: r.cfg.Now()}
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
 
 	body, err := r.st.Stage(ctx, j.ID, stageInference)
+	reused := err == nil
 	switch {
-	case err == nil:
+	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, backend, xerr := r.inferWithinQuota(ctx, j)
-		attempt.Backend = backend
+		out, xerr := r.infer(ctx, j, &a, admitted)
 		if xerr != nil {
-			r.failed(wctx, ctx, log, j, attempt, xerr)
+			r.failed(wctx, ctx, log, j, a, xerr)
 			return
 		}
-		attempt.PromptTokens, attempt.CompletionTokens = out.PromptTokens, out.CompletionTokens
+		a.PromptTokens, a.CompletionTokens = out.PromptTokens, out.CompletionTokens
 		body = out.Body
-		if err := r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body); err != nil {
+		if err := r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, r.cfg.Now()); err != nil {
 			r.lost(log, err)
 			return
 		}
 	default:
-		r.failed(wctx, ctx, log, j, attempt, &ExecError{Class: ClassBackend, Err: err})
+		// The store did not answer: nothing was sent, nothing is spent.
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassCapacity, Err: err})
 		return
 	}
 
 	now := r.cfg.Now()
-	attempt.Outcome, attempt.EndedAt = "succeeded", now
-	err = r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: body, Attempt: attempt, Now: now})
+	a.Outcome, a.EndedAt = store.OutcomeSucceeded, now
+	err = r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: body,
+		Reused: reused, Attempt: a, Now: now})
 	if err != nil {
 		r.lost(log, err)
 		return
@@ -237,69 +290,104 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	r.m.finished.WithLabelValues("succeeded").Inc()
 }
 
-// infer admits the job's request and runs it on the granted backend.
-func (r *Runner) infer(ctx context.Context, j store.Job) (Outcome, string, error) {
-	t, err := r.exec.Ticket(j)
-	if err != nil {
-		return Outcome{}, "", &ExecError{Class: ClassInvalid, Err: err}
-	}
-	t.Class, t.Tenant, t.Deadline = Batch, j.Tenant, j.Deadline
-	g, err := r.sched.Acquire(ctx, t)
-	if err != nil {
-		var tooLarge *TooLargeError
-		if errors.As(err, &tooLarge) {
-			return Outcome{}, "", &ExecError{Class: ClassInvalid, Err: err}
-		}
-		return Outcome{}, "", &ExecError{Class: ClassCapacity, Err: err}
-	}
-	defer g.Release()
-	out, err := r.exec.Execute(ctx, j, g)
-	return out, g.Backend, err
-}
-
-// inferWithinQuota runs infer, and runs it again while the executor says
-// the job's tenant is over its own quota (ClassQuota): the claim counted an
-// attempt that the store cannot give back, so a wait for the tenant's
-// quota happens inside the attempt, with the backend's grant released and
-// the lease renewed. It looks again at the quota's reset, or sooner
-// (Backoff.Max), or after a jitter under Backoff.Base when the reset is
-// unknown (a concurrency cap: when work in flight ends). A reset further
-// than QuotaWait, a wait longer than QuotaWait in all, or one past the
-// deadline returns the refusal: failed then hands the job back for a
-// retry at the reset, which counts as an attempt, so that a tenant's long
-// wait does not hold a runner slot other tenants' jobs could use.
-func (r *Runner) inferWithinQuota(ctx context.Context, j store.Job) (Outcome, string, error) {
+// infer prepares the job's request, waiting in place for a short quota
+// reset (see quotaPause), admits it through the scheduler as the batch
+// class, marks it sent and runs it on the granted backend. It records the
+// backend and whether the request may have left in a.
+func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted func()) (Outcome, error) {
 	var waited time.Duration
+	var call *Call
 	for {
-		out, backend, err := r.infer(ctx, j)
-		var xe *ExecError
-		if !errors.As(err, &xe) || xe.Class != ClassQuota || xe.RetryAfter > r.cfg.QuotaWait {
-			return out, backend, err
+		var err error
+		if call, err = r.exec.Prepare(ctx, j); err == nil {
+			break
 		}
-		r.rngMu.Lock()
-		d := r.cfg.Backoff.Delay(1, min(xe.RetryAfter, cmp.Or(r.cfg.Backoff.Max, time.Minute)), r.rng)
-		r.rngMu.Unlock()
-		if waited+d > r.cfg.QuotaWait || !r.cfg.Now().Add(d).Before(j.Deadline) {
-			return out, backend, err
+		d, ok := r.quotaPause(j, err, waited)
+		if !ok {
+			return Outcome{}, err
 		}
 		r.m.quotaWaits.Inc()
+		// Waiting for its tenant, the job takes no room from the others'.
+		r.admitting.Add(-1)
 		t := time.NewTimer(d)
 		select {
 		case <-ctx.Done():
-			t.Stop()
-			return out, backend, err
 		case <-t.C:
+		}
+		t.Stop()
+		r.admitting.Add(1)
+		if ctx.Err() != nil {
+			return Outcome{}, err
 		}
 		waited += d
 	}
+	defer call.Release()
+	t := call.Ticket
+	t.Class, t.Tenant, t.Deadline = Batch, j.Tenant, j.Deadline
+	g, err := r.sched.Acquire(ctx, t)
+	admitted()
+	if err != nil {
+		return Outcome{}, admissionError(err)
+	}
+	defer g.Release()
+	a.Backend = g.Backend
+	return call.Run(ctx, g, func() error {
+		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease); err != nil {
+			return err
+		}
+		a.Sent = true
+		return nil
+	})
 }
 
-// failed records a failed attempt: a retry at a full-jitter delay (never
-// sooner than the backend's Retry-After) when the class is transient, or
-// a terminal failure; the store turns a retry the deadline or the attempt
-// budget cannot hold into a terminal one.
+// admissionError classes a refusal of the scheduler: a request no backend
+// could ever hold is the job's own fault; the rest are waits.
+func admissionError(err error) error {
+	var tooLarge *TooLargeError
+	var rejected *RejectedError
+	switch {
+	case errors.As(err, &tooLarge):
+		return &ExecError{Class: ClassInvalid, Err: err}
+	case errors.Is(err, ErrNoBackend):
+		return &ExecError{Class: ClassNoBackend, Err: err}
+	case errors.As(err, &rejected) && rejected.Reason == "shutting_down":
+		return &ExecError{Class: ClassShutdown, Err: err}
+	case errors.As(err, &rejected):
+		return &ExecError{Class: ClassCapacity, RetryAfter: rejected.RetryAfter, Err: err}
+	}
+	return &ExecError{Class: ClassCapacity, Err: err} // ctx ended
+}
+
+// quotaPause says whether a refusal of the job's tenant's quota is worth
+// waiting out in place, and for how long: at the quota's reset, or sooner
+// (Backoff.Max), or after a jitter under Backoff.Base when the reset is
+// unknown (a concurrency cap: when work in flight ends). A reset further
+// than QuotaWait, a wait longer than QuotaWait in all, or one past the
+// deadline is not: failed then hands the job back for a retry at the
+// reset, spending nothing, so that a tenant's long wait does not hold a
+// runner slot other tenants' jobs could use.
+func (r *Runner) quotaPause(j store.Job, err error, waited time.Duration) (time.Duration, bool) {
+	var xe *ExecError
+	if !errors.As(err, &xe) || xe.Class != ClassQuota || xe.RetryAfter > r.cfg.QuotaWait {
+		return 0, false
+	}
+	r.rngMu.Lock()
+	d := r.cfg.Backoff.Delay(1, min(xe.RetryAfter, cmp.Or(r.cfg.Backoff.Max, time.Minute)), r.rng)
+	r.rngMu.Unlock()
+	if waited+d > r.cfg.QuotaWait || !r.cfg.Now().Add(d).Before(j.Deadline) {
+		return 0, false
+	}
+	return d, true
+}
+
+// failed records an attempt that did not succeed. What the store makes of
+// it follows one rule (store.Failure): an attempt whose class spends
+// counts, and is retried at a full-jitter delay (never sooner than the
+// backend's Retry-After) while attempts and the deadline allow; a wait
+// hands the job back without spending, for a retry at the wait's end; an
+// attempt interrupted by kvgate's own shutdown hands it back at once.
 func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job, a store.Attempt, err error) {
-	if errors.Is(context.Cause(ctx), errLeaseLost) {
+	if errors.Is(context.Cause(ctx), errLeaseLost) || errors.Is(err, store.ErrLeaseLost) {
 		r.lost(log, store.ErrLeaseLost)
 		return
 	}
@@ -307,33 +395,44 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 	if !errors.As(err, &xe) {
 		xe = &ExecError{Class: ClassBackend, Err: err}
 	}
+	if ctx.Err() != nil {
+		// Stopping: hand the job back for another process at once.
+		xe = &ExecError{Class: ClassShutdown, Err: xe}
+	}
+	if xe.Class == ClassRefused {
+		a.Sent = false // the connection was refused: nothing left
+	}
 	now := r.cfg.Now()
 	f := store.Failure{JobID: j.ID, Fence: j.Fence, Now: now}
 	a.ErrorClass, a.Error, a.EndedAt = string(xe.Class), xe.Err.Error(), now
+	r.rngMu.Lock()
 	switch {
-	case ctx.Err() != nil:
-		// Stopping: hand the job back for another process at once.
-		a.Outcome, f.RetryAt = "interrupted", now
+	case xe.Class == ClassShutdown:
+		a.Outcome = store.OutcomeInterrupted
+	case !xe.Class.Spends():
+		a.Outcome, f.RetryAt = store.OutcomeWait, now.Add(r.cfg.Backoff.Delay(2, xe.RetryAfter, r.rng))
 	case xe.Class.Transient():
-		r.rngMu.Lock()
-		d := r.cfg.Backoff.Delay(j.Attempt, xe.RetryAfter, r.rng)
-		r.rngMu.Unlock()
-		a.Outcome, f.RetryAt = "retry", now.Add(d)
+		a.Outcome, a.Spent, f.RetryAt = store.OutcomeFailed, true, now.Add(r.cfg.Backoff.Delay(j.Attempt+1, xe.RetryAfter, r.rng))
 	default:
-		a.Outcome = "failed"
+		a.Outcome, a.Spent = store.OutcomeFailed, true
 	}
+	r.rngMu.Unlock()
 	f.Attempt = a
 	if err := r.st.Fail(wctx, f); err != nil {
 		r.lost(log, err)
 		return
 	}
-	if f.RetryAt.IsZero() {
+	switch {
+	case a.Spent && f.RetryAt.IsZero():
 		r.m.finished.WithLabelValues("failed").Inc()
 		log.Info("job failed", "error_class", xe.Class, "err", xe.Err)
-		return
+	case a.Spent:
+		r.m.retried.WithLabelValues(string(xe.Class)).Inc()
+		log.Debug("attempt failed, retry scheduled", "error_class", xe.Class, "retry_at", f.RetryAt, "err", xe.Err)
+	default:
+		r.m.waits.WithLabelValues(string(xe.Class)).Inc()
+		log.Debug("job handed back without spending an attempt", "error_class", xe.Class, "retry_at", f.RetryAt, "err", xe.Err)
 	}
-	r.m.retried.WithLabelValues(string(xe.Class)).Inc()
-	log.Debug("attempt failed, retry scheduled", "error_class", xe.Class, "retry_at", f.RetryAt, "err", xe.Err)
 }
 
 // lost records that the runner no longer owns a job: its result is
@@ -369,6 +468,7 @@ func (r *Runner) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 type runnerMetrics struct {
 	finished    *prometheus.CounterVec
 	retried     *prometheus.CounterVec
+	waits       *prometheus.CounterVec
 	stale       prometheus.Counter
 	reaped      prometheus.Counter
 	stageReused prometheus.Counter
@@ -381,7 +481,10 @@ func newRunnerMetrics() *runnerMetrics {
 			Name: "kvgate_scheduler_jobs_finished_total", Help: "Durable jobs this process brought to a final state, by outcome.",
 		}, []string{"outcome"}),
 		retried: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvgate_scheduler_job_retries_total", Help: "Failed job attempts scheduled for a retry, by error class.",
+			Name: "kvgate_scheduler_job_retries_total", Help: "Failed job attempts that spent an attempt and were scheduled for a retry, by error class.",
+		}, []string{"class"}),
+		waits: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvgate_scheduler_job_waits_total", Help: "Job claims handed back without spending an attempt (no backend, no capacity, a quota, a 429, a refused connection, shutdown), by class.",
 		}, []string{"class"}),
 		stale: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvgate_scheduler_job_stale_completions_total", Help: "Job attempts whose lease was lost before they could record their end; their results were discarded.",
@@ -399,5 +502,5 @@ func newRunnerMetrics() *runnerMetrics {
 }
 
 func (m *runnerMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.finished, m.retried, m.stale, m.reaped, m.stageReused, m.quotaWaits}
+	return []prometheus.Collector{m.finished, m.retried, m.waits, m.stale, m.reaped, m.stageReused, m.quotaWaits}
 }

@@ -64,16 +64,19 @@ type Job struct {
 
 	State        State
 	StateVersion int64 // +1 on every change; never goes backwards
-	Attempt      int   // attempts started
-	MaxAttempts  int
-	Fence        int64 // +1 on every claim and every reap
-	LeaseUntil   time.Time
-	AvailableAt  time.Time
-	Deadline     time.Time
-	CreatedAt    time.Time
-	UpdatedAt    time.Time
-	ErrorClass   string // of the last failure
-	LastError    string
+	// Attempt counts the attempts spent: those whose request reached a
+	// backend (succeeded or failed there), or found the job's input
+	// invalid. Waits and interruptions spend none.
+	Attempt     int
+	MaxAttempts int
+	Fence       int64 // +1 on every claim and every reap: it names one claim
+	LeaseUntil  time.Time
+	AvailableAt time.Time
+	Deadline    time.Time
+	CreatedAt   time.Time
+	UpdatedAt   time.Time
+	ErrorClass  string // of the last failure
+	LastError   string
 }
 
 // NewJob is what Accept needs.
@@ -109,13 +112,22 @@ type Event struct {
 	PublishedAt  time.Time // zero until published
 }
 
-// Attempt records one execution attempt, written with its outcome.
+// Attempt records how one claim of a job ended, written with its outcome.
+// A claim that only waited is recorded too, as a wait that spent nothing.
 type Attempt struct {
-	JobID            string
-	Attempt          int
-	Fence            int64
-	Backend          string
-	Outcome          string // succeeded, retry, failed, review, lease_lost
+	JobID string
+	// Attempt is the number this attempt has, or would have had had it
+	// counted: the job's spent attempts before it, plus one.
+	Attempt int
+	Fence   int64 // the claim's
+	Backend string
+	// Outcome is how the claim ended: the outcomes below.
+	Outcome string
+	// Spent says the attempt counted against the job's MaxAttempts.
+	Spent bool
+	// Sent says the job's request may have reached a backend: a backend
+	// call happened, or could have, under this claim.
+	Sent             bool
 	ErrorClass       string
 	Error            string
 	PromptTokens     int
@@ -125,23 +137,51 @@ type Attempt struct {
 }
 
 // Completion is a worker's successful (or review-required) end of a job.
+// It spends an attempt, unless Reused: the result came from a stage an
+// earlier attempt checkpointed, and that attempt was counted when it was
+// made.
 type Completion struct {
 	JobID   string
 	Fence   int64
 	State   State // Succeeded or ReviewRequired
 	Result  json.RawMessage
+	Reused  bool
 	Attempt Attempt
 	EventID string
 	Now     time.Time
 }
 
-// Failure is a worker's failed attempt. With RetryAt set (and before the
-// deadline, with attempts left) the job goes to RETRY_SCHEDULED; otherwise
-// to FAILED_TERMINAL with a dead-letter event.
+// Attempt outcomes.
+const (
+	OutcomeSucceeded = "succeeded"
+	// OutcomeFailed: the request reached a backend and failed there, or
+	// the job's input is invalid; the attempt counts.
+	OutcomeFailed = "failed"
+	// OutcomeWait: the claim handed the job back without reaching a
+	// backend (no backend for its model, no capacity, its tenant's quota,
+	// a backend's 429, a refused connection); nothing was spent.
+	OutcomeWait = "wait"
+	// OutcomeInterrupted: kvgate's own shutdown handed the job back;
+	// nothing was spent, though the request may have been sent (Sent).
+	OutcomeInterrupted = "interrupted"
+	// OutcomeLeaseExpired: the owner stopped renewing the lease. It
+	// counts when the owner had begun sending the request (MarkSent).
+	OutcomeLeaseExpired = "lease_expired"
+)
+
+// Failure is a worker's end of an attempt that did not succeed. Where it
+// leaves the job is decided by the store, in one rule for Fail and Reap
+// alike: FAILED_TERMINAL when it spent the job's last attempt, when it
+// asks for no retry (a zero RetryAt on a spent attempt), or when the retry
+// would come at or after the deadline; RETRY_SCHEDULED at RetryAt
+// otherwise. An attempt that did not spend is always retried (at once
+// when RetryAt is zero) unless the deadline forbids it, which ends the
+// job with the class deadline_exceeded.
 type Failure struct {
 	JobID   string
 	Fence   int64
-	RetryAt time.Time // zero: terminal
+	RetryAt time.Time
+	// Attempt is the record; its Spent says whether the attempt counts.
 	Attempt Attempt
 	EventID string
 	Now     time.Time
@@ -172,24 +212,33 @@ type Store interface {
 	// page ("" at the end).
 	List(ctx context.Context, tenant string, f ListFilter) ([]Job, string, error)
 	// Claim leases up to limit runnable jobs (READY or RETRY_SCHEDULED,
-	// available, before their deadline): RUNNING, attempt+1, fence+1,
-	// lease until now+lease. It serves tenants in turn, least recently
+	// available, before their deadline): RUNNING, fence+1, lease until
+	// now+lease; the attempt counter is not touched (an attempt counts
+	// only when it ends, see Complete and Fail). With models given, only
+	// jobs for those models. It serves tenants in turn, least recently
 	// served first and round-robin within the batch, so that one tenant's
 	// backlog never holds another's jobs behind it; within a tenant, the
 	// lowest priority value first, then the oldest available. Several
 	// claimers never get the same job.
-	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]Job, error)
-	// Heartbeat extends a lease while the fence matches and the lease
-	// holds; ErrLeaseLost otherwise.
+	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int, models ...string) ([]Job, error)
+	// Heartbeat extends a lease while the claim owns the job (RUNNING,
+	// the same fence, the lease unexpired at now); ErrLeaseLost otherwise.
 	Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
-	// Complete ends an attempt with a result, under the fence.
+	// MarkSent records, under the same ownership as Heartbeat (whose
+	// lease it also extends), that the claim is about to send the job's
+	// request to a backend: from then on, a lease that expires counts the
+	// attempt. The request must not be sent unless it returned nil.
+	MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
+	// Complete ends an attempt with a result, under the fence; the
+	// attempt counts.
 	Complete(ctx context.Context, c Completion) error
-	// Fail ends an attempt with a failure, under the fence.
+	// Fail ends an attempt that did not succeed, under the fence (see
+	// Failure for where it leaves the job).
 	Fail(ctx context.Context, f Failure) error
-	// Reap returns expired leases to RETRY_SCHEDULED with a new fence, or
-	// fails them terminally when attempts or the deadline are spent. It
-	// also fails runnable jobs whose deadline passed. It returns how many
-	// jobs it changed.
+	// Reap returns expired leases to RETRY_SCHEDULED with a new fence, by
+	// Failure's rule: the lost attempt counts when its claim had marked
+	// the request sent. It also fails runnable jobs whose deadline
+	// passed. It returns how many jobs it changed.
 	Reap(ctx context.Context, now time.Time, limit int) (int, error)
 	// Cancel moves a tenant's non-final job to CANCELLED; ErrFinal when
 	// it already ended.
@@ -198,9 +247,11 @@ type Store interface {
 	Result(ctx context.Context, tenant, id string) (json.RawMessage, error)
 	// Attempts returns a job's attempt records in order.
 	Attempts(ctx context.Context, id string) ([]Attempt, error)
-	// SaveStage checkpoints a stage's output under the fence, so that a
-	// later retry need not redo it. Saving a stage twice keeps the first.
-	SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error
+	// SaveStage checkpoints a stage's output in one statement conditioned
+	// on the claim's ownership at now (as Heartbeat), so that a later
+	// retry need not redo it; ErrLeaseLost when the claim no longer owns
+	// the job. Saving a stage twice keeps the first.
+	SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error
 	// Stage returns a checkpointed stage's output; ErrNotFound if none.
 	Stage(ctx context.Context, id, stage string) ([]byte, error)
 	// Unpublished returns up to limit outbox events not yet published,

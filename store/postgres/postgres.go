@@ -33,6 +33,11 @@ var Dialect = sqlstore.Dialect{
 	LockMigrations: "SELECT pg_advisory_xact_lock(7403153941)", // any fixed key: kvgate's migrations
 	LockFeed:       "SELECT pg_advisory_xact_lock(7403153942)", // and the feed's
 	WritableCTE:    true,
+	LockShared:     "FOR SHARE",
+	ModelIn: func(col string) string {
+		return "(cardinality(?::text[]) = 0 OR " + col + " = ANY(?::text[]))"
+	},
+	ModelsArg: func(models []string) any { return append([]string{}, models...) },
 }
 
 func unavailable(err error) bool {

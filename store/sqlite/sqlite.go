@@ -7,6 +7,7 @@ import (
 	"context"
 	"database/sql"
 	"embed"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -22,8 +23,15 @@ var migrations embed.FS
 
 // Dialect is SQLite's SQL.
 var Dialect = sqlstore.Dialect{
-	Name:        "sqlite",
-	Positional:  func(int) string { return "?" },
+	Name:       "sqlite",
+	Positional: func(int) string { return "?" },
+	ModelIn: func(col string) string {
+		return "(json_array_length(?) = 0 OR " + col + " IN (SELECT value FROM json_each(?)))"
+	},
+	ModelsArg: func(models []string) any {
+		b, _ := json.Marshal(append([]string{}, models...))
+		return string(b)
+	},
 	Unavailable: func(err error) bool { return errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission) },
 }
 

@@ -48,30 +48,6 @@ const acceptBatch = `WITH input AS (
 	FROM input JOIN jobs ON jobs.tenant = input.tenant AND jobs.idempotency_key = input.idempotency_key
 	WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = input.tenant AND ins.idempotency_key = input.idempotency_key)`
 
-const finishBatch = `WITH input AS (
-		SELECT * FROM unnest(?::text[], ?::bigint[], ?::text[], ?::bigint[], ?::bigint[], ?::bytea[], ?::text[], ?::text[],
-			?::integer[], ?::text[], ?::text[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[], ?::text[])
-			WITH ORDINALITY AS t(id, fence, state, now, available_at, result, error_class, error,
-				attempt, backend, outcome, prompt_tokens, completion_tokens, started_at, ended_at, event_id, type, ord)),
-	f AS (
-		UPDATE jobs SET state = input.state, state_version = jobs.state_version + 1, updated_at = input.now,
-			lease_until = 0, available_at = input.available_at, result = COALESCE(input.result, jobs.result),
-			error_class = input.error_class, last_error = input.error
-		FROM input
-		WHERE jobs.id = ANY(?::text[]) AND jobs.id = input.id AND jobs.state = 'RUNNING' AND jobs.fence = input.fence AND jobs.lease_until > input.now
-		RETURNING jobs.id, jobs.tenant, jobs.state, jobs.state_version, jobs.fence, input.ord),
-	a AS (
-		INSERT INTO attempts (job_id, attempt, fence, backend, outcome, error_class, error,
-			prompt_tokens, completion_tokens, started_at, ended_at)
-		SELECT f.id, input.attempt, f.fence, input.backend, input.outcome, input.error_class, input.error,
-			input.prompt_tokens, input.completion_tokens, input.started_at, input.ended_at
-		FROM f JOIN input ON input.ord = f.ord),
-	ev AS (
-		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		SELECT input.event_id, f.id, f.tenant, input.type, f.state, f.state_version, input.now
-		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord)
-	SELECT ord FROM f`
-
 // acceptCall is one Accept in a batch, with its outcome.
 type acceptCall struct {
 	n       store.NewJob
@@ -159,45 +135,29 @@ func (s *Store) acceptGroup(ctx context.Context, cs []*acceptCall) {
 	}
 }
 
-// finishCall is one end of an attempt in a batch, with its outcome.
-type finishCall struct {
-	op, id     string
-	fence      int64
-	st         store.State
-	avail, now int64
-	result     []byte
-	a          store.Attempt
-	eventID    string
-	err        error
-}
-
-// finishGroup runs a batch of attempt ends.
-func (s *Store) finishGroup(ctx context.Context, cs []*finishCall) {
-	one := func(c *finishCall) error {
-		return s.finishOne(ctx, c.op, c.id, c.fence, c.st, fromMicros(c.avail), c.result, c.a, c.eventID, fromMicros(c.now))
-	}
-	if len(cs) == 1 {
-		cs[0].err = one(cs[0])
-		return
-	}
-	var (
-		ids, states, classes, errs, backends, outcomes, events, types []string
-		fences, nows, avails, starts, ends                            []int64
-		results                                                       [][]byte
-		attempts, prompts, completions                                []int32
-	)
-	for _, c := range cs {
-		ids, fences, states = append(ids, c.id), append(fences, c.fence), append(states, string(c.st))
-		nows, avails, results = append(nows, c.now), append(avails, c.avail), append(results, c.result)
-		classes, errs = append(classes, c.a.ErrorClass), append(errs, c.a.Error)
-		attempts, backends, outcomes = append(attempts, int32(c.a.Attempt)), append(backends, c.a.Backend), append(outcomes, c.a.Outcome)
-		prompts, completions = append(prompts, int32(c.a.PromptTokens)), append(completions, int32(c.a.CompletionTokens))
-		starts, ends = append(starts, micros(c.a.StartedAt)), append(ends, micros(c.a.EndedAt))
-		events, types = append(events, eventID(c.eventID)), append(types, eventType(c.st))
-	}
-	err := func() error {
-		rows, err := s.query(ctx, nil, s.q.finishBatch, ids, fences, states, nows, avails, results, classes, errs,
-			attempts, backends, outcomes, prompts, completions, starts, ends, events, types, ids)
+// finishGroup runs a batch of attempt ends (ownership.go's finishBatch);
+// one end is a batch of one.
+func (s *Store) finishGroup(ctx context.Context, cs []*end) {
+	run := func(cs []*end) error {
+		var (
+			ids, states, classes, errs, backends, outcomes, events []string
+			spent, sent                                            []bool
+			fences, nows, avails, starts, ends                     []int64
+			results                                                [][]byte
+			attempts, prompts, completions                         []int32
+		)
+		for _, c := range cs {
+			ids, fences, states = append(ids, c.id), append(fences, c.fence), append(states, string(c.state))
+			spent, sent = append(spent, c.a.Spent), append(sent, c.a.Sent)
+			nows, avails, results = append(nows, micros(c.now)), append(avails, micros(c.avail)), append(results, c.result)
+			classes, errs = append(classes, c.a.ErrorClass), append(errs, c.a.Error)
+			attempts, backends, outcomes = append(attempts, int32(c.a.Attempt)), append(backends, c.a.Backend), append(outcomes, c.a.Outcome)
+			prompts, completions = append(prompts, int32(c.a.PromptTokens)), append(completions, int32(c.a.CompletionTokens))
+			starts, ends = append(starts, micros(c.a.StartedAt)), append(ends, micros(c.a.EndedAt))
+			events = append(events, eventID(c.eventID))
+		}
+		rows, err := s.query(ctx, nil, s.q.finishBatch, ids, fences, states, spent, sent, nows, avails, results, classes, errs,
+			attempts, backends, outcomes, prompts, completions, starts, ends, events, ids)
 		if err != nil {
 			return err
 		}
@@ -222,17 +182,21 @@ func (s *Store) finishGroup(ctx context.Context, cs []*finishCall) {
 			}
 		}
 		return nil
-	}()
+	}
+	err := run(cs)
 	switch {
 	case err == nil:
-	case s.lostTouch(err):
+	case len(cs) == 1 || s.lostTouch(err):
 		for _, c := range cs {
 			c.err = s.err(c.op, err)
 		}
 	default:
-		// Nothing was written: each call on its own.
+		// Nothing was written: each call on its own, so that one call's
+		// error stays its own.
 		for _, c := range cs {
-			c.err = one(c)
+			if err := run([]*end{c}); err != nil {
+				c.err = s.err(c.op, err)
+			}
 		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"math"
 	"slices"
 	"time"
@@ -43,15 +44,7 @@ const (
 	fairConsidered = `SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1)
 		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
 		LEFT JOIN tenants tn ON tn.name = jt.tenant`
-	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND state IN ('READY', 'RETRY_SCHEDULED')
-		AND available_at <= ? AND deadline_at > ? ORDER BY priority, available_at, id LIMIT ?`
-	fairOldest = `SELECT id, tenant FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED')
-		AND available_at <= ? AND deadline_at > ? ORDER BY priority, available_at, id LIMIT 1`
-	fairListed   = `SELECT count(*) FROM job_tenants WHERE tenant = ?`
-	fairClaimOne = `UPDATE jobs SET state = 'RUNNING', attempt = attempt + 1, fence = fence + 1,
-			lease_until = ?, state_version = state_version + 1, updated_at = ?
-		WHERE id = ? AND state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ?
-		RETURNING ` + jobColumns
+	fairListed = `SELECT count(*) FROM job_tenants WHERE tenant = ?`
 	// fairServed sends a tenant to the back: past every other, even
 	// within one microsecond.
 	fairServed = `UPDATE job_tenants SET served_at = max(?, (SELECT max(served_at) FROM job_tenants) + 1) WHERE tenant = ?`
@@ -73,10 +66,23 @@ const (
 		SELECT 1 FROM jobs WHERE jobs.tenant = job_tenants.tenant AND jobs.state IN ('READY', 'RETRY_SCHEDULED'))`
 )
 
+// The fair claim's statements for a database that serialises writers,
+// with ownership.go's conditions.
+var (
+	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND ` + runnable("jobs", "?") + ` AND %s
+		ORDER BY priority, available_at, id LIMIT ?`
+	fairOldest = `SELECT id, tenant FROM jobs WHERE ` + runnable("jobs", "?") + ` AND %s
+		ORDER BY priority, available_at, id LIMIT 1`
+	fairClaimOne = `UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = ?, state_version = state_version + 1, updated_at = ?
+		WHERE id = ? AND ` + runnable("jobs", "?") + `
+		RETURNING ` + jobColumns
+)
+
 // claimFairTx is the fair claim as several statements in tx, for a
 // database that serialises writers (SQLite): the same choice as the
-// PostgreSQL statement in claimCTE.
-func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
+// PostgreSQL statement in claimCTE. m is the dialect's models argument.
+func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any) ([]store.Job, error) {
+	head, oldestQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairOldest, s.d.ModelIn("jobs.model"))
 	type cand struct {
 		id, tenant string
 		turn       float64 // (rank-1)/weight: weighted round-robin
@@ -106,7 +112,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	}
 	var cands []cand
 	for _, t := range considered {
-		rows, err := s.query(ctx, tx, rebind(s.d, fairHead), t.name, micros(now), micros(now), limit)
+		rows, err := s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, limit)
 		if err != nil {
 			return nil, err
 		}
@@ -124,7 +130,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		}
 	}
 	var oldest cand
-	switch err := s.queryRow(ctx, tx, rebind(s.d, fairOldest), micros(now), micros(now)).Scan(&oldest.id, &oldest.tenant); {
+	switch err := s.queryRow(ctx, tx, rebind(s.d, oldestQ), micros(now), micros(now), m, m).Scan(&oldest.id, &oldest.tenant); {
 	case errors.Is(err, sql.ErrNoRows):
 		return nil, nil // nothing runnable anywhere: write nothing
 	case err != nil:

@@ -1,14 +1,12 @@
 package sqlstore
 
 import (
-	"cmp"
 	"context"
 	"database/sql"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"reflect"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -46,6 +44,14 @@ type Dialect struct {
 	// statements and COMMIT, each a round trip. Without it (SQLite, where
 	// a round trip is a function call) they run as explicit transactions.
 	WritableCTE bool
+	// LockShared is appended to a read of the job row that a write
+	// depends on: "FOR SHARE" where a concurrent update must be waited
+	// for and seen, "" where the database serialises writers.
+	LockShared string
+	// ModelIn renders the condition that column col is one of a list of
+	// models, or that the list is empty; it takes ModelsArg's value twice.
+	ModelIn   func(col string) string
+	ModelsArg func(models []string) any
 }
 
 // Store is store.Store over a *sql.DB.
@@ -66,7 +72,7 @@ type Store struct {
 
 	// Group commit, where the dialect has writable CTEs (else nil).
 	accepts  *group[acceptCall]
-	finishes *group[finishCall]
+	finishes *group[end]
 }
 
 // New returns a store over db, whose schema is already migrated.
@@ -204,11 +210,13 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 	error_class, last_error`
 
 type queries struct {
-	insertJob, selectByKey, selectJob, anyRunnable, heartbeat, finish, insertAttempt, insertEvent,
-	reapLeases, reapDeadlines, cancel, result, attempts, saveStage, stage, unpublished, markPublished,
-	feedHead, events, eventsOfJob, insertInbox, selectInbox, jobByID, fenceState string
+	insertJob, selectByKey, selectJob, insertAttempt, insertEvent,
+	cancel, result, attempts, stage, unpublished, markPublished,
+	feedHead, events, eventsOfJob, insertInbox, selectInbox string
+	// Ownership (ownership.go).
+	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, finishCTE, acceptBatch, finishBatch string
+	acceptCTE, claimCTE, acceptBatch, finishBatch string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -222,36 +230,16 @@ func buildQueries(d Dialect) queries {
 			ON CONFLICT (tenant, idempotency_key) DO NOTHING`),
 		selectByKey: r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND idempotency_key = ?`),
 		selectJob:   r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND id = ?`),
-		anyRunnable: r(`SELECT 1 FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= ? AND deadline_at > ? LIMIT 1`),
-		heartbeat: r(`UPDATE jobs SET lease_until = ?
-			WHERE id = ? AND state = 'RUNNING' AND fence = ? AND lease_until > ?`),
-		finish: r(`UPDATE jobs SET state = ?, state_version = state_version + 1, updated_at = ?, lease_until = 0,
-				available_at = ?, result = COALESCE(?, result), error_class = ?, last_error = ?
-			WHERE id = ? AND state = 'RUNNING' AND fence = ? AND lease_until > ?
-			RETURNING tenant, state_version`),
-		insertAttempt: r(`INSERT INTO attempts (job_id, attempt, fence, backend, outcome, error_class, error,
+		insertAttempt: r(`INSERT INTO attempts (job_id, attempt, fence, backend, outcome, spent, sent, error_class, error,
 				prompt_tokens, completion_tokens, started_at, ended_at)
-			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
 		insertEvent: r(`INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 			VALUES (?, ?, ?, ?, ?, ?, ?)`),
-		// Expired leases: retry with a new fence while attempts and the
-		// deadline allow, else fail for good.
-		reapLeases: r(`UPDATE jobs SET
-				state = CASE WHEN attempt < max_attempts AND deadline_at > ? THEN 'RETRY_SCHEDULED' ELSE 'FAILED_TERMINAL' END,
-				fence = fence + 1, state_version = state_version + 1, updated_at = ?, lease_until = 0, available_at = ?,
-				error_class = 'lease_expired', last_error = 'the worker stopped renewing its lease'
-			WHERE id IN (SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable + `)
-			RETURNING id, tenant, state, state_version, attempt, fence`),
-		reapDeadlines: r(`UPDATE jobs SET state = 'FAILED_TERMINAL', state_version = state_version + 1, updated_at = ?,
-				error_class = 'deadline_exceeded', last_error = 'the deadline passed before the job could run'
-			WHERE id IN (SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND deadline_at <= ? LIMIT ? ` + d.LockRunnable + `)
-			RETURNING id, tenant, state, state_version, attempt, fence`),
 		cancel: r(`UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
 			WHERE tenant = ? AND id = ? AND state NOT IN ('SUCCEEDED', 'REVIEW_REQUIRED', 'FAILED_TERMINAL', 'CANCELLED')
 			RETURNING ` + jobColumns),
 		result:        r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
-		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY attempt, fence`),
-		saveStage:     r(`INSERT INTO stages (job_id, stage, fence, data, created_at) VALUES (?, ?, ?, ?, ?) ON CONFLICT (job_id, stage) DO NOTHING`),
+		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, spent, sent, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY fence, attempt`),
 		stage:         r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
 		unpublished:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, 0 FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?`),
 		markPublished: r(`UPDATE outbox SET published_at = ?, feed_seq = ? WHERE id = ? AND published_at = 0`),
@@ -260,12 +248,10 @@ func buildQueries(d Dialect) queries {
 		eventsOfJob:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND job_id = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
 		insertInbox:   r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
 		selectInbox:   r(`SELECT digest FROM inbox WHERE event_id = ?`),
-		jobByID:       r(`SELECT ` + jobColumns + ` FROM jobs WHERE id = ?`),
-		fenceState:    r(`SELECT fence, state FROM jobs WHERE id = ?`),
 	}
+	ownershipQueries(d, &q)
 	if d.WritableCTE {
-		q.acceptCTE, q.claimCTE, q.finishCTE = r(acceptCTE), r(claimCTE()), r(finishCTE)
-		q.acceptBatch, q.finishBatch = r(acceptBatch), r(finishBatch)
+		q.acceptCTE, q.acceptBatch = r(acceptCTE), r(acceptBatch)
 	}
 	return q
 }
@@ -346,17 +332,6 @@ func scanJob(r scanner, extra ...any) (store.Job, error) {
 	j.LeaseUntil, j.AvailableAt, j.Deadline = fromMicros(lease), fromMicros(avail), fromMicros(deadline)
 	j.CreatedAt, j.UpdatedAt = fromMicros(created), fromMicros(updated)
 	return j, nil
-}
-
-// eventType names the event that reports a job entering state.
-func eventType(st store.State) string {
-	switch st {
-	case store.Ready:
-		return "job.accepted"
-	case store.FailedTerminal:
-		return "job.dead_lettered"
-	}
-	return "job." + strings.ToLower(string(st))
 }
 
 func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant string, st store.State, version int64, now time.Time) error {
@@ -457,183 +432,6 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	return jobs, next, nil
 }
 
-// Claim implements store.Store, fairly across tenants (fair.go). An idle
-// poll finds nothing runnable with one read and takes no write lock.
-func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
-	if s.d.WritableCTE {
-		return s.claimOne(ctx, now, lease, limit)
-	}
-	var one int
-	err := s.queryRow(ctx, nil, s.q.anyRunnable, micros(now), micros(now)).Scan(&one)
-	if errors.Is(err, sql.ErrNoRows) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, s.err("claim jobs", err)
-	}
-	var jobs []store.Job
-	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
-		var err error
-		if jobs, err = s.claimFairTx(ctx, tx, now, lease, limit); err != nil {
-			return err
-		}
-		// RETURNING keeps no order: hand them out in claim order.
-		slices.SortFunc(jobs, func(a, b store.Job) int {
-			return cmp.Or(cmp.Compare(a.Priority, b.Priority), a.AvailableAt.Compare(b.AvailableAt), cmp.Compare(a.ID, b.ID))
-		})
-		for _, j := range jobs {
-			if err := s.addEvent(ctx, tx, "", j.ID, j.Tenant, store.Running, j.StateVersion, now); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		return nil, err
-	}
-	return jobs, nil
-}
-
-// Heartbeat implements store.Store.
-func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
-	res, err := s.exec(ctx, nil, s.q.heartbeat, micros(now.Add(lease)), id, fence, micros(now))
-	if err != nil {
-		return s.err("heartbeat", err)
-	}
-	if n, err := res.RowsAffected(); err != nil || n == 0 {
-		return store.ErrLeaseLost
-	}
-	return nil
-}
-
-// finish applies a worker's end of an attempt under the fence: the state,
-// the attempt record and the event, in one transaction.
-func (s *Store) finish(ctx context.Context, op, id string, fence int64, st store.State, availableAt time.Time,
-	result []byte, a store.Attempt, eventID string, now time.Time) error {
-	if s.finishes != nil {
-		c := &finishCall{op: op, id: id, fence: fence, st: st, avail: micros(availableAt), now: micros(now),
-			result: result, a: a, eventID: eventID}
-		if err := s.finishes.do(ctx, c); err != nil {
-			return err
-		}
-		return c.err
-	}
-	return s.tx(ctx, op, func(tx *sql.Tx) error {
-		var tenant string
-		var version int64
-		var res any
-		if result != nil {
-			res = result
-		}
-		err := s.queryRow(ctx, tx, s.q.finish, string(st), micros(now), micros(availableAt), res,
-			a.ErrorClass, a.Error, id, fence, micros(now)).Scan(&tenant, &version)
-		if errors.Is(err, sql.ErrNoRows) {
-			return store.ErrLeaseLost
-		}
-		if err != nil {
-			return err
-		}
-		if _, err := s.exec(ctx, tx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.ErrorClass, a.Error,
-			a.PromptTokens, a.CompletionTokens, micros(a.StartedAt), micros(a.EndedAt)); err != nil {
-			return err
-		}
-		return s.addEvent(ctx, tx, eventID, id, tenant, st, version, now)
-	})
-}
-
-// Complete implements store.Store.
-func (s *Store) Complete(ctx context.Context, c store.Completion) error {
-	if c.State != store.Succeeded && c.State != store.ReviewRequired {
-		return fmt.Errorf("complete job %s: state %s is not a completion", c.JobID, c.State)
-	}
-	result := []byte(c.Result)
-	if result == nil {
-		result = []byte("null")
-	}
-	return s.finish(ctx, "complete job "+c.JobID, c.JobID, c.Fence, c.State, c.Now, result, c.Attempt, c.EventID, c.Now)
-}
-
-// Fail implements store.Store. A retry the deadline or the attempt budget
-// cannot hold becomes terminal here rather than in the caller.
-func (s *Store) Fail(ctx context.Context, f store.Failure) error {
-	st, at := store.FailedTerminal, f.Now
-	if !f.RetryAt.IsZero() {
-		j, err := s.jobByID(ctx, f.JobID)
-		if err != nil {
-			return err
-		}
-		if j.Attempt < j.MaxAttempts && f.RetryAt.Before(j.Deadline) {
-			st, at = store.RetryScheduled, f.RetryAt
-		}
-	}
-	return s.finish(ctx, "fail job "+f.JobID, f.JobID, f.Fence, st, at, nil, f.Attempt, f.EventID, f.Now)
-}
-
-func (s *Store) jobByID(ctx context.Context, id string) (store.Job, error) {
-	j, err := scanJob(s.queryRow(ctx, nil, s.q.jobByID, id))
-	return j, s.err("get job", err)
-}
-
-// Reap implements store.Store.
-func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error) {
-	n := 0
-	err := s.tx(ctx, "reap", func(tx *sql.Tx) error {
-		for _, q := range []struct {
-			sql  string
-			args []any
-		}{
-			{s.q.reapLeases, []any{micros(now), micros(now), micros(now), micros(now), limit}},
-			{s.q.reapDeadlines, []any{micros(now), micros(now), limit}},
-		} {
-			rows, err := s.query(ctx, tx, q.sql, q.args...)
-			if err != nil {
-				return err
-			}
-			type reaped struct {
-				id, tenant, state string
-				version           int64
-				attempt           int
-				fence             int64
-			}
-			var rs []reaped
-			for rows.Next() {
-				var r reaped
-				if err := rows.Scan(&r.id, &r.tenant, &r.state, &r.version, &r.attempt, &r.fence); err != nil {
-					rows.Close()
-					return err
-				}
-				rs = append(rs, r)
-			}
-			rows.Close()
-			if err := rows.Err(); err != nil {
-				return err
-			}
-			for _, r := range rs {
-				if q.sql == s.q.reapLeases {
-					// The lost attempt is part of the job's history.
-					if _, err := s.exec(ctx, tx, s.q.insertAttempt, r.id, r.attempt, r.fence-1, "", "lease_expired",
-						"lease_expired", "the worker stopped renewing its lease", 0, 0, 0, micros(now)); err != nil {
-						return err
-					}
-				}
-				if err := s.addEvent(ctx, tx, "", r.id, r.tenant, store.State(r.state), r.version, now); err != nil {
-					return err
-				}
-			}
-			n += len(rs)
-		}
-		// Tenants left with nothing runnable leave the fair claim's table
-		// (fair.go); those served within the last minute stay, being
-		// likely to come back.
-		if _, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute))); err != nil {
-			return err
-		}
-		_, err := s.exec(ctx, tx, rebind(s.d, fairRelist))
-		return err
-	})
-	return n, err
-}
-
 // Cancel implements store.Store.
 func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error) {
 	var j store.Job
@@ -677,7 +475,7 @@ func (s *Store) Attempts(ctx context.Context, id string) ([]store.Attempt, error
 	for rows.Next() {
 		var a store.Attempt
 		var started, ended int64
-		if err := rows.Scan(&a.JobID, &a.Attempt, &a.Fence, &a.Backend, &a.Outcome, &a.ErrorClass, &a.Error,
+		if err := rows.Scan(&a.JobID, &a.Attempt, &a.Fence, &a.Backend, &a.Outcome, &a.Spent, &a.Sent, &a.ErrorClass, &a.Error,
 			&a.PromptTokens, &a.CompletionTokens, &started, &ended); err != nil {
 			return nil, s.err("list attempts", err)
 		}
@@ -685,26 +483,6 @@ func (s *Store) Attempts(ctx context.Context, id string) ([]store.Attempt, error
 		out = append(out, a)
 	}
 	return out, s.err("list attempts", rows.Err())
-}
-
-// SaveStage implements store.Store.
-func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte) error {
-	return s.tx(ctx, "save stage "+stage, func(tx *sql.Tx) error {
-		// Only the current owner checkpoints.
-		var cur int64
-		var st string
-		if err := s.queryRow(ctx, tx, s.q.fenceState, id).Scan(&cur, &st); err != nil {
-			if errors.Is(err, sql.ErrNoRows) {
-				return store.ErrNotFound
-			}
-			return err
-		}
-		if cur != fence || store.State(st) != store.Running {
-			return store.ErrLeaseLost
-		}
-		_, err := s.exec(ctx, tx, s.q.saveStage, id, stage, fence, data, micros(time.Now()))
-		return err
-	})
 }
 
 // Stage implements store.Store.

@@ -42,6 +42,9 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Complete", testComplete},
 		{"Fail", testFail},
 		{"Reap", testReap},
+		{"WaitsSpendNothing", testWaitsSpendNothing},
+		{"ClaimModels", testClaimModels},
+		{"SaveStageOwned", testSaveStageOwned},
 		{"StaleWorkerAfterReap", testStaleWorker},
 		{"Cancel", testCancel},
 		{"Stages", testStages},
@@ -203,7 +206,7 @@ func testClaimOrder(t *testing.T, s store.Store) {
 	var got []string
 	for _, j := range js {
 		got = append(got, j.ID)
-		if j.State != store.Running || j.Attempt != 1 || j.Fence != 1 || !j.LeaseUntil.Equal(now.Add(30*time.Second)) || j.StateVersion != 2 {
+		if j.State != store.Running || j.Attempt != 0 || j.Fence != 1 || !j.LeaseUntil.Equal(now.Add(30*time.Second)) || j.StateVersion != 2 {
 			t.Errorf("claimed %s: %+v", j.IdempotencyKey, j)
 		}
 	}
@@ -575,7 +578,7 @@ func testFail(t *testing.T, s store.Store) {
 	j := claimOne(t, s, t0)
 	retryAt := t0.Add(10 * time.Second)
 	f := store.Failure{JobID: j.ID, Fence: j.Fence, RetryAt: retryAt, Now: t0.Add(time.Second),
-		Attempt: store.Attempt{Attempt: 1, Outcome: "retry", ErrorClass: "backend_5xx", Error: "503"}}
+		Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeFailed, Spent: true, Sent: true, ErrorClass: "backend_5xx", Error: "503"}}
 	if err := s.Fail(ctx, f); err != nil {
 		t.Fatal(err)
 	}
@@ -587,17 +590,17 @@ func testFail(t *testing.T, s store.Store) {
 		t.Error("claimed before its retry time")
 	}
 	j2 := claimOne(t, s, retryAt)
-	if j2.Attempt != 2 || j2.Fence != 2 {
+	if j2.Attempt != 1 || j2.Fence != 2 {
 		t.Errorf("retry claim: attempt %d fence %d", j2.Attempt, j2.Fence)
 	}
 	// The last attempt: even with RetryAt the failure is terminal.
 	f2 := store.Failure{JobID: j.ID, Fence: j2.Fence, RetryAt: retryAt.Add(time.Minute), Now: retryAt,
-		Attempt: store.Attempt{Attempt: 2, Outcome: "failed", ErrorClass: "backend_5xx"}}
+		Attempt: store.Attempt{Attempt: 2, Outcome: store.OutcomeFailed, Spent: true, Sent: true, ErrorClass: "backend_5xx"}}
 	if err := s.Fail(ctx, f2); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal {
-		t.Errorf("attempts spent: %s, want FAILED_TERMINAL", got.State)
+	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal || got.Attempt != 2 {
+		t.Errorf("attempts spent: %s after %d attempts, want FAILED_TERMINAL after 2", got.State, got.Attempt)
 	}
 	evs, _ := s.Unpublished(ctx, 100)
 	if len(evs) == 0 || evs[len(evs)-1].Type != "job.dead_lettered" || evs[len(evs)-1].JobID != j.ID {
@@ -607,7 +610,8 @@ func testFail(t *testing.T, s store.Store) {
 	// A retry that would start after the deadline is terminal at once.
 	accept(t, s, newJob("acme", "k2", func(n *store.NewJob) { n.Deadline = t0.Add(time.Minute) }))
 	j3 := claimOne(t, s, t0.Add(time.Second))
-	late := store.Failure{JobID: j3.ID, Fence: j3.Fence, RetryAt: t0.Add(2 * time.Minute), Now: t0.Add(2 * time.Second)}
+	late := store.Failure{JobID: j3.ID, Fence: j3.Fence, RetryAt: t0.Add(2 * time.Minute), Now: t0.Add(2 * time.Second),
+		Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeFailed, Spent: true, Sent: true, ErrorClass: "backend_5xx"}}
 	if err := s.Fail(ctx, late); err != nil {
 		t.Fatal(err)
 	}
@@ -625,28 +629,156 @@ func testReap(t *testing.T, s store.Store) {
 		// Only the runnable job past its deadline is due; the lease holds.
 		t.Fatalf("reap before the lease expired: %d, %v", n, err)
 	}
-	n, err := s.Reap(ctx, t0.Add(2*time.Minute), 100)
-	if err != nil || n != 1 {
-		t.Fatalf("reap after the lease expired: %d, %v", n, err)
-	}
-	got, _ := s.Get(ctx, "acme", j.ID)
-	if got.State != store.RetryScheduled || got.Fence != j.Fence+1 || got.Attempt != 1 || got.ErrorClass != "lease_expired" {
-		t.Errorf("reaped: %+v", got)
+	// A claim that never marked its request sent loses its lease: the job
+	// is retried and nothing is spent, however often.
+	for i := range 3 {
+		now := t0.Add(time.Duration(i*10) * time.Minute)
+		if i > 0 {
+			j = claimOne(t, s, now)
+		}
+		n, err := s.Reap(ctx, now.Add(2*time.Minute), 100)
+		if err != nil || n != 1 {
+			t.Fatalf("reap after the lease expired: %d, %v", n, err)
+		}
+		got, _ := s.Get(ctx, "acme", j.ID)
+		if got.State != store.RetryScheduled || got.Fence != j.Fence+1 || got.Attempt != 0 || got.ErrorClass != "lease_expired" {
+			t.Fatalf("reaped unsent claim %d: %+v", i, got)
+		}
 	}
 	as, _ := s.Attempts(ctx, j.ID)
-	if len(as) != 1 || as[0].Outcome != "lease_expired" {
-		t.Errorf("the lost attempt is not recorded: %+v", as)
+	if len(as) != 3 || as[0].Outcome != store.OutcomeLeaseExpired || as[0].Spent || as[0].Sent || as[0].Attempt != 1 {
+		t.Errorf("the lost claims are not recorded as unspent: %+v", as)
 	}
-	// Second attempt, lease lost again: attempts spent, terminal.
-	j2 := claimOne(t, s, t0.Add(3*time.Minute))
-	if j2.Attempt != 2 {
-		t.Fatalf("attempt %d after a reap, want 2 (a reap never resets it)", j2.Attempt)
-	}
-	if _, err := s.Reap(ctx, t0.Add(10*time.Minute), 100); err != nil {
+	// A claim that marked its request sent spends the attempt when its
+	// lease is lost: the request may have reached a backend.
+	now := t0.Add(30 * time.Minute)
+	j = claimOne(t, s, now)
+	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal {
-		t.Errorf("second lost lease with 2 attempts max: %s", got.State)
+	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.RetryScheduled || got.Attempt != 1 {
+		t.Fatalf("reaped sent claim: %s attempt %d, want RETRY_SCHEDULED attempt 1", got.State, got.Attempt)
+	}
+	// The second lost sent claim spends the last attempt: terminal.
+	now = now.Add(5 * time.Minute)
+	j = claimOne(t, s, now)
+	if j.Attempt != 1 {
+		t.Fatalf("attempt %d after a reap, want 1 (a reap never resets it)", j.Attempt)
+	}
+	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := s.Get(ctx, "acme", j.ID)
+	if got.State != store.FailedTerminal || got.Attempt != 2 || got.ErrorClass != "lease_expired" {
+		t.Errorf("second lost sent lease with 2 attempts max: %+v", got)
+	}
+	as, _ = s.Attempts(ctx, j.ID)
+	if last := as[len(as)-1]; !last.Spent || !last.Sent || last.Attempt != 2 {
+		t.Errorf("the last lost claim: %+v, want spent and sent, attempt 2", last)
+	}
+	// MarkSent is the owner's alone.
+	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("mark sent of a reaped claim: %v", err)
+	}
+}
+
+// testWaitsSpendNothing ends claims that only waited (no backend, a
+// quota, shutdown) on a job of one attempt: each hands the job back for a
+// retry without spending it, until the deadline forbids a retry, which
+// ends the job as deadline_exceeded; a failure that reached a backend then
+// spends the one attempt.
+func testWaitsSpendNothing(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	j := accept(t, s, newJob("acme", "w", func(n *store.NewJob) { n.MaxAttempts = 1; n.Deadline = t0.Add(time.Hour) }))
+	now := t0
+	for i := range 5 {
+		c := claimOne(t, s, now)
+		f := store.Failure{JobID: j.ID, Fence: c.Fence, Now: now, Attempt: store.Attempt{Attempt: c.Attempt + 1,
+			Outcome: store.OutcomeWait, ErrorClass: "no_capacity", Error: "waited"}}
+		if i%2 == 1 {
+			f.RetryAt = now.Add(time.Second) // else at once
+		}
+		if err := s.Fail(ctx, f); err != nil {
+			t.Fatal(err)
+		}
+		got, _ := s.Get(ctx, "acme", j.ID)
+		if got.State != store.RetryScheduled || got.Attempt != 0 {
+			t.Fatalf("after wait %d: %s attempt %d, want RETRY_SCHEDULED with none spent", i, got.State, got.Attempt)
+		}
+		now = now.Add(time.Second)
+	}
+	as, _ := s.Attempts(ctx, j.ID)
+	if len(as) != 5 || as[0].Spent || as[0].Outcome != store.OutcomeWait || as[0].Attempt != 1 {
+		t.Errorf("waits in the history: %+v", as)
+	}
+	// A spent failure of the one attempt is terminal.
+	c := claimOne(t, s, now)
+	if err := s.Fail(ctx, store.Failure{JobID: j.ID, Fence: c.Fence, RetryAt: now.Add(time.Second), Now: now,
+		Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeFailed, Spent: true, Sent: true, ErrorClass: "backend_error"}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", j.ID); got.State != store.FailedTerminal || got.Attempt != 1 || got.ErrorClass != "backend_error" {
+		t.Errorf("spent failure of the last attempt: %+v", got)
+	}
+
+	// A wait whose retry the deadline forbids ends the job as
+	// deadline_exceeded, with nothing spent.
+	j2 := accept(t, s, newJob("acme", "w2", func(n *store.NewJob) { n.Deadline = t0.Add(time.Minute) }))
+	c2 := claimOne(t, s, t0.Add(time.Second))
+	if c2.ID != j2.ID {
+		t.Fatalf("claimed %s, want %s", c2.ID, j2.ID)
+	}
+	if err := s.Fail(ctx, store.Failure{JobID: j2.ID, Fence: c2.Fence, RetryAt: t0.Add(2 * time.Minute), Now: t0.Add(time.Second),
+		Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeWait, ErrorClass: "quota_wait"}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", j2.ID); got.State != store.FailedTerminal || got.Attempt != 0 || got.ErrorClass != "deadline_exceeded" {
+		t.Errorf("wait past the deadline: %+v, want FAILED_TERMINAL deadline_exceeded with none spent", got)
+	}
+}
+
+// testClaimModels claims only jobs for the models asked for, and any
+// model when none is named.
+func testClaimModels(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	a := accept(t, s, newJob("acme", "a", func(n *store.NewJob) { n.Model = "llama" }))
+	b := accept(t, s, newJob("bravo", "b", func(n *store.NewJob) { n.Model = "qwen"; n.Now = t0.Add(time.Millisecond) }))
+	js, err := s.Claim(ctx, t0.Add(time.Second), time.Minute, 10, "qwen", "mistral")
+	if err != nil || len(js) != 1 || js[0].ID != b.ID {
+		t.Fatalf("claim for qwen: %+v, %v", js, err)
+	}
+	if js, err := s.Claim(ctx, t0.Add(time.Second), time.Minute, 10, "mistral"); err != nil || len(js) != 0 {
+		t.Fatalf("claim for a model with no job: %+v, %v", js, err)
+	}
+	if js, err := s.Claim(ctx, t0.Add(time.Second), time.Minute, 10); err != nil || len(js) != 1 || js[0].ID != a.ID {
+		t.Fatalf("claim for any model: %+v, %v", js, err)
+	}
+}
+
+// testSaveStageOwned checkpoints only while the claim owns the job: not
+// after its lease expired (by the caller's clock, before any reap), nor
+// after a reap and a new claim.
+func testSaveStageOwned(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	accept(t, s, newJob("acme", "k"))
+	j := claimOne(t, s, t0) // lease until t0+1m
+	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`"late"`), t0.Add(61*time.Second)); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("checkpoint after the lease expired: %v, want ErrLeaseLost", err)
+	}
+	if _, err := s.Stage(ctx, j.ID, "inference"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a checkpoint was written without ownership: %v", err)
+	}
+	if err := s.SaveStage(ctx, j.ID, j.Fence+1, "inference", []byte(`"other"`), t0); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("checkpoint under another fence: %v, want ErrLeaseLost", err)
+	}
+	if err := s.SaveStage(ctx, "no-such-job", 1, "inference", []byte(`"x"`), t0); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("checkpoint of a missing job: %v, want ErrLeaseLost", err)
 	}
 }
 
@@ -664,7 +796,7 @@ func testStaleWorker(t *testing.T, s store.Store) {
 	if !errors.Is(err, store.ErrLeaseLost) {
 		t.Fatalf("stale completion: %v, want ErrLeaseLost", err)
 	}
-	if err := s.SaveStage(ctx, old.ID, old.Fence, "inference", []byte("stale")); !errors.Is(err, store.ErrLeaseLost) {
+	if err := s.SaveStage(ctx, old.ID, old.Fence, "inference", []byte("stale"), t0.Add(2*time.Minute)); !errors.Is(err, store.ErrLeaseLost) {
 		t.Errorf("stale checkpoint: %v", err)
 	}
 	if err := s.Complete(ctx, store.Completion{JobID: cur.ID, Fence: cur.Fence, State: store.Succeeded,
@@ -707,10 +839,10 @@ func testStages(t *testing.T, s store.Store) {
 	if _, err := s.Stage(ctx, j.ID, "inference"); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("missing stage: %v", err)
 	}
-	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`{"text":"hi"}`)); err != nil {
+	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`{"text":"hi"}`), t0); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`{"text":"other"}`)); err != nil {
+	if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`{"text":"other"}`), t0); err != nil {
 		t.Fatal(err)
 	}
 	// The next attempt finds the checkpoint and need not infer again.

@@ -1,0 +1,64 @@
+package scheduler
+
+import (
+	"math"
+	"slices"
+)
+
+// defaultMaxNumSeqs stands for a backend's max_num_seqs when its metrics
+// do not say (vLLM's default).
+const defaultMaxNumSeqs = 256
+
+// Room returns how many more batch tickets the routable backends could
+// start soon: per backend, the sequences this replica's share of it may
+// still run (its max_num_seqs, and its KV budget over the mean
+// reservation in flight there, when known), less what kvgate has in
+// flight there; less every ticket already waiting in kvgate's queues.
+// The durable runner claims no more than this, so that jobs wait in the
+// store, where any replica may take them, not in one replica's memory.
+// A routable backend with nothing in flight always has room for one.
+func (s *Scheduler) Room() int {
+	snaps := s.src.Snapshots()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	room := 0
+	for _, sn := range snaps {
+		if !sn.Routable() {
+			continue
+		}
+		seqs := sn.MaxNumSeqs
+		if seqs <= 0 {
+			seqs = defaultMaxNumSeqs
+		}
+		allowed := int(float64(seqs) * s.share)
+		inflight := 0
+		if l := s.ledgers[sn.Name]; l != nil {
+			inflight = len(l.grants)
+			if sn.CapacityTokens > 0 && inflight > 0 {
+				mean := float64(l.reserved) / float64(inflight)
+				budget := s.policy.KVTarget * s.share * float64(sn.CapacityTokens)
+				allowed = min(allowed, int(math.Floor(budget/max(mean, 1))))
+			}
+		}
+		room += max(allowed-inflight, 0, 1-inflight)
+	}
+	return max(room-s.queued, 0)
+}
+
+// RoutableModels returns the models that at least one routable backend
+// serves, sorted: the durable runner claims only jobs for these.
+func (s *Scheduler) RoutableModels() []string {
+	var out []string
+	for _, sn := range s.src.Snapshots() {
+		if !sn.Routable() {
+			continue
+		}
+		for _, m := range sn.Models {
+			if !slices.Contains(out, m.ID) {
+				out = append(out, m.ID)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}

@@ -1,0 +1,503 @@
+package sqlstore
+
+import (
+	"cmp"
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Ownership of a job: who may change a claimed job, and what becomes of
+// it when an attempt ends. Every statement that claims a job, renews or
+// uses a claim (heartbeat, sent mark, stage checkpoint), ends an attempt
+// (complete, fail, single or batched) or takes an expired claim away
+// (reap) is built here, from the three conditions below, each written
+// once:
+//
+//   - runnable: a job a claim may take;
+//   - owned: the claim under a fence still owns the job at a time;
+//   - nextState: where the end of an attempt leaves the job: the one
+//     retry-or-terminal rule, applied by Fail and Reap alike.
+//
+// An attempt counts (the job's attempt column +1) only when it ends
+// having spent: a completion, a failure of a request that reached a
+// backend, an invalid input, or a lease lost after the claim marked its
+// request sent. A claim that waited or was interrupted ends without
+// spending, and the job is retried while its deadline allows.
+
+// owned is the condition that the claim under fence owns job row t at
+// now: the job is RUNNING under that fence and its lease has not expired.
+func owned(t, fence, now string) string {
+	return t + ".state = 'RUNNING' AND " + t + ".fence = " + fence + " AND " + t + ".lease_until > " + now
+}
+
+// runnable is the condition that a claim at now may take job row t.
+func runnable(t, now string) string {
+	return t + ".state IN ('READY', 'RETRY_SCHEDULED') AND " + t + ".available_at <= " + now + " AND " + t + ".deadline_at > " + now
+}
+
+// nextState is the state an attempt's end leaves job row t in, given the
+// state the worker asks for (SUCCEEDED, REVIEW_REQUIRED, FAILED_TERMINAL
+// or RETRY_SCHEDULED), whether the attempt spent, and when a retry would
+// run: a retry becomes FAILED_TERMINAL when the attempt spent the job's
+// last one, or when it would run at or after the deadline. Expressions
+// are evaluated on the row before the update.
+func nextState(t, state, spent, retryAt string) string {
+	return "CASE WHEN " + state + " <> 'RETRY_SCHEDULED' THEN " + state +
+		" WHEN " + spent + " AND " + t + ".attempt + 1 >= " + t + ".max_attempts THEN 'FAILED_TERMINAL'" +
+		" WHEN " + retryAt + " >= " + t + ".deadline_at THEN 'FAILED_TERMINAL'" +
+		" ELSE 'RETRY_SCHEDULED' END"
+}
+
+// endedClass is the error class an attempt's end records: a retry that
+// spent nothing and that the deadline forbids ends the job as
+// deadline_exceeded, which no attempt of its own caused.
+func endedClass(t, state, spent, retryAt, class string) string {
+	return "CASE WHEN NOT " + spent + " AND " + state + " = 'RETRY_SCHEDULED' AND " + retryAt + " >= " + t + ".deadline_at" +
+		" THEN 'deadline_exceeded' ELSE " + class + " END"
+}
+
+// spentAttempts is the attempt counter after an end that spent or not.
+func spentAttempts(t, spent string) string {
+	return t + ".attempt + CASE WHEN " + spent + " THEN 1 ELSE 0 END"
+}
+
+// eventTypes names the events whose type is not "job." + the lowercase
+// state; eventType and eventTypeSQL render this one table.
+var eventTypes = map[store.State]string{store.Ready: "job.accepted", store.FailedTerminal: "job.dead_lettered"}
+
+// eventType names the event that reports a job entering st.
+func eventType(st store.State) string {
+	if t, ok := eventTypes[st]; ok {
+		return t
+	}
+	return "job." + strings.ToLower(string(st))
+}
+
+// eventTypeSQL is eventType in SQL, of a state column.
+func eventTypeSQL(col string) string {
+	var b strings.Builder
+	b.WriteString("CASE " + col)
+	for _, st := range slices.Sorted(func(yield func(store.State) bool) {
+		for st := range eventTypes {
+			if !yield(st) {
+				return
+			}
+		}
+	}) {
+		fmt.Fprintf(&b, " WHEN '%s' THEN '%s'", st, eventTypes[st])
+	}
+	b.WriteString(" ELSE 'job.' || lower(" + col + ") END")
+	return b.String()
+}
+
+// ownershipQueries fills the ownership statements of q.
+func ownershipQueries(d Dialect, q *queries) {
+	r := func(s string) string { return rebind(d, s) }
+	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
+	q.heartbeat = r(`UPDATE jobs SET lease_until = ? WHERE id = ? AND ` + owned("jobs", "?", "?"))
+	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence WHERE id = ? AND ` + owned("jobs", "?", "?"))
+	q.ownedBy = r(`SELECT 1 FROM jobs WHERE id = ? AND ` + owned("jobs", "?", "?"))
+	// The job row is locked (where the dialect locks rows) so that a reap
+	// committing meanwhile is seen: its new fence fails the condition.
+	q.saveStage = r(`INSERT INTO stages (job_id, stage, fence, data, created_at)
+		SELECT id, ?, fence, ?, ? FROM jobs WHERE id = ? AND ` + owned("jobs", "?", "?") + ` ` + d.LockShared + `
+		ON CONFLICT (job_id, stage) DO NOTHING`)
+	if d.WritableCTE {
+		q.claimCTE, q.finishBatch = r(claimCTE(d)), r(finishBatch)
+	} else {
+		q.finish = r(finishOne)
+	}
+	// Expired leases, by the same rule as Fail: the lost attempt spent
+	// when its claim had marked the request sent.
+	lost := "(jobs.sent_fence = jobs.fence)"
+	q.reapLeases = r(`UPDATE jobs SET
+			state = ` + nextState("jobs", "'RETRY_SCHEDULED'", lost, "?") + `,
+			attempt = ` + spentAttempts("jobs", lost) + `,
+			fence = fence + 1, state_version = state_version + 1, updated_at = ?, lease_until = 0, available_at = ?,
+			error_class = ` + endedClass("jobs", "'RETRY_SCHEDULED'", lost, "?", "'lease_expired'") + `,
+			last_error = 'the worker stopped renewing its lease'
+		WHERE id IN (SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable + `)
+		RETURNING id, tenant, state, state_version, attempt, fence, sent_fence = fence - 1`)
+	q.reapDeadlines = r(`UPDATE jobs SET state = 'FAILED_TERMINAL', state_version = state_version + 1, updated_at = ?,
+			error_class = 'deadline_exceeded', last_error = 'the deadline passed before the job could run'
+		WHERE id IN (SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND deadline_at <= ? LIMIT ? ` + d.LockRunnable + `)
+		RETURNING id, tenant, state, state_version, attempt, fence, FALSE`)
+}
+
+// claimCTE leases up to limit runnable jobs, fairly across tenants by
+// their weights (see fair.go), and writes a job.running event for each,
+// in claim order, with ids from the array parameter.
+//
+// The candidates are read without locks, twice the batch spread over the
+// considered tenants and at least 16 of each; the batch locks them in
+// fair order, skipping any that a concurrent claimer holds and taking the
+// next (LIMIT above FOR UPDATE SKIP LOCKED), so that claimers racing for
+// the same tenants' heads each get their own jobs instead of none.
+func claimCTE(d Dialect) string {
+	return `WITH considered AS (
+		SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) AS weight
+		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
+		LEFT JOIN tenants tn ON tn.name = jt.tenant),
+	oldest AS (
+		SELECT id, tenant FROM jobs
+		WHERE ` + runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model") + `
+		ORDER BY priority, available_at, id LIMIT 1),
+	cand AS MATERIALIZED (
+		SELECT c.id, (c.rn - 1)::float8 / GREATEST(t.weight, 1) AS turn, t.served_at, t.tenant FROM considered t CROSS JOIN LATERAL (
+			SELECT id, row_number() OVER (ORDER BY priority, available_at, id) AS rn FROM jobs
+			WHERE jobs.tenant = t.tenant AND ` + runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model") + `
+			ORDER BY priority, available_at, id
+			LIMIT (SELECT GREATEST(16, CEIL(2.0 * ?::int / GREATEST(count(*), 1)))::int FROM considered)) c
+		UNION ALL
+		SELECT h.id, CASE WHEN EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) THEN 2147483647 ELSE 0 END,
+			-1, h.tenant FROM oldest h),
+	picked AS (
+		SELECT j.id FROM cand c JOIN jobs j ON j.id = c.id
+		WHERE ` + runnable("j", "?") + `
+		ORDER BY c.turn, c.served_at, c.tenant LIMIT ? FOR UPDATE OF j SKIP LOCKED),
+	claimed AS (
+		UPDATE jobs SET state = 'RUNNING', fence = fence + 1,
+			lease_until = ?, state_version = state_version + 1, updated_at = ?
+		FROM picked WHERE jobs.id = picked.id
+		RETURNING ` + qualified("jobs", jobColumns) + `),
+	served AS (
+		UPDATE job_tenants SET served_at = GREATEST(?, (SELECT max(served_at) FROM job_tenants) + 1)
+		WHERE EXISTS (SELECT 1 FROM oldest) AND tenant IN (
+			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered)
+			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
+	healed AS (
+		INSERT INTO job_tenants (tenant) SELECT DISTINCT tenant FROM claimed ON CONFLICT DO NOTHING),
+	ev AS (
+		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT (?::text[])[row_number() OVER (ORDER BY priority, available_at, id)],
+			id, tenant, 'job.running', state, state_version, ?::bigint
+		FROM claimed ORDER BY priority, available_at, id)
+	SELECT ` + jobColumns + ` FROM claimed`
+}
+
+// finishBatch ends many attempts in one statement, each under its own
+// fence: the job's new state, the attempt record and the event, for the
+// calls whose claim still owns its job; the others change nothing and
+// return no row. One call is a batch of one.
+var finishBatch = `WITH input AS (
+		SELECT * FROM unnest(?::text[], ?::bigint[], ?::text[], ?::boolean[], ?::boolean[], ?::bigint[], ?::bigint[], ?::bytea[],
+			?::text[], ?::text[], ?::integer[], ?::text[], ?::text[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[])
+			WITH ORDINALITY AS t(id, fence, state, spent, sent, now, available_at, result, error_class, error,
+				attempt, backend, outcome, prompt_tokens, completion_tokens, started_at, ended_at, event_id, ord)),
+	f AS (
+		UPDATE jobs SET state = ` + nextState("jobs", "input.state", "input.spent", "input.available_at") + `,
+			attempt = ` + spentAttempts("jobs", "input.spent") + `,
+			state_version = jobs.state_version + 1, updated_at = input.now,
+			lease_until = 0, available_at = input.available_at, result = COALESCE(input.result, jobs.result),
+			error_class = ` + endedClass("jobs", "input.state", "input.spent", "input.available_at", "input.error_class") + `,
+			last_error = input.error
+		FROM input
+		WHERE jobs.id = ANY(?::text[]) AND jobs.id = input.id AND ` + owned("jobs", "input.fence", "input.now") + `
+		RETURNING jobs.id, jobs.tenant, jobs.state, jobs.state_version, jobs.fence, input.ord),
+	a AS (
+		INSERT INTO attempts (job_id, attempt, fence, backend, outcome, spent, sent, error_class, error,
+			prompt_tokens, completion_tokens, started_at, ended_at)
+		SELECT f.id, input.attempt, f.fence, input.backend, input.outcome, input.spent, input.sent, input.error_class, input.error,
+			input.prompt_tokens, input.completion_tokens, input.started_at, input.ended_at
+		FROM f JOIN input ON input.ord = f.ord),
+	ev AS (
+		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT input.event_id, f.id, f.tenant, ` + eventTypeSQL("f.state") + `, f.state, f.state_version, input.now
+		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord)
+	SELECT ord FROM f`
+
+// finishOne is one attempt's end, for a dialect without writable CTEs
+// (finishBatch is the same for many, in one statement).
+var finishOne = `UPDATE jobs SET state = ` + nextState("jobs", "input.state", "input.spent", "input.available_at") + `,
+			attempt = ` + spentAttempts("jobs", "input.spent") + `,
+			state_version = jobs.state_version + 1, updated_at = input.now, lease_until = 0,
+			available_at = input.available_at, result = COALESCE(input.result, jobs.result),
+			error_class = ` + endedClass("jobs", "input.state", "input.spent", "input.available_at", "input.error_class") + `,
+			last_error = input.error
+		FROM (SELECT ? AS id, ? AS fence, ? AS state, ? AS spent, ? AS now, ? AS available_at, ? AS result,
+			? AS error_class, ? AS error) AS input
+		WHERE jobs.id = input.id AND ` + owned("jobs", "input.fence", "input.now") + `
+		RETURNING jobs.tenant, jobs.state, jobs.state_version`
+
+// Claim implements store.Store, fairly across tenants (fair.go). An idle
+// poll finds nothing runnable with one read and takes no write lock.
+func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, limit int, models ...string) ([]store.Job, error) {
+	if limit <= 0 {
+		return nil, nil
+	}
+	if s.d.WritableCTE {
+		return s.claimOne(ctx, now, lease, limit, models)
+	}
+	m := s.d.ModelsArg(models)
+	var one int
+	err := s.queryRow(ctx, nil, s.q.anyRunnable, micros(now), micros(now), m, m).Scan(&one)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, s.err("claim jobs", err)
+	}
+	var jobs []store.Job
+	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
+		var err error
+		if jobs, err = s.claimFairTx(ctx, tx, now, lease, limit, m); err != nil {
+			return err
+		}
+		sortClaimed(jobs)
+		for _, j := range jobs {
+			if err := s.addEvent(ctx, tx, "", j.ID, j.Tenant, store.Running, j.StateVersion, now); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return jobs, nil
+}
+
+// sortClaimed puts claimed jobs in claim order: RETURNING keeps none.
+func sortClaimed(jobs []store.Job) {
+	slices.SortFunc(jobs, func(a, b store.Job) int {
+		return cmp.Or(cmp.Compare(a.Priority, b.Priority), a.AvailableAt.Compare(b.AvailableAt), cmp.Compare(a.ID, b.ID))
+	})
+}
+
+// claimOne is Claim in one statement. With nothing runnable it changes no
+// row, so it takes no row lock and commits nothing to flush: an idle poll
+// needs no read first.
+func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration, limit int, models []string) ([]store.Job, error) {
+	ids := make([]string, limit)
+	for i := range ids {
+		ids[i] = uuid.Must(uuid.NewV7()).String()
+	}
+	m := s.d.ModelsArg(models)
+	// The lock re-reads a row another claimer changed; availability and
+	// the deadline are checked again on the version it locks.
+	t := micros(now)
+	rows, err := s.query(ctx, nil, s.q.claimCTE, fairTenants(limit),
+		t, t, m, m, // oldest
+		t, t, m, m, limit, // cand
+		t, t, limit, // picked
+		micros(now.Add(lease)), t, t, ids, t)
+	if err != nil {
+		return nil, s.err("claim jobs", err)
+	}
+	defer rows.Close()
+	jobs := make([]store.Job, 0, limit)
+	for rows.Next() {
+		j, err := scanJob(rows)
+		if err != nil {
+			return nil, s.err("claim jobs", err)
+		}
+		jobs = append(jobs, j)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, s.err("claim jobs", err)
+	}
+	sortClaimed(jobs)
+	return jobs, nil
+}
+
+// Heartbeat implements store.Store.
+func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+	return s.renew(ctx, "heartbeat", s.q.heartbeat, id, fence, now, lease)
+}
+
+// MarkSent implements store.Store.
+func (s *Store) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+	return s.renew(ctx, "mark sent", s.q.markSent, id, fence, now, lease)
+}
+
+func (s *Store) renew(ctx context.Context, op, q, id string, fence int64, now time.Time, lease time.Duration) error {
+	res, err := s.exec(ctx, nil, q, micros(now.Add(lease)), id, fence, micros(now))
+	if err != nil {
+		return s.err(op, err)
+	}
+	if n, err := res.RowsAffected(); err != nil {
+		return s.err(op, err)
+	} else if n == 0 {
+		return store.ErrLeaseLost
+	}
+	return nil
+}
+
+// end is one attempt's end: what Complete and Fail ask of finish.
+type end struct {
+	op, id  string
+	fence   int64
+	state   store.State // asked for; nextState decides
+	avail   time.Time   // when a retry may run
+	result  []byte
+	a       store.Attempt
+	eventID string
+	now     time.Time
+	err     error // the outcome, in a batch
+}
+
+// Complete implements store.Store.
+func (s *Store) Complete(ctx context.Context, c store.Completion) error {
+	if c.State != store.Succeeded && c.State != store.ReviewRequired {
+		return fmt.Errorf("complete job %s: state %s is not a completion", c.JobID, c.State)
+	}
+	result := []byte(c.Result)
+	if result == nil {
+		result = []byte("null")
+	}
+	a := c.Attempt
+	a.Spent, a.Sent = !c.Reused, !c.Reused
+	return s.finish(ctx, &end{op: "complete job " + c.JobID, id: c.JobID, fence: c.Fence, state: c.State, avail: c.Now,
+		result: result, a: a, eventID: c.EventID, now: c.Now})
+}
+
+// Fail implements store.Store; where the job goes is nextState's rule.
+func (s *Store) Fail(ctx context.Context, f store.Failure) error {
+	e := &end{op: "fail job " + f.JobID, id: f.JobID, fence: f.Fence, state: store.RetryScheduled, avail: f.RetryAt,
+		a: f.Attempt, eventID: f.EventID, now: f.Now}
+	switch {
+	case f.RetryAt.IsZero() && f.Attempt.Spent:
+		e.state, e.avail = store.FailedTerminal, f.Now
+	case f.RetryAt.IsZero():
+		e.avail = f.Now
+	}
+	return s.finish(ctx, e)
+}
+
+// finish applies a worker's end of an attempt under its claim: the state,
+// the attempt record and the event, in one transaction, or ErrLeaseLost
+// and nothing when the claim no longer owns the job.
+func (s *Store) finish(ctx context.Context, e *end) error {
+	if s.finishes != nil {
+		if err := s.finishes.do(ctx, e); err != nil {
+			return err
+		}
+		return e.err
+	}
+	return s.tx(ctx, e.op, func(tx *sql.Tx) error {
+		var tenant, st string
+		var version int64
+		var res any
+		if e.result != nil {
+			res = e.result
+		}
+		err := s.queryRow(ctx, tx, s.q.finish, e.id, e.fence, string(e.state), e.a.Spent, micros(e.now), micros(e.avail), res,
+			e.a.ErrorClass, e.a.Error).Scan(&tenant, &st, &version)
+		if errors.Is(err, sql.ErrNoRows) {
+			return store.ErrLeaseLost
+		}
+		if err != nil {
+			return err
+		}
+		if err := s.insertAttempt(ctx, tx, e.id, e.fence, e.a); err != nil {
+			return err
+		}
+		return s.addEvent(ctx, tx, e.eventID, e.id, tenant, store.State(st), version, e.now)
+	})
+}
+
+func (s *Store) insertAttempt(ctx context.Context, tx *sql.Tx, id string, fence int64, a store.Attempt) error {
+	_, err := s.exec(ctx, tx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.Spent, a.Sent, a.ErrorClass, a.Error,
+		a.PromptTokens, a.CompletionTokens, micros(a.StartedAt), micros(a.EndedAt))
+	return err
+}
+
+// Reap implements store.Store.
+func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error) {
+	n := 0
+	err := s.tx(ctx, "reap", func(tx *sql.Tx) error {
+		t := micros(now)
+		for _, q := range []struct {
+			sql  string
+			args []any
+		}{
+			{s.q.reapLeases, []any{t, t, t, t, t, limit}},
+			{s.q.reapDeadlines, []any{t, t, limit}},
+		} {
+			rows, err := s.query(ctx, tx, q.sql, q.args...)
+			if err != nil {
+				return err
+			}
+			type reaped struct {
+				id, tenant, state string
+				version           int64
+				attempt           int
+				fence             int64
+				spent             bool
+			}
+			var rs []reaped
+			for rows.Next() {
+				var r reaped
+				if err := rows.Scan(&r.id, &r.tenant, &r.state, &r.version, &r.attempt, &r.fence, &r.spent); err != nil {
+					rows.Close()
+					return err
+				}
+				rs = append(rs, r)
+			}
+			rows.Close()
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			for _, r := range rs {
+				if q.sql == s.q.reapLeases {
+					// The lost attempt is part of the job's history.
+					num := r.attempt
+					if !r.spent {
+						num++
+					}
+					if err := s.insertAttempt(ctx, tx, r.id, r.fence-1, store.Attempt{Attempt: num,
+						Outcome: store.OutcomeLeaseExpired, Spent: r.spent, Sent: r.spent, ErrorClass: "lease_expired",
+						Error: "the worker stopped renewing its lease", EndedAt: now}); err != nil {
+						return err
+					}
+				}
+				if err := s.addEvent(ctx, tx, "", r.id, r.tenant, store.State(r.state), r.version, now); err != nil {
+					return err
+				}
+			}
+			n += len(rs)
+		}
+		// Tenants left with nothing runnable leave the fair claim's table
+		// (fair.go); those served within the last minute stay, being
+		// likely to come back.
+		if _, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute))); err != nil {
+			return err
+		}
+		_, err := s.exec(ctx, tx, rebind(s.d, fairRelist))
+		return err
+	})
+	return n, err
+}
+
+// SaveStage implements store.Store: one statement writes the checkpoint
+// only while the claim owns the job. When it wrote nothing, the stage
+// existed (the first is kept) or the claim had lost the job.
+func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
+	op := "save stage " + stage
+	res, err := s.exec(ctx, nil, s.q.saveStage, stage, data, micros(now), id, fence, micros(now))
+	if err != nil {
+		return s.err(op, err)
+	}
+	if n, err := res.RowsAffected(); err != nil {
+		return s.err(op, err)
+	} else if n == 1 {
+		return nil
+	}
+	var one int
+	switch err := s.queryRow(ctx, nil, s.q.ownedBy, id, fence, micros(now)).Scan(&one); {
+	case errors.Is(err, sql.ErrNoRows):
+		return store.ErrLeaseLost
+	case err != nil:
+		return s.err(op, err)
+	}
+	return nil
+}
