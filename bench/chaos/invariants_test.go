@@ -133,7 +133,7 @@ func violations(s snapshot) []violation {
 			add(invAccounted, j.id, "unknown state %q", j.state)
 		}
 
-		spent, succ, backendFailure := 0, 0, false
+		spent, succ, backendFailure, paid := 0, 0, false, false
 		for _, a := range as {
 			if a.spent || a.sent {
 				recordsThatMaySend++
@@ -159,8 +159,13 @@ func violations(s snapshot) []violation {
 				case a.outcome != "succeeded":
 					backendFailure = true
 				}
-			} else if a.outcome == "succeeded" {
-				add(invExplained, j.id, "attempt %d (fence %d) succeeded without counting", a.attempt, a.fence)
+			} else if a.outcome == "succeeded" && !paid {
+				// A success that spends nothing reused the inference an
+				// earlier spent attempt checkpointed; there must be one.
+				add(invExplained, j.id, "attempt %d (fence %d) succeeded without counting, and no earlier attempt that spent sent the request", a.attempt, a.fence)
+			}
+			if a.spent && a.sent {
+				paid = true
 			}
 			if a.outcome == "succeeded" {
 				succ++

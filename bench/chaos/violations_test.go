@@ -56,6 +56,16 @@ func TestViolations(t *testing.T) {
 			}
 			s.calls = 3
 		}, nil},
+		{"a retry reused the inference a lost lease paid for", func(s *snapshot) {
+			s.attempts["a"] = []attemptRec{
+				{attempt: 1, fence: 1, outcome: "lease_expired", class: "lease_expired", spent: true, sent: true},
+				{attempt: 2, fence: 2, outcome: "succeeded"},
+			}
+		}, nil},
+		{"a success that nothing paid for", func(s *snapshot) {
+			s.jobs[0].attempt = 0
+			s.attempts["a"] = []attemptRec{{attempt: 1, fence: 1, outcome: "succeeded", sent: true}}
+		}, []violation{{invariant: invExplained, job: "a"}}},
 		{"deadline passed before it ran", func(s *snapshot) {
 			j := job("b", "FAILED_TERMINAL", 0)
 			j.errorClass, j.deadline = "deadline_exceeded", now.Add(-time.Minute)
