@@ -39,7 +39,11 @@ type options struct {
 	maxNumSeqs  int     // the simulators' --max-num-seqs, told to kvgate too [the profile's]
 	coldStart   bool    // the simulators are not started with the fleet (startSims starts them)
 	maxAttempts int     // jobs.max_attempts [5]
-	lease       time.Duration
+	// lease is jobs.lease [15s]: short, so that the kill -9 scenarios
+	// do not wait long for the reaper, yet renewed often enough (every
+	// third of it) that a loaded CI machine does not let a live
+	// worker's lease expire (5 s did, on two shared cores).
+	lease time.Duration
 	// requestTimeout is gateway.request_timeout: how long a job's request
 	// may run [kvgate's default].
 	requestTimeout time.Duration
@@ -75,7 +79,7 @@ func newEnv(t *testing.T, opts options) *env {
 		opts.maxAttempts = 5
 	}
 	if opts.lease == 0 {
-		opts.lease = 5 * time.Second
+		opts.lease = 15 * time.Second
 	}
 	dir := filepath.Join(suite.dir, strings.ReplaceAll(t.Name(), "/", "_"))
 	os.RemoveAll(dir)
