@@ -14,7 +14,7 @@ import (
 // /usr/sbin/nats-server.
 func findNATS() (string, error) {
 	if p := os.Getenv("KVGATE_CHAOS_NATS_SERVER"); p != "" {
-		return p, nil
+		return exec.LookPath(p)
 	}
 	if p, err := exec.LookPath("nats-server"); err == nil {
 		return p, nil

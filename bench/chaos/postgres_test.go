@@ -32,6 +32,9 @@ type pgCluster struct {
 // newest /usr/lib/postgresql/*/bin, or initdb on PATH.
 func findPGBin() (string, error) {
 	if d := os.Getenv("KVGATE_CHAOS_PG_BIN"); d != "" {
+		if _, err := exec.LookPath(filepath.Join(d, "pg_ctl")); err != nil {
+			return "", fmt.Errorf("KVGATE_CHAOS_PG_BIN: %w", err)
+		}
 		return d, nil
 	}
 	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin")
