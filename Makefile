@@ -83,7 +83,7 @@ clean:
 # The chaos suite (bench/chaos, docs/chaos.md): scripted faults against
 # real processes (kvgate serve, kvgate sim, nats-server and a private
 # PostgreSQL cluster), each followed by the invariant checks over the
-# store and the simulators' counters. chaos runs every scenario (about 9
+# store and the simulators' counters. chaos runs every scenario (about 6
 # minutes: the cold start waits its full two minutes); chaos-short the
 # subset CI runs (cold start after 25 s, one kill -9, SIGTERM with
 # max_attempts 1: under two minutes). Logs of failed scenarios and the
