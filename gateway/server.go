@@ -20,9 +20,13 @@ import (
 
 // Config configures the API. Zero values take the defaults in brackets.
 type Config struct {
-	// APIKeys maps bearer tokens to tenants. Empty means development mode:
-	// no authentication, every request belongs to tenant "default".
+	// APIKeys maps bearer tokens to tenants.
 	APIKeys map[string]string
+	// Dev is development mode: a caller without a key is tenant
+	// "default"'s administrator while no key exists (no static key, and a
+	// tenant store that has never held one). Without it a caller needs a
+	// valid key, always.
+	Dev bool
 	// OperatorKeys maps bearer tokens to the tenants whose operators hold
 	// them: they may do all a tenant's key may, and also see retry
 	// details (a job's attempts, backends and error classes).
@@ -134,6 +138,9 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 		return nil, err
 	}
 	if err := s.initTenants(reg); err != nil {
+		return nil, err
+	}
+	if err := s.initAuth(); err != nil {
 		return nil, err
 	}
 	s.routes(reg)
