@@ -90,7 +90,7 @@ type Server struct {
 	est     *estimator
 	jobs    Jobs
 	m       *metrics
-	mux     *http.ServeMux
+	mux     *routeMux
 	retries int
 	keys    *keyCache    // nil without Tenants.Store
 	limits  *tenantCache // nil without Tenants.Store
@@ -132,7 +132,7 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 		est:  newEstimator(),
 		jobs: cfg.Jobs,
 		m:    newMetrics(),
-		mux:  http.NewServeMux(),
+		mux:  newRouteMux(),
 	}
 	if err := s.m.register(reg); err != nil {
 		return nil, err
