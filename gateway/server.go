@@ -98,7 +98,9 @@ type Server struct {
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
-// served, with whatever else it holds, at /metrics.
+// served, with whatever else it holds, at /metrics. A configuration that
+// no caller could authenticate against (no static key, no tenant store,
+// not Dev) is an error.
 func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry, log *slog.Logger) (*Server, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, 8<<20)
 	cfg.DefaultMaxTokens = cmp.Or(cfg.DefaultMaxTokens, 1024)
