@@ -20,9 +20,13 @@ import (
 
 // Config configures the API. Zero values take the defaults in brackets.
 type Config struct {
-	// APIKeys maps bearer tokens to tenants. Empty means development mode:
-	// no authentication, every request belongs to tenant "default".
+	// APIKeys maps bearer tokens to tenants.
 	APIKeys map[string]string
+	// Dev is development mode: a caller without a key is tenant
+	// "default"'s administrator while no key exists (no static key, and a
+	// tenant store that has never held one). Without it a caller needs a
+	// valid key, always.
+	Dev bool
 	// OperatorKeys maps bearer tokens to the tenants whose operators hold
 	// them: they may do all a tenant's key may, and also see retry
 	// details (a job's attempts, backends and error classes).
@@ -86,7 +90,7 @@ type Server struct {
 	est     *estimator
 	jobs    Jobs
 	m       *metrics
-	mux     *http.ServeMux
+	mux     *routeMux
 	retries int
 	keys    *keyCache    // nil without Tenants.Store
 	limits  *tenantCache // nil without Tenants.Store
@@ -94,7 +98,9 @@ type Server struct {
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
-// served, with whatever else it holds, at /metrics.
+// served, with whatever else it holds, at /metrics. A configuration that
+// no caller could authenticate against (no static key, no tenant store,
+// not Dev) is an error.
 func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry, log *slog.Logger) (*Server, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, 8<<20)
 	cfg.DefaultMaxTokens = cmp.Or(cfg.DefaultMaxTokens, 1024)
@@ -128,12 +134,15 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 		est:  newEstimator(),
 		jobs: cfg.Jobs,
 		m:    newMetrics(),
-		mux:  http.NewServeMux(),
+		mux:  newRouteMux(),
 	}
 	if err := s.m.register(reg); err != nil {
 		return nil, err
 	}
 	if err := s.initTenants(reg); err != nil {
+		return nil, err
+	}
+	if err := s.initAuth(); err != nil {
 		return nil, err
 	}
 	s.routes(reg)

@@ -90,7 +90,7 @@ func waitReady(tb testing.TB, url string) {
 // front of it, each in its own process.
 func startStack(tb testing.TB) (direct, via string) {
 	sim := child(tb, "sim", "--port", "0", "--speedup", "0", "--max-model-len", "8192")
-	gw := child(tb, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--log-level", "error", "--data-dir", tb.TempDir())
+	gw := child(tb, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--dev", "--log-level", "error", "--data-dir", tb.TempDir())
 	waitReady(tb, gw+"/readyz")
 	return sim, gw
 }

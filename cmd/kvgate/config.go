@@ -27,6 +27,9 @@ type config struct {
 	APIKeys   []apiKey            `yaml:"api_keys"`
 	LogLevel  string              `yaml:"log_level"`
 
+	// Dev is development mode: a caller without a key is tenant
+	// "default"'s admin until the first key exists.
+	Dev bool `yaml:"dev"`
 	// AdminKey is a bootstrap administrator's bearer token (tenant
 	// "admin"): it manages tenants and keys over /v1/admin/.
 	AdminKey string `yaml:"admin_key"`
@@ -102,13 +105,14 @@ type configFlags struct {
 	natsURL  string
 	adminKey string
 	failOpen bool
+	dev      bool
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.file, "config", "", "YAML configuration file (env KVGATE_CONFIG)")
 	fs.StringVar(&c.addr, "addr", "", "address to serve the API on (env KVGATE_ADDR; default 127.0.0.1:8080)")
 	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
-	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none means no authentication")
+	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none (and no store key) means 401 for everyone, outside --dev")
 	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
 	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
 	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
@@ -120,6 +124,7 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.noMig, "no-migrate", false, "do not apply the store's migrations on start (run kvgate migrate)")
 	fs.StringVar(&c.adminKey, "admin-key", "", "bootstrap administrator's bearer token, for /v1/admin/ (env KVGATE_ADMIN_KEY)")
 	fs.BoolVar(&c.failOpen, "quota-fail-open", false, "admit requests unlimited when the quota store is unreachable (env KVGATE_QUOTA_FAIL_OPEN; default: answer 503)")
+	fs.BoolVar(&c.dev, "dev", false, "development mode: a caller without a key is tenant default's admin until the first key exists (env KVGATE_DEV; never in production)")
 	fs.StringVar(&c.natsURL, "nats-url", "", "NATS server or cluster for job events, e.g. nats://host:4222 (env KVGATE_NATS_URL; default: embedded in-process, files under --data-dir)")
 }
 
@@ -173,6 +178,13 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		}
 		cfg.Quotas.FailOpen = b
 	}
+	if v, ok := env("KVGATE_DEV"); ok {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_DEV: %w", err)
+		}
+		cfg.Dev = b
+	}
 	if v, ok := env("KVGATE_NATS_URL"); ok {
 		cfg.NATS.URL = v
 	}
@@ -217,6 +229,9 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["quota-fail-open"] {
 		cfg.Quotas.FailOpen = c.failOpen
+	}
+	if set["dev"] {
+		cfg.Dev = c.dev
 	}
 	if set["nats-url"] {
 		cfg.NATS.URL = c.natsURL

@@ -118,6 +118,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(),
+		Dev:       cfg.Dev,
 		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
@@ -148,7 +149,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		model = p.Model
 	}
 	auth := ""
-	if len(keys) > 0 {
+	if len(keys) > 0 || !cfg.Dev {
 		auth = " -H 'Authorization: Bearer YOUR_KEY'"
 	}
 	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on http://%s/v1\ntry: curl -s http://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
