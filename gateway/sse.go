@@ -72,6 +72,19 @@ func (e *sseWriter) send(id, event string, data any) error {
 	return e.rc.Flush()
 }
 
+// fail ends a stream with an error event in OpenAI's error shape. It
+// carries no id, so that the client's Last-Event-ID stays the last event
+// it was sent.
+func (e *sseWriter) fail(err error) {
+	b, merr := json.Marshal(toAPIError(err).body())
+	if merr != nil {
+		return
+	}
+	if _, err := fmt.Fprintf(e.w, "event: error\ndata: %s\n\n", b); err == nil {
+		_ = e.rc.Flush()
+	}
+}
+
 func (e *sseWriter) comment(text string) error {
 	if _, err := fmt.Fprintf(e.w, ": %s\n\n", text); err != nil {
 		return err
@@ -190,7 +203,7 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 		}
 		return j.State.Final(), nil
 	}
-	s.follow(ctx, sse, tenant, id, at.after, keep, recheck)
+	s.follow(r, sse, id, at.after, keep, recheck)
 	return http.StatusOK
 }
 
@@ -258,7 +271,7 @@ func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int 
 	}
 	// No event after the snapshot's place is older than what it showed,
 	// and the feed keeps each job's versions rising: nothing to skip.
-	s.follow(ctx, sse, tenant, "", at.after, func(store.Event) (bool, bool) { return true, false }, nil)
+	s.follow(r, sse, "", at.after, func(store.Event) (bool, bool) { return true, false }, nil)
 	return http.StatusOK
 }
 
@@ -298,13 +311,18 @@ func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string
 	return sse.send(place{after: head}.id(), "snapshot", snap)
 }
 
-// follow sends the feed's events after the cursor as they are published,
-// until the client leaves, keep says the stream is done, or the store
-// fails (the client reconnects with its Last-Event-ID). keep decides per
-// event whether to send it and whether it ends the stream; recheck, when
-// set, runs on every periodic look and may end the stream too.
-func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID string, after int64,
+// follow sends the caller's feed (one job's, with jobID) after the cursor
+// as it is published, until the client leaves, keep says the stream is
+// done, or the store fails (the client reconnects with its Last-Event-ID).
+// keep decides per event whether to send it and whether it ends the
+// stream; recheck, when set, runs on every periodic look and may end the
+// stream too. Each look also checks the caller's key again, as a new
+// request would be checked: a stream whose key was revoked ends with an
+// error event within the key cache's TTL and a second. A drain ends the
+// stream at once, with an error event that says to reconnect.
+func (s *Server) follow(r *http.Request, sse *sseWriter, jobID string, after int64,
 	keep func(store.Event) (send, last bool), recheck func(cursor int64) (last bool, err error)) {
+	ctx, tenant := r.Context(), tenantOf(r.Context())
 	tick := time.NewTicker(feedRecheck)
 	defer tick.Stop()
 	lastWrite := time.Now()
@@ -343,8 +361,17 @@ func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID strin
 		select {
 		case <-ctx.Done():
 			return
+		case <-s.drain.begun:
+			sse.fail(errStreamDrained)
+			return
 		case <-changed:
 		case <-tick.C:
+			if err := s.reauthorize(r); err != nil {
+				if ctx.Err() == nil {
+					sse.fail(err)
+				}
+				return
+			}
 			if recheck != nil {
 				if last, err := recheck(after); last || err != nil {
 					return
@@ -358,6 +385,25 @@ func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID strin
 			}
 		}
 	}
+}
+
+// reauthorize checks a stream's caller again, as a new request would be
+// checked: a key revoked since the stream began, or one that now names
+// another tenant, no longer passes. Static keys live as long as the
+// process, so without a key store there is nothing to check.
+func (s *Server) reauthorize(r *http.Request) error {
+	if s.keys == nil {
+		return nil
+	}
+	p, err := s.authenticate(r)
+	if err != nil {
+		return err
+	}
+	if p.tenant != tenantOf(r.Context()) {
+		return &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
+			msg: "The API key this stream was opened with no longer gives access to its tenant."}
+	}
+	return nil
 }
 
 // attemptView is one attempt as an operator sees it.
