@@ -56,6 +56,13 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	for k, v := range e.header {
 		w.Header()[k] = v
 	}
+	writeJSON(w, e.status, e.body())
+	return e.status
+}
+
+// body is the error in OpenAI's shape: the response body, or the data of
+// the error event that ends a stream whose status line has gone out.
+func (e *apiError) body() openai.ErrorResponse {
 	body := openai.ErrorResponse{Error: &openai.APIError{Message: e.msg, Type: e.typ}}
 	if e.code != "" {
 		body.Error.Code = e.code
@@ -63,8 +70,7 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	if e.param != "" {
 		body.Error.Param = &e.param
 	}
-	writeJSON(w, e.status, body)
-	return e.status
+	return body
 }
 
 func toAPIError(err error) *apiError {

@@ -167,14 +167,26 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	hash := requestHash(req.Endpoint, req.Body)
 	endReservation, err := s.reserveJob(r.Context(), estimate)
+	var quota *store.QuotaError
+	if errors.As(err, &quota) {
+		// A client retrying a lost 202 must get its job back, whatever
+		// the limits: the job it retries is what fills them.
+		if j, found, lerr := s.jobByKey(r.Context(), tenantOf(r.Context()), key); lerr == nil && found {
+			if j.RequestHash != hash {
+				return writeError(w, s.log, store.ErrConflict)
+			}
+			return s.acceptedJob(w, j, false)
+		}
+	}
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
 	defer endReservation()
 	job, created, err := s.jobs.Store.Accept(r.Context(), store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: requestHash(req.Endpoint, req.Body),
+		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: hash,
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
 		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
 	})
@@ -184,12 +196,47 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if created && s.jobs.Wake != nil {
 		s.jobs.Wake()
 	}
+	return s.acceptedJob(w, job, created)
+}
+
+// acceptedJob answers a submission with its job: 202 and its Location,
+// flagged as a replay when the key had already made it.
+func (s *Server) acceptedJob(w http.ResponseWriter, job store.Job, created bool) int {
 	if !created {
 		w.Header().Set("Idempotent-Replayed", "true")
 	}
 	w.Header().Set("Location", "/v1/jobs/"+job.ID)
 	writeJSON(w, http.StatusAccepted, viewOf(job))
 	return http.StatusAccepted
+}
+
+// replayScan bounds each of jobByKey's two reads.
+const replayScan = 1000
+
+// jobByKey finds a tenant's job by its idempotency key, for a submission
+// a limit refused. The store has no read by key yet, so it looks among the
+// tenant's pending jobs (the ones a pending limit counts) and its newest
+// jobs, replayScan of each: a replay of a job that is neither stays
+// refused. It runs only on a refusal, never on the accepting path.
+//
+// TODO(store): replace both reads with one indexed lookup by tenant and
+// key once the store offers it.
+func (s *Server) jobByKey(ctx context.Context, tenant, key string) (store.Job, bool, error) {
+	for _, f := range []store.ListFilter{
+		{States: []store.State{store.Ready, store.Running, store.RetryScheduled}, Limit: replayScan},
+		{Limit: replayScan},
+	} {
+		jobs, _, err := s.jobs.Store.List(ctx, tenant, f)
+		if err != nil {
+			return store.Job{}, false, err
+		}
+		for _, j := range jobs {
+			if j.IdempotencyKey == key {
+				return j, true, nil
+			}
+		}
+	}
+	return store.Job{}, false, nil
 }
 
 func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {

@@ -596,6 +596,12 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		readErr = io.ErrUnexpectedEOF // the stream ended without [DONE]
 	}
 	res := failed("stream_cut", readErr)
+	if started && errors.Is(context.Cause(ctx), errDrainDeadline) {
+		// Shutting down: the client is still there, and must hear why the
+		// stream ends.
+		endStream(w, rc, errDrainDeadline)
+		return result{status: http.StatusServiceUnavailable, err: errDrainDeadline, wrote: true}
+	}
 	if !started || res.err == errClientGone {
 		return res // nothing reached the client: retryable elsewhere
 	}

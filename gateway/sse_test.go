@@ -15,6 +15,7 @@ import (
 
 type sseEvent struct {
 	ID    int64
+	RawID string // the id as sent, for a client's Last-Event-ID
 	Event string
 	Data  string
 }
@@ -56,6 +57,7 @@ func openStream(t *testing.T, url string, header ...string) *sseStream {
 				}
 				e = sseEvent{}
 			case strings.HasPrefix(line, "id: "):
+				e.RawID = line[4:]
 				e.ID, _ = strconv.ParseInt(line[4:], 10, 64)
 			case strings.HasPrefix(line, "event: "):
 				e.Event = line[7:]

@@ -153,8 +153,9 @@ func (r *Runner) Wake() {
 func (r *Runner) Collectors() []prometheus.Collector { return r.m.collectors() }
 
 // Drain stops claiming new jobs; the attempts in flight go on until they
-// end or Run's context does (then each hands its job back without
-// spending an attempt). Safe to call more than once.
+// end, and then Run returns nil, or until Run's context ends (then each
+// hands its job back without spending an attempt). Safe to call more than
+// once.
 func (r *Runner) Drain() {
 	if !r.draining.Swap(true) {
 		r.log.Info("runner draining: no new claims", "in_flight", r.inflight.Load())
@@ -197,6 +198,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-done:
 		}
 		if r.draining.Load() {
+			if r.inflight.Load() == 0 {
+				return nil // drained
+			}
 			continue
 		}
 		// Jobs claimed but not yet admitted are not in the scheduler's

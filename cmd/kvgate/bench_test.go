@@ -28,14 +28,7 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(2)
 		}
-		ctx, stop := signalContext()
-		err := run(ctx, argv, os.Getenv, os.Stdout, os.Stderr)
-		stop()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "kvgate:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+		os.Exit(runMain(stopSignals(), argv, os.Getenv, os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
 }

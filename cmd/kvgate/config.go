@@ -26,6 +26,10 @@ type config struct {
 	Backends  []gpu.BackendConfig `yaml:"backends"`
 	APIKeys   []apiKey            `yaml:"api_keys"`
 	LogLevel  string              `yaml:"log_level"`
+	// DrainTimeout bounds the drain at shutdown: how long requests,
+	// streams and jobs in flight may take to finish once kvgate stops
+	// taking new ones [60s].
+	DrainTimeout time.Duration `yaml:"drain_timeout"`
 
 	// Dev is development mode: a caller without a key is tenant
 	// "default"'s admin until the first key exists.
@@ -106,6 +110,7 @@ type configFlags struct {
 	adminKey string
 	failOpen bool
 	dev      bool
+	drain    time.Duration
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
@@ -125,13 +130,14 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.adminKey, "admin-key", "", "bootstrap administrator's bearer token, for /v1/admin/ (env KVGATE_ADMIN_KEY)")
 	fs.BoolVar(&c.failOpen, "quota-fail-open", false, "admit requests unlimited when the quota store is unreachable (env KVGATE_QUOTA_FAIL_OPEN; default: answer 503)")
 	fs.BoolVar(&c.dev, "dev", false, "development mode: a caller without a key is tenant default's admin until the first key exists (env KVGATE_DEV; never in production)")
+	fs.DurationVar(&c.drain, "drain-timeout", 0, "at shutdown, how long requests, streams and jobs in flight may take to finish (env KVGATE_DRAIN_TIMEOUT; default 60s)")
 	fs.StringVar(&c.natsURL, "nats-url", "", "NATS server or cluster for job events, e.g. nats://host:4222 (env KVGATE_NATS_URL; default: embedded in-process, files under --data-dir)")
 }
 
 // load builds the configuration from the file, the environment and the
 // flags that were set on fs.
 func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*config, error) {
-	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data"}
+	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data", DrainTimeout: 60 * time.Second}
 	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -188,6 +194,13 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if v, ok := env("KVGATE_NATS_URL"); ok {
 		cfg.NATS.URL = v
 	}
+	if v, ok := env("KVGATE_DRAIN_TIMEOUT"); ok {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_DRAIN_TIMEOUT: %w", err)
+		}
+		cfg.DrainTimeout = d
+	}
 	if v, ok := env("KVGATE_BACKENDS"); ok {
 		cfg.Backends = nil
 		for _, u := range splitList(v) {
@@ -236,6 +249,9 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if set["nats-url"] {
 		cfg.NATS.URL = c.natsURL
 	}
+	if set["drain-timeout"] {
+		cfg.DrainTimeout = c.drain
+	}
 	if set["backend"] {
 		cfg.Backends = nil
 		for _, u := range c.backends {
@@ -263,6 +279,9 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["no-nvml"] {
 		cfg.NVML.Disabled = c.noNVML
+	}
+	if cfg.DrainTimeout <= 0 {
+		return nil, fmt.Errorf("drain timeout %s: it must be positive", cfg.DrainTimeout)
 	}
 	if err := cfg.Admission.Validate(); err != nil {
 		return nil, fmt.Errorf("admission: %w", err)
