@@ -84,8 +84,11 @@ func unroutableReason(sn *gpu.Snapshot, excluded bool, now time.Time) (string, t
 		health = ": " + sn.HealthErr
 	}
 	switch {
-	case sn.Ejected:
+	case sn.Ejected && now.Before(sn.EjectedUntil):
 		return fmt.Sprintf("ejected until %s%s", sn.EjectedUntil.Format(time.TimeOnly), health), sn.EjectedUntil.Sub(now)
+	case sn.Ejected:
+		// Its ejection is over; the next healthy probe ends it.
+		return "ejected until a probe succeeds" + health, 2 * time.Second
 	case sn.GPUHealth == gpu.Failed:
 		return fmt.Sprintf("GPU failed %v", sn.GPUReasons), 30 * time.Second
 	case len(sn.Models) == 0:

@@ -42,6 +42,7 @@ func TestReach(t *testing.T) {
 		{"ejected", []*gpu.Snapshot{ejectedSnap("a", now.Add(5*time.Second))}, model, nil, ErrNoRoutableBackend, 5 * time.Second},
 		{"earliest ejection", []*gpu.Snapshot{ejectedSnap("a", now.Add(50*time.Second)), ejectedSnap("b", now.Add(7*time.Second))}, model, nil, ErrNoRoutableBackend, 7 * time.Second},
 		{"ejection ends in a minute at most", []*gpu.Snapshot{ejectedSnap("a", now.Add(time.Hour))}, model, nil, ErrNoRoutableBackend, time.Minute},
+		{"ejection over, probes failing", []*gpu.Snapshot{ejectedSnap("a", now.Add(-time.Minute))}, model, nil, ErrNoRoutableBackend, 2 * time.Second},
 		{"GPU failed", []*gpu.Snapshot{failedGPU}, model, nil, ErrNoRoutableBackend, 30 * time.Second},
 		{"configured, not reached", []*gpu.Snapshot{undiscoveredSnap("a", model)}, model, nil, ErrNoRoutableBackend, 2 * time.Second},
 		{"configured for another model", []*gpu.Snapshot{undiscoveredSnap("a", "other")}, model, nil, ErrNoBackend, 0},
