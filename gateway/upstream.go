@@ -203,3 +203,12 @@ func (h *requestHealth) settle(pool healthReporter) {
 	}
 	h.held = nil
 }
+
+// reportAlone tells the pool how backend answered a request that is tried
+// on no other backend now, such as a job's attempt: requestHealth with
+// nothing to compare, so an ambiguous failure counts against the backend.
+func reportAlone(pool healthReporter, backend string, u upstream) {
+	var h requestHealth
+	h.observe(pool, backend, u)
+	h.settle(pool)
+}

@@ -125,3 +125,22 @@ func TestRequestHealth(t *testing.T) {
 		})
 	}
 }
+
+func TestReportAlone(t *testing.T) {
+	for _, tc := range []struct {
+		u    upstream
+		want string
+	}{
+		{upstream{class: upstreamOK, status: 200}, "ok a"},
+		{classifyResponse(500, http.Header{}, nil), "fail a"},
+		{classifyResponse(400, http.Header{}, nil), "ok a"},
+		{classifyResponse(429, http.Header{}, nil), ""},
+		{classifyTransport(errStalled, true), "fail a"},
+	} {
+		var r reports
+		reportAlone(&r, "a", tc.u)
+		if strings.Join(r, ",") != tc.want {
+			t.Errorf("%v: reports %q, want %q", tc.u.class, r, tc.want)
+		}
+	}
+}
