@@ -39,6 +39,12 @@ func (l *lockedBuffer) Write(p []byte) (int, error) {
 	return l.b.Write(p)
 }
 
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
 // count returns how many log lines carry msg.
 func (l *lockedBuffer) count(msg string) int {
 	l.mu.Lock()
@@ -165,7 +171,7 @@ func TestBackendDownAtStart(t *testing.T) {
 			wantUnreachable(t, resp, body, llama)
 		}
 		if n := g.logs.count("no routable backend"); n != 1 {
-			t.Errorf("%d log lines for 5 refusals in a row, want 1:\n%s", n, g.logs.b.String())
+			t.Errorf("%d log lines for 5 refusals in a row, want 1:\n%s", n, g.logs)
 		}
 		resp, err := http.Get(g.srv.URL + "/v1/models")
 		if err != nil {
