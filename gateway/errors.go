@@ -79,6 +79,7 @@ func toAPIError(err error) *apiError {
 		up       *upstreamError
 		rejected *scheduler.RejectedError
 		tooLarge *scheduler.TooLargeError
+		down     *scheduler.UnroutableError
 		maxBytes *http.MaxBytesError
 		quota    *store.QuotaError
 	)
@@ -115,6 +116,11 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrUnavailable):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "store_unavailable", retryAfter: time.Second,
 			msg: "The job store cannot be reached right now. Retry with the same Idempotency-Key: if this request was recorded after all, the same job comes back, never a second one."}
+	case errors.As(err, &down):
+		// Which backends and why is the scheduler's log line, not the
+		// client's business.
+		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "backend_unavailable", retryAfter: down.RetryAfter,
+			msg: fmt.Sprintf("No backend serving model `%s` is reachable now; retry after the Retry-After delay.", down.Model)}
 	case errors.Is(err, scheduler.ErrNoBackend):
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
 			msg: "No backend serves this model."}

@@ -77,6 +77,7 @@ type backendPool interface {
 // admitter is what the gateway needs of the scheduler.
 type admitter interface {
 	Acquire(ctx context.Context, t *scheduler.Ticket) (*scheduler.Grant, error)
+	CheckModel(model string) error
 }
 
 // Server serves the OpenAI-compatible API. It is an http.Handler, safe for

@@ -286,6 +286,15 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if err := cfg.Admission.Validate(); err != nil {
 		return nil, fmt.Errorf("admission: %w", err)
 	}
+	for i, b := range cfg.Backends {
+		// A backend's models (the file only) are names kvgate knows before
+		// the backend answers, and the only ones it serves of it.
+		for _, m := range b.Models {
+			if strings.TrimSpace(m) == "" {
+				return nil, fmt.Errorf("backends[%d] (%s): models: an empty model name", i, b.URL)
+			}
+		}
+	}
 	return cfg, nil
 }
 
