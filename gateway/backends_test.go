@@ -105,6 +105,7 @@ func startGateway(t *testing.T, backends []gpu.BackendConfig, o gatewayOpts) *ga
 	if err != nil {
 		t.Fatal(err)
 	}
+	o.gateway.Dev = true // these tests are about backends, not keys
 	api, err := New(o.gateway, g.pool, g.sched, prometheus.NewRegistry(), log)
 	if err != nil {
 		t.Fatal(err)

@@ -41,11 +41,12 @@ func (c upstreamClass) String() string {
 	return [...]string{"none", "ok", "not_sent", "rate_limited", "backend_error", "timeout", "request_error"}[c]
 }
 
-// errorClass maps the class to a job attempt's. upstreamNotSent maps to
-// ClassBackend like a failure after sending; a caller for whom a request
-// never sent is a wait, not an attempt, asks sent first.
+// errorClass maps the class to a job attempt's: a request that never
+// left is ClassRefused, a wait that spends no attempt.
 func (c upstreamClass) errorClass() scheduler.ErrorClass {
 	switch c {
+	case upstreamNotSent:
+		return scheduler.ClassRefused
 	case upstreamRateLimited:
 		return scheduler.ClassRateLimited
 	case upstreamTimeout:

@@ -61,7 +61,7 @@ func TestClassifyTransport(t *testing.T) {
 	if err == nil {
 		t.Fatal("a closed port answered")
 	}
-	if u := classifyTransport(err, false); u.class != upstreamNotSent || u.class.sent() || u.class.errorClass() != scheduler.ClassBackend {
+	if u := classifyTransport(err, false); u.class != upstreamNotSent || u.class.sent() || u.class.errorClass() != scheduler.ClassRefused {
 		t.Errorf("connection refused: %v (sent %v)", u.class, u.class.sent())
 	}
 	if u := classifyTransport(io.ErrUnexpectedEOF, false); u.class != upstreamBackendError || !u.class.sent() {

@@ -352,8 +352,13 @@ func admissionError(err error) error {
 	switch {
 	case errors.As(err, &tooLarge):
 		return &ExecError{Class: ClassInvalid, Err: err}
-	case errors.Is(err, ErrNoBackend):
-		return &ExecError{Class: ClassNoBackend, Err: err}
+	case errors.Is(err, ErrNoBackend), errors.Is(err, ErrNoRoutableBackend):
+		var ue *UnroutableError
+		retry := time.Duration(0)
+		if errors.As(err, &ue) {
+			retry = ue.RetryAfter
+		}
+		return &ExecError{Class: ClassNoBackend, RetryAfter: retry, Err: err}
 	case errors.As(err, &rejected) && rejected.Reason == "shutting_down":
 		return &ExecError{Class: ClassShutdown, Err: err}
 	case errors.As(err, &rejected):
