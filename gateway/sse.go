@@ -408,15 +408,19 @@ func (s *Server) reauthorize(r *http.Request) error {
 
 // attemptView is one attempt as an operator sees it.
 type attemptView struct {
-	Attempt          int    `json:"attempt"`
-	Fence            int64  `json:"fence"`
-	Backend          string `json:"backend"`
-	Outcome          string `json:"outcome"`
+	Attempt int    `json:"attempt"`
+	Fence   int64  `json:"fence"`
+	Backend string `json:"backend"`
+	Outcome string `json:"outcome"`
+	// Spent: the attempt counted against the job's attempts; Sent: its
+	// request may have reached a backend.
+	Spent            bool   `json:"spent"`
+	Sent             bool   `json:"sent"`
 	ErrorClass       string `json:"error_class,omitempty"`
 	Error            string `json:"error,omitempty"`
 	PromptTokens     int    `json:"prompt_tokens"`
 	CompletionTokens int    `json:"completion_tokens"`
-	StartedAt        int64  `json:"started_at"`
+	StartedAt        int64  `json:"started_at,omitempty"` // unknown (0) for a lease the reaper took
 	EndedAt          int64  `json:"ended_at"`
 }
 
@@ -445,9 +449,12 @@ func (s *Server) handleJobAttempts(w http.ResponseWriter, r *http.Request) int {
 		Data       []attemptView `json:"data"`
 	}{Object: "list", JobID: j.ID, Attempt: j.Attempt, ErrorClass: j.ErrorClass, LastError: j.LastError, Data: make([]attemptView, len(as))}
 	for i, a := range as {
-		out.Data[i] = attemptView{Attempt: a.Attempt, Fence: a.Fence, Backend: a.Backend, Outcome: a.Outcome, ErrorClass: a.ErrorClass,
-			Error: a.Error, PromptTokens: a.PromptTokens, CompletionTokens: a.CompletionTokens,
-			StartedAt: a.StartedAt.Unix(), EndedAt: a.EndedAt.Unix()}
+		out.Data[i] = attemptView{Attempt: a.Attempt, Fence: a.Fence, Backend: a.Backend, Outcome: a.Outcome, Spent: a.Spent, Sent: a.Sent,
+			ErrorClass: a.ErrorClass, Error: a.Error, PromptTokens: a.PromptTokens, CompletionTokens: a.CompletionTokens,
+			EndedAt: a.EndedAt.Unix()}
+		if !a.StartedAt.IsZero() {
+			out.Data[i].StartedAt = a.StartedAt.Unix()
+		}
 	}
 	writeJSON(w, http.StatusOK, out)
 	return http.StatusOK
