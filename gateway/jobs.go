@@ -22,6 +22,7 @@ import (
 type jobStore interface {
 	Accept(ctx context.Context, j store.NewJob) (store.Job, bool, error)
 	Get(ctx context.Context, tenant, id string) (store.Job, error)
+	GetByKey(ctx context.Context, tenant, key string) (store.Job, error)
 	List(ctx context.Context, tenant string, f store.ListFilter) ([]store.Job, string, error)
 	Result(ctx context.Context, tenant, id string) (json.RawMessage, error)
 	Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error)
@@ -173,7 +174,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if errors.As(err, &quota) {
 		// A client retrying a lost 202 must get its job back, whatever
 		// the limits: the job it retries is what fills them.
-		if j, found, lerr := s.jobByKey(r.Context(), tenantOf(r.Context()), key); lerr == nil && found {
+		if j, lerr := s.jobs.Store.GetByKey(r.Context(), tenantOf(r.Context()), key); lerr == nil {
 			if j.RequestHash != hash {
 				return writeError(w, s.log, store.ErrConflict)
 			}
@@ -208,35 +209,6 @@ func (s *Server) acceptedJob(w http.ResponseWriter, job store.Job, created bool)
 	w.Header().Set("Location", "/v1/jobs/"+job.ID)
 	writeJSON(w, http.StatusAccepted, viewOf(job))
 	return http.StatusAccepted
-}
-
-// replayScan bounds each of jobByKey's two reads.
-const replayScan = 1000
-
-// jobByKey finds a tenant's job by its idempotency key, for a submission
-// a limit refused. The store has no read by key yet, so it looks among the
-// tenant's pending jobs (the ones a pending limit counts) and its newest
-// jobs, replayScan of each: a replay of a job that is neither stays
-// refused. It runs only on a refusal, never on the accepting path.
-//
-// TODO(store): replace both reads with one indexed lookup by tenant and
-// key once the store offers it.
-func (s *Server) jobByKey(ctx context.Context, tenant, key string) (store.Job, bool, error) {
-	for _, f := range []store.ListFilter{
-		{States: []store.State{store.Ready, store.Running, store.RetryScheduled}, Limit: replayScan},
-		{Limit: replayScan},
-	} {
-		jobs, _, err := s.jobs.Store.List(ctx, tenant, f)
-		if err != nil {
-			return store.Job{}, false, err
-		}
-		for _, j := range jobs {
-			if j.IdempotencyKey == key {
-				return j, true, nil
-			}
-		}
-	}
-	return store.Job{}, false, nil
 }
 
 func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {
