@@ -94,7 +94,7 @@ func TestServeDrains(t *testing.T) {
 	var stdout, stderr syncBuffer
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "1", "--no-nvml", "--data-dir", t.TempDir()},
+		done <- run(ctx, []string{"serve", "--dev", "--addr", "127.0.0.1:0", "--sim-speedup", "1", "--no-nvml", "--data-dir", t.TempDir()},
 			envOf(map[string]string{"KVGATE_DRAIN_TIMEOUT": "1s"}), &stdout, &stderr)
 	}()
 	base := waitOutput(t, "address", &stdout, servingAt)
@@ -145,7 +145,7 @@ func TestSecondSignalForcesExit(t *testing.T) {
 	code := make(chan int, 1)
 	dir := t.TempDir()
 	go func() {
-		code <- runMain(sigs, []string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "1", "--no-nvml", "--data-dir", dir},
+		code <- runMain(sigs, []string{"serve", "--dev", "--addr", "127.0.0.1:0", "--sim-speedup", "1", "--no-nvml", "--data-dir", dir},
 			envOf(map[string]string{"KVGATE_DRAIN_TIMEOUT": "10m"}), &stdout, &stderr)
 	}()
 	base := waitOutput(t, "address", &stdout, servingAt)
