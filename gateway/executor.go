@@ -144,7 +144,8 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	// (upstream.go). A job's attempt is tried on one backend only, so its
 	// ambiguous failures count against that backend (reportAlone).
 	resp, err := s.client.Do(req)
-	if err != nil && errors.Is(ctx.Err(), context.Canceled) {
+	stopped := func() bool { return errors.Is(ctx.Err(), context.Canceled) }
+	if err != nil && stopped() {
 		// kvgate itself stopped the attempt: the backend did nothing wrong.
 		return fail(sentAnswered, scheduler.ClassShutdown, 0, 0, err)
 	}
@@ -159,6 +160,9 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil && stopped() {
+		return fail(sentAnswered, scheduler.ClassShutdown, resp.StatusCode, 0, err)
+	}
 	if err != nil {
 		u := classifyTransport(err, errors.Is(ctx.Err(), context.DeadlineExceeded))
 		reportAlone(s.pool, g.Backend, u)
