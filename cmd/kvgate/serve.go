@@ -173,7 +173,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		model = p.Model
 	}
 	auth := ""
-	if len(keys) > 0 || !cfg.Dev {
+	if !api.DevOpen(ctx) {
 		auth = " -H 'Authorization: Bearer YOUR_KEY'"
 	}
 	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on http://%s/v1\ntry: curl -s http://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
