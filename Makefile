@@ -15,7 +15,7 @@ build:
 # kvgate on the embedded defaults: with no backend configured it fronts two
 # simulated H100s in-process.
 run: build
-	$(BIN) serve
+	$(BIN) serve --dev
 
 # Every test under the race detector, then the long experiments on their
 # own.

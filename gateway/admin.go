@@ -280,7 +280,7 @@ func (s *Server) storeKey(w http.ResponseWriter, r *http.Request, k store.APIKey
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	s.keys.forgetAll() // development mode may have ended
+	s.keys.created()
 	writeJSON(w, http.StatusCreated, keyView(k, secret))
 	return http.StatusCreated
 }
@@ -326,6 +326,7 @@ func (s *Server) handleRotateKey(w http.ResponseWriter, r *http.Request) int {
 	if err := s.cfg.Tenants.Store.CreateKey(r.Context(), k); err != nil {
 		return writeError(w, s.log, err)
 	}
+	s.keys.created()
 	if err := s.cfg.Tenants.Store.RevokeKey(r.Context(), old.ID, s.cfg.Tenants.Now()); err != nil && !errors.Is(err, store.ErrNotFound) {
 		return writeError(w, s.log, err)
 	}

@@ -21,9 +21,16 @@ import (
 // a bootstrap administrator), then among the store's keys by its SHA-256.
 // Store lookups are cached in process for Tenants.CacheTTL (5 s by
 // default), found or not: a key revoked on any replica stops working on
-// every replica within that TTL. Without any static key and with no valid
-// key in the store, the gateway runs in development mode: every caller is
-// the "default" tenant's administrator.
+// every replica within that TTL, and at once on the replica that revoked
+// it (a lookup in flight across the revocation does not cache what it read
+// before it).
+//
+// A caller without a valid key gets 401. Only in development mode
+// (Config.Dev) is a caller without a key let in, as the "default" tenant's
+// administrator, and only while no key exists: no static key is
+// configured and the store has never held one (a revoked key counts). The
+// first key ends development mode for good: revoking every key afterwards
+// leaves a gateway that answers 401 to everyone, never an open one.
 
 // KeyPrefix starts every key kvgate issues.
 const KeyPrefix = "kvg_"
@@ -77,10 +84,14 @@ type keyCache struct {
 	now func() time.Time
 	mu  sync.Mutex
 	m   map[string]keyEntry // by hash
-	// hasUntil: until when has is known; has: whether the store holds a
-	// valid key (no development mode then).
-	has      bool
-	hasUntil time.Time
+	// gen counts the forgets: a lookup caches its answer only if none
+	// happened while it read the store, so that a key read before its
+	// revocation is not cached after it.
+	gen uint64
+	// held: the store holds or has held a key, and development mode is
+	// over for good. heldUntil: until when a "never held one" is trusted.
+	held      bool
+	heldUntil time.Time
 }
 
 type keyEntry struct {
@@ -97,6 +108,7 @@ func (s *Server) lookupKey(ctx context.Context, token string) (principal, bool, 
 	now := c.now()
 	c.mu.Lock()
 	e, ok := c.m[hash]
+	gen := c.gen
 	c.mu.Unlock()
 	if ok && now.Before(e.until) {
 		return e.p, e.found, nil
@@ -112,57 +124,111 @@ func (s *Server) lookupKey(ctx context.Context, token string) (principal, bool, 
 		e = keyEntry{p: principal{tenant: k.Tenant, role: k.Role, keyID: k.ID, keyLimits: k.Limits}, found: true, until: now.Add(c.ttl)}
 	}
 	c.mu.Lock()
-	if len(c.m) >= keyCacheMax {
-		clear(c.m) // bounded: a flood of wrong tokens cannot grow it
+	c.held = c.held || e.found
+	if c.gen == gen {
+		if len(c.m) >= keyCacheMax {
+			clear(c.m) // bounded: a flood of wrong tokens cannot grow it
+		}
+		c.m[hash] = e
 	}
-	c.m[hash] = e
 	c.mu.Unlock()
 	return e.p, e.found, nil
 }
 
-// storeHasKeys reports whether the store holds a valid key; a store that
-// does not answer counts as holding one (no development mode by accident).
-func (s *Server) storeHasKeys(ctx context.Context) bool {
+// storeHeldKeys reports whether the store holds or has ever held a key; a
+// store that does not answer counts as having held one (no development
+// mode by accident).
+func (s *Server) storeHeldKeys(ctx context.Context) bool {
 	c := s.keys
 	now := c.now()
 	c.mu.Lock()
-	if now.Before(c.hasUntil) {
-		has := c.has
-		c.mu.Unlock()
-		return has
+	held, known, gen := c.held, now.Before(c.heldUntil), c.gen
+	c.mu.Unlock()
+	if held || known {
+		return held
 	}
-	c.mu.Unlock()
-	n, err := s.cfg.Tenants.Store.ActiveKeys(ctx)
-	has := err != nil || n > 0
+	// Revoked keys are listed too: a store whose keys were all revoked
+	// has held one. This runs in development mode only, until a key shows.
+	ks, err := s.cfg.Tenants.Store.ListKeys(ctx, "")
+	if err != nil {
+		s.log.Warn("key listing failed: no development mode", "err", err)
+		return true
+	}
 	c.mu.Lock()
-	c.has, c.hasUntil = has, now.Add(c.ttl)
-	c.mu.Unlock()
-	return has
+	defer c.mu.Unlock()
+	switch {
+	case len(ks) > 0:
+		c.held = true
+	case c.gen == gen:
+		c.heldUntil = now.Add(c.ttl)
+	}
+	return c.held
 }
 
 // forgetAll drops every cached key, after a change through this replica.
 func (c *keyCache) forgetAll() {
 	c.mu.Lock()
+	c.gen++
 	clear(c.m)
-	c.hasUntil = time.Time{}
+	c.heldUntil = time.Time{}
 	c.mu.Unlock()
 }
 
 // forget drops a cached key, after a revocation through this replica.
 func (c *keyCache) forget(hash string) {
 	c.mu.Lock()
+	c.gen++
 	delete(c.m, hash)
-	c.hasUntil = time.Time{}
+	c.heldUntil = time.Time{}
 	c.mu.Unlock()
 }
 
+// created records a key stored through this replica: development mode is
+// over.
+func (c *keyCache) created() {
+	c.forgetAll()
+	c.mu.Lock()
+	c.held = true
+	c.mu.Unlock()
+}
+
+// initAuth checks that some caller can authenticate, and says so in the
+// log when development mode is on.
+func (s *Server) initAuth() error {
+	if !s.cfg.Dev {
+		if !s.hasStaticKeys() && s.cfg.Tenants.Store == nil {
+			return errors.New("no caller could authenticate: configure a key, a tenant store or development mode")
+		}
+		return nil
+	}
+	s.log.Warn("development mode: a caller without a key is tenant default's administrator until the first key exists; never in production",
+		"static_keys", s.hasStaticKeys())
+	return nil
+}
+
+func (s *Server) hasStaticKeys() bool {
+	return len(s.cfg.APIKeys)+len(s.cfg.OperatorKeys)+len(s.cfg.AdminKeys) > 0
+}
+
+// devOpen reports whether development mode lets a caller in without a key:
+// no static key, and a store that has never held one.
+func (s *Server) devOpen(ctx context.Context) bool {
+	if !s.cfg.Dev || s.hasStaticKeys() {
+		return false
+	}
+	return s.keys == nil || !s.storeHeldKeys(ctx)
+}
+
+// DevOpen reports whether development mode lets a caller in without a key
+// now.
+func (s *Server) DevOpen(ctx context.Context) bool { return s.devOpen(ctx) }
+
 // authenticate returns the caller's principal.
 func (s *Server) authenticate(r *http.Request) (principal, error) {
-	static := len(s.cfg.APIKeys)+len(s.cfg.OperatorKeys)+len(s.cfg.AdminKeys) > 0
-	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-	if !static && (s.keys == nil || !s.storeHasKeys(r.Context())) {
+	if s.devOpen(r.Context()) {
 		return principal{tenant: "default", role: store.RoleAdmin}, nil
 	}
+	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	if !ok || token == "" {
 		return principal{}, &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error",
 			msg: "You didn't provide an API key. Provide it in the Authorization header as 'Bearer YOUR_KEY'."}

@@ -56,6 +56,13 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	for k, v := range e.header {
 		w.Header()[k] = v
 	}
+	writeJSON(w, e.status, e.body())
+	return e.status
+}
+
+// body is the error in OpenAI's shape: the response body, or the data of
+// the error event that ends a stream whose status line has gone out.
+func (e *apiError) body() openai.ErrorResponse {
 	body := openai.ErrorResponse{Error: &openai.APIError{Message: e.msg, Type: e.typ}}
 	if e.code != "" {
 		body.Error.Code = e.code
@@ -63,8 +70,7 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	if e.param != "" {
 		body.Error.Param = &e.param
 	}
-	writeJSON(w, e.status, body)
-	return e.status
+	return body
 }
 
 func toAPIError(err error) *apiError {
@@ -73,6 +79,7 @@ func toAPIError(err error) *apiError {
 		up       *upstreamError
 		rejected *scheduler.RejectedError
 		tooLarge *scheduler.TooLargeError
+		down     *scheduler.UnroutableError
 		maxBytes *http.MaxBytesError
 		quota    *store.QuotaError
 	)
@@ -109,6 +116,11 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrUnavailable):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "store_unavailable", retryAfter: time.Second,
 			msg: "The job store cannot be reached right now. Retry with the same Idempotency-Key: if this request was recorded after all, the same job comes back, never a second one."}
+	case errors.As(err, &down):
+		// Which backends and why is the scheduler's log line, not the
+		// client's business.
+		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "backend_unavailable", retryAfter: down.RetryAfter,
+			msg: fmt.Sprintf("No backend serving model `%s` is reachable now; retry after the Retry-After delay.", down.Model)}
 	case errors.Is(err, scheduler.ErrNoBackend):
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
 			msg: "No backend serves this model."}

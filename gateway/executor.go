@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"sync"
 	"time"
@@ -141,47 +140,54 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	if err := sending(); err != nil {
 		return execOutcome{}, sentNothing, err // the claim lost the job: send nothing
 	}
+	// One classification of a backend's answer, the interactive path's
+	// (upstream.go). A job's attempt is tried on one backend only, so its
+	// ambiguous failures count against that backend (reportAlone).
 	resp, err := s.client.Do(req)
+	stopped := func() bool { return errors.Is(ctx.Err(), context.Canceled) }
+	if err != nil && stopped() {
+		// kvgate itself stopped the attempt: the backend did nothing wrong.
+		return fail(sentAnswered, scheduler.ClassShutdown, 0, 0, err)
+	}
 	if err != nil {
-		if op := (*net.OpError)(nil); errors.As(err, &op) && op.Op == "dial" {
-			// Nothing left: the backend is down, and the job waits.
-			s.pool.ReportFailure(g.Backend, err)
-			return fail(sentNothing, scheduler.ClassRefused, 0, 0, err)
-		}
+		u := classifyTransport(err, errors.Is(ctx.Err(), context.DeadlineExceeded))
+		reportAlone(s.pool, g.Backend, u)
 		sent := sentAnswered
-		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-			s.pool.ReportFailure(g.Backend, errStalled)
-			return fail(sent, scheduler.ClassTimeout, 0, 0, err)
+		if !u.class.sent() {
+			sent = sentNothing // refused: the backend is down, and the job waits
 		}
-		s.pool.ReportFailure(g.Backend, err)
-		return fail(sent, scheduler.ClassBackend, 0, 0, err)
+		return fail(sent, u.class.errorClass(), 0, 0, err)
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil && stopped() {
+		return fail(sentAnswered, scheduler.ClassShutdown, resp.StatusCode, 0, err)
+	}
 	if err != nil {
-		s.pool.ReportFailure(g.Backend, err)
-		return fail(sentAnswered, scheduler.ClassBackend, resp.StatusCode, 0, err)
+		u := classifyTransport(err, errors.Is(ctx.Err(), context.DeadlineExceeded))
+		reportAlone(s.pool, g.Backend, u)
+		return fail(sentAnswered, u.class.errorClass(), resp.StatusCode, 0, err)
 	}
-	switch {
-	case resp.StatusCode == http.StatusTooManyRequests:
-		retryAfter := parseRetryAfter(resp.Header.Get("Retry-After"))
-		s.cooldown(g, retryAfter)
-		return fail(sentRefused, scheduler.ClassRateLimited, resp.StatusCode, retryAfter, errors.New(errorMessage(body)))
-	case resp.StatusCode >= 500:
-		s.pool.ReportFailure(g.Backend, fmt.Errorf("status %d", resp.StatusCode))
-		return fail(sentRefused, scheduler.ClassBackend, resp.StatusCode, parseRetryAfter(resp.Header.Get("Retry-After")), errors.New(errorMessage(body)))
-	case resp.StatusCode >= 400:
-		s.pool.ReportSuccess(g.Backend)
-		return fail(sentRefused, scheduler.ClassInvalid, resp.StatusCode, 0, errors.New(errorMessage(body)))
-	}
+	u := classifyResponse(resp.StatusCode, resp.Header, body)
 	var parsed struct {
 		Usage *usage `json:"usage"`
 	}
-	if err := json.Unmarshal(body, &parsed); err != nil {
-		s.pool.ReportFailure(g.Backend, err)
-		return fail(sentAnswered, scheduler.ClassBackend, resp.StatusCode, 0, fmt.Errorf("malformed response: %w", err))
+	if u.class == upstreamOK {
+		if err := json.Unmarshal(body, &parsed); err != nil {
+			u = malformedAnswer(resp.StatusCode, err)
+		}
 	}
-	s.pool.ReportSuccess(g.Backend)
+	if u.class == upstreamRateLimited {
+		s.cooldown(g, u.retryAfter)
+	}
+	reportAlone(s.pool, g.Backend, u)
+	if u.class != upstreamOK {
+		sent := sentRefused
+		if u.status < 400 {
+			sent = sentAnswered // a malformed 2xx: the work was done
+		}
+		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, u.err)
+	}
 	out := execOutcome{Outcome: scheduler.Outcome{Body: body}}
 	if parsed.Usage != nil {
 		out.reported = true

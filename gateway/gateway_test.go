@@ -61,6 +61,9 @@ type fleetOpts struct {
 	// store puts them on the given store (and implies jobs).
 	pg    bool
 	store *sqlstore.Store
+	// keysRequired runs the gateway outside development mode: every
+	// caller needs a key.
+	keysRequired bool
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -145,6 +148,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		wake := o.gateway.Jobs.Wake
 		o.gateway.Jobs.Wake = func() { wake(); sig.relay.Wake() }
 	}
+	o.gateway.Dev = o.gateway.Dev || !o.keysRequired
 	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
 	if err != nil {
 		t.Fatal(err)

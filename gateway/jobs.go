@@ -22,6 +22,7 @@ import (
 type jobStore interface {
 	Accept(ctx context.Context, j store.NewJob) (store.Job, bool, error)
 	Get(ctx context.Context, tenant, id string) (store.Job, error)
+	GetByKey(ctx context.Context, tenant, key string) (store.Job, error)
 	List(ctx context.Context, tenant string, f store.ListFilter) ([]store.Job, string, error)
 	Result(ctx context.Context, tenant, id string) (json.RawMessage, error)
 	Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error)
@@ -167,14 +168,26 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	hash := requestHash(req.Endpoint, req.Body)
 	endReservation, err := s.reserveJob(r.Context(), estimate)
+	var quota *store.QuotaError
+	if errors.As(err, &quota) {
+		// A client retrying a lost 202 must get its job back, whatever
+		// the limits: the job it retries is what fills them.
+		if j, lerr := s.jobs.Store.GetByKey(r.Context(), tenantOf(r.Context()), key); lerr == nil {
+			if j.RequestHash != hash {
+				return writeError(w, s.log, store.ErrConflict)
+			}
+			return s.acceptedJob(w, j, false)
+		}
+	}
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
 	defer endReservation()
 	job, created, err := s.jobs.Store.Accept(r.Context(), store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: requestHash(req.Endpoint, req.Body),
+		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: hash,
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
 		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
 	})
@@ -184,6 +197,12 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if created && s.jobs.Wake != nil {
 		s.jobs.Wake()
 	}
+	return s.acceptedJob(w, job, created)
+}
+
+// acceptedJob answers a submission with its job: 202 and its Location,
+// flagged as a replay when the key had already made it.
+func (s *Server) acceptedJob(w http.ResponseWriter, job store.Job, created bool) int {
 	if !created {
 		w.Header().Set("Idempotent-Replayed", "true")
 	}

@@ -173,13 +173,27 @@ func (s *Server) handleInference(w http.ResponseWriter, r *http.Request, ep endp
 	if sw, ok := w.(*statusWriter); ok {
 		sw.model = model.ID
 	}
+	// A model whose backends are all down is refused before it costs the
+	// tenant any quota.
+	if err := s.sched.CheckModel(model.ID); err != nil {
+		return writeError(w, s.log, err)
+	}
 	return s.proxy(w, r, c, model)
 }
 
+// lookupModel finds a model that a backend serves, is configured to serve,
+// or may serve once reached (a backend whose models are not known yet:
+// see gpu.Snapshot.MayServe); ok is false only when none does or may. The
+// max_model_len of a model not yet discovered is 0, unknown.
 func (s *Server) lookupModel(id string) (gpu.Model, bool) {
 	for _, m := range s.pool.Models() {
 		if m.ID == id {
 			return m, true
+		}
+	}
+	for _, sn := range s.pool.Snapshots() {
+		if sn.MayServe(id) {
+			return gpu.Model{ID: id}, true
 		}
 	}
 	return gpu.Model{}, false
@@ -234,9 +248,11 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	}
 	permit.headers(w.Header())
 	var (
-		attempts int
+		attempts int // that reached a backend, or may have
 		last     *result
+		health   requestHealth
 	)
+	defer health.settle(s.pool)
 	defer func() {
 		if permit != nil && last != nil && last.wrote {
 			_ = http.NewResponseController(w).Flush() // the client need not wait for the release
@@ -260,17 +276,26 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 			body, injected = b, true
 		}
 	}
-	for attempt := 0; ; attempt++ {
+	for retries := 0; ; {
 		grant, err := s.sched.Acquire(ctx, ticket)
 		if err != nil {
 			if ctx.Err() != nil {
 				return 499 // the client left; nobody to answer
 			}
+			if attempts > 0 {
+				return writeError(w, s.log, last.err) // what the backend said beats why there is no other
+			}
+			// Only refused connections so far, if any: no backend serving
+			// the model is reachable (ErrNoRoutableBackend), or none has room.
 			return writeError(w, s.log, err)
 		}
 		res := s.forward(ctx, w, grant, c, body, injected)
 		grant.Release()
-		attempts, last = attempts+1, &res
+		last = &res
+		if res.up.class.sent() {
+			attempts++
+		}
+		sameTwice := health.observe(s.pool, grant.Backend, res.up)
 		if res.err == nil {
 			if res.usage != nil && c.promptBytes > 0 {
 				s.est.observe(model.ID, c.promptBytes, res.usage.PromptTokens)
@@ -280,8 +305,22 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		if res.wrote || ctx.Err() != nil {
 			return res.status
 		}
-		if !res.retryable || attempt >= s.retries || !s.hasOtherBackend(model.ID, append(ticket.Exclude, grant.Backend)) {
+		if sameTwice {
+			// The request's own problem: another backend would fail it too.
+			s.log.Debug("request failed the same way on two backends; not retried", "model", model.ID,
+				"backend", grant.Backend, "class", res.up.class.String(), "status", res.up.status)
 			return writeError(w, s.log, res.err)
+		}
+		if !res.up.class.retryElsewhere() {
+			return writeError(w, s.log, res.err)
+		}
+		// A request that never left costs no retry: try any other backend,
+		// and when there is none, Acquire says so.
+		if res.up.class != upstreamNotSent {
+			if retries >= s.retries || !s.hasOtherBackend(model.ID, append(ticket.Exclude, grant.Backend)) {
+				return writeError(w, s.log, res.err)
+			}
+			retries++
 		}
 		ticket.Exclude = append(ticket.Exclude, grant.Backend)
 		s.m.retry(model.ID)
@@ -345,11 +384,11 @@ type usage struct {
 
 // result is how one attempt on one backend ended.
 type result struct {
-	status    int
-	err       error
-	retryable bool // nothing reached the client and another backend may do better
-	wrote     bool // bytes reached the client
-	usage     *usage
+	status int
+	err    error
+	up     upstream // the backend's part, classified
+	wrote  bool     // bytes reached the client
+	usage  *usage
 }
 
 // errStalled cancels an attempt whose backend went silent for too long.
@@ -376,9 +415,8 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 		case errors.Is(context.Cause(actx), errStalled):
 			kind, err = "stall", errStalled
 		}
-		s.pool.ReportFailure(g.Backend, err)
 		s.m.upstreamError(g.Backend, kind)
-		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), retryable: true}
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), up: classifyTransport(err, err == errStalled)}
 	}
 
 	req, err := http.NewRequestWithContext(actx, http.MethodPost, g.URL+endpointPath[c.ep], bytes.NewReader(body))
@@ -409,40 +447,32 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 		Usage *usage `json:"usage"`
 	}
 	if err := json.Unmarshal(b, &parsed); err != nil {
-		s.pool.ReportFailure(g.Backend, err)
 		s.m.upstreamError(g.Backend, "malformed")
-		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: malformed response: %w", g.Backend, err), retryable: true}
+		up := malformedAnswer(resp.StatusCode, err)
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, up.err), up: up}
 	}
-	s.pool.ReportSuccess(g.Backend)
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(b)
-	return result{status: resp.StatusCode, usage: parsed.Usage, wrote: true}
+	return result{status: resp.StatusCode, usage: parsed.Usage, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
 }
 
 // upstreamFailure reads a backend's error answer. 4xx are the request's
-// fault and go back to the client as they are; 429 and 5xx are the
-// backend's, and may be retried elsewhere.
+// fault and go back to the client as they are; 429 and 5xx may be the
+// backend's, and may be retried elsewhere; the proxy's requestHealth
+// decides whom they count against.
 func (s *Server) upstreamFailure(g *scheduler.Grant, resp *http.Response) result {
 	b, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-	msg := errorMessage(b)
-	if msg == "" {
-		msg = fmt.Sprintf("The backend answered %d.", resp.StatusCode)
-	}
-	e := &upstreamError{status: resp.StatusCode, msg: msg, retryAfter: parseRetryAfter(resp.Header.Get("Retry-After"))}
-	switch {
-	case resp.StatusCode == http.StatusTooManyRequests:
+	up := classifyResponse(resp.StatusCode, resp.Header, b)
+	switch up.class {
+	case upstreamRateLimited:
 		s.m.upstreamError(g.Backend, "429")
-		s.cooldown(g, e.retryAfter)
-		return result{status: resp.StatusCode, err: e, retryable: true}
-	case resp.StatusCode >= 500:
-		s.pool.ReportFailure(g.Backend, e)
+		s.cooldown(g, up.retryAfter)
+	case upstreamBackendError:
 		s.m.upstreamError(g.Backend, "5xx")
-		return result{status: resp.StatusCode, err: e, retryable: true}
 	}
-	s.pool.ReportSuccess(g.Backend)
-	return result{status: resp.StatusCode, err: e}
+	return result{status: resp.StatusCode, err: up.err, up: up}
 }
 
 // errorMessage digs the message out of an OpenAI- or vLLM-shaped error body.
@@ -589,13 +619,18 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		}
 	}
 	if done {
-		s.pool.ReportSuccess(g.Backend)
-		return result{status: http.StatusOK, usage: u, wrote: true}
+		return result{status: http.StatusOK, usage: u, wrote: true, up: upstream{class: upstreamOK, status: http.StatusOK}}
 	}
 	if readErr == io.EOF {
 		readErr = io.ErrUnexpectedEOF // the stream ended without [DONE]
 	}
 	res := failed("stream_cut", readErr)
+	if started && errors.Is(context.Cause(ctx), errDrainDeadline) {
+		// Shutting down: the client is still there, and must hear why the
+		// stream ends.
+		endStream(w, rc, errDrainDeadline)
+		return result{status: http.StatusServiceUnavailable, err: errDrainDeadline, wrote: true}
+	}
 	if !started || res.err == errClientGone {
 		return res // nothing reached the client: retryable elsewhere
 	}

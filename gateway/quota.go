@@ -28,8 +28,8 @@ import (
 // permit of its tenant's (no key's) like an interactive one, after the
 // scheduler granted it a backend: a quota that refuses it makes the job
 // wait for the quota's reset (scheduler.ClassQuota), and its usage lands in
-// the tenant's ledger. Tenants that the store does not know
-// (static keys, development mode) are not limited and have no ledger.
+// the tenant's ledger. Tenants that the store does not know (static keys,
+// development mode) are not limited, and their usage is recorded too.
 //
 // When the store does not answer, the request is refused with 503 (fail
 // closed), or, with Tenants.FailOpen, admitted without a permit and
@@ -148,7 +148,7 @@ type permit struct {
 }
 
 // acquireQuota admits a request of tokens for the caller: a permit (nil
-// when nothing limits the caller), a *store.QuotaError, or
+// without a tenant store, or admitted fail-open), a *store.QuotaError, or
 // errQuotaUnavailable.
 func (s *Server) acquireQuota(ctx context.Context, tokens int) (*permit, error) {
 	pr := principalOf(ctx)
@@ -162,10 +162,9 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	if s.cfg.Tenants.Store == nil {
 		return nil, nil
 	}
-	t, found, err := s.tenant(ctx, tenant)
-	if err == nil && !found {
-		return nil, nil
-	}
+	// A tenant the store does not know (a static key's, development
+	// mode's) has no limits, and its usage lands in the ledger all the same.
+	t, _, err := s.tenant(ctx, tenant)
 	var p store.Permit
 	if err == nil {
 		p, err = s.cfg.Tenants.Store.Acquire(ctx, store.Acquisition{

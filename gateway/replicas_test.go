@@ -75,7 +75,7 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 			t.Fatal(err)
 		}
 		r.pool = pool
-		cfg := Config{}
+		cfg := Config{Dev: true}
 		if shared {
 			cfg.OnCooldown = func(url string, until time.Time) { _ = scheduler.PublishCooldown(nc, url, until) }
 			wg.Go(func() { _ = scheduler.FollowCooldowns(ctx, nc, pool.CooldownURL) })

@@ -20,9 +20,13 @@ import (
 
 // Config configures the API. Zero values take the defaults in brackets.
 type Config struct {
-	// APIKeys maps bearer tokens to tenants. Empty means development mode:
-	// no authentication, every request belongs to tenant "default".
+	// APIKeys maps bearer tokens to tenants.
 	APIKeys map[string]string
+	// Dev is development mode: a caller without a key is tenant
+	// "default"'s administrator while no key exists (no static key, and a
+	// tenant store that has never held one). Without it a caller needs a
+	// valid key, always.
+	Dev bool
 	// OperatorKeys maps bearer tokens to the tenants whose operators hold
 	// them: they may do all a tenant's key may, and also see retry
 	// details (a job's attempts, backends and error classes).
@@ -73,6 +77,7 @@ type backendPool interface {
 // admitter is what the gateway needs of the scheduler.
 type admitter interface {
 	Acquire(ctx context.Context, t *scheduler.Ticket) (*scheduler.Grant, error)
+	CheckModel(model string) error
 }
 
 // Server serves the OpenAI-compatible API. It is an http.Handler, safe for
@@ -86,15 +91,18 @@ type Server struct {
 	est     *estimator
 	jobs    Jobs
 	m       *metrics
-	mux     *http.ServeMux
+	mux     *routeMux
 	retries int
 	keys    *keyCache    // nil without Tenants.Store
 	limits  *tenantCache // nil without Tenants.Store
 	quota   *quotaMetrics
+	drain   *drainState
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
-// served, with whatever else it holds, at /metrics.
+// served, with whatever else it holds, at /metrics. A configuration that
+// no caller could authenticate against (no static key, no tenant store,
+// not Dev) is an error.
 func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry, log *slog.Logger) (*Server, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, 8<<20)
 	cfg.DefaultMaxTokens = cmp.Or(cfg.DefaultMaxTokens, 1024)
@@ -125,15 +133,19 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 			IdleConnTimeout:     90 * time.Second,
 			DisableCompression:  true,
 		}},
-		est:  newEstimator(),
-		jobs: cfg.Jobs,
-		m:    newMetrics(),
-		mux:  http.NewServeMux(),
+		est:   newEstimator(),
+		jobs:  cfg.Jobs,
+		m:     newMetrics(),
+		mux:   newRouteMux(),
+		drain: newDrainState(),
 	}
 	if err := s.m.register(reg); err != nil {
 		return nil, err
 	}
 	if err := s.initTenants(reg); err != nil {
+		return nil, err
+	}
+	if err := s.initAuth(); err != nil {
 		return nil, err
 	}
 	s.routes(reg)
@@ -188,13 +200,25 @@ func tenantOf(ctx context.Context) string {
 func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request) int) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
+		if !s.drain.enter() {
+			w.Header().Set("Connection", "close")
+			status := writeError(w, s.log, errDraining)
+			s.m.request(route, "", status, time.Since(start))
+			return
+		}
+		defer s.drain.leave()
 		p, err := s.authenticate(r)
 		if err != nil {
 			status := writeError(w, s.log, err)
 			s.m.request(route, "", status, time.Since(start))
 			return
 		}
-		ctx := context.WithValue(r.Context(), tenantKey{}, p.tenant)
+		// The drain's deadline ends the request: see Drain.
+		ctx, cancel := context.WithCancelCause(r.Context())
+		defer cancel(nil)
+		stop := context.AfterFunc(s.drain.deadline, func() { cancel(errDrainDeadline) })
+		defer stop()
+		ctx = context.WithValue(ctx, tenantKey{}, p.tenant)
 		ctx = context.WithValue(ctx, principalKey{}, p)
 		if p.role == store.RoleOperator || p.role == store.RoleAdmin {
 			ctx = context.WithValue(ctx, operatorKey{}, true)
@@ -205,17 +229,34 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		s.m.inflight.Inc()
 		defer s.m.inflight.Dec()
 		status := h(rw, r)
+		if !rw.wrote && errors.Is(context.Cause(ctx), errDrainDeadline) {
+			// Cut before its answer (waiting for room, or for a backend
+			// that had not answered yet): say so rather than send nothing.
+			status = writeError(rw, s.log, errDrainDeadline)
+		}
 		s.m.request(route, rw.model, status, time.Since(start))
 	})
 }
 
-// statusWriter lets a handler name the model label for the request metrics.
+// statusWriter lets a handler name the model label for the request
+// metrics, and tells api whether anything was written.
 type statusWriter struct {
 	http.ResponseWriter
 	model string
+	wrote bool
 }
 
 func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+func (w *statusWriter) WriteHeader(code int) {
+	w.wrote = true
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	w.wrote = true
+	return w.ResponseWriter.Write(b)
+}
 
 func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
 	type model struct {
@@ -244,8 +285,13 @@ type list[T any] struct {
 // listOf starts a list with data (empty, not null, when there is none).
 func listOf[T any](data []T) list[T] { return list[T]{Object: "list", Data: data} }
 
-// handleReady answers 200 while at least one backend can take work.
+// handleReady answers 200 while at least one backend can take work, and
+// 503 from the moment a drain begins.
 func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
+	if s.drain.draining() {
+		http.Error(w, "not ready: draining", http.StatusServiceUnavailable)
+		return
+	}
 	now := time.Now()
 	var reasons []string
 	for _, sn := range s.pool.Snapshots() {

@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/store"
@@ -19,16 +21,28 @@ import (
 // published feed, which follows commit order, so a client that reconnects
 // with Last-Event-ID gets exactly what it missed. Without one, or with one
 // too far behind (more than Jobs.MaxReplay events), the stream starts with a
-// fresh snapshot instead. Per job, state_version never goes backwards: an
-// event older than what the client was already shown is skipped. A job
-// stream ends after the job's final state.
+// fresh snapshot instead. A job stream ends after the job's final state.
+//
+// Per job, state_version never goes backwards, across reconnects too. A
+// job's events reach the feed in the order they were committed, which is
+// the order of their state_versions; so what could take a client back is a
+// snapshot showing a state whose events still wait in the outbox, with an
+// id that places it before them. Each stream rules that out its own way,
+// with no memory that grows with the jobs it has shown:
+//   - The tenant's snapshot shows each job as the feed shows it at the
+//     snapshot's place (a job the feed does not know yet is left out): every
+//     event after that place is newer than what the snapshot showed.
+//   - A job's snapshot shows the job's row, which may be ahead of the feed,
+//     and its id says so: "place.version", the feed place and the
+//     state_version shown. Resuming from it, the stream skips events up to
+//     that version. An event's id is its place alone: the client was last
+//     shown that event's state, and the feed after it holds only newer ones.
 
 const (
-	feedPage      = 500              // events read at once
-	feedRecheck   = time.Second      // store read period when no notice comes
-	sseKeepalive  = 15 * time.Second // comment line that keeps proxies from closing an idle stream
-	snapshotJobs  = 100              // jobs in a tenant stream's snapshot
-	maxSSEJobSeen = 100_000          // jobs whose last state_version a tenant stream remembers
+	feedPage     = 500              // events read at once
+	feedRecheck  = time.Second      // store read period when no notice comes
+	sseKeepalive = 15 * time.Second // comment line that keeps proxies from closing an idle stream
+	snapshotJobs = 100              // jobs in a tenant stream's snapshot
 )
 
 type eventView struct {
@@ -47,15 +61,28 @@ type sseWriter struct {
 	rc *http.ResponseController
 }
 
-func (e *sseWriter) send(id int64, event string, data any) error {
+func (e *sseWriter) send(id, event string, data any) error {
 	b, err := json.Marshal(data)
 	if err != nil {
 		return err
 	}
-	if _, err := fmt.Fprintf(e.w, "id: %d\nevent: %s\ndata: %s\n\n", id, event, b); err != nil {
+	if _, err := fmt.Fprintf(e.w, "id: %s\nevent: %s\ndata: %s\n\n", id, event, b); err != nil {
 		return err
 	}
 	return e.rc.Flush()
+}
+
+// fail ends a stream with an error event in OpenAI's error shape. It
+// carries no id, so that the client's Last-Event-ID stays the last event
+// it was sent.
+func (e *sseWriter) fail(err error) {
+	b, merr := json.Marshal(toAPIError(err).body())
+	if merr != nil {
+		return
+	}
+	if _, err := fmt.Fprintf(e.w, "event: error\ndata: %s\n\n", b); err == nil {
+		_ = e.rc.Flush()
+	}
 }
 
 func (e *sseWriter) comment(text string) error {
@@ -77,53 +104,79 @@ func startSSE(w http.ResponseWriter) (*sseWriter, error) {
 	return e, e.rc.Flush()
 }
 
-// lastEventID returns the client's cursor: the Last-Event-ID header, or
+// place is where a client stands on a stream: after the feed place after
+// and, on a job's stream, having been shown the job at state_version
+// shown (0: whatever the event at that place showed).
+type place struct {
+	after, shown int64
+}
+
+// id is the place as an event's id: "after", or "after.shown".
+func (p place) id() string {
+	if p.shown == 0 {
+		return strconv.FormatInt(p.after, 10)
+	}
+	return strconv.FormatInt(p.after, 10) + "." + strconv.FormatInt(p.shown, 10)
+}
+
+// lastEventID returns the client's place: the Last-Event-ID header, or
 // the after query parameter for clients that cannot set headers.
-func lastEventID(r *http.Request) (int64, bool, error) {
+func lastEventID(r *http.Request) (place, bool, error) {
 	v := r.Header.Get("Last-Event-ID")
 	if v == "" {
 		v = r.URL.Query().Get("after")
 	}
 	if v == "" {
-		return 0, false, nil
+		return place{}, false, nil
 	}
-	n, err := strconv.ParseInt(v, 10, 64)
-	if err != nil || n < 0 {
-		return 0, false, badRequest("Last-Event-ID", "Last-Event-ID must be the id of an event this stream sent.")
+	bad := badRequest("Last-Event-ID", "Last-Event-ID must be the id of an event this stream sent.")
+	a, sv, versioned := strings.Cut(v, ".")
+	p := place{}
+	var err error
+	if p.after, err = strconv.ParseInt(a, 10, 64); err != nil || p.after < 0 {
+		return place{}, false, bad
 	}
-	return n, true, nil
+	if versioned {
+		if p.shown, err = strconv.ParseInt(sv, 10, 64); err != nil || p.shown < 1 {
+			return place{}, false, bad
+		}
+	}
+	return p, true, nil
 }
 
 func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
-	tenant, id := tenantOf(r.Context()), r.PathValue("id")
-	after, resume, err := lastEventID(r)
+	ctx, tenant, id := r.Context(), tenantOf(r.Context()), r.PathValue("id")
+	at, resume, err := lastEventID(r)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
 	if !resume {
-		// The snapshot's id: the job's latest published event, read
+		// The snapshot's place: the job's latest published event, read
 		// before the job itself, so that an event published in between
-		// comes after the cursor (and, not being newer than the snapshot,
-		// is skipped) rather than before it, unsent.
-		evs, err := s.jobs.Store.Events(r.Context(), tenant, id, 0, 1000)
+		// comes after it (and, not newer than the snapshot, is skipped)
+		// rather than before it, unsent.
+		e, found, err := s.lastEventUpTo(ctx, tenant, id, math.MaxInt64)
 		if err != nil {
 			return writeError(w, s.log, err)
 		}
-		if len(evs) > 0 {
-			after = evs[len(evs)-1].Cursor
+		if found {
+			at.after = e.Cursor
 		}
 	}
-	j, err := s.jobs.Store.Get(r.Context(), tenant, id)
+	j, err := s.jobs.Store.Get(ctx, tenant, id)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	var shown int64 // the state_version the client has seen
+	if resume && at.shown == 0 {
+		at.shown = s.versionAt(ctx, tenant, id, at.after)
+	}
+	shown := at.shown // the state_version the client has seen
 	sse, err := startSSE(w)
 	if err != nil {
 		return http.StatusOK
 	}
 	if !resume {
-		if sse.send(after, "snapshot", viewOf(j)) != nil || j.State.Final() {
+		if sse.send(place{at.after, j.StateVersion}.id(), "snapshot", viewOf(j)) != nil || j.State.Final() {
 			return http.StatusOK
 		}
 		shown = j.StateVersion
@@ -138,27 +191,64 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 	// The job's row is the truth: on each recheck, a state the feed has
 	// not shown yet (its events wait for the broker) goes out as a fresh
 	// snapshot, so that the stream reaches the final state even while
-	// events are not being published.
-	recheck := func(cursor int64) (bool, error) {
-		j, err := s.jobs.Store.Get(r.Context(), tenant, id)
+	// events are not being published. Its id carries the version shown.
+	recheck := func(after int64) (bool, error) {
+		j, err := s.jobs.Store.Get(ctx, tenant, id)
 		if err != nil || j.StateVersion <= shown {
 			return false, err
 		}
 		shown = j.StateVersion
-		if err := sse.send(cursor, "snapshot", viewOf(j)); err != nil {
+		if err := sse.send(place{after, shown}.id(), "snapshot", viewOf(j)); err != nil {
 			return true, err
 		}
 		return j.State.Final(), nil
 	}
-	s.follow(r.Context(), sse, tenant, id, after, keep, recheck)
+	s.follow(r, sse, id, at.after, keep, recheck)
 	return http.StatusOK
+}
+
+// versionAt returns the state_version of a job's event at a feed place,
+// or 0 when the place is not one of the job's events.
+func (s *Server) versionAt(ctx context.Context, tenant, jobID string, at int64) int64 {
+	if at < 1 {
+		return 0
+	}
+	evs, err := s.jobs.Store.Events(ctx, tenant, jobID, at-1, 1)
+	if err != nil || len(evs) == 0 || evs[0].Cursor != at {
+		return 0
+	}
+	return evs[0].StateVersion
+}
+
+// lastEventUpTo returns a job's latest published event at or before a feed
+// place; found is false when the feed holds none.
+func (s *Server) lastEventUpTo(ctx context.Context, tenant, jobID string, upTo int64) (last store.Event, found bool, err error) {
+	for after := int64(0); ; {
+		evs, err := s.jobs.Store.Events(ctx, tenant, jobID, after, feedPage)
+		if err != nil {
+			return store.Event{}, false, err
+		}
+		for _, e := range evs {
+			if e.Cursor > upTo {
+				return last, found, nil
+			}
+			last, found, after = e, true, e.Cursor
+		}
+		if len(evs) < feedPage {
+			return last, found, nil
+		}
+	}
 }
 
 func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int {
 	ctx, tenant := r.Context(), tenantOf(r.Context())
-	after, resume, err := lastEventID(r)
+	at, resume, err := lastEventID(r)
 	if err != nil {
 		return writeError(w, s.log, err)
+	}
+	if at.shown != 0 {
+		// A job stream's id: it places nothing on the tenant's stream.
+		return writeError(w, s.log, badRequest("Last-Event-ID", "Last-Event-ID must be the id of an event this stream sent."))
 	}
 	head, err := s.jobs.Store.FeedHead(ctx, tenant)
 	if err != nil {
@@ -166,36 +256,22 @@ func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int 
 	}
 	// A cursor the feed never reached is a client bug or another
 	// deployment's: start afresh rather than wait for it.
-	if resume && (after > head || s.behind(ctx, tenant, after)) {
+	if resume && (at.after > head || s.behind(ctx, tenant, at.after)) {
 		resume = false
 	}
 	sse, err := startSSE(w)
 	if err != nil {
 		return http.StatusOK
 	}
-	shown := map[string]int64{}
 	if !resume {
-		// The snapshot may already show states whose events come after
-		// head: those events must not take a job back.
-		jobs, err := s.sendSnapshot(ctx, sse, tenant, head)
-		if err != nil {
+		if s.sendSnapshot(ctx, sse, tenant, head) != nil {
 			return http.StatusOK
 		}
-		for _, j := range jobs {
-			shown[j.ID] = j.StateVersion
-		}
-		after = head
+		at.after = head
 	}
-	s.follow(ctx, sse, tenant, "", after, func(e store.Event) (bool, bool) {
-		if e.StateVersion <= shown[e.JobID] {
-			return false, false
-		}
-		if len(shown) >= maxSSEJobSeen {
-			clear(shown) // bounded memory; the feed's order keeps versions rising anyway
-		}
-		shown[e.JobID] = e.StateVersion
-		return true, false
-	}, nil)
+	// No event after the snapshot's place is older than what it showed,
+	// and the feed keeps each job's versions rising: nothing to skip.
+	s.follow(r, sse, "", at.after, func(store.Event) (bool, bool) { return true, false }, nil)
 	return http.StatusOK
 }
 
@@ -207,30 +283,46 @@ func (s *Server) behind(ctx context.Context, tenant string, after int64) bool {
 }
 
 // sendSnapshot sends the tenant's latest jobs as one snapshot event whose
-// id is the feed's head.
-func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string, head int64) ([]store.Job, error) {
+// id is the feed place head, each job as the feed shows it there: its
+// state of its latest event up to head, and not at all without one. A
+// state newer than that (its event waits in the outbox) comes as an event
+// after head.
+func (s *Server) sendSnapshot(ctx context.Context, sse *sseWriter, tenant string, head int64) error {
 	jobs, _, err := s.jobs.Store.List(ctx, tenant, store.ListFilter{Limit: snapshotJobs})
 	if err != nil {
-		return nil, err
+		return err
 	}
 	snap := struct {
 		Object string    `json:"object"`
 		Cursor int64     `json:"cursor"`
 		Data   []jobView `json:"data"`
-	}{Object: "snapshot", Cursor: head, Data: make([]jobView, len(jobs))}
-	for i, j := range jobs {
-		snap.Data[i] = viewOf(j)
+	}{Object: "snapshot", Cursor: head, Data: make([]jobView, 0, len(jobs))}
+	for _, j := range jobs {
+		e, found, err := s.lastEventUpTo(ctx, tenant, j.ID, head)
+		if err != nil {
+			return err
+		}
+		if !found {
+			continue
+		}
+		j.State, j.StateVersion, j.UpdatedAt = e.State, e.StateVersion, e.CreatedAt
+		snap.Data = append(snap.Data, viewOf(j))
 	}
-	return jobs, sse.send(head, "snapshot", snap)
+	return sse.send(place{after: head}.id(), "snapshot", snap)
 }
 
-// follow sends the feed's events after the cursor as they are published,
-// until the client leaves, keep says the stream is done, or the store
-// fails (the client reconnects with its Last-Event-ID). keep decides per
-// event whether to send it and whether it ends the stream; recheck, when
-// set, runs on every periodic look and may end the stream too.
-func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID string, after int64,
+// follow sends the caller's feed (one job's, with jobID) after the cursor
+// as it is published, until the client leaves, keep says the stream is
+// done, or the store fails (the client reconnects with its Last-Event-ID).
+// keep decides per event whether to send it and whether it ends the
+// stream; recheck, when set, runs on every periodic look and may end the
+// stream too. Each look also checks the caller's key again, as a new
+// request would be checked: a stream whose key was revoked ends with an
+// error event within the key cache's TTL and a second. A drain ends the
+// stream at once, with an error event that says to reconnect.
+func (s *Server) follow(r *http.Request, sse *sseWriter, jobID string, after int64,
 	keep func(store.Event) (send, last bool), recheck func(cursor int64) (last bool, err error)) {
+	ctx, tenant := r.Context(), tenantOf(r.Context())
 	tick := time.NewTicker(feedRecheck)
 	defer tick.Stop()
 	lastWrite := time.Now()
@@ -257,7 +349,7 @@ func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID strin
 				}
 				v := eventView{ID: e.ID, Object: "job.event", Type: e.Type, JobID: e.JobID, State: string(e.State),
 					StateVersion: e.StateVersion, CreatedAt: e.CreatedAt.Unix()}
-				if sse.send(e.Cursor, e.Type, v) != nil || last {
+				if sse.send(place{after: e.Cursor}.id(), e.Type, v) != nil || last {
 					return
 				}
 				lastWrite = time.Now()
@@ -269,8 +361,17 @@ func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID strin
 		select {
 		case <-ctx.Done():
 			return
+		case <-s.drain.begun:
+			sse.fail(errStreamDrained)
+			return
 		case <-changed:
 		case <-tick.C:
+			if err := s.reauthorize(r); err != nil {
+				if ctx.Err() == nil {
+					sse.fail(err)
+				}
+				return
+			}
 			if recheck != nil {
 				if last, err := recheck(after); last || err != nil {
 					return
@@ -286,17 +387,40 @@ func (s *Server) follow(ctx context.Context, sse *sseWriter, tenant, jobID strin
 	}
 }
 
+// reauthorize checks a stream's caller again, as a new request would be
+// checked: a key revoked since the stream began, or one that now names
+// another tenant, no longer passes. Static keys live as long as the
+// process, so without a key store there is nothing to check.
+func (s *Server) reauthorize(r *http.Request) error {
+	if s.keys == nil {
+		return nil
+	}
+	p, err := s.authenticate(r)
+	if err != nil {
+		return err
+	}
+	if p.tenant != tenantOf(r.Context()) {
+		return &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
+			msg: "The API key this stream was opened with no longer gives access to its tenant."}
+	}
+	return nil
+}
+
 // attemptView is one attempt as an operator sees it.
 type attemptView struct {
-	Attempt          int    `json:"attempt"`
-	Fence            int64  `json:"fence"`
-	Backend          string `json:"backend"`
-	Outcome          string `json:"outcome"`
+	Attempt int    `json:"attempt"`
+	Fence   int64  `json:"fence"`
+	Backend string `json:"backend"`
+	Outcome string `json:"outcome"`
+	// Spent: the attempt counted against the job's attempts; Sent: its
+	// request may have reached a backend.
+	Spent            bool   `json:"spent"`
+	Sent             bool   `json:"sent"`
 	ErrorClass       string `json:"error_class,omitempty"`
 	Error            string `json:"error,omitempty"`
 	PromptTokens     int    `json:"prompt_tokens"`
 	CompletionTokens int    `json:"completion_tokens"`
-	StartedAt        int64  `json:"started_at"`
+	StartedAt        int64  `json:"started_at,omitempty"` // unknown (0) for a lease the reaper took
 	EndedAt          int64  `json:"ended_at"`
 }
 
@@ -325,9 +449,12 @@ func (s *Server) handleJobAttempts(w http.ResponseWriter, r *http.Request) int {
 		Data       []attemptView `json:"data"`
 	}{Object: "list", JobID: j.ID, Attempt: j.Attempt, ErrorClass: j.ErrorClass, LastError: j.LastError, Data: make([]attemptView, len(as))}
 	for i, a := range as {
-		out.Data[i] = attemptView{Attempt: a.Attempt, Fence: a.Fence, Backend: a.Backend, Outcome: a.Outcome, ErrorClass: a.ErrorClass,
-			Error: a.Error, PromptTokens: a.PromptTokens, CompletionTokens: a.CompletionTokens,
-			StartedAt: a.StartedAt.Unix(), EndedAt: a.EndedAt.Unix()}
+		out.Data[i] = attemptView{Attempt: a.Attempt, Fence: a.Fence, Backend: a.Backend, Outcome: a.Outcome, Spent: a.Spent, Sent: a.Sent,
+			ErrorClass: a.ErrorClass, Error: a.Error, PromptTokens: a.PromptTokens, CompletionTokens: a.CompletionTokens,
+			EndedAt: a.EndedAt.Unix()}
+		if !a.StartedAt.IsZero() {
+			out.Data[i].StartedAt = a.StartedAt.Unix()
+		}
 	}
 	writeJSON(w, http.StatusOK, out)
 	return http.StatusOK

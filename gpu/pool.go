@@ -21,8 +21,11 @@ import (
 type BackendConfig struct {
 	Name string `yaml:"name" json:"name"`
 	URL  string `yaml:"url" json:"url"` // base URL, e.g. http://10.0.0.5:8000
-	// Models restricts the served model names; empty means all of the
-	// server's /v1/models.
+	// Models names the models the server serves: kvgate knows them
+	// before the server first answers /v1/models (a request for one while
+	// the server is down is answered 503, not 404, and /v1/models lists
+	// them), and serves only these of what the server lists. Empty means
+	// all of the server's /v1/models, known once it answers.
 	Models []string `yaml:"models" json:"models,omitempty"`
 	// GPUs are the NVML indexes or UUIDs the server runs on.
 	GPUs []string `yaml:"gpus" json:"gpus,omitempty"`
@@ -63,7 +66,14 @@ type Snapshot struct {
 	Name string
 	URL  string
 
-	Models     []Model // empty until discovered
+	Models []Model // empty until discovered
+	// Configured are the model names the configuration gives the backend
+	// (BackendConfig.Models); Discovered says /v1/models has answered.
+	// Until it has, the backend may serve its configured models, or, with
+	// none configured, any model (see MayServe).
+	Configured []string
+	Discovered bool
+
 	Metrics    EngineMetrics
 	ScrapedAt  time.Time // zero: never scraped
 	ScrapeErr  string
@@ -123,6 +133,18 @@ func (s *Snapshot) Serves(model string) (Model, bool) {
 	return Model{}, false
 }
 
+// MayServe reports whether the backend serves model or may once reached:
+// after discovery, whether it serves it; before, whether the model is
+// configured for it, or, with none configured, always, since its models
+// are not known yet.
+func (s *Snapshot) MayServe(model string) bool {
+	if s.Discovered || len(s.Models) > 0 {
+		_, ok := s.Serves(model)
+		return ok
+	}
+	return len(s.Configured) == 0 || slices.Contains(s.Configured, model)
+}
+
 // Cooling reports whether the backend asked for a pause that lasts past now.
 func (s *Snapshot) Cooling(now time.Time) bool { return now.Before(s.CoolingUntil) }
 
@@ -141,6 +163,7 @@ type Pool struct {
 	byName   map[string]*backend
 	models   atomic.Pointer[[]Model] // the union, rebuilt when discovery changes it
 	unionMu  sync.Mutex              // serialises rebuilds, so an older union never lands last
+	ejectMu  sync.Mutex              // serialises dispatch ejections (fail)
 }
 
 type backend struct {
@@ -192,7 +215,7 @@ func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
 		b := &backend{cfg: c}
 		b.snap.Store(&Snapshot{
 			Name: c.Name, URL: c.URL, MaxNumSeqs: c.MaxNumSeqs, CapacityTokens: c.CapacityTokens,
-			StaleAfter: pc.StaleAfter,
+			StaleAfter: pc.StaleAfter, Configured: slices.Clone(c.Models),
 		})
 		p.backends = append(p.backends, b)
 		p.byName[c.Name] = b
@@ -200,6 +223,8 @@ func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
 	if len(p.backends) == 0 {
 		return nil, errors.New("no backends configured")
 	}
+	union := p.unionModels()
+	p.models.Store(&union)
 	return p, nil
 }
 
@@ -224,9 +249,10 @@ func (p *Pool) Snapshot(name string) (*Snapshot, bool) {
 // StaleAfter is the pool's staleness bound.
 func (p *Pool) StaleAfter() time.Duration { return p.cfg.StaleAfter }
 
-// Models returns the union of the backends' models; a model served by
-// several backends appears once, with the smallest max_model_len. The
-// slice is shared: do not modify it.
+// Models returns the union of the backends' models, and of the models
+// configured for backends not yet discovered (with MaxModelLen 0,
+// unknown); a model served by several backends appears once, with the
+// smallest known max_model_len. The slice is shared: do not modify it.
 func (p *Pool) Models() []Model {
 	if m := p.models.Load(); m != nil {
 		return *m
@@ -237,8 +263,17 @@ func (p *Pool) Models() []Model {
 func (p *Pool) unionModels() []Model {
 	byID := map[string]Model{}
 	for _, b := range p.backends {
-		for _, m := range b.snap.Load().Models {
-			if have, ok := byID[m.ID]; !ok || m.MaxModelLen < have.MaxModelLen {
+		s := b.snap.Load()
+		models := s.Models
+		if !s.Discovered {
+			models = nil
+			for _, id := range s.Configured {
+				models = append(models, Model{ID: id})
+			}
+		}
+		for _, m := range models {
+			have, ok := byID[m.ID]
+			if !ok || have.MaxModelLen == 0 || (m.MaxModelLen > 0 && m.MaxModelLen < have.MaxModelLen) {
 				byID[m.ID] = m
 			}
 		}
@@ -253,18 +288,28 @@ func (p *Pool) unionModels() []Model {
 
 // update publishes a changed copy of a backend's snapshot.
 func (p *Pool) update(b *backend, change func(s *Snapshot)) {
+	p.set(b, change)
+	p.changed()
+}
+
+// set is update without the notice: the caller calls changed.
+func (p *Pool) set(b *backend, change func(s *Snapshot)) {
 	b.mu.Lock()
 	next := *b.snap.Load()
 	change(&next)
 	b.snap.Store(&next)
 	b.mu.Unlock()
+}
+
+func (p *Pool) changed() {
 	if p.cfg.OnChange != nil {
 		p.cfg.OnChange()
 	}
 }
 
 // ReportFailure records a failed dispatch to a backend (connection error,
-// 5xx, stall). Enough of them in a row eject it, whatever /health says.
+// 5xx, stall). Enough of them in a row eject it, whatever /health says,
+// unless it is the last routable backend of one of its models: see fail.
 func (p *Pool) ReportFailure(name string, err error) {
 	if b, ok := p.byName[name]; ok {
 		p.fail(b, err, false)
@@ -316,13 +361,36 @@ func (p *Pool) fail(b *backend, err error, probe bool) {
 		err = errors.New("unspecified failure")
 	}
 	var ejected bool
-	p.update(b, func(s *Snapshot) {
+	spared := ""
+	if !probe {
+		// One dispatch ejection decision at a time, so that two backends
+		// failing together do not each see the other routable and both go.
+		p.ejectMu.Lock()
+	}
+	p.set(b, func(s *Snapshot) {
 		n := &s.Failures
 		if probe {
 			n = &s.ProbeFailures
 		}
 		*n++
 		s.HealthErr = err.Error()
+		if !s.Ejected && *n >= p.cfg.EjectAfter && !probe {
+			// Dispatch failures never eject the last routable backend of
+			// a model. Whether a failed request was the backend's fault or
+			// its own is not always known (the gateway tells them apart
+			// where it can: requests that fail the same way elsewhere are
+			// not reported), and ejecting the last backend cannot route
+			// the model's work anywhere better: it would only turn the
+			// backend's answers into kvgate's 503s, and let a client's bad
+			// requests take a model offline. A backend that stops
+			// answering /health is still ejected, by the probes.
+			if m := p.lastRoutableFor(b, s.Models); m != "" {
+				if *n == p.cfg.EjectAfter {
+					spared = m
+				}
+				return
+			}
+		}
 		if !s.Ejected && *n >= p.cfg.EjectAfter {
 			// The backoff doubles per ejection, and starts over once the
 			// backend has stayed up for EjectMax since its last recovery.
@@ -335,11 +403,42 @@ func (p *Pool) fail(b *backend, err error, probe bool) {
 			ejected = true
 		}
 	})
+	if !probe {
+		p.ejectMu.Unlock()
+	}
+	p.changed()
 	if ejected {
 		s := b.snap.Load()
 		p.log.Warn("backend ejected", "backend", b.cfg.Name, "failures", s.Failures, "probe_failures", s.ProbeFailures,
 			"until", s.EjectedUntil, "err", err)
 	}
+	if spared != "" {
+		p.log.Warn("backend failing requests, not ejected: the last routable backend of its model", "backend", b.cfg.Name,
+			"model", spared, "failures", p.cfg.EjectAfter, "err", err)
+	}
+}
+
+// lastRoutableFor returns one of models that no routable backend but b
+// serves, or "" when every one has another.
+func (p *Pool) lastRoutableFor(b *backend, models []Model) string {
+	for _, m := range models {
+		other := false
+		for _, o := range p.backends {
+			if o == b {
+				continue
+			}
+			if s := o.snap.Load(); s.Routable() {
+				if _, ok := s.Serves(m.ID); ok {
+					other = true
+					break
+				}
+			}
+		}
+		if !other {
+			return m.ID
+		}
+	}
+	return ""
 }
 
 // Run scrapes, probes and discovers every backend until ctx is done. It
@@ -576,14 +675,19 @@ func (p *Pool) discover(ctx context.Context, b *backend) error {
 		}
 		models = append(models, Model{ID: d.ID, MaxModelLen: d.MaxModelLen})
 	}
-	old := b.snap.Load().Models
-	if !slices.Equal(old, models) {
-		p.update(b, func(s *Snapshot) { s.Models = models })
+	old := b.snap.Load()
+	if !old.Discovered || !slices.Equal(old.Models, models) {
+		p.update(b, func(s *Snapshot) { s.Models, s.Discovered = models, true })
 		p.unionMu.Lock()
 		union := p.unionModels()
 		p.models.Store(&union)
 		p.unionMu.Unlock()
 		p.log.Info("backend models", "backend", b.cfg.Name, "models", len(models))
+		for _, id := range b.cfg.Models {
+			if !slices.ContainsFunc(models, func(m Model) bool { return m.ID == id }) {
+				p.log.Warn("configured model not served by backend", "backend", b.cfg.Name, "model", id)
+			}
+		}
 	}
 	return nil
 }

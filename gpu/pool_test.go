@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
@@ -414,7 +415,8 @@ func TestPoolEjectionBackoffCapped(t *testing.T) {
 	pc.EjectAfter = 1
 	pc.EjectBase = 40 * time.Millisecond
 	pc.EjectMax = 100 * time.Millisecond
-	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, pc)
+	_, other := startSim(t, nil) // serves the model too: a is not its last backend
+	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}, {Name: "b", URL: other.URL}}, pc)
 	p.Probe(t.Context())
 	for _, want := range []time.Duration{40 * time.Millisecond, 80 * time.Millisecond, 100 * time.Millisecond, 100 * time.Millisecond} {
 		t0 := time.Now()
@@ -430,7 +432,8 @@ func TestPoolReportedFailures(t *testing.T) {
 	pc := fastPool()
 	pc.EjectAfter = 3
 	pc.EjectBase = 100 * time.Millisecond
-	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, pc)
+	_, other := startSim(t, nil) // serves the model too: a is not its last backend
+	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}, {Name: "b", URL: other.URL}}, pc)
 	p.Probe(t.Context())
 
 	// Unknown names are ignored.
@@ -678,5 +681,98 @@ func TestCooldown(t *testing.T) {
 	b, _ := p.Snapshot("b")
 	if !a.Cooling(now.Add(90*time.Second)) || a.Cooling(now.Add(3*time.Minute)) || b.Cooling(now) {
 		t.Errorf("cooling: a until %v, b until %v", a.CoolingUntil, b.CoolingUntil)
+	}
+}
+
+// downURL is the address of a server that is not listening: a port that
+// was bound and closed.
+func downURL(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return "http://" + addr
+}
+
+// TestPoolConfiguredModels: a backend's configured models are known before
+// it answers /v1/models: listed (max_model_len unknown) and MayServe, but
+// not Serves, so it is not routable. Once discovered, what the server
+// lists (filtered by the configuration) is the truth.
+func TestPoolConfiguredModels(t *testing.T) {
+	sim, srv := startSim(t, nil)
+	p := newTestPool(t, []BackendConfig{
+		{Name: "down", URL: downURL(t), Models: []string{"x"}},
+		{Name: "unknown", URL: downURL(t)},
+		{Name: "up", URL: srv.URL, Models: []string{sim.Model(), "not-served"}},
+	}, fastPool())
+	if got, want := p.Models(), []Model{{ID: sim.Model()}, {ID: "not-served"}, {ID: "x"}}; !slices.Equal(got, want) {
+		t.Errorf("Models() before discovery = %v, want %v", got, want)
+	}
+	for _, tc := range []struct {
+		backend, model string
+		may            bool
+	}{
+		{"down", "x", true}, {"down", "y", false},
+		{"unknown", "x", true}, {"unknown", "anything", true}, // its models are not known yet
+		{"up", sim.Model(), true}, {"up", "y", false},
+	} {
+		s := mustSnapshot(t, p, tc.backend)
+		if got := s.MayServe(tc.model); got != tc.may {
+			t.Errorf("%s before discovery: MayServe(%q) = %v, want %v", tc.backend, tc.model, got, tc.may)
+		}
+		if _, ok := s.Serves(tc.model); ok || s.Routable() || s.Discovered {
+			t.Errorf("%s before discovery: Serves(%q) %v, routable %v, discovered %v; want none", tc.backend, tc.model, ok, s.Routable(), s.Discovered)
+		}
+	}
+
+	p.Probe(t.Context())
+	up := mustSnapshot(t, p, "up")
+	if !up.Discovered || !up.Routable() || !up.MayServe(sim.Model()) || up.MayServe("not-served") {
+		t.Errorf("up after discovery: discovered %v, routable %v, MayServe(served) %v, MayServe(not-served) %v",
+			up.Discovered, up.Routable(), up.MayServe(sim.Model()), up.MayServe("not-served"))
+	}
+	if got, want := p.Models(), []Model{{ID: sim.Model(), MaxModelLen: 8192}, {ID: "x"}}; !slices.Equal(got, want) {
+		t.Errorf("Models() after discovery = %v, want %v", got, want)
+	}
+	if s := mustSnapshot(t, p, "down"); s.Discovered || !s.MayServe("x") {
+		t.Errorf("down after failed discovery: discovered %v, MayServe(x) %v", s.Discovered, s.MayServe("x"))
+	}
+}
+
+// TestPoolSparesLastRoutableBackend: dispatch failures eject a backend
+// while another routable one serves its model, never the model's last;
+// probe failures eject the last one all the same.
+func TestPoolSparesLastRoutableBackend(t *testing.T) {
+	_, srvA := startSim(t, nil)
+	_, srvB := startSim(t, nil)
+	pc := fastPool()
+	pc.EjectAfter = 2
+	pc.EjectBase = time.Hour // no recovery during the test
+	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srvA.URL}, {Name: "b", URL: srvB.URL}}, pc)
+	p.Probe(t.Context())
+
+	for range 2 {
+		p.ReportFailure("a", errors.New("500 from backend"))
+	}
+	if s := mustSnapshot(t, p, "a"); !s.Ejected {
+		t.Fatalf("a not ejected with b serving: %+v", s)
+	}
+	for range 5 {
+		p.ReportFailure("b", errors.New("500 from backend"))
+	}
+	if s := mustSnapshot(t, p, "b"); s.Ejected || !s.Routable() || s.Failures != 5 {
+		t.Errorf("b, the model's last routable backend: ejected %v, routable %v, failures %d; want counted, not ejected",
+			s.Ejected, s.Routable(), s.Failures)
+	}
+	// Failing probes say b is gone: ejected though last.
+	srvB.Close()
+	for range 2 {
+		p.Probe(t.Context())
+	}
+	if s := mustSnapshot(t, p, "b"); !s.Ejected {
+		t.Errorf("b not ejected by failing probes: %+v", s)
 	}
 }

@@ -12,9 +12,12 @@ import (
 
 // Acquire waits until t is admitted to a backend and returns the grant,
 // which the caller must Release. It returns *TooLargeError at once for a
-// ticket no backend could hold, ErrNoBackend for a model nobody serves,
-// *RejectedError when the queue is full or the deadline passes, and ctx's
-// error when the caller gives up (its ticket leaves the queue).
+// ticket no backend could hold, ErrNoBackend for a model nobody serves or
+// may serve, an *UnroutableError (errors.Is ErrNoRoutableBackend) at once
+// when no backend of the model but those t excludes is routable, and also
+// when the last one stops being routable while t waits; *RejectedError
+// when the queue is full or the deadline passes, and ctx's error when the
+// caller gives up (its ticket leaves the queue).
 func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	now := s.now()
 	t.enqueued = now
@@ -22,19 +25,24 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	if deadline.IsZero() {
 		deadline = now.Add(s.policy.MaxQueueWait)
 	}
-	snaps := s.src.Snapshots()
-
 	s.mu.Lock()
+	// Read under s.mu: a later change of routability then comes with a
+	// pump that sees this ticket queued (failUnroutableLocked).
+	snaps := s.src.Snapshots()
 	if s.closed {
 		s.mu.Unlock()
 		s.m.outcome(t.Class, outcomeShutdown)
 		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
 	}
-	if err := s.checkFits(t, snaps); err != nil {
+	if err := s.checkFits(t, snaps, now); err != nil {
 		s.mu.Unlock()
-		if errors.Is(err, ErrNoBackend) {
+		switch {
+		case errors.Is(err, ErrNoBackend):
 			s.m.outcome(t.Class, outcomeNoBackend)
-		} else {
+		case errors.Is(err, ErrNoRoutableBackend):
+			s.m.outcome(t.Class, outcomeNoRoutable)
+			s.noteUnroutable(err)
+		default:
 			s.m.outcome(t.Class, outcomeTooLarge)
 		}
 		return nil, err
@@ -95,32 +103,34 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	case closed:
 		s.m.outcome(t.Class, outcomeShutdown)
 		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
+	case t.err != nil: // its model's last routable backend went
+		s.m.outcome(t.Class, outcomeNoRoutable)
+		s.noteUnroutable(t.err)
+		return nil, t.err
 	}
 	s.m.outcome(t.Class, outcomeTimeout)
 	return nil, &RejectedError{Reason: "queue_timeout", RetryAfter: retry}
 }
 
 // checkFits fails a ticket that needs more than any backend serving its
-// model could ever give it, or whose model nobody serves.
-func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot) error {
-	serving, known, largest := false, false, 0
+// model could ever give it, whose model nobody serves or may serve, or
+// whose model no backend it may use can take now (reach). Too large comes
+// first: it is for good, whatever the backends' state.
+func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot, now time.Time) error {
+	known, largest := false, 0
 	for _, sn := range snaps {
 		if _, ok := sn.Serves(t.Model); !ok {
 			continue
 		}
-		serving = true
 		if sn.CapacityTokens > 0 {
 			known = true
 			largest = max(largest, int(s.policy.KVTarget*float64(sn.CapacityTokens)))
 		}
 	}
-	switch {
-	case !serving:
-		return ErrNoBackend
-	case known && t.Need() > largest:
+	if known && t.Need() > largest {
 		return &TooLargeError{Need: t.Need(), Capacity: largest}
 	}
-	return nil
+	return reach(snaps, t.Model, t.Exclude, now)
 }
 
 func (s *Scheduler) enqueueLocked(t *Ticket) {
@@ -189,6 +199,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	if s.queued == 0 || s.closed {
 		return
 	}
+	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
 	exact := map[string]*load{}
 	misses := 0

@@ -2,7 +2,6 @@ package scheduler
 
 import (
 	"math"
-	"slices"
 )
 
 // defaultMaxNumSeqs stands for a backend's max_num_seqs when its metrics
@@ -43,22 +42,4 @@ func (s *Scheduler) Room() int {
 		room += max(allowed-inflight, 0, 1-inflight)
 	}
 	return max(room-s.queued, 0)
-}
-
-// RoutableModels returns the models that at least one routable backend
-// serves, sorted: the durable runner claims only jobs for these.
-func (s *Scheduler) RoutableModels() []string {
-	var out []string
-	for _, sn := range s.src.Snapshots() {
-		if !sn.Routable() {
-			continue
-		}
-		for _, m := range sn.Models {
-			if !slices.Contains(out, m.ID) {
-				out = append(out, m.ID)
-			}
-		}
-	}
-	slices.Sort(out)
-	return out
 }

@@ -153,8 +153,9 @@ func (r *Runner) Wake() {
 func (r *Runner) Collectors() []prometheus.Collector { return r.m.collectors() }
 
 // Drain stops claiming new jobs; the attempts in flight go on until they
-// end or Run's context does (then each hands its job back without
-// spending an attempt). Safe to call more than once.
+// end, and then Run returns nil, or until Run's context ends (then each
+// hands its job back without spending an attempt). Safe to call more than
+// once.
 func (r *Runner) Drain() {
 	if !r.draining.Swap(true) {
 		r.log.Info("runner draining: no new claims", "in_flight", r.inflight.Load())
@@ -197,6 +198,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-done:
 		}
 		if r.draining.Load() {
+			if r.inflight.Load() == 0 {
+				return nil // drained
+			}
 			continue
 		}
 		// Jobs claimed but not yet admitted are not in the scheduler's
@@ -348,8 +352,13 @@ func admissionError(err error) error {
 	switch {
 	case errors.As(err, &tooLarge):
 		return &ExecError{Class: ClassInvalid, Err: err}
-	case errors.Is(err, ErrNoBackend):
-		return &ExecError{Class: ClassNoBackend, Err: err}
+	case errors.Is(err, ErrNoBackend), errors.Is(err, ErrNoRoutableBackend):
+		var ue *UnroutableError
+		retry := time.Duration(0)
+		if errors.As(err, &ue) {
+			retry = ue.RetryAfter
+		}
+		return &ExecError{Class: ClassNoBackend, RetryAfter: retry, Err: err}
 	case errors.As(err, &rejected) && rejected.Reason == "shutting_down":
 		return &ExecError{Class: ClassShutdown, Err: err}
 	case errors.As(err, &rejected):

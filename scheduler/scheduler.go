@@ -35,6 +35,9 @@ type Scheduler struct {
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
 	lastAdm  time.Time
+	routing  []routeSig // backends' routability at the last queue check (models.go)
+
+	unroutable unroutableLog // has its own lock
 }
 
 // Options configure a Scheduler.

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -31,6 +32,7 @@ type Ticket struct {
 	done     chan struct{}
 	grant    *Grant
 	state    ticketState
+	err      error // why a queued ticket was failed (models.go)
 }
 
 type ticketState uint8
@@ -67,5 +69,31 @@ func (e *TooLargeError) Error() string {
 	return fmt.Sprintf("request needs %d KV tokens (prompt plus max_tokens), more than any backend can hold (%d)", e.Need, e.Capacity)
 }
 
-// ErrNoBackend is returned for a model that no backend serves.
+// ErrNoBackend is returned for a model that no backend serves, is
+// configured to serve, or may serve once reached: kvgate does not know it.
 var ErrNoBackend = errors.New("no backend serves the model")
+
+// ErrNoRoutableBackend is returned for a model that backends serve, are
+// configured to serve, or may serve (their models are not known yet), none
+// of which can take work now: down, ejected, not reached yet, or with
+// failed GPUs. It is transient. The error returned is an
+// *UnroutableError, which matches it under errors.Is.
+var ErrNoRoutableBackend = errors.New("no routable backend serves the model")
+
+// UnroutableError is ErrNoRoutableBackend with its detail.
+type UnroutableError struct {
+	Model string
+	// Backends says, for each backend that serves or may serve the model,
+	// why it cannot take work: "b1: ejected: connection refused".
+	Backends []string
+	// RetryAfter is when one of them may be back: the end of the
+	// earliest ejection, else a short pause.
+	RetryAfter time.Duration
+}
+
+func (e *UnroutableError) Error() string {
+	return fmt.Sprintf("no routable backend serves model %s (%s)", e.Model, strings.Join(e.Backends, "; "))
+}
+
+// Is makes the error match ErrNoRoutableBackend.
+func (e *UnroutableError) Is(target error) bool { return target == ErrNoRoutableBackend }

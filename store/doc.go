@@ -5,13 +5,17 @@
 // every result-affecting input; the same key with the same hash returns the
 // same job, a different hash is ErrConflict. The acceptance writes the job
 // and its outbox event in one transaction. Execution ownership moves by
-// short transactions: Claim leases runnable jobs (attempt+1, fence+1),
-// Heartbeat extends a lease only while the fence matches, and Complete and
-// Fail change a job only while state, fence and lease still hold, writing
-// the attempt record and the outbox event with the state change. A stale
-// worker gets ErrLeaseLost and its result is discarded. The reaper turns
-// expired leases into retries (with a new fence) or terminal failures; no
-// restart resets an attempt counter. Stages checkpoint intermediate results
+// short transactions: Claim leases runnable jobs (fence+1; it spends no
+// attempt), Heartbeat and MarkSent extend a lease only while the claim
+// owns the job, and Complete and Fail change a job only while state, fence
+// and lease still hold, writing the attempt record and the outbox event
+// with the state change. An attempt counts only when its request reached a
+// backend (or the input is invalid): a wait or an interruption hands the
+// job back without spending one. A stale worker gets ErrLeaseLost and its
+// result is discarded. The reaper turns expired leases into retries (with
+// a new fence) or terminal failures, by the same rule as Fail: the lost
+// attempt counts when its claim had marked the request sent. No restart
+// resets an attempt counter. Stages checkpoint intermediate results
 // (the inference output) so that a retry of a later stage does not pay for
 // an earlier one again. The inbox records each delivered event once.
 //

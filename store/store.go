@@ -208,6 +208,9 @@ type Store interface {
 	Accept(ctx context.Context, j NewJob) (job Job, created bool, err error)
 	// Get returns a tenant's job.
 	Get(ctx context.Context, tenant, id string) (Job, error)
+	// GetByKey returns a tenant's job by its idempotency key; ErrNotFound
+	// if the key made none.
+	GetByKey(ctx context.Context, tenant, key string) (Job, error)
 	// List returns a page of a tenant's jobs and the cursor of the next
 	// page ("" at the end).
 	List(ctx context.Context, tenant string, f ListFilter) ([]Job, string, error)

@@ -192,7 +192,7 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(sched.Collectors()...)
 	api, err := gateway.New(gateway.Config{
-		APIKeys: keys,
+		APIKeys: keys, Dev: len(keys) == 0,
 		Jobs: gateway.Jobs{Store: st, Wake: func() {
 			if runner != nil {
 				runner.Wake()

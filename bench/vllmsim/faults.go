@@ -1,9 +1,12 @@
 package vllmsim
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"sync"
@@ -35,6 +38,11 @@ type Faults struct {
 	// Dead kills the engine: /health answers 503 and every request fails
 	// until Dead is set back to false.
 	Dead bool `json:"dead"`
+	// Match, when set, limits the rates above to inference requests whose
+	// body contains it (a marker in a prompt, say): the others run as if
+	// no fault were set. It stands for a server that fails one kind of
+	// request. Dead ignores it.
+	Match string `json:"match,omitempty"`
 }
 
 // Validate reports whether every rate is a probability.
@@ -90,11 +98,14 @@ func (s *faultSet) set(f Faults) {
 }
 
 // draw picks at most one fault for a request, and the extra delay before
-// its first token.
-func (s *faultSet) draw() (fault, float64, Faults) {
+// its first token; r is the request, for Match.
+func (s *faultSet) draw(r *http.Request) (fault, float64, Faults) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	f := s.cur
+	if matched, _ := r.Context().Value(faultMatchKey{}).(bool); f.Match != "" && !matched {
+		return faultNone, 0, f
+	}
 	delay := 0.0
 	if f.SlowFirstTokenRate > 0 && s.rng.Float64() < f.SlowFirstTokenRate {
 		delay = f.SlowFirstTokenSeconds
@@ -113,6 +124,36 @@ func (s *faultSet) draw() (fault, float64, Faults) {
 		x -= c.rate
 	}
 	return faultNone, delay, f
+}
+
+// faultMatchKey marks, in an inference request's context, a body that
+// contains the faults' Match.
+type faultMatchKey struct{}
+
+// withFaultMatch reads the body of an inference request, while the faults
+// have a Match, to mark whether it matches; the handler reads the body
+// again as it came.
+func (s *Sim) withFaultMatch(r *http.Request) *http.Request {
+	match := s.faults.get().Match
+	if match == "" {
+		return r
+	}
+	b, err := io.ReadAll(io.LimitReader(r.Body, s.cfg.MaxBodyBytes))
+	r.Body = struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(b), errReader{err}, r.Body), r.Body}
+	return r.WithContext(context.WithValue(r.Context(), faultMatchKey{}, bytes.Contains(b, []byte(match))))
+}
+
+// errReader returns err, or nothing when err is nil.
+type errReader struct{ err error }
+
+func (e errReader) Read([]byte) (int, error) {
+	if e.err != nil {
+		return 0, e.err
+	}
+	return 0, io.EOF
 }
 
 // dropAfter picks how many tokens a dropped stream delivers first.

@@ -27,7 +27,7 @@ func (s *Sim) inference(h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		s.inUse.Add(1)
 		defer s.inUse.Add(-1)
-		h(w, r)
+		h(w, s.withFaultMatch(r))
 	}
 }
 
@@ -256,7 +256,7 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		c.id = s.newID("chatcmpl-")
 	}
 
-	flt, delay, _ := s.faults.draw()
+	flt, delay, _ := s.faults.draw(r)
 	if !s.injectEarly(w, r, flt) {
 		return
 	}
@@ -627,7 +627,7 @@ func (s *Sim) handleEmbeddings(w http.ResponseWriter, r *http.Request) {
 		total += len(in)
 	}
 
-	flt, delay, _ := s.faults.draw()
+	flt, delay, _ := s.faults.draw(r)
 	if !s.injectEarly(w, r, flt) {
 		return
 	}

@@ -1176,6 +1176,22 @@ func TestFaults(t *testing.T) {
 		})
 	}
 
+	t.Run("match", func(t *testing.T) {
+		with(t, Faults{ServerErrorRate: 1, Match: "poison"})
+		checkAPIError(t, c.post(t, "/v1/chat/completions", map[string]any{"messages": chatMessages("a poison pill"), "max_tokens": 4}), 500, "", "")
+		checkAPIError(t, c.post(t, "/v1/completions", map[string]any{"prompt": "poison", "max_tokens": 4, "stream": true}), 500, "", "")
+		var resp responseJSON
+		c.post(t, "/v1/chat/completions", chat(false)).ok(t, &resp) // no marker: served
+		if resp.Usage == nil || resp.Usage.CompletionTokens != 40 {
+			t.Errorf("unmatched request usage %+v, want 40 completion tokens", resp.Usage)
+		}
+		var f Faults
+		c.get(t, "/admin/faults").ok(t, &f)
+		if f.Match != "poison" {
+			t.Errorf("GET /admin/faults %+v, want match poison", f)
+		}
+	})
+
 	t.Run("malformed", func(t *testing.T) {
 		with(t, Faults{MalformedRate: 1})
 		r := c.post(t, "/v1/chat/completions", chat(false))

@@ -28,14 +28,7 @@ func TestMain(m *testing.M) {
 			fmt.Fprintln(os.Stderr, err)
 			os.Exit(2)
 		}
-		ctx, stop := signalContext()
-		err := run(ctx, argv, os.Getenv, os.Stdout, os.Stderr)
-		stop()
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "kvgate:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+		os.Exit(runMain(stopSignals(), argv, os.Getenv, os.Stdout, os.Stderr))
 	}
 	os.Exit(m.Run())
 }
@@ -90,7 +83,7 @@ func waitReady(tb testing.TB, url string) {
 // front of it, each in its own process.
 func startStack(tb testing.TB) (direct, via string) {
 	sim := child(tb, "sim", "--port", "0", "--speedup", "0", "--max-model-len", "8192")
-	gw := child(tb, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--log-level", "error", "--data-dir", tb.TempDir())
+	gw := child(tb, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--dev", "--log-level", "error", "--data-dir", tb.TempDir())
 	waitReady(tb, gw+"/readyz")
 	return sim, gw
 }

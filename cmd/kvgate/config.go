@@ -26,7 +26,14 @@ type config struct {
 	Backends  []gpu.BackendConfig `yaml:"backends"`
 	APIKeys   []apiKey            `yaml:"api_keys"`
 	LogLevel  string              `yaml:"log_level"`
+	// DrainTimeout bounds the drain at shutdown: how long requests,
+	// streams and jobs in flight may take to finish once kvgate stops
+	// taking new ones [60s].
+	DrainTimeout time.Duration `yaml:"drain_timeout"`
 
+	// Dev is development mode: a caller without a key is tenant
+	// "default"'s admin until the first key exists.
+	Dev bool `yaml:"dev"`
 	// AdminKey is a bootstrap administrator's bearer token (tenant
 	// "admin"): it manages tenants and keys over /v1/admin/.
 	AdminKey string `yaml:"admin_key"`
@@ -102,13 +109,15 @@ type configFlags struct {
 	natsURL  string
 	adminKey string
 	failOpen bool
+	dev      bool
+	drain    time.Duration
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.file, "config", "", "YAML configuration file (env KVGATE_CONFIG)")
 	fs.StringVar(&c.addr, "addr", "", "address to serve the API on (env KVGATE_ADDR; default 127.0.0.1:8080)")
 	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
-	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none means no authentication")
+	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none (and no store key) means 401 for everyone, outside --dev")
 	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
 	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
 	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
@@ -120,13 +129,15 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.BoolVar(&c.noMig, "no-migrate", false, "do not apply the store's migrations on start (run kvgate migrate)")
 	fs.StringVar(&c.adminKey, "admin-key", "", "bootstrap administrator's bearer token, for /v1/admin/ (env KVGATE_ADMIN_KEY)")
 	fs.BoolVar(&c.failOpen, "quota-fail-open", false, "admit requests unlimited when the quota store is unreachable (env KVGATE_QUOTA_FAIL_OPEN; default: answer 503)")
+	fs.BoolVar(&c.dev, "dev", false, "development mode: a caller without a key is tenant default's admin until the first key exists (env KVGATE_DEV; never in production)")
+	fs.DurationVar(&c.drain, "drain-timeout", 0, "at shutdown, how long requests, streams and jobs in flight may take to finish (env KVGATE_DRAIN_TIMEOUT; default 60s)")
 	fs.StringVar(&c.natsURL, "nats-url", "", "NATS server or cluster for job events, e.g. nats://host:4222 (env KVGATE_NATS_URL; default: embedded in-process, files under --data-dir)")
 }
 
 // load builds the configuration from the file, the environment and the
 // flags that were set on fs.
 func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*config, error) {
-	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data"}
+	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data", DrainTimeout: 60 * time.Second}
 	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -173,8 +184,22 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		}
 		cfg.Quotas.FailOpen = b
 	}
+	if v, ok := env("KVGATE_DEV"); ok {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_DEV: %w", err)
+		}
+		cfg.Dev = b
+	}
 	if v, ok := env("KVGATE_NATS_URL"); ok {
 		cfg.NATS.URL = v
+	}
+	if v, ok := env("KVGATE_DRAIN_TIMEOUT"); ok {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_DRAIN_TIMEOUT: %w", err)
+		}
+		cfg.DrainTimeout = d
 	}
 	if v, ok := env("KVGATE_BACKENDS"); ok {
 		cfg.Backends = nil
@@ -218,8 +243,14 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if set["quota-fail-open"] {
 		cfg.Quotas.FailOpen = c.failOpen
 	}
+	if set["dev"] {
+		cfg.Dev = c.dev
+	}
 	if set["nats-url"] {
 		cfg.NATS.URL = c.natsURL
+	}
+	if set["drain-timeout"] {
+		cfg.DrainTimeout = c.drain
 	}
 	if set["backend"] {
 		cfg.Backends = nil
@@ -249,8 +280,20 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if set["no-nvml"] {
 		cfg.NVML.Disabled = c.noNVML
 	}
+	if cfg.DrainTimeout <= 0 {
+		return nil, fmt.Errorf("drain timeout %s: it must be positive", cfg.DrainTimeout)
+	}
 	if err := cfg.Admission.Validate(); err != nil {
 		return nil, fmt.Errorf("admission: %w", err)
+	}
+	for i, b := range cfg.Backends {
+		// A backend's models (the file only) are names kvgate knows before
+		// the backend answers, and the only ones it serves of it.
+		for _, m := range b.Models {
+			if strings.TrimSpace(m) == "" {
+				return nil, fmt.Errorf("backends[%d] (%s): models: an empty model name", i, b.URL)
+			}
+		}
 	}
 	return cfg, nil
 }

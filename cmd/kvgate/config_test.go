@@ -237,7 +237,7 @@ func startServe(t *testing.T, args ...string) (string, *syncBuffer) {
 	var stdout, stderr syncBuffer
 	done := make(chan error, 1)
 	go func() {
-		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml"}, args...),
+		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--dev"}, args...),
 			noenv, &stdout, &stderr)
 	}()
 	t.Cleanup(func() {

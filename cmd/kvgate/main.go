@@ -32,18 +32,41 @@ import (
 )
 
 func main() {
-	ctx, stop := signalContext()
-	err := run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr)
-	stop()
-	if err != nil && !errors.Is(err, flag.ErrHelp) {
-		fmt.Fprintln(os.Stderr, "kvgate:", err)
-		os.Exit(1)
-	}
+	os.Exit(runMain(stopSignals(), os.Args[1:], os.Getenv, os.Stdout, os.Stderr))
 }
 
-// signalContext is cancelled by SIGINT or SIGTERM.
-func signalContext() (context.Context, context.CancelFunc) {
-	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+// stopSignals delivers SIGINT and SIGTERM.
+func stopSignals() <-chan os.Signal {
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	return sigs
+}
+
+// runMain runs a command and returns the process's exit status. The
+// first signal on sigs asks the command to stop (its context ends: serve
+// drains); a second one forces the exit at once, drain or not.
+func runMain(sigs <-chan os.Signal, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, args, getenv, stdout, stderr) }()
+	var err error
+	select {
+	case err = <-done:
+	case <-sigs:
+		cancel()
+		select {
+		case err = <-done:
+		case sig := <-sigs:
+			fmt.Fprintf(stderr, "kvgate: %s again: exiting now, without waiting for the drain\n", sig)
+			return 1
+		}
+	}
+	if err != nil && !errors.Is(err, flag.ErrHelp) {
+		fmt.Fprintln(stderr, "kvgate:", err)
+		return 1
+	}
+	return 0
 }
 
 const usage = `kvgate: an inference gateway for vLLM servers on local GPUs

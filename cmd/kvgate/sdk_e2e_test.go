@@ -183,7 +183,7 @@ type sdkGateway struct {
 // simulated backends; cleanup stops it and checks that it stopped cleanly.
 func startGateway(t *testing.T, extra ...string) *sdkGateway {
 	t.Helper()
-	args := append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--data-dir", t.TempDir()}, extra...)
+	args := append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--dev", "--data-dir", t.TempDir()}, extra...)
 	ctx, cancel := context.WithCancel(context.Background())
 	var stdout, stderr syncBuffer
 	done := make(chan error, 1)

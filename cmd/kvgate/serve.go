@@ -41,13 +41,24 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	if err != nil {
 		return err
 	}
+	if cfg.Store == "" || cfg.NATS.URL == "" {
+		// The embedded store or JetStream keeps its files there.
+		lock, err := lockDataDir(cfg.DataDir)
+		if err != nil {
+			return err
+		}
+		defer lock.Close()
+	}
 	ln, err := net.Listen("tcp", cfg.Addr)
 	if err != nil {
 		return err
 	}
-	ctx, cancel := context.WithCancel(ctx)
+	// The components outlive ctx, the first signal: the drain needs the
+	// backends, the scheduler and the broker until the requests and jobs
+	// in flight have ended. serveAPI ends them after the drain.
+	life, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancel()
-	g, gctx := errgroup.WithContext(ctx)
+	g, gctx := errgroup.WithContext(life)
 	// fail undoes a half-started server: the listener, and whatever g runs.
 	fail := func(err error) error {
 		ln.Close()
@@ -91,7 +102,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		return fail(err)
 	}
 	reg.MustRegister(sched.Collectors()...)
-	st, loc, applied, err := openStore(ctx, cfg.Store, cfg.DataDir, !cfg.NoMigrate)
+	st, loc, applied, err := openStore(gctx, cfg.Store, cfg.DataDir, !cfg.NoMigrate)
 	if err != nil {
 		return fail(fmt.Errorf("job store: %w", err))
 	}
@@ -118,6 +129,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(),
+		Dev:       cfg.Dev,
 		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
@@ -137,8 +149,21 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })
 	g.Go(func() error { return ignoreCanceled(sched.Run(gctx)) })
-	g.Go(func() error { return ignoreCanceled(runner.Run(gctx)) })
-	g.Go(func() error { return serve(gctx, ln, api, waitDone) })
+	// The runner's context is its own: the drain ends it, not the signal.
+	jobsCtx, stopJobs := context.WithCancel(gctx)
+	defer stopJobs()
+	jobsDone := make(chan struct{})
+	g.Go(func() error {
+		defer close(jobsDone)
+		return ignoreCanceled(runner.Run(jobsCtx))
+	})
+	g.Go(func() error {
+		err := serveAPI(ctx, gctx, ln, api, drainConfig{
+			timeout: cfg.DrainTimeout, jobs: runner, stopJobs: stopJobs, jobsDone: jobsDone, log: log,
+		})
+		cancel() // the rest goes with the API
+		return err
+	})
 
 	addr := ln.Addr().String()
 	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys)+len(operators) > 0,
@@ -148,7 +173,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		model = p.Model
 	}
 	auth := ""
-	if len(keys) > 0 {
+	if !api.DevOpen(ctx) {
 		auth = " -H 'Authorization: Bearer YOUR_KEY'"
 	}
 	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on http://%s/v1\ntry: curl -s http://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
@@ -181,8 +206,65 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 	return cfg, log, nil
 }
 
-func waitDone(ctx context.Context) error {
-	<-ctx.Done()
+// drainConfig is what serveAPI needs for the drain.
+type drainConfig struct {
+	timeout  time.Duration
+	jobs     interface{ Drain() } // the runner: stops claiming new jobs
+	stopJobs func()               // ends the runner's context
+	jobsDone <-chan struct{}      // closed once the runner has returned
+	log      *slog.Logger
+}
+
+// serveAPI serves the API on ln until ctx ends (the first signal), then
+// drains: it logs "draining" with the timeout, the gateway refuses new
+// requests with 503 and fails /readyz (see gateway.Server.Drain), the
+// runner stops claiming jobs, and the requests and streams in flight get
+// until the timeout to finish; at the timeout they are ended, each with an
+// error its client can read. Then the runner's context ends (a job still
+// running is handed back for another process, without spending an
+// attempt) and serveAPI returns once the runner has. When life ends first
+// (a component failed), it stops at once.
+func serveAPI(ctx, life context.Context, ln net.Listener, api *gateway.Server, d drainConfig) error {
+	srv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	select {
+	case err := <-served:
+		d.stopJobs()
+		return err
+	case <-life.Done():
+		_ = srv.Close()
+		<-served
+		d.stopJobs()
+		return nil
+	case <-ctx.Done():
+	}
+	start := time.Now()
+	d.log.Info("draining", "timeout", d.timeout)
+	srv.SetKeepAlivesEnabled(false) // each answer closes its connection: clients reconnect elsewhere
+	d.jobs.Drain()
+	drainCtx, cancel := context.WithTimeout(life, d.timeout)
+	defer cancel()
+	if n := api.Drain(drainCtx); n > 0 {
+		d.log.Warn("drain timeout: ended requests still running", "requests", n, "timeout", d.timeout)
+	}
+	// Jobs in flight get what is left of the drain: the runner returns by
+	// itself once its last one has ended; at the deadline the rest go back
+	// to the store, spending no attempt.
+	select {
+	case <-d.jobsDone:
+	case <-drainCtx.Done():
+		d.log.Warn("drain timeout: handing the jobs still running back to the store")
+	}
+	d.stopJobs()
+	<-d.jobsDone
+	shut, cancelShut := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancelShut()
+	if err := srv.Shutdown(shut); err != nil {
+		_ = srv.Close()
+	}
+	<-served
+	d.log.Info("drained", "took", time.Since(start).Round(time.Millisecond))
 	return nil
 }
 

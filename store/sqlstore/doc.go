@@ -13,6 +13,12 @@
 // failing call failing alone. Elsewhere (SQLite, in process) each
 // operation is an explicit transaction.
 //
+// Ownership of a job lives in one file, ownership.go: every statement
+// that claims a job, renews or uses a claim, ends an attempt or reaps an
+// expired one, built from the runnable and owned conditions and the one
+// rule that decides between a retry and a terminal failure. fair.go is
+// the fair claim's choice of jobs across tenants.
+//
 // Times are stored as Unix microseconds (BIGINT), so both databases order
 // and compare them alike. The package is the implementation behind the two
 // backends; other packages use it through them.

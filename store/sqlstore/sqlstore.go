@@ -388,6 +388,12 @@ func (s *Store) Get(ctx context.Context, tenant, id string) (store.Job, error) {
 	return j, s.err("get job", err)
 }
 
+// GetByKey implements store.Store.
+func (s *Store) GetByKey(ctx context.Context, tenant, key string) (store.Job, error) {
+	j, err := scanJob(s.queryRow(ctx, nil, s.q.selectByKey, tenant, key))
+	return j, s.err("get job by key", err)
+}
+
 // List implements store.Store.
 func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]store.Job, string, error) {
 	limit := f.Limit

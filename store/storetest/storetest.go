@@ -109,6 +109,12 @@ func testAccept(t *testing.T, s store.Store) {
 	if err != nil || !created {
 		t.Fatalf("accept: %v, created %v", err, created)
 	}
+	if byKey, err := s.GetByKey(ctx, n.Tenant, n.IdempotencyKey); err != nil || byKey.ID != j.ID {
+		t.Errorf("by key: %+v, %v", byKey, err)
+	}
+	if _, err := s.GetByKey(ctx, "other-tenant", n.IdempotencyKey); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant's key: %v, want ErrNotFound", err)
+	}
 	if j.ID != n.ID || j.State != store.Ready || j.StateVersion != 1 || j.Attempt != 0 || j.Fence != 0 ||
 		string(j.Body) != string(n.Body) || string(j.Metadata) != string(n.Metadata) || !j.Deadline.Equal(n.Deadline) {
 		t.Errorf("accepted job %+v", j)

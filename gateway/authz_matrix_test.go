@@ -1,0 +1,238 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+// The callers of the route × role matrix, in the order of a row's statuses.
+const (
+	roleNone     = iota // no Authorization header
+	roleOther           // an operator key of another tenant than the objects'
+	roleUser            // a user key of the objects' tenant
+	roleOperator        // an operator key of the objects' tenant
+	roleAdmin           // an admin key (of the objects' tenant)
+	nRoles
+)
+
+var roleNames = [nRoles]string{"no key", "another tenant's operator", "user", "operator", "admin"}
+
+// matrixEnv is what the matrix runs against: the objects belong to tenant
+// acme, the other tenant is globex.
+type matrixEnv struct {
+	t     *testing.T
+	f     *fleet
+	st    *sqlstore.Store
+	keys  [nRoles]string
+	job   string // a job of acme's that succeeded
+	n     int    // names made so far
+	spare string // the spare tenant or key id expand made last
+}
+
+// expand fills a path or body template: {job} is acme's job, {unique} a
+// fresh name, {spare-tenant} and {spare-key} a tenant and an acme key
+// made for this one request (their names, or the key's id).
+func (e *matrixEnv) expand(s string) string {
+	e.n++
+	ctx := context.Background()
+	if strings.Contains(s, "{spare-tenant}") {
+		e.spare = fmt.Sprintf("spare-%d", e.n)
+		if err := e.st.CreateTenant(ctx, store.Tenant{Name: e.spare, Weight: 1, CreatedAt: quotaT0, UpdatedAt: quotaT0}); err != nil {
+			e.t.Fatal(err)
+		}
+		s = strings.ReplaceAll(s, "{spare-tenant}", e.spare)
+	}
+	if strings.Contains(s, "{spare-key}") {
+		_, k := NewAPIKey("acme", store.RoleUser, "spare", quotaT0)
+		if err := e.st.CreateKey(ctx, k); err != nil {
+			e.t.Fatal(err)
+		}
+		e.spare = k.ID
+		s = strings.ReplaceAll(s, "{spare-key}", k.ID)
+	}
+	return strings.NewReplacer("{job}", e.job, "{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
+}
+
+// do sends one request and returns its status and body; an event stream's
+// body is not read (it does not end).
+func (e *matrixEnv) do(method, path, key, body string, header ...string) (int, []byte) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var rd io.Reader
+	if body != "" {
+		rd = strings.NewReader(body)
+	}
+	req, _ := http.NewRequestWithContext(ctx, method, e.f.srv.URL+path, rd)
+	req.Header.Set("Content-Type", "application/json")
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		e.t.Errorf("%s %s: %v", method, path, err)
+		return 0, nil
+	}
+	defer resp.Body.Close()
+	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		return resp.StatusCode, nil
+	}
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, b
+}
+
+// matrixRow is one route against every caller.
+type matrixRow struct {
+	pattern    string // as registered on the mux
+	path, body string // templates for expand
+	header     []string
+	want       [nRoles]int
+	// check, when set, looks further at an answer (what it shows, or that
+	// a refused request changed nothing).
+	check func(e *matrixEnv, role, status int, body []byte)
+}
+
+// TestRouteRoleMatrix: every route the gateway registers, against no key,
+// another tenant's key, and user, operator and admin keys of the objects'
+// tenant. Another tenant's objects are 404, never a 403 that would say
+// they exist; a refusal is an OpenAI-shaped error; a refused change
+// changes nothing. A route registered without a row here fails the test.
+func TestRouteRoleMatrix(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 50, keysRequired: true,
+		gateway: Config{Tenants: Tenants{Store: st}}})
+	e := &matrixEnv{t: t, f: f, st: st}
+	e.keys[roleUser] = newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	e.keys[roleOperator] = newKey(t, st, "acme", store.RoleOperator)
+	e.keys[roleAdmin] = newKey(t, st, "acme", store.RoleAdmin)
+	e.keys[roleOther] = newTenant(t, st, "globex", store.Limits{}, store.RoleOperator)
+	if status, b := e.do(http.MethodPost, "/v1/jobs", e.keys[roleUser], chatJob("the matrix's job", 2), "Idempotency-Key", "matrix"); status != http.StatusAccepted {
+		t.Fatalf("submit: %d %s", status, b)
+	} else {
+		e.job = decode[jobView](t, b).ID
+	}
+	waitJob(t, f, "acme", e.job, store.Succeeded)
+
+	const (
+		no = http.StatusUnauthorized
+		ok = http.StatusOK
+		nf = http.StatusNotFound
+		fb = http.StatusForbidden
+	)
+	anyone := [nRoles]int{ok, ok, ok, ok, ok}
+	keyed := [nRoles]int{no, ok, ok, ok, ok}
+	adminOnly := [nRoles]int{no, fb, fb, fb, ok}
+	ownJob := [nRoles]int{no, nf, ok, ok, ok}
+	// kept: a refused request left the spare tenant or key as it was.
+	keptTenant := func(e *matrixEnv, role, status int, _ []byte) {
+		if _, err := e.st.GetTenant(context.Background(), e.spare); status >= 300 && err != nil {
+			e.t.Errorf("%s was refused (%d) and the tenant is gone: %v", roleNames[role], status, err)
+		}
+	}
+	keptKey := func(e *matrixEnv, role, status int, _ []byte) {
+		ks, err := e.st.ListKeys(context.Background(), "acme")
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		i := slices.IndexFunc(ks, func(k store.APIKey) bool { return k.ID == e.spare })
+		if status >= 300 && (i < 0 || !ks[i].RevokedAt.IsZero()) {
+			e.t.Errorf("%s was refused (%d) and the key was revoked", roleNames[role], status)
+		}
+	}
+	hidesJob := func(e *matrixEnv, role, status int, body []byte) {
+		if role == roleOther && strings.Contains(string(body), e.job) {
+			e.t.Errorf("another tenant sees acme's job: %s", body)
+		}
+	}
+	rows := []matrixRow{
+		{pattern: "POST /v1/chat/completions", body: chatReq(2), want: keyed},
+		{pattern: "POST /v1/completions", body: `{"model":"` + llama + `","prompt":"hi","max_tokens":2}`, want: keyed},
+		// The fleet serves a chat model: its backend refuses embeddings,
+		// once the caller is let through.
+		{pattern: "POST /v1/embeddings", body: `{"model":"` + llama + `","input":"hi"}`,
+			want: [nRoles]int{no, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest}},
+		{pattern: "GET /v1/models", want: keyed},
+		{pattern: "POST /v1/jobs", body: chatJob("matrix", 2), header: []string{"Idempotency-Key", "{unique}"},
+			want: [nRoles]int{no, http.StatusAccepted, http.StatusAccepted, http.StatusAccepted, http.StatusAccepted}},
+		{pattern: "GET /v1/jobs", want: keyed, check: hidesJob},
+		{pattern: "GET /v1/jobs/{id}", path: "/v1/jobs/{job}", want: ownJob},
+		{pattern: "GET /v1/jobs/{id}/result", path: "/v1/jobs/{job}/result", want: ownJob},
+		{pattern: "POST /v1/jobs/{id}/cancel", path: "/v1/jobs/{job}/cancel", // it succeeded: too late to cancel
+			want: [nRoles]int{no, nf, http.StatusConflict, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/jobs/{id}/attempts", path: "/v1/jobs/{job}/attempts", want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "GET /v1/jobs/{id}/events", path: "/v1/jobs/{job}/events", want: ownJob},
+		{pattern: "GET /v1/events", want: keyed},
+		{pattern: "GET /v1/usage", want: [nRoles]int{no, ok, fb, ok, ok}, check: func(e *matrixEnv, role, status int, body []byte) {
+			if role == roleOther && strings.Contains(string(body), "acme") {
+				e.t.Errorf("another tenant's usage shows acme's: %s", body)
+			}
+		}},
+		{pattern: "GET /v1/admin/tenants", want: adminOnly},
+		{pattern: "POST /v1/admin/tenants", body: `{"name":"{unique}"}`, want: [nRoles]int{no, fb, fb, fb, http.StatusCreated}},
+		{pattern: "GET /v1/admin/tenants/{name}", path: "/v1/admin/tenants/acme", want: adminOnly},
+		{pattern: "PATCH /v1/admin/tenants/{name}", path: "/v1/admin/tenants/acme", body: `{"weight":1}`, want: adminOnly},
+		{pattern: "DELETE /v1/admin/tenants/{name}", path: "/v1/admin/tenants/{spare-tenant}", want: adminOnly, check: keptTenant},
+		{pattern: "GET /v1/admin/keys", want: adminOnly},
+		{pattern: "POST /v1/admin/keys", body: `{"tenant":"acme"}`, want: [nRoles]int{no, fb, fb, fb, http.StatusCreated}},
+		{pattern: "DELETE /v1/admin/keys/{id}", path: "/v1/admin/keys/{spare-key}", want: adminOnly, check: keptKey},
+		{pattern: "POST /v1/admin/keys/{id}/rotate", path: "/v1/admin/keys/{spare-key}/rotate",
+			want: [nRoles]int{no, fb, fb, fb, http.StatusCreated}, check: keptKey},
+		{pattern: "GET /v1/admin/usage", want: adminOnly},
+		{pattern: "GET /healthz", want: anyone},
+		{pattern: "GET /readyz", want: anyone},
+		{pattern: "GET /metrics", want: anyone},
+		{pattern: "/", path: "/v1/no-such-route", want: [nRoles]int{nf, nf, nf, nf, nf}},
+	}
+
+	var covered []string
+	for _, row := range rows {
+		covered = append(covered, row.pattern)
+		method, path, found := strings.Cut(row.pattern, " ")
+		if !found {
+			method, path = http.MethodGet, row.pattern
+		}
+		if row.path != "" {
+			path = row.path
+		}
+		for role := range nRoles {
+			p, body := e.expand(path), e.expand(row.body)
+			var header []string
+			for _, h := range row.header {
+				header = append(header, e.expand(h))
+			}
+			status, b := e.do(method, p, e.keys[role], body, header...)
+			if status != row.want[role] {
+				t.Errorf("%s (%s %s) with %s: %d %s, want %d", row.pattern, method, p, roleNames[role], status, b, row.want[role])
+			}
+			var eb errorBody
+			if status >= 400 && strings.HasPrefix(path, "/v1/") && (json.Unmarshal(b, &eb) != nil || eb.Error.Message == "" || eb.Error.Type == "") {
+				t.Errorf("%s with %s: %d and not an OpenAI-shaped error: %s", row.pattern, roleNames[role], status, b)
+			}
+			if row.check != nil {
+				row.check(e, role, status, b)
+			}
+		}
+	}
+	for _, p := range f.api.mux.patterns {
+		if !slices.Contains(covered, p) {
+			t.Errorf("route %q has no row in the matrix: add one", p)
+		}
+	}
+	for _, p := range covered {
+		if !slices.Contains(f.api.mux.patterns, p) {
+			t.Errorf("the matrix has a row for %q, which the gateway does not register", p)
+		}
+	}
+}

@@ -1,0 +1,122 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Draining. When kvgate is asked to stop, Drain fails /readyz at once,
+// so that a load balancer takes this replica out, and answers every new
+// API request 503 with Retry-After. The job event streams end at once
+// with an error event: their clients reconnect, with Last-Event-ID, to a
+// replica that stays. Requests in flight, inference streams among them,
+// run on until they finish or the drain's deadline; at the deadline a
+// stream still running ends with an OpenAI-shaped error event, and a
+// request not answered yet gets 503.
+
+var (
+	// errDraining refuses a request that comes during the drain.
+	errDraining = &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_shutting_down",
+		retryAfter: time.Second,
+		msg:        "This kvgate is shutting down and takes no new requests; retry after the Retry-After delay."}
+	// errDrainDeadline ends a request still running at the drain's
+	// deadline.
+	errDrainDeadline = &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_shutting_down",
+		retryAfter: time.Second,
+		msg:        "This kvgate shut down before the request finished; the response is incomplete. Retry the request."}
+	// errStreamDrained ends a job event stream when the drain begins.
+	errStreamDrained = &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_shutting_down",
+		retryAfter: time.Second,
+		msg:        "This kvgate is shutting down; reconnect with the last event's id as Last-Event-ID to resume where this stream ended."}
+)
+
+// drainGrace is how long Drain waits, after its deadline, for the requests
+// it ended to write their error and return.
+const drainGrace = 5 * time.Second
+
+// drainState counts the API requests in flight and holds the drain's
+// signals.
+type drainState struct {
+	active   atomic.Int64
+	flag     atomic.Bool
+	idle     chan struct{} // a token when active drops to 0 while draining
+	once     sync.Once
+	begun    chan struct{}   // closed when the drain begins
+	deadline context.Context // done at the drain's deadline
+	cut      context.CancelFunc
+}
+
+func newDrainState() *drainState {
+	ctx, cancel := context.WithCancel(context.Background())
+	return &drainState{idle: make(chan struct{}, 1), begun: make(chan struct{}), deadline: ctx, cut: cancel}
+}
+
+// enter counts a request in, unless the drain has begun.
+func (d *drainState) enter() bool {
+	d.active.Add(1)
+	if d.flag.Load() {
+		d.leave()
+		return false
+	}
+	return true
+}
+
+// leave counts a request out.
+func (d *drainState) leave() {
+	if d.active.Add(-1) == 0 && d.flag.Load() {
+		select {
+		case d.idle <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (d *drainState) draining() bool { return d.flag.Load() }
+
+// wait waits for no request to be in flight; false if ctx ended first.
+func (d *drainState) wait(ctx context.Context) bool {
+	for d.active.Load() > 0 {
+		select {
+		case <-d.idle:
+		case <-ctx.Done():
+			return d.active.Load() == 0
+		}
+	}
+	return true
+}
+
+// Drain begins the shutdown (see above) and returns once no API request is
+// in flight, or when ctx ends: it then ends the requests still running and
+// returns once they have, or after a few seconds' grace. It returns how
+// many requests it had to end. Calling it again waits again; it is safe
+// for concurrent use.
+func (s *Server) Drain(ctx context.Context) (ended int) {
+	d := s.drain
+	d.once.Do(func() {
+		d.flag.Store(true)
+		close(d.begun)
+	})
+	if d.wait(ctx) {
+		return 0
+	}
+	ended = int(d.active.Load())
+	d.cut()
+	grace, cancel := context.WithTimeout(context.Background(), drainGrace)
+	defer cancel()
+	d.wait(grace)
+	return ended
+}
+
+// endStream ends a relayed inference stream with an error chunk in
+// OpenAI's shape, the way OpenAI ends a stream that fails.
+func endStream(w http.ResponseWriter, rc *http.ResponseController, err error) {
+	if b, merr := json.Marshal(toAPIError(err).body()); merr == nil {
+		_, _ = fmt.Fprintf(w, "data: %s\n\n", b)
+		_ = rc.Flush()
+	}
+}

@@ -1,0 +1,106 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// A drain fails /readyz and refuses new requests at once while the
+// requests in flight run on; a job event stream ends at once, telling its
+// client to reconnect; at the deadline, a stream still running ends with
+// an error event and a request not answered yet gets 503.
+func TestDrain(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 1, jobs: true})
+	long := func(stream bool) *http.Request {
+		body := `{"model":"` + llama + `","messages":[{"role":"user","content":"go on"}],"max_tokens":5000,"ignore_eos":true,"stream":` +
+			map[bool]string{true: "true", false: "false"}[stream] + `}`
+		req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/chat/completions", strings.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		return req
+	}
+	streamResp, err := http.DefaultClient.Do(long(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer streamResp.Body.Close()
+	br := bufio.NewReader(streamResp.Body)
+	if line, err := br.ReadString('\n'); err != nil || !strings.HasPrefix(line, "data: ") {
+		t.Fatalf("stream's first line %q, %v", line, err)
+	}
+	type answer struct {
+		status int
+		body   string
+	}
+	plain := make(chan answer, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(long(false))
+		if err != nil {
+			plain <- answer{}
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		plain <- answer{resp.StatusCode, string(b)}
+	}()
+	waitFor(t, "both requests at the backend", func() bool { return f.sims[0].Engine().Load() == 2 })
+	_, job := submitJob(t, f, "k1", chatJob("watched", 4))
+	events := openStream(t, f.srv.URL+"/v1/jobs/"+job.ID+"/events")
+	if e, _ := events.next(t); e.Event != "snapshot" {
+		t.Fatalf("job stream starts with %+v", e)
+	}
+
+	deadline, cut := context.WithCancel(context.Background())
+	defer cut()
+	drained := make(chan int, 1)
+	go func() { drained <- f.api.Drain(deadline) }()
+
+	waitFor(t, "/readyz to fail", func() bool {
+		resp, err := http.Get(f.srv.URL + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusServiceUnavailable
+	})
+	resp, b := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"x","max_tokens":4}`)
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" ||
+		!strings.Contains(string(b), `"code":"server_shutting_down"`) {
+		t.Errorf("a request while draining: %d, Retry-After %q: %s", resp.StatusCode, resp.Header.Get("Retry-After"), b)
+	}
+	e, _ := events.next(t)
+	var eb errorBody
+	if e.Event != "error" || json.Unmarshal([]byte(e.Data), &eb) != nil || eb.Error.Code == nil || *eb.Error.Code != "server_shutting_down" {
+		t.Errorf("job stream at the drain: %+v, want an error event", e)
+	}
+	if e, ok := events.next(t); ok {
+		t.Errorf("job stream went on after its error event: %+v", e)
+	}
+	select {
+	case n := <-drained:
+		t.Fatalf("Drain returned (%d ended) with two requests in flight", n)
+	default:
+	}
+	// The requests in flight still run.
+	if line, err := br.ReadString('\n'); err != nil {
+		t.Fatalf("the stream in flight broke when the drain began: %q, %v", line, err)
+	}
+
+	cut() // the drain's deadline
+	rest, _ := io.ReadAll(br)
+	if !strings.Contains(string(rest), `"code":"server_shutting_down"`) || strings.Contains(string(rest), "[DONE]") {
+		t.Errorf("the stream at the deadline ended with ...%s, want an error event", tail(rest))
+	}
+	if a := <-plain; a.status != http.StatusServiceUnavailable || !strings.Contains(a.body, `"code":"server_shutting_down"`) {
+		t.Errorf("the request in flight at the deadline: %d %s, want 503", a.status, a.body)
+	}
+	if n := <-drained; n != 2 {
+		t.Errorf("Drain ended %d requests, want 2", n)
+	}
+	waitFor(t, "the backend requests to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
+	waitFor(t, "the reservations to be freed", func() bool { return f.inflight() == 0 })
+}

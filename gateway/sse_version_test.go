@@ -1,0 +1,170 @@
+package gateway
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+// heldFleet is a fleet whose job events wait in the outbox until the
+// test runs the relay: a broker outage, or a relay that lags.
+type heldFleet struct {
+	*fleet
+	st  *sqlstore.Store
+	sig *testSignals
+	ctx context.Context
+	wg  *sync.WaitGroup
+}
+
+func startHeldFleet(t *testing.T, cfg Config) *heldFleet {
+	t.Helper()
+	st := sqliteStore(t)
+	sig := startTestSignals(t, st, func() {})
+	cfg.Jobs.Feed = sig.feed
+	f := startFleet(t, fleetOpts{store: st, gateway: cfg})
+	// Registered after the fleet's: runs first, before the store closes.
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	wg.Go(func() { _ = scheduler.FollowFeed(ctx, sig.nc, sig.feed) })
+	return &heldFleet{fleet: f, st: st, sig: sig, ctx: ctx, wg: &wg}
+}
+
+// publish runs the relay until the outbox is empty, and leaves it running
+// when keep is set.
+func (h *heldFleet) publish(t *testing.T, keep bool) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(h.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); _ = h.sig.relay.Run(ctx) }()
+	waitFor(t, "the outbox to drain", func() bool {
+		evs, err := h.st.Unpublished(h.ctx, 10)
+		return err == nil && len(evs) == 0
+	})
+	stop := func() { cancel(); <-done }
+	if keep {
+		t.Cleanup(stop) // before the store closes
+		return
+	}
+	stop()
+}
+
+// claim moves every runnable job to RUNNING, as a runner would; the
+// events wait in the outbox.
+func (h *heldFleet) claim(t *testing.T, want int) {
+	t.Helper()
+	jobs, err := h.st.Claim(h.ctx, time.Now(), time.Minute, 100)
+	if err != nil || len(jobs) != want {
+		t.Fatalf("claimed %d jobs (%v), want %d", len(jobs), err, want)
+	}
+}
+
+// versions checks, per job, that every state_version a client is shown
+// is above the last one it was shown, across connections.
+type versions map[string]int64
+
+func (vs versions) see(t *testing.T, where, job string, v int64) {
+	t.Helper()
+	if last, ok := vs[job]; ok && v <= last {
+		t.Errorf("%s: job %s at state_version %d after %d", where, job, v, last)
+	}
+	vs[job] = max(vs[job], v)
+}
+
+// A job's snapshot can show a state whose events still wait in the
+// outbox. A client that reconnects with the snapshot's id is never sent
+// those older states once they are published.
+func TestJobStreamResumeAfterSnapshotAheadOfFeed(t *testing.T) {
+	h := startHeldFleet(t, Config{})
+	_, v := submitJob(t, h.fleet, "k1", chatJob("ahead of the feed", 4))
+	h.claim(t, 1) // READY (1) and RUNNING (2), both unpublished
+	url := h.srv.URL + "/v1/jobs/" + v.ID + "/events"
+
+	s := openStream(t, url)
+	e, _ := s.next(t)
+	var snap jobView
+	if e.Event != "snapshot" || json.Unmarshal([]byte(e.Data), &snap) != nil || snap.State != string(store.Running) {
+		t.Fatalf("first event %+v, want a RUNNING snapshot", e)
+	}
+	s.cancel()
+	seen := versions{}
+	seen.see(t, "snapshot", v.ID, snap.StateVersion)
+
+	h.publish(t, true)
+	if resp, b := h.post(t, "/v1/jobs/"+v.ID+"/cancel", ""); resp.StatusCode != http.StatusOK {
+		t.Fatalf("cancel: %d %s", resp.StatusCode, b)
+	}
+	s = openStream(t, url, "Last-Event-ID", e.RawID)
+	var last eventView
+	for {
+		e, ok := s.next(t)
+		if !ok {
+			break
+		}
+		if e.Event == "snapshot" {
+			var j jobView
+			_ = json.Unmarshal([]byte(e.Data), &j)
+			seen.see(t, "resumed snapshot", j.ID, j.StateVersion)
+			continue
+		}
+		last = decodeEvent(t, e)
+		seen.see(t, "resumed "+e.Event, last.JobID, last.StateVersion)
+	}
+	if seen[v.ID] != snap.StateVersion+1 {
+		t.Errorf("the resumed stream ended at state_version %d (last event %+v), want the cancellation's, %d",
+			seen[v.ID], last, snap.StateVersion+1)
+	}
+}
+
+// The tenant's snapshot, too, may not run ahead of its cursor: a client
+// that reconnects with it is sent only newer states of every job, even
+// of jobs whose events waited in the outbox when it took the snapshot.
+func TestTenantStreamResumeAfterSnapshotAheadOfFeed(t *testing.T) {
+	h := startHeldFleet(t, Config{})
+	_, b := submitJob(t, h.fleet, "kb", chatJob("published", 4))
+	h.publish(t, false) // b's job.accepted is in the feed
+	_, a := submitJob(t, h.fleet, "ka", chatJob("held", 4))
+	h.claim(t, 2) // a: accepted and running, b: running, all held
+
+	s := openStream(t, h.srv.URL+"/v1/events")
+	e, _ := s.next(t)
+	var snap struct {
+		Cursor int64     `json:"cursor"`
+		Data   []jobView `json:"data"`
+	}
+	if e.Event != "snapshot" || json.Unmarshal([]byte(e.Data), &snap) != nil {
+		t.Fatalf("first event %+v, want a snapshot", e)
+	}
+	s.cancel()
+	seen := versions{}
+	for _, j := range snap.Data {
+		seen.see(t, "snapshot", j.ID, j.StateVersion)
+	}
+
+	h.publish(t, true)
+	for _, id := range []string{a.ID, b.ID} {
+		if resp, body := h.post(t, "/v1/jobs/"+id+"/cancel", ""); resp.StatusCode != http.StatusOK {
+			t.Fatalf("cancel: %d %s", resp.StatusCode, body)
+		}
+	}
+	s = openStream(t, h.srv.URL+"/v1/events", "Last-Event-ID", e.RawID)
+	cancelled := map[string]bool{}
+	for len(cancelled) < 2 {
+		e, ok := s.next(t)
+		if !ok {
+			t.Fatal("the resumed stream ended")
+		}
+		ev := decodeEvent(t, e)
+		seen.see(t, "resumed "+e.Event, ev.JobID, ev.StateVersion)
+		if ev.State == string(store.Cancelled) {
+			cancelled[ev.JobID] = true
+		}
+	}
+}

@@ -1,0 +1,146 @@
+package gateway
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+func TestClassifyResponse(t *testing.T) {
+	for _, tc := range []struct {
+		status     int
+		retryAfter string
+		body       string
+		class      upstreamClass
+		errClass   scheduler.ErrorClass
+		msg        string
+		wait       time.Duration
+	}{
+		{200, "", `{"usage":{}}`, upstreamOK, "", "", 0},
+		{429, "7", `{"error":{"message":"slow down"}}`, upstreamRateLimited, scheduler.ClassRateLimited, "slow down", 7 * time.Second},
+		{500, "", `{"message":"boom"}`, upstreamBackendError, scheduler.ClassBackend, "boom", 0},
+		{503, "2", `not json`, upstreamBackendError, scheduler.ClassBackend, "The backend answered 503.", 2 * time.Second},
+		{400, "", `{"error":{"message":"maximum context length is 8192"}}`, upstreamRequestError, scheduler.ClassInvalid, "maximum context length is 8192", 0},
+		{404, "", `{"error":{"message":"no such model"}}`, upstreamRequestError, scheduler.ClassInvalid, "no such model", 0},
+	} {
+		t.Run(fmt.Sprint(tc.status), func(t *testing.T) {
+			h := http.Header{}
+			if tc.retryAfter != "" {
+				h.Set("Retry-After", tc.retryAfter)
+			}
+			u := classifyResponse(tc.status, h, []byte(tc.body))
+			if u.class != tc.class || u.status != tc.status || u.retryAfter != tc.wait {
+				t.Errorf("classified %v status %d retry after %v, want %v %d %v", u.class, u.status, u.retryAfter, tc.class, tc.status, tc.wait)
+			}
+			if tc.class == upstreamOK {
+				if u.err != nil {
+					t.Errorf("ok with error %v", u.err)
+				}
+				return
+			}
+			if got := u.class.errorClass(); got != tc.errClass {
+				t.Errorf("error class %s, want %s", got, tc.errClass)
+			}
+			var ue *upstreamError
+			if !errors.As(u.err, &ue) || ue.msg != tc.msg || ue.status != tc.status || ue.retryAfter != tc.wait {
+				t.Errorf("err %#v, want the backend's status and message %q", u.err, tc.msg)
+			}
+		})
+	}
+}
+
+func TestClassifyTransport(t *testing.T) {
+	_, err := http.Post(downURL(t)+"/v1/completions", "application/json", strings.NewReader("{}"))
+	if err == nil {
+		t.Fatal("a closed port answered")
+	}
+	if u := classifyTransport(err, false); u.class != upstreamNotSent || u.class.sent() || u.class.errorClass() != scheduler.ClassRefused {
+		t.Errorf("connection refused: %v (sent %v)", u.class, u.class.sent())
+	}
+	if u := classifyTransport(io.ErrUnexpectedEOF, false); u.class != upstreamBackendError || !u.class.sent() {
+		t.Errorf("cut answer: %v", u.class)
+	}
+	if u := classifyTransport(errStalled, true); u.class != upstreamTimeout || u.class.errorClass() != scheduler.ClassTimeout {
+		t.Errorf("stall: %v", u.class)
+	}
+	if u := malformedAnswer(200, errors.New("unexpected end of JSON input")); u.class != upstreamBackendError || u.status != 200 {
+		t.Errorf("malformed: %v %d", u.class, u.status)
+	}
+}
+
+// reports records what requestHealth tells the pool.
+type reports []string
+
+func (r *reports) ReportFailure(name string, err error) { *r = append(*r, "fail "+name) }
+func (r *reports) ReportSuccess(name string)            { *r = append(*r, "ok "+name) }
+
+// TestRequestHealth: which backends a request's failures count against.
+func TestRequestHealth(t *testing.T) {
+	e500 := classifyResponse(500, http.Header{}, nil)
+	e503 := classifyResponse(503, http.Header{}, nil)
+	bad := classifyResponse(400, http.Header{}, nil)
+	ok := upstream{class: upstreamOK, status: 200}
+	refused := upstream{class: upstreamNotSent, err: errors.New("connection refused")}
+	stall := classifyTransport(errStalled, true)
+	limited := classifyResponse(429, http.Header{}, nil)
+	type step struct {
+		backend string
+		u       upstream
+	}
+	for _, tc := range []struct {
+		name      string
+		steps     []step
+		sameTwice bool // after the last step
+		want      []string
+	}{
+		{"500 then success elsewhere: the first backend's", []step{{"a", e500}, {"b", ok}}, false, []string{"ok b", "fail a"}},
+		{"500 on two backends: the request's", []step{{"a", e500}, {"b", e500}}, true, nil},
+		{"stall on two backends: the request's", []step{{"a", stall}, {"b", stall}}, true, nil},
+		{"500 then 503: not the same, both charged", []step{{"a", e500}, {"b", e503}}, false, []string{"fail a", "fail b"}},
+		{"500 alone: charged", []step{{"a", e500}}, false, []string{"fail a"}},
+		{"500 then 400 elsewhere: the request is bad", []step{{"a", e500}, {"b", bad}}, false, []string{"ok b"}},
+		{"refused: charged at once", []step{{"a", refused}, {"b", ok}}, false, []string{"fail a", "ok b"}},
+		{"429 charges nobody", []step{{"a", limited}, {"b", ok}}, false, []string{"ok b"}},
+		{"500, refused, 500: the request's", []step{{"a", e500}, {"b", refused}, {"c", e500}}, true, []string{"fail b"}},
+		{"client left: nothing known", []step{{"a", upstream{}}}, false, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var r reports
+			var h requestHealth
+			same := false
+			for _, s := range tc.steps {
+				same = h.observe(&r, s.backend, s.u)
+			}
+			h.settle(&r)
+			if same != tc.sameTwice || !slices.Equal(r, tc.want) {
+				t.Errorf("same twice %v, reports %q; want %v, %q", same, r, tc.sameTwice, tc.want)
+			}
+		})
+	}
+}
+
+func TestReportAlone(t *testing.T) {
+	for _, tc := range []struct {
+		u    upstream
+		want string
+	}{
+		{upstream{class: upstreamOK, status: 200}, "ok a"},
+		{classifyResponse(500, http.Header{}, nil), "fail a"},
+		{classifyResponse(400, http.Header{}, nil), "ok a"},
+		{classifyResponse(429, http.Header{}, nil), ""},
+		{classifyTransport(errStalled, true), "fail a"},
+	} {
+		var r reports
+		reportAlone(&r, "a", tc.u)
+		if strings.Join(r, ",") != tc.want {
+			t.Errorf("%v: reports %q, want %q", tc.u.class, r, tc.want)
+		}
+	}
+}
