@@ -224,6 +224,26 @@ func (e *env) waitSucceeded(n int, timeout time.Duration) {
 	})
 }
 
+// waitEngines waits until the simulators' engines run at least n
+// requests between them, with kvgate up throughout.
+func (e *env) waitEngines(n int, timeout time.Duration) {
+	e.t.Helper()
+	eventually(e.t, timeout, 50*time.Millisecond, fmt.Sprintf("%d requests in the engines", n), func() (bool, string, error) {
+		if err := e.gw.alive(); err != nil {
+			return false, "", err
+		}
+		running := 0.0
+		for _, s := range e.sims {
+			c, err := s.counters()
+			if err != nil {
+				return false, "", err
+			}
+			running += c.running
+		}
+		return running >= float64(n), fmt.Sprintf("%.0f running", running), nil
+	})
+}
+
 // waitKeys waits until the store holds n jobs whose idempotency key
 // starts with prefix: a batch submitted in the background is that far.
 func (e *env) waitKeys(prefix string, n int, timeout time.Duration) {

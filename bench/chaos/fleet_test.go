@@ -47,6 +47,7 @@ type options struct {
 	// requestTimeout is gateway.request_timeout: how long a job's request
 	// may run [kvgate's default].
 	requestTimeout time.Duration
+	drainTimeout   time.Duration // drain_timeout: the drain at shutdown [kvgate's default]
 }
 
 // env is one scenario's world: a database on the private cluster, a
@@ -304,7 +305,8 @@ type gatewayConfig struct {
 		MaxAttempts int           `yaml:"max_attempts"`
 		Lease       time.Duration `yaml:"lease"`
 	} `yaml:"jobs"`
-	Gateway struct {
+	DrainTimeout time.Duration `yaml:"drain_timeout,omitempty"`
+	Gateway      struct {
 		RequestTimeout time.Duration `yaml:"request_timeout,omitempty"`
 	} `yaml:"gateway"`
 }
@@ -335,7 +337,7 @@ func newGateway(e *env) *gateway {
 	c.NATS.URL = e.nats.url()
 	c.NVML.Disabled = true
 	c.Jobs.MaxAttempts, c.Jobs.Lease = e.opts.maxAttempts, e.opts.lease
-	c.Gateway.RequestTimeout = e.opts.requestTimeout
+	c.Gateway.RequestTimeout, c.DrainTimeout = e.opts.requestTimeout, e.opts.drainTimeout
 	b, err := yaml.Marshal(c)
 	if err != nil {
 		e.t.Fatal(err)
