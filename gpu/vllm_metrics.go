@@ -215,8 +215,14 @@ func (b *scanBuffer) filter(r io.Reader) ([]byte, error) {
 }
 
 // cutComment returns what follows "# HELP" or "# TYPE" and its blanks.
+// Like the Prometheus parser, it takes any blanks (or none) after the '#'.
 func cutComment(line []byte) ([]byte, bool) {
-	for _, p := range [][]byte{[]byte("# HELP"), []byte("# TYPE")} {
+	line, ok := bytes.CutPrefix(line, []byte("#"))
+	if !ok {
+		return nil, false
+	}
+	line = bytes.TrimLeft(line, " \t")
+	for _, p := range [][]byte{[]byte("HELP"), []byte("TYPE")} {
 		if rest, ok := bytes.CutPrefix(line, p); ok && len(rest) > 0 && (rest[0] == ' ' || rest[0] == '\t') {
 			return bytes.TrimLeft(rest, " \t"), true
 		}
