@@ -516,12 +516,14 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		last    time.Time
 		done    bool
 		started bool
+		midLine bool // the last read ended inside a line longer than the buffer
 		readErr error
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
 		if errors.Is(err, bufio.ErrBufferFull) {
 			event = append(event, line...)
+			midLine = true
 			continue
 		}
 		if err != nil {
@@ -530,7 +532,10 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		}
 		watchdog.Reset(s.cfg.StreamIdleTimeout)
 		event = append(event, line...)
-		if len(bytes.TrimSpace(line)) != 0 {
+		// Only an empty line ends an event, as the client's parser sees
+		// it: one of blanks does not, nor the end of a long line.
+		if blank := !midLine && (len(line) == 1 || (len(line) == 2 && line[0] == '\r')); !blank {
+			midLine = false
 			continue // the event goes on
 		}
 		data := eventData(event)
