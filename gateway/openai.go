@@ -132,10 +132,10 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 	}
 	c.sequences = 1
 	if c.f.N != nil {
-		c.sequences = *c.f.N
+		c.sequences = min(*c.f.N, maxReservation)
 	}
 	if ep == epCompletion {
-		c.sequences *= promptCount(c.f.Prompt)
+		c.sequences = satMul(c.sequences, promptCount(c.f.Prompt))
 	}
 	if c.f.StreamOptions != nil && !c.f.Stream {
 		return nil, badRequest("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
@@ -216,8 +216,22 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 	// The backend refuses what does not fit its context; the reservation
 	// need not be larger than what it could run. Each sequence of a
 	// request with n > 1 or several prompts grows its own output.
-	maxOut = max(1, min(maxOut, room)) * c.sequences
+	maxOut = satMul(max(1, min(maxOut, room)), c.sequences)
 	return prompt + maxOut, maxOut
+}
+
+// maxReservation caps what one request may reserve, in sequences or
+// tokens: far beyond any fleet's KV cache, so that admission refuses it as
+// too large, and far enough from overflow that sums of reservations stay
+// exact. A client's n can be anything up to 2^63.
+const maxReservation = 1 << 40
+
+// satMul is a×b for positive a and b, at most maxReservation.
+func satMul(a, b int) int {
+	if a > maxReservation/b {
+		return maxReservation
+	}
+	return min(a*b, maxReservation)
 }
 
 // proxy admits the call and passes it to a backend, retrying on another
