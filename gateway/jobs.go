@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -119,9 +120,9 @@ func requestHash(endpoint string, body []byte) string {
 
 func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	key := r.Header.Get("Idempotency-Key")
-	if key == "" || len(key) > 255 {
+	if key == "" || len(key) > 255 || !utf8.ValidString(key) {
 		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_required",
-			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 characters: the same key returns the same job."})
+			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 bytes of UTF-8 text: the same key returns the same job."})
 	}
 	raw, err := io.ReadAll(r.Body)
 	if err != nil {
