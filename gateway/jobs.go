@@ -161,7 +161,10 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	case req.Deadline != nil:
 		deadline = *req.Deadline
 	case req.DeadlineSeconds != nil:
-		deadline = now.Add(time.Duration(*req.DeadlineSeconds) * time.Second)
+		// Clamped first: seconds times time.Second wraps past 2^63 ns,
+		// and a wrapped value can land back in range.
+		secs := max(-1, min(*req.DeadlineSeconds, int(s.jobs.MaxDeadline/time.Second)+1))
+		deadline = now.Add(time.Duration(secs) * time.Second)
 	}
 	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
 		return writeError(w, s.log, badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
