@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"time"
@@ -52,6 +53,10 @@ type Jobs struct {
 	// Last-Event-ID; further behind, it starts from a fresh snapshot [10000].
 	MaxReplay int
 }
+
+// maxJobTokens bounds a job's reservation: what every store's
+// token_estimate column holds, and far beyond any backend's KV cache.
+const maxJobTokens = math.MaxInt32
 
 var jobEndpoints = map[string]endpoint{
 	"/v1/chat/completions": epChat, "/v1/completions": epCompletion, "/v1/embeddings": epEmbedding,
@@ -171,6 +176,10 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	if estimate > maxJobTokens {
+		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
+			param: "body.max_tokens", msg: fmt.Sprintf("The job would reserve %d tokens (its prompt, and max_tokens for each of its n sequences); a job may reserve at most %d.", estimate, maxJobTokens)})
+	}
 	endReservation, err := s.reserveJob(r.Context(), estimate)
 	if err != nil {
 		return writeError(w, s.log, err)
