@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -34,6 +35,61 @@ type reqFields struct {
 
 type streamOptions struct {
 	IncludeUsage *bool `json:"include_usage"`
+}
+
+// decode reads the fields from a request body by their exact names, as
+// the backend does (its JSON objects are Python dictionaries): left to
+// itself, encoding/json would also take "MAX_TOKENS" for max_tokens, and
+// admission would reserve for a limit the backend ignores.
+func (f *reqFields) decode(body []byte) error {
+	var opts json.RawMessage
+	err := decodeExact(body, []namedField{
+		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
+		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
+		{"messages", &f.Messages}, {"prompt", &f.Prompt}, {"input", &f.Input},
+	})
+	if err != nil || len(opts) == 0 || string(opts) == "null" {
+		return err
+	}
+	f.StreamOptions = &streamOptions{}
+	err = decodeExact(opts, []namedField{{"include_usage", &f.StreamOptions.IncludeUsage}})
+	var typeErr *json.UnmarshalTypeError
+	if errors.As(err, &typeErr) {
+		typeErr.Field = strings.TrimSuffix("stream_options."+typeErr.Field, ".")
+	}
+	return err
+}
+
+type namedField struct {
+	name string
+	dst  any
+}
+
+// decodeExact decodes the JSON object b into fields by their exact names;
+// other keys are left alone. A type error names the field.
+func decodeExact(b []byte, fields []namedField) error {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(b, &m); err != nil {
+		return err
+	}
+	for _, f := range fields {
+		raw, ok := m[f.name]
+		if !ok {
+			continue
+		}
+		if dst, ok := f.dst.(*json.RawMessage); ok {
+			*dst = raw // already checked and copied: a prompt may be megabytes
+			continue
+		}
+		if err := json.Unmarshal(raw, f.dst); err != nil {
+			var typeErr *json.UnmarshalTypeError
+			if errors.As(err, &typeErr) {
+				typeErr.Field = strings.TrimSuffix(f.name+"."+typeErr.Field, ".")
+			}
+			return err
+		}
+	}
+	return nil
 }
 
 type endpoint uint8
@@ -94,9 +150,12 @@ func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
 // admission needs.
 func parseCall(body []byte, ep endpoint) (*call, error) {
 	c := &call{ep: ep, body: body}
-	if err := json.Unmarshal(body, &c.f); err != nil {
+	if err := c.f.decode(body); err != nil {
 		var typeErr *json.UnmarshalTypeError
 		if errors.As(err, &typeErr) {
+			if typeErr.Field == "" {
+				return nil, badRequest("", "The request body must be a JSON object.")
+			}
 			return nil, badRequest(typeErr.Field, fmt.Sprintf("Invalid type for '%s': expected %s.", typeErr.Field, typeErr.Type))
 		}
 		return nil, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
