@@ -249,10 +249,35 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if set["no-nvml"] {
 		cfg.NVML.Disabled = c.noNVML
 	}
-	if err := cfg.Admission.Validate(); err != nil {
-		return nil, fmt.Errorf("admission: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
 	return cfg, nil
+}
+
+// validate refuses, before anything starts, a configuration that serve
+// would refuse only once it had begun: its admission policy, keys,
+// backends, token count or log level.
+func (c *config) validate() error {
+	if err := c.Admission.Validate(); err != nil {
+		return fmt.Errorf("admission: %w", err)
+	}
+	if _, _, err := c.keyMaps(); err != nil {
+		return err
+	}
+	if len(c.Backends) > 0 {
+		// The pool's own checks (URLs, duplicates); the pool starts nothing.
+		if _, err := gpu.NewPool(c.Backends, gpu.PoolConfig{}); err != nil {
+			return fmt.Errorf("backends: %w", err)
+		}
+	}
+	if tc := c.Gateway.TokenCount; tc != "" && tc != "estimate" && tc != "tokenize" {
+		return fmt.Errorf("gateway: token_count %q is not estimate or tokenize", tc)
+	}
+	if _, err := newLogger(io.Discard, c.LogLevel); err != nil {
+		return err
+	}
+	return nil
 }
 
 func splitList(v string) []string {
