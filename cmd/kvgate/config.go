@@ -146,6 +146,21 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		if err := dec.Decode(cfg); err != nil && !errors.Is(err, io.EOF) { // EOF: an empty file
 			return nil, fmt.Errorf("config %s: %w", file, err)
 		}
+		// Decode reads one document; what a second one sets (api_keys
+		// after a "---") would be dropped without a word.
+		for {
+			var more yaml.Node
+			err := dec.Decode(&more)
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				return nil, fmt.Errorf("config %s: %w", file, err)
+			}
+			if len(more.Content) > 0 && more.Content[0].Tag != "!!null" {
+				return nil, fmt.Errorf("config %s holds more than one YAML document; kvgate reads one", file)
+			}
+		}
 	}
 
 	env := func(name string) (string, bool) {
