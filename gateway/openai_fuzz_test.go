@@ -364,8 +364,8 @@ type relayedEvent struct {
 
 // parseEventStream splits b into events as the HTML Living Standard's
 // event stream parser does (lines end with CRLF, LF or CR; a blank line
-// ends an event), and returns the bytes after the last whole event. Like
-// a browser it ends an event only at a blank line, data or not.
+// dispatches the event, if it has data), and returns the bytes after the
+// last blank line: an event the client would drop unfinished.
 func parseEventStream(b []byte) (events []relayedEvent, partial []byte) {
 	start := 0
 	var data []string
@@ -386,7 +386,9 @@ func parseEventStream(b []byte) (events []relayedEvent, partial []byte) {
 		}
 		i = next
 		if len(line) == 0 {
-			events = append(events, relayedEvent{data: strings.Join(data, "\n"), raw: b[start:i]})
+			if data != nil {
+				events = append(events, relayedEvent{data: strings.Join(data, "\n"), raw: b[start:i]})
+			}
 			start, data = i, nil
 			continue
 		}
