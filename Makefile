@@ -5,7 +5,7 @@ PKGS     := ./...
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(shell $(GO) env GOPATH)/bin/staticcheck
 
-.PHONY: all build run test experiments test-short node-deps lint fmt bench calibrate simcost clean
+.PHONY: all build run test experiments test-short fuzz fuzz-short node-deps lint fmt bench calibrate simcost clean
 
 all: build
 
@@ -46,6 +46,30 @@ node-deps:
 
 test-short:
 	$(GO) test -count=1 -short $(PKGS)
+
+# Each fuzz target for FUZZTIME in turn (go test -fuzz takes one target a
+# run); a crasher lands in its package's testdata/fuzz/, to commit as a
+# regression. Every go test runs the committed corpora without fuzzing.
+# fuzz-short is CI's run. FUZZFLAGS passes more, e.g. -parallel=2.
+FUZZTIME ?= 30s
+FUZZFLAGS ?=
+FUZZ_TARGETS := \
+	./gateway/:FuzzInferenceRequest \
+	./gateway/:FuzzSubmitJob \
+	./gateway/:FuzzSubmitJobPostgres \
+	./gateway/:FuzzStreamRelay \
+	./gpu/:FuzzParseEngineMetrics \
+	./cmd/kvgate/:FuzzConfigLoad
+
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; name=$${t##*:}; \
+		echo "fuzz: $$name ($$pkg) for $(FUZZTIME)"; \
+		$(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime 5s $(FUZZFLAGS) $$pkg; \
+	done
+
+fuzz-short:
+	$(MAKE) fuzz FUZZTIME=3s
 
 $(STATICCHECK):
 	$(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)

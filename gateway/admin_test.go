@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -132,7 +134,7 @@ func TestAdminAPIAndRoles(t *testing.T) {
 		t.Fatalf("chat: %d %s", resp.StatusCode, b)
 	}
 	var days []UsageView
-	waitFor(t, "the usage", func() bool {
+	eventually.True(t, "the usage", func() bool {
 		_, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", operator, "")
 		days = decode[struct{ Data []UsageView }](t, b).Data
 		return len(days) == 1 && days[0].ReservedTokens == 0
@@ -142,7 +144,7 @@ func TestAdminAPIAndRoles(t *testing.T) {
 		t.Errorf("usage: %+v", u)
 	}
 	send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", globex, chatReq(2))
-	waitFor(t, "the admin's report", func() bool {
+	eventually.True(t, "the admin's report", func() bool {
 		_, b := admin(http.MethodGet, "/v1/admin/usage?from=2026-11-01&to=2026-11-30", "")
 		days = decode[struct{ Data []UsageView }](t, b).Data
 		return len(days) == 2 && days[1].Tenant == "globex" && days[1].ReservedTokens == 0

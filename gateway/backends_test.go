@@ -17,6 +17,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/bench/vllmsim"
@@ -220,7 +222,7 @@ func TestBackendDownAtStart(t *testing.T) {
 		srv := &httptest.Server{Listener: l, Config: &http.Server{Handler: sim}}
 		srv.Start()
 		t.Cleanup(func() { srv.Close(); cancel(); <-done })
-		waitFor(t, "the late backend to be routable", func() bool { return g.routable("late") })
+		eventually.True(t, "the late backend to be routable", func() bool { return g.routable("late") })
 		if resp, body := g.post(t, "/v1/chat/completions", fmt.Sprintf(chatBody, llama, "late")); resp.StatusCode != 200 {
 			t.Errorf("after the backend came up: %d %s", resp.StatusCode, body)
 		}
@@ -236,7 +238,7 @@ func TestBackendDiesWhileRequestsWait(t *testing.T) {
 	_, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: llamaProfile(t)})
 	g := startGateway(t, []gpu.BackendConfig{{Name: "sim", URL: srv.URL, MaxNumSeqs: 1}},
 		gatewayOpts{policy: scheduler.Policy{MaxQueueWait: 20 * time.Second}})
-	waitFor(t, "the backend to be routable", func() bool { return g.routable("sim") })
+	eventually.True(t, "the backend to be routable", func() bool { return g.routable("sim") })
 
 	// A ticket of the test's own holds the backend's only sequence.
 	hold, err := g.sched.Acquire(context.Background(), &scheduler.Ticket{Model: llama, PromptTokens: 1, MaxTokens: 1})
@@ -259,7 +261,7 @@ func TestBackendDiesWhileRequestsWait(t *testing.T) {
 		resp.Body.Close()
 		queued <- answer{resp, b}
 	}()
-	waitFor(t, "the second request to queue", func() bool { return g.sched.Queued()[scheduler.Interactive] == 1 })
+	eventually.True(t, "the second request to queue", func() bool { return g.sched.Queued()[scheduler.Interactive] == 1 })
 
 	// The backend dies: its connections are cut and its port refuses.
 	srv.CloseClientConnections()
@@ -282,7 +284,7 @@ func TestBackendFoundDeadByARequest(t *testing.T) {
 	g := startGateway(t, []gpu.BackendConfig{{Name: "sim", URL: srv.URL}}, gatewayOpts{pool: func(pc *gpu.PoolConfig) {
 		pc.ProbeInterval, pc.StaleAfter = time.Hour, time.Hour // kvgate would notice only in an hour
 	}})
-	waitFor(t, "the backend to be routable", func() bool { return g.routable("sim") })
+	eventually.True(t, "the backend to be routable", func() bool { return g.routable("sim") })
 	srv.CloseClientConnections()
 	srv.Close()
 	resp, body := g.post(t, "/v1/chat/completions", fmt.Sprintf(chatBody, llama, "x"))
@@ -324,7 +326,7 @@ func TestRequestFailingEverywhereEjectsNoBackend(t *testing.T) {
 	two := 2
 	g := startGateway(t, cfgs, gatewayOpts{gateway: Config{Retries: &two}})
 	for i := range 3 {
-		waitFor(t, "the backends to be routable", func() bool { return g.routable(fmt.Sprintf("sim%d", i)) })
+		eventually.True(t, "the backends to be routable", func() bool { return g.routable(fmt.Sprintf("sim%d", i)) })
 	}
 
 	for i := range 6 {

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -51,7 +53,7 @@ func TestJobBurst(t *testing.T) {
 	if t.Failed() {
 		return
 	}
-	waitForLong(t, fmt.Sprintf("%d jobs to finish", n), 5*time.Minute, func() bool {
+	eventually.Within(t, 5*time.Minute, fmt.Sprintf("%d jobs to finish", n), func() bool {
 		c, err := countStates(f, store.Succeeded, store.FailedTerminal, store.ReviewRequired, store.Cancelled)
 		return err == nil && c == n
 	})
@@ -101,14 +103,4 @@ func countStates(f *fleet, states ...store.State) (int, error) {
 	}
 	err := f.store.DB().QueryRow(`SELECT count(*) FROM jobs WHERE state IN (`+ph+`)`, args...).Scan(&n)
 	return n, err
-}
-
-// waitForLong polls cond until it holds or limit passes.
-func waitForLong(t *testing.T, what string, limit time.Duration, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(limit); !cond(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", limit, what)
-		}
-	}
 }

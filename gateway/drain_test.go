@@ -8,6 +8,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/kvgate/kvgate/bench/eventually"
 )
 
 // A drain fails /readyz and refuses new requests at once while the
@@ -47,7 +49,7 @@ func TestDrain(t *testing.T) {
 		resp.Body.Close()
 		plain <- answer{resp.StatusCode, string(b)}
 	}()
-	waitFor(t, "both requests at the backend", func() bool { return f.sims[0].Engine().Load() == 2 })
+	eventually.True(t, "both requests at the backend", func() bool { return f.sims[0].Engine().Load() == 2 })
 	_, job := submitJob(t, f, "k1", chatJob("watched", 4))
 	events := openStream(t, f.srv.URL+"/v1/jobs/"+job.ID+"/events")
 	if e, _ := events.next(t); e.Event != "snapshot" {
@@ -59,7 +61,7 @@ func TestDrain(t *testing.T) {
 	drained := make(chan int, 1)
 	go func() { drained <- f.api.Drain(deadline) }()
 
-	waitFor(t, "/readyz to fail", func() bool {
+	eventually.True(t, "/readyz to fail", func() bool {
 		resp, err := http.Get(f.srv.URL + "/readyz")
 		if err != nil {
 			return false
@@ -101,6 +103,6 @@ func TestDrain(t *testing.T) {
 	if n := <-drained; n != 2 {
 		t.Errorf("Drain ended %d requests, want 2", n)
 	}
-	waitFor(t, "the backend requests to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
-	waitFor(t, "the reservations to be freed", func() bool { return f.inflight() == 0 })
+	eventually.True(t, "the backend requests to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
+	eventually.True(t, "the reservations to be freed", func() bool { return f.inflight() == 0 })
 }

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/bench"
 	"github.com/kvgate/kvgate/store"
 )
@@ -74,7 +76,7 @@ func runBurst(t *testing.T, f *fleet, bulkKey string, smallKeys []string, bulk i
 		}
 	})
 	last := time.Now()
-	waitForLong(t, "the bulk to drain", 5*time.Minute, func() bool {
+	eventually.Within(t, 5*time.Minute, "the bulk to drain", func() bool {
 		n, err := countStates(f, store.Succeeded)
 		mu.Lock()
 		defer mu.Unlock()
@@ -93,7 +95,7 @@ func runBurst(t *testing.T, f *fleet, bulkKey string, smallKeys []string, bulk i
 	})
 	close(stop)
 	trickle.Wait()
-	waitForLong(t, "the last small jobs", time.Minute, func() bool {
+	eventually.Within(t, time.Minute, "the last small jobs", func() bool {
 		n, err := countStates(f, store.Succeeded)
 		return err == nil && n == bulk+len(smallIDs)
 	})
@@ -170,7 +172,7 @@ func TestFairnessBurst(t *testing.T) {
 		wg.Wait()
 		runRunner(t, f, f.store, f.api, 30*time.Second, 256)
 		// While every tenant still has work: the first half of all jobs.
-		waitForLong(t, "half the backlog done", 5*time.Minute, func() bool {
+		eventually.Within(t, 5*time.Minute, "half the backlog done", func() bool {
 			n, err := countStates(f, store.Succeeded)
 			return err == nil && n >= 2*backlog
 		})

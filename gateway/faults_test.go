@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
@@ -177,7 +179,7 @@ func TestWorkerKilledAfterBackendAnswered(t *testing.T) {
 				first.kill = dying
 			}
 			runRunner(t, f, dying, first, 300*time.Millisecond, 8)
-			waitFor(t, "the first worker to die", func() bool { return dying.dead.Load() })
+			eventually.True(t, "the first worker to die", func() bool { return dying.dead.Load() })
 
 			// The restarted process (or another replica): its reaper finds
 			// the expired lease.
@@ -217,7 +219,7 @@ func TestStaleWorkerAfterReap(t *testing.T) {
 	waitState(t, f, v.ID, store.Succeeded)
 	result, _ := f.store.Result(context.Background(), "default", v.ID)
 	releaseOnce.Do(func() { close(release) }) // the stale worker answers now and tries to complete
-	waitFor(t, "the stale completion to be refused", func() bool { return slow.refused.Load() > 0 })
+	eventually.True(t, "the stale completion to be refused", func() bool { return slow.refused.Load() > 0 })
 	after, _ := f.store.Result(context.Background(), "default", v.ID)
 	if string(after) != string(result) {
 		t.Error("the stale worker overwrote the result")
@@ -369,7 +371,7 @@ func TestPostgresDownAcceptance(t *testing.T) {
 		t.Fatalf("acceptance with the database down: %d %s (Retry-After %q)", resp.StatusCode, body, resp.Header.Get("Retry-After"))
 	}
 	proxy.restore(t)
-	waitFor(t, "acceptance to work again", func() bool {
+	eventually.True(t, "acceptance to work again", func() bool {
 		resp, _ := f.post(t, "/v1/jobs", chatJob("while the database is down", 4), "Idempotency-Key", "down-1")
 		return resp.StatusCode == http.StatusAccepted && resp.Header.Get("Idempotent-Replayed") == ""
 	})
@@ -411,13 +413,13 @@ func TestPostgresDownAcceptance(t *testing.T) {
 		mu.Lock()
 		n0 := len(accepted)
 		mu.Unlock()
-		waitFor(t, "more acceptances", func() bool { mu.Lock(); defer mu.Unlock(); return len(accepted) >= n0+5 })
+		eventually.True(t, "more acceptances", func() bool { mu.Lock(); defer mu.Unlock(); return len(accepted) >= n0+5 })
 		proxy.cut()
 		proxy.restore(t)
 	}
 	close(stop)
 	wg.Wait()
-	waitFor(t, "the database back", func() bool { return st.DB().Ping() == nil })
+	eventually.True(t, "the database back", func() bool { return st.DB().Ping() == nil })
 	var orphans, eventless int
 	if err := st.DB().QueryRow(`SELECT
 			(SELECT count(*) FROM outbox o WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.id = o.job_id)),
@@ -449,7 +451,7 @@ func TestJobsThrough429StormAndTimeouts(t *testing.T) {
 		_, v := submitJob(t, f, fmt.Sprintf("k%d", i), chatJob(fmt.Sprintf("storm %d", i), 4))
 		ids = append(ids, v.ID)
 	}
-	waitFor(t, "429s and timeouts on record", func() bool {
+	eventually.True(t, "429s and timeouts on record", func() bool {
 		var n429, nTimeout int
 		for _, id := range ids {
 			_, as := outcomes(t, f.store, id)

@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/prometheus/client_golang/prometheus"
 	openai "github.com/sashabaranov/go-openai"
 
@@ -227,16 +229,6 @@ func (f *fleet) inflight() int {
 	return n
 }
 
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 func TestChatAndCompletionsWithGoClient(t *testing.T) {
 	f := startFleet(t, fleetOpts{backends: 2})
 	c := f.client("unused")
@@ -425,7 +417,7 @@ func TestQueueTimeout(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	waitFor(t, "the long request to be admitted", func() bool { return f.inflight() == 1 })
+	eventually.True(t, "the long request to be admitted", func() bool { return f.inflight() == 1 })
 	// It would grow alongside the first: no room until that one ends.
 	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"b","max_tokens":8000}`)
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" {
@@ -435,7 +427,7 @@ func TestQueueTimeout(t *testing.T) {
 		t.Errorf("body %s", body)
 	}
 	cancel()
-	waitFor(t, "the cancelled request's reservation to be freed", func() bool { return f.inflight() == 0 })
+	eventually.True(t, "the cancelled request's reservation to be freed", func() bool { return f.inflight() == 0 })
 }
 
 // TestDisconnectCancelsUpstream: a client that hangs up mid-stream frees its
@@ -463,11 +455,11 @@ func TestDisconnectCancelsUpstream(t *testing.T) {
 				}
 				<-ctx.Done()
 			}()
-			waitFor(t, "the backend to run the request", func() bool { return f.sims[0].Engine().Load() == 1 })
+			eventually.True(t, "the backend to run the request", func() bool { return f.sims[0].Engine().Load() == 1 })
 			cancel()
 			<-done
-			waitFor(t, "the reservation to be freed", func() bool { return f.inflight() == 0 })
-			waitFor(t, "the backend request to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
+			eventually.True(t, "the reservation to be freed", func() bool { return f.inflight() == 0 })
+			eventually.True(t, "the backend request to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
 		})
 	}
 }
@@ -493,7 +485,7 @@ func TestBackendDiesMidStream(t *testing.T) {
 	if !bytes.Contains(rest, []byte(`"error"`)) {
 		t.Errorf("stream ended without an error event: ...%s", tail(rest))
 	}
-	waitFor(t, "the reservation to be freed", func() bool { return f.inflight() == 0 })
+	eventually.True(t, "the reservation to be freed", func() bool { return f.inflight() == 0 })
 }
 
 func tail(b []byte) []byte { return b[max(0, len(b)-300):] }
@@ -511,7 +503,7 @@ func TestRetryOnAnotherBackend(t *testing.T) {
 		}
 	}
 	// Three failures in a row eject the bad backend.
-	waitFor(t, "the failing backend to be ejected", func() bool {
+	eventually.True(t, "the failing backend to be ejected", func() bool {
 		s, _ := f.pool.Snapshot("sim0")
 		return s.Ejected
 	})
@@ -552,7 +544,7 @@ func TestHealthReadyMetrics(t *testing.T) {
 		}
 	}
 	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
-	waitFor(t, "/readyz to fail", func() bool {
+	eventually.True(t, "/readyz to fail", func() bool {
 		resp, err := http.Get(f.srv.URL + "/readyz")
 		if err != nil {
 			return false

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvgate/kvgate/scheduler"
@@ -56,7 +58,7 @@ func succeeded(t *testing.T, f *fleet, tenant string, ids []string) int {
 // waitJob waits for a tenant's job to reach a state, read from the store.
 func waitJob(t *testing.T, f *fleet, tenant, id string, want store.State) {
 	t.Helper()
-	waitFor(t, "job "+id+" to reach "+string(want), func() bool {
+	eventually.True(t, "job "+id+" to reach "+string(want), func() bool {
 		j, err := f.store.Get(context.Background(), tenant, id)
 		return err == nil && j.State == want
 	})
@@ -67,7 +69,7 @@ func waitJob(t *testing.T, f *fleet, tenant, id string, want store.State) {
 func usageOf(t *testing.T, f *fleet, operator string) UsageView {
 	t.Helper()
 	var days []UsageView
-	waitFor(t, "the usage", func() bool {
+	eventually.True(t, "the usage", func() bool {
 		_, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", operator, "")
 		days = decode[struct{ Data []UsageView }](t, b).Data
 		return len(days) == 1 && days[0].ReservedTokens == 0
@@ -124,7 +126,7 @@ func TestJobsRunUnderTenantConcurrency(t *testing.T) {
 	f := jobsFleet(t, st, clock, count, Config{})
 
 	ids := submitJobs(t, f, user, "c", chatJob("summarise the document", 16), 10)
-	waitForLong(t, "ten jobs to succeed", 30*time.Second, func() bool { return succeeded(t, f, "acme", ids) == 10 })
+	eventually.Within(t, 30*time.Second, "ten jobs to succeed", func() bool { return succeeded(t, f, "acme", ids) == 10 })
 	if p := peak.Load(); p > 2 || p < 1 {
 		t.Errorf("%d of the tenant's requests at the backends at once, want at most 2", p)
 	}

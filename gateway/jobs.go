@@ -9,9 +9,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -52,6 +54,10 @@ type Jobs struct {
 	// Last-Event-ID; further behind, it starts from a fresh snapshot [10000].
 	MaxReplay int
 }
+
+// maxJobTokens bounds a job's reservation: what every store's
+// token_estimate column holds, and far beyond any backend's KV cache.
+const maxJobTokens = math.MaxInt32
 
 var jobEndpoints = map[string]endpoint{
 	"/v1/chat/completions": epChat, "/v1/completions": epCompletion, "/v1/embeddings": epEmbedding,
@@ -120,9 +126,9 @@ func requestHash(endpoint string, body []byte) string {
 
 func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	key := r.Header.Get("Idempotency-Key")
-	if key == "" || len(key) > 255 {
+	if key == "" || len(key) > 255 || !utf8.ValidString(key) {
 		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_required",
-			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 characters: the same key returns the same job."})
+			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 bytes of UTF-8 text: the same key returns the same job."})
 	}
 	raw, err := io.ReadAll(r.Body)
 	if err != nil {
@@ -161,13 +167,20 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	case req.Deadline != nil:
 		deadline = *req.Deadline
 	case req.DeadlineSeconds != nil:
-		deadline = now.Add(time.Duration(*req.DeadlineSeconds) * time.Second)
+		// Clamped first: seconds times time.Second wraps past 2^63 ns,
+		// and a wrapped value can land back in range.
+		secs := max(-1, min(*req.DeadlineSeconds, int(s.jobs.MaxDeadline/time.Second)+1))
+		deadline = now.Add(time.Duration(secs) * time.Second)
 	}
 	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
 		return writeError(w, s.log, badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	if estimate > maxJobTokens {
+		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
+			param: "body.max_tokens", msg: fmt.Sprintf("The job would reserve %d tokens (its prompt, and max_tokens for each of its n sequences); a job may reserve at most %d.", estimate, maxJobTokens)})
+	}
 	hash := requestHash(req.Endpoint, req.Body)
 	endReservation, err := s.reserveJob(r.Context(), estimate)
 	var quota *store.QuotaError

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/store"
 )
@@ -47,7 +49,7 @@ func getJob(t *testing.T, f *fleet, id string, header ...string) (int, jobView) 
 func waitState(t *testing.T, f *fleet, id string, want store.State) jobView {
 	t.Helper()
 	var v jobView
-	waitFor(t, "job "+id+" to reach "+string(want), func() bool {
+	eventually.True(t, "job "+id+" to reach "+string(want), func() bool {
 		_, v = getJob(t, f, id)
 		return v.State == string(want)
 	})
@@ -188,7 +190,7 @@ func TestJobRetriesThroughBackendErrors(t *testing.T) {
 	f := startFleet(t, fleetOpts{jobs: true, runner: true})
 	f.sims[0].SetFaults(vllmsim.Faults{UnavailableRate: 1})
 	_, v := submitJob(t, f, "k", chatJob("retry me", 4))
-	waitFor(t, "two failed attempts", func() bool {
+	eventually.True(t, "two failed attempts", func() bool {
 		as, _ := f.store.Attempts(t.Context(), v.ID)
 		return len(as) >= 2
 	})

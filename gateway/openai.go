@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -34,6 +35,61 @@ type reqFields struct {
 
 type streamOptions struct {
 	IncludeUsage *bool `json:"include_usage"`
+}
+
+// decode reads the fields from a request body by their exact names, as
+// the backend does (its JSON objects are Python dictionaries): left to
+// itself, encoding/json would also take "MAX_TOKENS" for max_tokens, and
+// admission would reserve for a limit the backend ignores.
+func (f *reqFields) decode(body []byte) error {
+	var opts json.RawMessage
+	err := decodeExact(body, []namedField{
+		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
+		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
+		{"messages", &f.Messages}, {"prompt", &f.Prompt}, {"input", &f.Input},
+	})
+	if err != nil || len(opts) == 0 || string(opts) == "null" {
+		return err
+	}
+	f.StreamOptions = &streamOptions{}
+	err = decodeExact(opts, []namedField{{"include_usage", &f.StreamOptions.IncludeUsage}})
+	var typeErr *json.UnmarshalTypeError
+	if errors.As(err, &typeErr) {
+		typeErr.Field = strings.TrimSuffix("stream_options."+typeErr.Field, ".")
+	}
+	return err
+}
+
+type namedField struct {
+	name string
+	dst  any
+}
+
+// decodeExact decodes the JSON object b into fields by their exact names;
+// other keys are left alone. A type error names the field.
+func decodeExact(b []byte, fields []namedField) error {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(b, &m); err != nil {
+		return err
+	}
+	for _, f := range fields {
+		raw, ok := m[f.name]
+		if !ok {
+			continue
+		}
+		if dst, ok := f.dst.(*json.RawMessage); ok {
+			*dst = raw // already checked and copied: a prompt may be megabytes
+			continue
+		}
+		if err := json.Unmarshal(raw, f.dst); err != nil {
+			var typeErr *json.UnmarshalTypeError
+			if errors.As(err, &typeErr) {
+				typeErr.Field = strings.TrimSuffix(f.name+"."+typeErr.Field, ".")
+			}
+			return err
+		}
+	}
+	return nil
 }
 
 type endpoint uint8
@@ -94,9 +150,12 @@ func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
 // admission needs.
 func parseCall(body []byte, ep endpoint) (*call, error) {
 	c := &call{ep: ep, body: body}
-	if err := json.Unmarshal(body, &c.f); err != nil {
+	if err := c.f.decode(body); err != nil {
 		var typeErr *json.UnmarshalTypeError
 		if errors.As(err, &typeErr) {
+			if typeErr.Field == "" {
+				return nil, badRequest("", "The request body must be a JSON object.")
+			}
 			return nil, badRequest(typeErr.Field, fmt.Sprintf("Invalid type for '%s': expected %s.", typeErr.Field, typeErr.Type))
 		}
 		return nil, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
@@ -132,10 +191,10 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 	}
 	c.sequences = 1
 	if c.f.N != nil {
-		c.sequences = *c.f.N
+		c.sequences = min(*c.f.N, maxReservation)
 	}
 	if ep == epCompletion {
-		c.sequences *= promptCount(c.f.Prompt)
+		c.sequences = satMul(c.sequences, promptCount(c.f.Prompt))
 	}
 	if c.f.StreamOptions != nil && !c.f.Stream {
 		return nil, badRequest("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
@@ -230,8 +289,22 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 	// The backend refuses what does not fit its context; the reservation
 	// need not be larger than what it could run. Each sequence of a
 	// request with n > 1 or several prompts grows its own output.
-	maxOut = max(1, min(maxOut, room)) * c.sequences
+	maxOut = satMul(max(1, min(maxOut, room)), c.sequences)
 	return prompt + maxOut, maxOut
+}
+
+// maxReservation caps what one request may reserve, in sequences or
+// tokens: far beyond any fleet's KV cache, so that admission refuses it as
+// too large, and far enough from overflow that sums of reservations stay
+// exact. A client's n can be anything up to 2^63.
+const maxReservation = 1 << 40
+
+// satMul is a×b for positive a and b, at most maxReservation.
+func satMul(a, b int) int {
+	if a > maxReservation/b {
+		return maxReservation
+	}
+	return min(a*b, maxReservation)
 }
 
 // proxy admits the call and passes it to a backend, retrying on another
@@ -546,12 +619,14 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		last    time.Time
 		done    bool
 		started bool
+		midLine bool // the last read ended inside a line longer than the buffer
 		readErr error
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
 		if errors.Is(err, bufio.ErrBufferFull) {
 			event = append(event, line...)
+			midLine = true
 			continue
 		}
 		if err != nil {
@@ -560,7 +635,10 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		}
 		watchdog.Reset(s.cfg.StreamIdleTimeout)
 		event = append(event, line...)
-		if len(bytes.TrimSpace(line)) != 0 {
+		// Only an empty line ends an event, as the client's parser sees
+		// it: one of blanks does not, nor the end of a long line.
+		if blank := !midLine && (len(line) == 1 || (len(line) == 2 && line[0] == '\r')); !blank {
+			midLine = false
 			continue // the event goes on
 		}
 		data := eventData(event)

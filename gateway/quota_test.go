@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres/pgtest"
 	"github.com/kvgate/kvgate/store/sqlite"
@@ -184,7 +186,7 @@ func TestQuotaRaceTwoReplicas(t *testing.T) {
 	}
 	released := func(tenant string) {
 		t.Helper()
-		waitFor(t, "every permit released", func() bool {
+		eventually.True(t, "every permit released", func() bool {
 			us, _ := st.Usage(context.Background(), tenant, quotaT0, quotaT0)
 			return len(us) == 1 && us[0].ReservedTokens == 0
 		})
@@ -218,8 +220,8 @@ func TestQuotaRaceTwoReplicas(t *testing.T) {
 			defer close(done)
 			ok, limited, codes = burst(ctx, key, 4000)
 		}()
-		waitFor(t, "the refusals", func() bool { return answered.Load() >= callers-n })
-		waitFor(t, "the admitted requests at the backends", func() bool { return atBackends.Load() >= n })
+		eventually.True(t, "the refusals", func() bool { return answered.Load() >= callers-n })
+		eventually.True(t, "the admitted requests at the backends", func() bool { return atBackends.Load() >= n })
 		if got, refused := atBackends.Load(), answered.Load(); got != n || refused != callers-n {
 			t.Errorf("%d requests at the backends at once and %d refused, want %d and %d", got, refused, n, callers-n)
 		}
@@ -289,7 +291,7 @@ func TestQuota429Shape(t *testing.T) {
 	if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", budget, chatReq(30)); resp.StatusCode != http.StatusOK {
 		t.Fatalf("within budget: %d %s", resp.StatusCode, b)
 	}
-	waitFor(t, "the release", func() bool {
+	eventually.True(t, "the release", func() bool {
 		us, _ := st.Usage(context.Background(), "frugal", quotaT0, quotaT0)
 		return len(us) == 1 && us[0].ReservedTokens == 0
 	})
@@ -360,7 +362,7 @@ func TestQuotaStreamUsage(t *testing.T) {
 		t.Fatalf("stream: %d\n%s", resp.StatusCode, b)
 	}
 	var u store.UsageDay
-	waitFor(t, "the release", func() bool {
+	eventually.True(t, "the release", func() bool {
 		us, _ := st.Usage(context.Background(), "acme", quotaT0, quotaT0)
 		if len(us) == 1 {
 			u = us[0]

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 	"github.com/prometheus/client_golang/prometheus"
@@ -107,11 +109,11 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 	}
 	if shared {
 		for _, r := range out {
-			waitFor(t, "every replica at a third of the fleet", func() bool { return r.sched.Share() == 1/float64(n) })
+			eventually.True(t, "every replica at a third of the fleet", func() bool { return r.sched.Share() == 1/float64(n) })
 		}
 	}
 	for _, r := range out {
-		waitFor(t, "the replica's backends ready", func() bool {
+		eventually.True(t, "the replica's backends ready", func() bool {
 			ok := true
 			for _, sn := range r.api.pool.Snapshots() {
 				ok = ok && sn.Routable() && !sn.Stale(time.Now())
@@ -160,7 +162,7 @@ func TestThreeReplicasOneFleet(t *testing.T) {
 	peak := watchKVUsage(t, urls)
 	shared := driveOverload(t, sims, urls, func(i int) string { return reps[i%3].srv.URL }, speedup, rate, dur, 1)
 	sharedPeak := peak()
-	waitForLong(t, "every job to finish", 2*time.Minute, func() bool {
+	eventually.Within(t, 2*time.Minute, "every job to finish", func() bool {
 		n, err := countStatesIn(st, store.Succeeded, store.FailedTerminal)
 		return err == nil && n == jobs
 	})
@@ -226,13 +228,13 @@ func TestCooldownReachesEveryReplica(t *testing.T) {
 	body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":2}`, llama)
 	f := &fleet{srv: &httptest.Server{URL: reps[0].srv.URL}}
 	// Replica 0 meets the 429 (and retries on sim1, so the client sees 200).
-	waitFor(t, "replica 0 to meet a 429", func() bool {
+	eventually.True(t, "replica 0 to meet a 429", func() bool {
 		resp, _ := f.post(t, "/v1/completions", body)
 		sn, _ := reps[0].pool.Snapshot("sim0")
 		return resp.StatusCode == 200 && sn.Cooling(time.Now())
 	})
 	for i, r := range reps {
-		waitFor(t, fmt.Sprintf("replica %d to pause sim0", i), func() bool {
+		eventually.True(t, fmt.Sprintf("replica %d to pause sim0", i), func() bool {
 			sn, _ := r.pool.Snapshot("sim0")
 			return sn.Cooling(time.Now()) && time.Until(sn.CoolingUntil) > 20*time.Second
 		})

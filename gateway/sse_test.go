@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -144,7 +146,7 @@ func TestTenantEventStreamReplay(t *testing.T) {
 		gateway: Config{APIKeys: map[string]string{"ka": "acme", "kg": "globex"}, Jobs: Jobs{MaxReplay: 4}}})
 	auth := func(k string) []string { return []string{"Authorization", "Bearer " + k} }
 	_, a := submitJob(t, f, "k1", chatJob("one", 2), auth("ka")...)
-	waitFor(t, "job to succeed", func() bool { _, v := getJob(t, f, a.ID, auth("ka")...); return v.State == "SUCCEEDED" })
+	eventually.True(t, "job to succeed", func() bool { _, v := getJob(t, f, a.ID, auth("ka")...); return v.State == "SUCCEEDED" })
 	// Every event of the job, from the start of the feed.
 	var all []sseEvent
 	s := openStream(t, f.srv.URL+"/v1/events", append(auth("ka"), "Last-Event-ID", "0")...)
@@ -182,7 +184,7 @@ func TestTenantEventStreamReplay(t *testing.T) {
 	}
 	// Too far behind (6 events after cursor 0, replay bounded at 4): a
 	// fresh snapshot instead of a replay.
-	waitFor(t, "the second job's events published", func() bool {
+	eventually.True(t, "the second job's events published", func() bool {
 		evs, _ := f.store.Events(t.Context(), "acme", "", 0, 100)
 		return len(evs) == 6
 	})
@@ -210,7 +212,7 @@ func TestJobAttemptsNeedOperator(t *testing.T) {
 		gateway: Config{APIKeys: map[string]string{"ka": "acme"}, OperatorKeys: map[string]string{"oa": "acme", "og": "globex"}}})
 	auth := func(k string) []string { return []string{"Authorization", "Bearer " + k} }
 	_, j := submitJob(t, f, "k1", chatJob("details", 2), auth("ka")...)
-	waitFor(t, "job to succeed", func() bool { _, v := getJob(t, f, j.ID, auth("ka")...); return v.State == "SUCCEEDED" })
+	eventually.True(t, "job to succeed", func() bool { _, v := getJob(t, f, j.ID, auth("ka")...); return v.State == "SUCCEEDED" })
 	get := func(key string) (int, string) {
 		req, _ := http.NewRequest(http.MethodGet, f.srv.URL+"/v1/jobs/"+j.ID+"/attempts", nil)
 		req.Header.Set("Authorization", "Bearer "+key)

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/sqlstore"
@@ -44,7 +46,7 @@ func (h *heldFleet) publish(t *testing.T, keep bool) {
 	ctx, cancel := context.WithCancel(h.ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); _ = h.sig.relay.Run(ctx) }()
-	waitFor(t, "the outbox to drain", func() bool {
+	eventually.True(t, "the outbox to drain", func() bool {
 		evs, err := h.st.Unpublished(h.ctx, 10)
 		return err == nil && len(evs) == 0
 	})

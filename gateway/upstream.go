@@ -175,16 +175,16 @@ type heldFailure struct {
 // observe records how backend answered the request, and reports whether
 // the request has now failed the same way on two backends.
 func (h *requestHealth) observe(pool healthReporter, backend string, u upstream) (sameTwice bool) {
-	switch u.class {
-	case upstreamOK:
+	switch c := u.class; {
+	case c == upstreamOK:
 		pool.ReportSuccess(backend)
 		h.settle(pool)
-	case upstreamRequestError:
+	case c == upstreamRequestError:
 		pool.ReportSuccess(backend)
 		h.held = nil
-	case upstreamNotSent:
+	case c == upstreamNotSent:
 		pool.ReportFailure(backend, u.err)
-	case upstreamBackendError, upstreamTimeout:
+	case c.ambiguous():
 		for _, f := range h.held {
 			if f.backend != backend && f.u.sameWay(u) {
 				h.held = nil

@@ -3,6 +3,8 @@ package gateway
 import (
 	"net/http"
 	"testing"
+
+	"github.com/kvgate/kvgate/bench/eventually"
 )
 
 // TestStaticKeysUsage: the tenants of static keys, which the store does
@@ -22,7 +24,7 @@ func TestStaticKeysUsage(t *testing.T) {
 		}
 	}
 	var days []UsageView
-	waitFor(t, "the static tenant's usage", func() bool {
+	eventually.True(t, "the static tenant's usage", func() bool {
 		resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", "static-op", "")
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("usage: %d %s", resp.StatusCode, b)

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/bench/vllmsim"
 )
 
@@ -63,19 +65,6 @@ func runPool(t *testing.T, p *Pool) {
 	})
 }
 
-// waitFor polls cond until it holds, failing the test after a bound far
-// above what any condition here needs on a loaded machine.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
-}
-
 func mustSnapshot(t *testing.T, p *Pool, name string) *Snapshot {
 	t.Helper()
 	s, ok := p.Snapshot(name)
@@ -119,7 +108,7 @@ func TestPoolDiscovery(t *testing.T) {
 		sim, srv := startSim(t, nil)
 		p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, fastPool())
 		runPool(t, p)
-		waitFor(t, "discovery", func() bool { return len(p.Models()) == 1 })
+		eventually.True(t, "discovery", func() bool { return len(p.Models()) == 1 })
 		if got := p.Models()[0].ID; got != sim.Model() {
 			t.Errorf("model %q, want %q", got, sim.Model())
 		}
@@ -298,13 +287,13 @@ func TestPoolStaleWhenServerGone(t *testing.T) {
 	pc := fastPool()
 	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, pc)
 	runPool(t, p)
-	waitFor(t, "a fresh scrape", func() bool {
+	eventually.True(t, "a fresh scrape", func() bool {
 		s := mustSnapshot(t, p, "a")
 		return !s.ScrapedAt.IsZero() && !s.Stale(time.Now())
 	})
 
 	srv.Close()
-	waitFor(t, "the snapshot to go stale", func() bool { return mustSnapshot(t, p, "a").Stale(time.Now()) })
+	eventually.True(t, "the snapshot to go stale", func() bool { return mustSnapshot(t, p, "a").Stale(time.Now()) })
 	now := time.Now()
 	s := mustSnapshot(t, p, "a")
 	if age := s.Age(now); age <= pc.StaleAfter {
@@ -335,7 +324,7 @@ func checkEjectedFor(t *testing.T, s *Snapshot, t0, t1 time.Time, d time.Duratio
 func recoverByProbing(t *testing.T, p *Pool, name string) {
 	t.Helper()
 	until := mustSnapshot(t, p, name).EjectedUntil
-	waitFor(t, "recovery", func() bool {
+	eventually.True(t, "recovery", func() bool {
 		p.Probe(t.Context())
 		return !mustSnapshot(t, p, name).Ejected
 	})
@@ -486,15 +475,15 @@ func TestPoolRunEjectsAndRecovers(t *testing.T) {
 	pc.EjectAfter = 2
 	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, pc)
 	runPool(t, p)
-	waitFor(t, "routable", func() bool { return mustSnapshot(t, p, "a").Routable() })
+	eventually.True(t, "routable", func() bool { return mustSnapshot(t, p, "a").Routable() })
 
 	sim.SetFaults(vllmsim.Faults{Dead: true})
-	waitFor(t, "ejection", func() bool { return mustSnapshot(t, p, "a").Ejected })
+	eventually.True(t, "ejection", func() bool { return mustSnapshot(t, p, "a").Ejected })
 	if s := mustSnapshot(t, p, "a"); s.Routable() || s.ProbeFailures < pc.EjectAfter {
 		t.Errorf("ejected: routable %v, probe failures %d", s.Routable(), s.ProbeFailures)
 	}
 	sim.SetFaults(vllmsim.Faults{})
-	waitFor(t, "recovery", func() bool { return mustSnapshot(t, p, "a").Routable() })
+	eventually.True(t, "recovery", func() bool { return mustSnapshot(t, p, "a").Routable() })
 	if s := mustSnapshot(t, p, "a"); s.Failures != 0 || s.ProbeFailures != 0 || s.Ejected {
 		t.Errorf("recovered: failures %d/%d, ejected %v", s.Failures, s.ProbeFailures, s.Ejected)
 	}
@@ -524,7 +513,7 @@ func TestPoolOnChange(t *testing.T) {
 
 	n := calls.Load()
 	runPool(t, p)
-	waitFor(t, "OnChange from Run's scrapes", func() bool { return calls.Load() >= n+5 })
+	eventually.True(t, "OnChange from Run's scrapes", func() bool { return calls.Load() >= n+5 })
 }
 
 func TestNewPoolErrors(t *testing.T) {
@@ -631,7 +620,7 @@ func TestPoolRatesUnderLoad(t *testing.T) {
 			}
 		})
 	}
-	waitFor(t, "positive decode and preemption rates", func() bool {
+	eventually.True(t, "positive decode and preemption rates", func() bool {
 		return math.Float64frombits(decode.Load()) > 0 && math.Float64frombits(preempt.Load()) > 0
 	})
 	d, r := math.Float64frombits(decode.Load()), math.Float64frombits(preempt.Load())

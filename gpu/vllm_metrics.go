@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"strconv"
 	"sync"
 
@@ -86,6 +87,9 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 	if !okRun || !okWait {
 		return EngineMetrics{}, ErrNoEngineMetrics
 	}
+	if err := checkValues(fams); err != nil {
+		return EngineMetrics{}, err
+	}
 	m.Running = sum(running)
 	m.Waiting = sum(waiting)
 
@@ -96,6 +100,9 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 			bs, _ := strconv.Atoi(label(s, "block_size"))
 			nb, _ := strconv.Atoi(label(s, "num_gpu_blocks"))
 			if bs > 0 && nb > 0 {
+				if nb > maxCapacityTokens/bs || m.NumGPUBlocks+nb > maxCapacityTokens/bs {
+					return EngineMetrics{}, fmt.Errorf("parse vllm metrics: cache_config_info claims more than %d KV tokens", maxCapacityTokens)
+				}
 				m.BlockSize = bs
 				m.NumGPUBlocks += nb
 				blocksByEngine[label(s, "engine")] = float64(nb)
@@ -133,7 +140,40 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 			}
 		}
 	}
+	for name, v := range map[string]float64{"running": m.Running, "waiting": m.Waiting, "preemptions": m.Preemptions,
+		"generation tokens": m.Generation, "prompt tokens": m.Prompt} {
+		if math.IsInf(v, 0) {
+			return EngineMetrics{}, fmt.Errorf("parse vllm metrics: %s sum to infinity", name)
+		}
+	}
 	return m, nil
+}
+
+// maxCapacityTokens bounds the KV capacity a page may claim: far above any
+// GPU's, and low enough that admission's sums cannot overflow.
+const maxCapacityTokens = 1 << 40
+
+// checkValues refuses a page whose engine families hold a value no engine
+// can have: NaN, an infinity, a negative count, or a cache usage outside
+// 0..1. Admission trusts these numbers (a NaN usage would read as an empty
+// cache); refused, the scrape fails and the backend's snapshot goes stale,
+// which counts as saturated.
+func checkValues(fams map[string]*dto.MetricFamily) error {
+	for name, f := range fams {
+		hi := math.Inf(1)
+		if name == "vllm:kv_cache_usage_perc" || name == "vllm:gpu_cache_usage_perc" {
+			hi = 1
+		}
+		for _, s := range f.GetMetric() {
+			if s.Histogram != nil || s.Summary != nil {
+				continue // only the sample count is read, an unsigned integer
+			}
+			if v := value(s); !(v >= 0 && v <= hi) || math.IsInf(v, 1) {
+				return fmt.Errorf("parse vllm metrics: %s has the value %v", name, v)
+			}
+		}
+	}
+	return nil
 }
 
 // scanBuffer holds the buffers of one parse, reused across scrapes.
@@ -175,8 +215,14 @@ func (b *scanBuffer) filter(r io.Reader) ([]byte, error) {
 }
 
 // cutComment returns what follows "# HELP" or "# TYPE" and its blanks.
+// Like the Prometheus parser, it takes any blanks (or none) after the '#'.
 func cutComment(line []byte) ([]byte, bool) {
-	for _, p := range [][]byte{[]byte("# HELP"), []byte("# TYPE")} {
+	line, ok := bytes.CutPrefix(line, []byte("#"))
+	if !ok {
+		return nil, false
+	}
+	line = bytes.TrimLeft(line, " \t")
+	for _, p := range [][]byte{[]byte("HELP"), []byte("TYPE")} {
 		if rest, ok := bytes.CutPrefix(line, p); ok && len(rest) > 0 && (rest[0] == ' ' || rest[0] == '\t') {
 			return bytes.TrimLeft(rest, " \t"), true
 		}

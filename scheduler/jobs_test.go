@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"path/filepath"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"sync/atomic"
 	"testing"
 	"time"
@@ -126,15 +128,13 @@ func (f *runnerFixture) submit(t *testing.T, key string, opts ...func(*store.New
 
 func (f *runnerFixture) waitState(t *testing.T, id string, want store.State) store.Job {
 	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-		j, err := f.st.Get(context.Background(), "acme", id)
-		if err == nil && j.State == want {
-			return j
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("job %s is %s, want %s", id, j.State, want)
-		}
-	}
+	var j store.Job
+	eventually.True(t, "job "+id+" to reach "+string(want), func() bool {
+		var err error
+		j, err = f.st.Get(context.Background(), "acme", id)
+		return err == nil && j.State == want
+	})
+	return j
 }
 
 func TestRunnerCompletesAJob(t *testing.T) {

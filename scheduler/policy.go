@@ -67,15 +67,15 @@ func (p *Policy) defaults() {
 
 // Validate reports a policy that cannot work.
 func (p Policy) Validate() error {
-	switch {
-	case p.KVTarget < 0 || p.KVTarget > 1:
+	switch { // written so that NaN, which compares false, fails
+	case !(p.KVTarget >= 0 && p.KVTarget <= 1):
 		return fmt.Errorf("kv_target %g must be in (0, 1]", p.KVTarget)
-	case p.DegradedFactor < 0 || p.DegradedFactor > 1:
+	case !(p.DegradedFactor >= 0 && p.DegradedFactor <= 1):
 		return fmt.Errorf("degraded_factor %g must be in (0, 1]", p.DegradedFactor)
-	case p.ProgressFactor < 0 || p.ProgressFactor > 1 || (p.ProgressFactor != 0 && p.ProgressFactor < 0.5):
+	case !(p.ProgressFactor >= 0 && p.ProgressFactor <= 1) || (p.ProgressFactor != 0 && p.ProgressFactor < 0.5):
 		return fmt.Errorf("progress_factor %g must be in [0.5, 1]", p.ProgressFactor)
-	case p.MaxQueue < 0 || p.MaxBackendWaiting < 0 || p.MaxQueueWait < 0:
-		return errors.New("max_queue, max_backend_waiting and max_queue_wait must not be negative")
+	case p.MaxQueue < 0 || p.MaxBackendWaiting < 0 || p.MaxQueueWait < 0 || p.StarvationGuard < 0:
+		return errors.New("max_queue, max_backend_waiting, max_queue_wait and starvation_guard must not be negative")
 	}
 	return nil
 }

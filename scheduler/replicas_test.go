@@ -4,6 +4,8 @@ import (
 	"context"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
 )
 
 // Replicas split the fleet while they live; one that leaves hands its
@@ -20,7 +22,7 @@ func TestMembershipShares(t *testing.T) {
 		t.Fatal(err)
 	}
 	runBG(t, ma.Run)
-	eventually(t, "a alone with the whole fleet", func() bool { return a.Share() == 1 })
+	eventually.True(t, "a alone with the whole fleet", func() bool { return a.Share() == 1 })
 
 	cfg.ID = "b"
 	mb, err := NewMembership(context.Background(), js, b, cfg)
@@ -45,7 +47,7 @@ func TestMembershipShares(t *testing.T) {
 		t.Errorf("renewing after a partition: share %v, want 0 until the others shrink", b.Share())
 	}
 	stopB := runBG(t, mb.Run)
-	eventually(t, "halves", func() bool { return a.Share() == 0.5 && b.Share() == 0.5 })
+	eventually.True(t, "halves", func() bool { return a.Share() == 0.5 && b.Share() == 0.5 })
 	stopB()
-	eventually(t, "a whole again after b left", func() bool { return a.Share() == 1 })
+	eventually.True(t, "a whole again after b left", func() bool { return a.Share() == 1 })
 }

@@ -3,10 +3,13 @@ package scheduler
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
 
 	"github.com/kvgate/kvgate/gpu"
 )
@@ -61,16 +64,10 @@ type outcome struct {
 // waitQueued waits until n tickets are queued.
 func waitQueued(t *testing.T, s *Scheduler, n int) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); ; {
+	eventually.True(t, fmt.Sprint(n, " tickets queued"), func() bool {
 		q := s.Queued()
-		if q[Interactive]+q[Batch] == n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("queued %v, want %d", q, n)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return q[Interactive]+q[Batch] == n
+	})
 }
 
 func TestAcquireAdmitsAndReleases(t *testing.T) {

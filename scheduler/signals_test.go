@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/google/uuid"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
@@ -110,18 +112,6 @@ func (l *eventLog) count() (distinct, total int) {
 	return distinct, total
 }
 
-// eventually polls cond for up to 20s.
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func runBG(t *testing.T, run func(context.Context) error) context.CancelFunc {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -180,8 +170,8 @@ func TestRelayAndInbox(t *testing.T) {
 	r := f.relay()
 	runBG(t, r.Run)
 	runBG(t, f.inbox.Run)
-	eventually(t, "50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
-	eventually(t, "the outbox drained", func() bool { return unpublished(t, st) == 0 })
+	eventually.True(t, "50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
+	eventually.True(t, "the outbox drained", func() bool { return unpublished(t, st) == 0 })
 	select {
 	case <-changed:
 	case <-time.After(10 * time.Second):
@@ -240,7 +230,7 @@ func TestRelayDiesBetweenPublishAndMark(t *testing.T) {
 		t.Errorf("JetStream flagged %v duplicates, want 20", got)
 	}
 	runBG(t, f.inbox.Run)
-	eventually(t, "20 events in the inbox", func() bool { d, _ := f.log.count(); return d == 20 })
+	eventually.True(t, "20 events in the inbox", func() bool { d, _ := f.log.count(); return d == 20 })
 	info, err := f.js.Stream(context.Background(), StreamName)
 	if err != nil {
 		t.Fatal(err)
@@ -285,11 +275,11 @@ func TestConsumerDiesBetweenCommitAndAck(t *testing.T) {
 	crashy := &crashAfterCommit{Store: st, crashed: map[string]bool{}}
 	in := NewInbox(crashy, f.cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add})
 	runBG(t, in.Run)
-	eventually(t, "10 redeliveries recognised", func() bool { return testutil.ToFloat64(in.m.duplicates) == 10 })
+	eventually.True(t, "10 redeliveries recognised", func() bool { return testutil.ToFloat64(in.m.duplicates) == 10 })
 	if d, total := f.log.count(); d != 0 || total != 0 {
 		t.Errorf("events acted on after a crash before ack: %d distinct, %d in all; want none acted on twice", d, total)
 	}
-	eventually(t, "the consumer to have nothing pending", func() bool {
+	eventually.True(t, "the consumer to have nothing pending", func() bool {
 		ci, err := f.cons.Info(context.Background())
 		return err == nil && ci.NumAckPending == 0 && ci.NumPending == 0
 	})
@@ -306,7 +296,7 @@ func TestInboxQuarantinesDigestMismatch(t *testing.T) {
 		t.Fatalf("relay: %d, %v", n, err)
 	}
 	runBG(t, f.inbox.Run)
-	eventually(t, "the event in the inbox", func() bool { d, _ := f.log.count(); return d == 1 })
+	eventually.True(t, "the event in the inbox", func() bool { d, _ := f.log.count(); return d == 1 })
 	var id string
 	f.log.mu.Lock()
 	for k := range f.log.seen {
@@ -320,7 +310,7 @@ func TestInboxQuarantinesDigestMismatch(t *testing.T) {
 	if _, err := f.js.PublishMsg(context.Background(), forged); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the forgery quarantined", func() bool { return testutil.ToFloat64(f.inbox.m.quarantined) == 1 })
+	eventually.True(t, "the forgery quarantined", func() bool { return testutil.ToFloat64(f.inbox.m.quarantined) == 1 })
 	if _, total := f.log.count(); total != 1 {
 		t.Errorf("events acted on: %d, want the original only", total)
 	}
@@ -350,19 +340,19 @@ func TestNATSDownThenBacklogDrains(t *testing.T) {
 	runBG(t, r.Run)
 	runBG(t, f.inbox.Run)
 	acceptJobs(t, st, "acme", 10)
-	eventually(t, "the first 10 events", func() bool { d, _ := f.log.count(); return d == 10 })
+	eventually.True(t, "the first 10 events", func() bool { d, _ := f.log.count(); return d == 10 })
 
 	ns.Shutdown()
 	ns.WaitForShutdown()
 	acceptJobs(t, st, "acme", 40) // acceptance does not need the broker
-	eventually(t, "the relay to notice the outage", func() bool { return testutil.ToFloat64(r.m.errors) > 0 })
+	eventually.True(t, "the relay to notice the outage", func() bool { return testutil.ToFloat64(r.m.errors) > 0 })
 	if n := unpublished(t, st); n != 40 {
 		t.Fatalf("%d unpublished during the outage, want 40", n)
 	}
 
 	startNATS(t, dir, port) // the same files, the same address
-	eventually(t, "the backlog relayed", func() bool { return unpublished(t, st) == 0 })
-	eventually(t, "all 50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
+	eventually.True(t, "the backlog relayed", func() bool { return unpublished(t, st) == 0 })
+	eventually.True(t, "all 50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
 	if _, total := f.log.count(); total != 50 {
 		t.Errorf("inbox acted on %d events, want 50", total)
 	}
@@ -383,8 +373,8 @@ func TestConcurrentRelaysOnPostgres(t *testing.T) {
 		runBG(t, r.Run)
 	}
 	runBG(t, f.inbox.Run)
-	eventually(t, "the outbox drained", func() bool { return unpublished(t, st) == 0 })
-	eventually(t, "300 events in the inbox", func() bool { d, _ := f.log.count(); return d == 300 })
+	eventually.True(t, "the outbox drained", func() bool { return unpublished(t, st) == 0 })
+	eventually.True(t, "300 events in the inbox", func() bool { d, _ := f.log.count(); return d == 300 })
 	s, err := f.js.Stream(context.Background(), StreamName)
 	if err != nil {
 		t.Fatal(err)
@@ -420,7 +410,7 @@ func TestInboxPrunesOldRecords(t *testing.T) {
 	f := startSignals(t, st, ns.ClientURL())
 	in := NewInbox(st, f.cons, InboxConfig{MaxWait: 50 * time.Millisecond, Retention: 48 * time.Hour})
 	runBG(t, in.Run)
-	eventually(t, "two records pruned", func() bool { return testutil.ToFloat64(in.m.pruned) == 2 })
+	eventually.True(t, "two records pruned", func() bool { return testutil.ToFloat64(in.m.pruned) == 2 })
 	if dup, err := st.RecordInbox(context.Background(), "old2", "d", now); err != nil || !dup {
 		t.Errorf("a record within the retention was pruned: dup %v, %v", dup, err)
 	}

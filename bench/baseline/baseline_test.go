@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/gpu"
 )
@@ -185,18 +187,6 @@ func TestRoundRobinRejectsBadBackends(t *testing.T) {
 	}
 }
 
-// waitFor polls cond until it holds, for at most 10 seconds.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); <-tick.C {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-	}
-}
-
 func TestThresholdAvoidsSaturatedAndDeadBackends(t *testing.T) {
 	p := smallProfile(t)
 	var (
@@ -228,7 +218,7 @@ func TestThresholdAvoidsSaturatedAndDeadBackends(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	waitFor(t, "backend 0 to pass 0.8 KV", func() bool { return metricsOf(t, urls[0]).KVUsage > 0.8 })
+	eventually.True(t, "backend 0 to pass 0.8 KV", func() bool { return metricsOf(t, urls[0]).KVUsage > 0.8 })
 	// Kill backend 2: its metrics read empty, but its health probe fails.
 	if resp, err := http.DefaultClient.Do(newPut(t, urls[2]+"/admin/faults", `{"dead":true}`)); err != nil {
 		t.Fatal(err)
@@ -257,7 +247,7 @@ func TestThresholdAvoidsSaturatedAndDeadBackends(t *testing.T) {
 	// With backend 0 drained and backend 2 revived, all three qualify again
 	// and ties rotate over them.
 	cancelFill()
-	waitFor(t, "backend 0 to drain", func() bool { return metricsOf(t, urls[0]).KVUsage < 0.8 })
+	eventually.True(t, "backend 0 to drain", func() bool { return metricsOf(t, urls[0]).KVUsage < 0.8 })
 	sims[2].SetFaults(vllmsim.Faults{})
 	if err := th.Refresh(ctx); err != nil {
 		t.Fatal(err)
@@ -281,7 +271,7 @@ func TestThresholdRunScrapes(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- th.Run(ctx) }()
 	b := th.backends[0]
-	waitFor(t, "a scrape", func() bool {
+	eventually.True(t, "a scrape", func() bool {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		return !b.scrapedAt.IsZero()

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -218,7 +220,7 @@ func sendTraffic(t *testing.T, c simClient) traffic {
 func waitIdle(t *testing.T, c simClient, usageName string) map[string]*dto.MetricFamily {
 	t.Helper()
 	var fams map[string]*dto.MetricFamily
-	if !eventually(5*time.Second, func() bool {
+	if !eventually.Holds(5*time.Second, func() bool {
 		fams = scrape(t, c)
 		running, ok1 := sampleValue(fams, "vllm:num_requests_running", nil)
 		waiting, ok2 := sampleValue(fams, "vllm:num_requests_waiting", nil)

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
 )
 
 // Helpers shared by the HTTP tests of this package (server_test.go and
@@ -173,23 +175,6 @@ func clip(b []byte) string {
 		return string(b)
 	}
 	return fmt.Sprintf("%s... (%d bytes)", b[:n], len(b))
-}
-
-// eventually polls cond every few milliseconds until it holds or timeout
-// has passed, and reports whether it held.
-func eventually(timeout time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(timeout)
-	tick := time.NewTicker(3 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		<-tick.C
-	}
 }
 
 type usageJSON struct {
@@ -1141,7 +1126,7 @@ func TestFaults(t *testing.T) {
 	}
 	idle := func(t *testing.T) {
 		t.Helper()
-		if !eventually(5*time.Second, func() bool { return sim.Engine().Load() == 0 && c.serverLoad(t) == 0 }) {
+		if !eventually.Holds(5*time.Second, func() bool { return sim.Engine().Load() == 0 && c.serverLoad(t) == 0 }) {
 			t.Errorf("engine load %d, server_load %d: want both back to 0", sim.Engine().Load(), c.serverLoad(t))
 		}
 	}
@@ -1347,10 +1332,10 @@ func TestClientDisconnectAbortsRequest(t *testing.T) {
 				}()
 			}
 			// The request is in flight in the engine and on the server.
-			if !eventually(5*time.Second, func() bool { return sim.Engine().Load() == 1 && c.serverLoad(t) == 1 }) {
+			if !eventually.Holds(5*time.Second, func() bool { return sim.Engine().Load() == 1 && c.serverLoad(t) == 1 }) {
 				t.Fatalf("engine load %d, server_load %d while the request runs; want 1", sim.Engine().Load(), c.serverLoad(t))
 			}
-			if !eventually(5*time.Second, func() bool {
+			if !eventually.Holds(5*time.Second, func() bool {
 				fams := scrape(t, c)
 				running, _ := sampleValue(fams, "vllm:num_requests_running", nil)
 				usage, _ := sampleValue(fams, "vllm:kv_cache_usage_perc", nil)
@@ -1365,12 +1350,12 @@ func TestClientDisconnectAbortsRequest(t *testing.T) {
 					t.Errorf("client error %v, want context.Canceled", err)
 				}
 			}
-			if !eventually(5*time.Second, func() bool {
+			if !eventually.Holds(5*time.Second, func() bool {
 				return sim.Engine().Load() == 0 && successCount(t, c, FinishAbort) == before+1
 			}) {
 				t.Fatalf("engine load %d, aborted requests %g: want 0 and %g", sim.Engine().Load(), successCount(t, c, FinishAbort), before+1)
 			}
-			if !eventually(5*time.Second, func() bool { return c.serverLoad(t) == 0 }) {
+			if !eventually.Holds(5*time.Second, func() bool { return c.serverLoad(t) == 0 }) {
 				t.Errorf("server_load %d after the client left, want 0", c.serverLoad(t))
 			}
 			fams := scrape(t, c)
@@ -1436,7 +1421,7 @@ func TestEngineDeathMidStream(t *testing.T) {
 			if r := c.get(t, "/health"); r.status != 503 {
 				t.Errorf("/health %d, want 503", r.status)
 			}
-			if !eventually(5*time.Second, func() bool { return sim.Engine().Load() == 0 && c.serverLoad(t) == 0 }) {
+			if !eventually.Holds(5*time.Second, func() bool { return sim.Engine().Load() == 0 && c.serverLoad(t) == 0 }) {
 				t.Errorf("engine load %d server_load %d after death, want 0", sim.Engine().Load(), c.serverLoad(t))
 			}
 
@@ -1600,7 +1585,7 @@ func TestEngineDeathMidRequest(t *testing.T) {
 		b, err := io.ReadAll(resp.Body)
 		done <- result{httpResult{resp.StatusCode, resp.Header, b}, err}
 	}()
-	if !eventually(5*time.Second, func() bool { return sim.Engine().Load() == 1 }) {
+	if !eventually.Holds(5*time.Second, func() bool { return sim.Engine().Load() == 1 }) {
 		t.Fatal("the request never reached the engine")
 	}
 	setFaults(t, c, Faults{Dead: true})

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/kvgate/kvgate/bench"
 )
 
@@ -66,17 +68,14 @@ func child(tb testing.TB, args ...string) string {
 
 func waitReady(tb testing.TB, url string) {
 	tb.Helper()
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-		if resp, err := http.Get(url); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return
-			}
+	eventually.True(tb, url+" to become ready", func() bool {
+		resp, err := http.Get(url)
+		if err != nil {
+			return false
 		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("%s never became ready", url)
-		}
-	}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
 }
 
 // startStack runs an unpaced (zero-delay) simulated backend and a kvgate in

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"strconv"
 	"strings"
@@ -156,6 +157,21 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		if err := dec.Decode(cfg); err != nil && !errors.Is(err, io.EOF) { // EOF: an empty file
 			return nil, fmt.Errorf("config %s: %w", file, err)
 		}
+		// Decode reads one document; what a second one sets (api_keys
+		// after a "---") would be dropped without a word.
+		for {
+			var more yaml.Node
+			err := dec.Decode(&more)
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				return nil, fmt.Errorf("config %s: %w", file, err)
+			}
+			if len(more.Content) > 0 && more.Content[0].Tag != "!!null" {
+				return nil, fmt.Errorf("config %s holds more than one YAML document; kvgate reads one", file)
+			}
+		}
 	}
 
 	env := func(name string) (string, bool) {
@@ -283,8 +299,8 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if cfg.DrainTimeout <= 0 {
 		return nil, fmt.Errorf("drain timeout %s: it must be positive", cfg.DrainTimeout)
 	}
-	if err := cfg.Admission.Validate(); err != nil {
-		return nil, fmt.Errorf("admission: %w", err)
+	if err := cfg.validate(); err != nil {
+		return nil, err
 	}
 	for i, b := range cfg.Backends {
 		// A backend's models (the file only) are names kvgate knows before
@@ -296,6 +312,66 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		}
 	}
 	return cfg, nil
+}
+
+// validate refuses, before anything starts, a configuration that serve
+// would refuse only once it had begun (its admission policy, keys,
+// backends, token count or log level) or could not run: a negative
+// duration or count (a ticker panics on one) or a speed-up that is not a
+// finite number.
+func (c *config) validate() error {
+	if err := c.Admission.Validate(); err != nil {
+		return fmt.Errorf("admission: %w", err)
+	}
+	type number struct {
+		name     string
+		v        int64
+		duration bool
+	}
+	numbers := []number{
+		{"quotas.cache_ttl", int64(c.Quotas.CacheTTL), true}, {"gateway.stream_idle_timeout", int64(c.Gateway.StreamIdleTimeout), true},
+		{"gateway.request_timeout", int64(c.Gateway.RequestTimeout), true}, {"metrics.scrape_interval", int64(c.Metrics.ScrapeInterval), true},
+		{"metrics.stale_after", int64(c.Metrics.StaleAfter), true}, {"metrics.probe_interval", int64(c.Metrics.ProbeInterval), true},
+		{"nvml.interval", int64(c.NVML.Interval), true}, {"jobs.lease", int64(c.Jobs.Lease), true},
+		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true},
+		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
+		{"nats.replicas", int64(c.NATS.Replicas), false}, {"jobs.concurrency", int64(c.Jobs.Concurrency), false},
+		{"jobs.max_attempts", int64(c.Jobs.MaxAttempts), false}, {"sim.count", int64(c.Sim.Count), false},
+	}
+	if c.Gateway.Retries != nil {
+		numbers = append(numbers, number{"gateway.retries", int64(*c.Gateway.Retries), false})
+	}
+	for i, b := range c.Backends {
+		numbers = append(numbers, number{fmt.Sprintf("backends[%d].max_num_seqs", i), int64(b.MaxNumSeqs), false},
+			number{fmt.Sprintf("backends[%d].capacity_tokens", i), int64(b.CapacityTokens), false})
+	}
+	for _, n := range numbers {
+		switch {
+		case n.v < 0 && n.duration:
+			return fmt.Errorf("%s %s must not be negative", n.name, time.Duration(n.v))
+		case n.v < 0:
+			return fmt.Errorf("%s %d must not be negative", n.name, n.v)
+		}
+	}
+	if !(c.Sim.Speedup >= 0) || math.IsInf(c.Sim.Speedup, 0) {
+		return fmt.Errorf("sim.speedup %g must be a finite number >= 0", c.Sim.Speedup)
+	}
+	if _, _, err := c.keyMaps(); err != nil {
+		return err
+	}
+	if len(c.Backends) > 0 {
+		// The pool's own checks (URLs, duplicates); the pool starts nothing.
+		if _, err := gpu.NewPool(c.Backends, gpu.PoolConfig{}); err != nil {
+			return fmt.Errorf("backends: %w", err)
+		}
+	}
+	if tc := c.Gateway.TokenCount; tc != "" && tc != "estimate" && tc != "tokenize" {
+		return fmt.Errorf("gateway: token_count %q is not estimate or tokenize", tc)
+	}
+	if _, err := newLogger(io.Discard, c.LogLevel); err != nil {
+		return err
+	}
+	return nil
 }
 
 func splitList(v string) []string {

@@ -16,6 +16,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+
 	"github.com/nats-io/nats-server/v2/server"
 
 	"github.com/kvgate/kvgate/bench/vllmsim"
@@ -294,20 +296,16 @@ func submitAndWait(t *testing.T, base, key string) {
 func waitInboxRecorded(t *testing.T, base string, limit time.Duration) {
 	t.Helper()
 	recorded := regexp.MustCompile(`(?m)^kvgate_scheduler_inbox_recorded_total (\d+)`)
-	for deadline := time.Now().Add(limit); ; time.Sleep(10 * time.Millisecond) {
+	eventually.Within(t, limit, "the inbox to record an event", func() bool {
 		r, err := http.Get(base + "/metrics")
 		if err != nil {
-			t.Fatal(err)
+			return false
 		}
 		b, _ := io.ReadAll(r.Body)
 		r.Body.Close()
-		if m := recorded.FindSubmatch(b); m != nil && string(m[1]) != "0" {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the inbox recorded no event")
-		}
-	}
+		m := recorded.FindSubmatch(b)
+		return m != nil && string(m[1]) != "0"
+	})
 }
 
 func TestKeyRoles(t *testing.T) {

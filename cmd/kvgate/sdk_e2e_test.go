@@ -14,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
 )
 
 // TestOpenAINodeSDK drives kvgate with the official OpenAI Node SDK: it
@@ -221,14 +223,13 @@ func startGateway(t *testing.T, extra ...string) *sdkGateway {
 func waitForModel(t *testing.T, g *sdkGateway, key, model string) {
 	t.Helper()
 	var last string
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+	if !eventually.Holds(eventually.Timeout, func() bool {
 		ok, why := hasModel(g.base, key, model)
-		if ok {
-			return
-		}
 		last = why
+		return ok
+	}) {
+		t.Fatalf("gateway %s never listed %s: %s\n%s", g.base, model, last, g.stderr.String())
 	}
-	t.Fatalf("gateway %s never listed %s: %s\n%s", g.base, model, last, g.stderr.String())
 }
 
 func hasModel(base, key, model string) (bool, string) {
