@@ -467,9 +467,13 @@ func (r *Runner) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 		case <-t.C:
 		}
 		err := r.st.Heartbeat(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease)
-		if errors.Is(err, store.ErrLeaseLost) {
+		switch {
+		case errors.Is(err, store.ErrLeaseLost):
 			cancel(errLeaseLost)
 			return
+		case err != nil && ctx.Err() == nil:
+			// The next beat tries again; the lease outlives two misses.
+			r.log.Warn("heartbeat failed", "job_id", j.ID, "fence", j.Fence, "err", err)
 		}
 	}
 }
