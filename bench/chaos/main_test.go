@@ -6,7 +6,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"testing"
 	"time"
 )
@@ -122,7 +121,7 @@ func prepare() (func(), error) {
 	suite.bin = filepath.Join(binDir, "kvgate")
 	goCmd, err := exec.LookPath("go")
 	if err != nil {
-		goCmd = filepath.Join(runtime.GOROOT(), "bin", "go")
+		goCmd = "/usr/local/go/bin/go" // where CI's Go lives
 	}
 	start := time.Now()
 	build := exec.Command(goCmd, "build", "-o", suite.bin, "github.com/kvgate/kvgate/cmd/kvgate")
