@@ -399,3 +399,48 @@ func TestRunnerClaimsOnlyWhatCanStart(t *testing.T) {
 		f.waitState(t, j.ID, store.Succeeded)
 	}
 }
+
+// flakyStore fails its first writes of each kind with ErrUnavailable, as
+// a database restarting would.
+type flakyStore struct {
+	store.Store
+	completes, marks atomic.Int64 // failures left
+}
+
+func (s *flakyStore) Complete(ctx context.Context, c store.Completion) error {
+	if s.completes.Add(-1) >= 0 {
+		return fmt.Errorf("complete job: %w: connection refused", store.ErrUnavailable)
+	}
+	return s.Store.Complete(ctx, c)
+}
+
+func (s *flakyStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+	if s.marks.Add(-1) >= 0 {
+		return fmt.Errorf("mark sent: %w: connection refused", store.ErrUnavailable)
+	}
+	return s.Store.MarkSent(ctx, id, fence, now, lease)
+}
+
+// TestRunnerOutlastsAStoreRestart: the store out of reach when the answer
+// is in hand does not lose it (the end is written again, once the store
+// answers, without a second backend call); out of reach before the request
+// leaves, it sends nothing and spends nothing.
+func TestRunnerOutlastsAStoreRestart(t *testing.T) {
+	st := &flakyStore{Store: openStore(t)}
+	st.completes.Store(3)
+	st.marks.Store(2)
+	exec := &scriptedExecutor{}
+	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute)
+	j := f.submit(t, "k", func(n *store.NewJob) { n.MaxAttempts = 1 })
+	got := f.waitState(t, j.ID, store.Succeeded)
+	if got.Attempt != 1 || exec.calls.Load() != 1 {
+		t.Errorf("attempt %d, %d backend calls; want 1 and 1", got.Attempt, exec.calls.Load())
+	}
+	as, _ := st.Attempts(context.Background(), j.ID)
+	if len(as) != 3 || as[0].Spent || as[0].Sent || as[0].ErrorClass != string(ClassStore) || as[2].Outcome != store.OutcomeSucceeded {
+		t.Errorf("attempts %+v: want two unspent waits for the store, then the success", as)
+	}
+	if n := testutil.ToFloat64(f.runner.m.recordRetries); n != 3 {
+		t.Errorf("%v writes tried again, want 3", n)
+	}
+}

@@ -29,6 +29,9 @@ const (
 	ClassQuota ErrorClass = "quota_wait"
 	// ClassShutdown: kvgate itself stopped the attempt (a drain ended).
 	ClassShutdown ErrorClass = "shutdown"
+	// ClassStore: the job store could not be reached before the request
+	// left; it was not sent.
+	ClassStore ErrorClass = "store_unavailable"
 )
 
 // Transient reports whether an attempt that failed so may succeed later.

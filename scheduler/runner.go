@@ -273,20 +273,23 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 		}
 		a.PromptTokens, a.CompletionTokens = out.PromptTokens, out.CompletionTokens
 		body = out.Body
-		if err := r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, r.cfg.Now()); err != nil {
+		if err := r.record(wctx, func(now time.Time) error {
+			return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
+		}); err != nil {
 			r.lost(log, err)
 			return
 		}
 	default:
 		// The store did not answer: nothing was sent, nothing is spent.
-		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassCapacity, Err: err})
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err})
 		return
 	}
 
-	now := r.cfg.Now()
-	a.Outcome, a.EndedAt = store.OutcomeSucceeded, now
-	err = r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: body,
-		Reused: reused, Attempt: a, Now: now})
+	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
+	err = r.record(wctx, func(now time.Time) error {
+		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: body,
+			Reused: reused, Attempt: a, Now: now})
+	})
 	if err != nil {
 		r.lost(log, err)
 		return
@@ -336,8 +339,11 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 	defer g.Release()
 	a.Backend = g.Backend
 	return call.Run(ctx, g, func() error {
-		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease); err != nil {
+		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease); errors.Is(err, store.ErrLeaseLost) {
 			return err
+		} else if err != nil {
+			// Unmarked, the request must not leave: a wait, not an attempt.
+			return &ExecError{Class: ClassStore, Err: err}
 		}
 		a.Sent = true
 		return nil
@@ -427,7 +433,10 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 	}
 	r.rngMu.Unlock()
 	f.Attempt = a
-	if err := r.st.Fail(wctx, f); err != nil {
+	if err := r.record(wctx, func(now time.Time) error {
+		f.Now = now
+		return r.st.Fail(wctx, f)
+	}); err != nil {
 		r.lost(log, err)
 		return
 	}
@@ -441,6 +450,31 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 	default:
 		r.m.waits.WithLabelValues(string(xe.Class)).Inc()
 		log.Debug("job handed back without spending an attempt", "error_class", xe.Class, "retry_at", f.RetryAt, "err", xe.Err)
+	}
+}
+
+// record runs one of an attempt's final writes (its checkpoint, its end)
+// at the time it is tried, trying again while the store cannot be reached
+// and the claim's lease may still hold: a database restart must not lose
+// an answer the backend gave, which would pay for the inference again and
+// spend another attempt. Whether the lease still holds is the store's to
+// say (ErrLeaseLost, returned at once); the tries stop one lease after
+// the first. It returns the last error.
+func (r *Runner) record(ctx context.Context, write func(now time.Time) error) error {
+	giveUp := r.cfg.Now().Add(r.cfg.Lease)
+	for wait := 50 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
+		err := write(r.cfg.Now())
+		if !errors.Is(err, store.ErrUnavailable) || !r.cfg.Now().Add(wait).Before(giveUp) {
+			return err
+		}
+		r.m.recordRetries.Inc()
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
 	}
 }
 
@@ -479,13 +513,14 @@ func (r *Runner) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 }
 
 type runnerMetrics struct {
-	finished    *prometheus.CounterVec
-	retried     *prometheus.CounterVec
-	waits       *prometheus.CounterVec
-	stale       prometheus.Counter
-	reaped      prometheus.Counter
-	stageReused prometheus.Counter
-	quotaWaits  prometheus.Counter
+	finished      *prometheus.CounterVec
+	retried       *prometheus.CounterVec
+	waits         *prometheus.CounterVec
+	recordRetries prometheus.Counter
+	stale         prometheus.Counter
+	reaped        prometheus.Counter
+	stageReused   prometheus.Counter
+	quotaWaits    prometheus.Counter
 }
 
 func newRunnerMetrics() *runnerMetrics {
@@ -499,6 +534,9 @@ func newRunnerMetrics() *runnerMetrics {
 		waits: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvgate_scheduler_job_waits_total", Help: "Job claims handed back without spending an attempt (no backend, no capacity, a quota, a 429, a refused connection, shutdown), by class.",
 		}, []string{"class"}),
+		recordRetries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvgate_scheduler_job_record_retries_total", Help: "Times a job attempt's checkpoint or end was written again because the store could not be reached.",
+		}),
 		stale: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvgate_scheduler_job_stale_completions_total", Help: "Job attempts whose lease was lost before they could record their end; their results were discarded.",
 		}),
@@ -515,5 +553,5 @@ func newRunnerMetrics() *runnerMetrics {
 }
 
 func (m *runnerMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.finished, m.retried, m.waits, m.stale, m.reaped, m.stageReused, m.quotaWaits}
+	return []prometheus.Collector{m.finished, m.retried, m.waits, m.recordRetries, m.stale, m.reaped, m.stageReused, m.quotaWaits}
 }
