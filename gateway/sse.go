@@ -180,6 +180,8 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 			return http.StatusOK
 		}
 		shown = j.StateVersion
+	} else if j.State.Final() && j.StateVersion <= shown {
+		return http.StatusOK // the client has seen the end already
 	}
 	keep := func(e store.Event) (bool, bool) {
 		if e.StateVersion <= shown {
@@ -194,8 +196,11 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 	// events are not being published. Its id carries the version shown.
 	recheck := func(after int64) (bool, error) {
 		j, err := s.jobs.Store.Get(ctx, tenant, id)
-		if err != nil || j.StateVersion <= shown {
+		if err != nil {
 			return false, err
+		}
+		if j.StateVersion <= shown {
+			return j.State.Final(), nil // nothing new; the end if it was shown
 		}
 		shown = j.StateVersion
 		if err := sse.send(place{after, shown}.id(), "snapshot", viewOf(j)); err != nil {

@@ -105,11 +105,13 @@ func TestJobStreamResumeAfterSnapshotAheadOfFeed(t *testing.T) {
 	}
 	s = openStream(t, url, "Last-Event-ID", e.RawID)
 	var last eventView
+	lastID := ""
 	for {
 		e, ok := s.next(t)
 		if !ok {
 			break
 		}
+		lastID = e.RawID
 		if e.Event == "snapshot" {
 			var j jobView
 			_ = json.Unmarshal([]byte(e.Data), &j)
@@ -122,6 +124,13 @@ func TestJobStreamResumeAfterSnapshotAheadOfFeed(t *testing.T) {
 	if seen[v.ID] != snap.StateVersion+1 {
 		t.Errorf("the resumed stream ended at state_version %d (last event %+v), want the cancellation's, %d",
 			seen[v.ID], last, snap.StateVersion+1)
+	}
+	// A client that reconnects after the final state (a browser's
+	// EventSource does, whenever a stream closes) is told nothing new,
+	// and its stream ends at once instead of waiting forever.
+	s = openStream(t, url, "Last-Event-ID", lastID)
+	if e, ok := s.next(t); ok {
+		t.Errorf("a stream resumed after the final state sent %+v, want its end", e)
 	}
 }
 
