@@ -117,10 +117,13 @@ func ownershipQueries(d Dialect, q *queries) {
 		q.finish = r(finishOne)
 	}
 	// Expired leases, by the same rule as Fail: the lost attempt spent
-	// when its claim had marked the request sent.
+	// when its claim had marked the request sent. A job with a
+	// checkpointed stage is never ended by it: the next claim finishes
+	// from the checkpoint without calling a backend again.
 	lost := "(jobs.sent_fence = jobs.fence)"
+	ends := "(" + lost + " AND NOT EXISTS (SELECT 1 FROM stages WHERE stages.job_id = jobs.id))"
 	q.reapLeases = r(`UPDATE jobs SET
-			state = ` + nextState("jobs", "'RETRY_SCHEDULED'", lost, "?") + `,
+			state = ` + nextState("jobs", "'RETRY_SCHEDULED'", ends, "?") + `,
 			attempt = ` + spentAttempts("jobs", lost) + `,
 			fence = fence + 1, state_version = state_version + 1, updated_at = ?, lease_until = 0, available_at = ?,
 			error_class = ` + endedClass("jobs", "'RETRY_SCHEDULED'", lost, "?", "'lease_expired'") + `,

@@ -692,6 +692,25 @@ func testReap(t *testing.T, s store.Store) {
 	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); !errors.Is(err, store.ErrLeaseLost) {
 		t.Errorf("mark sent of a reaped claim: %v", err)
 	}
+
+	// A lost sent claim that had checkpointed its inference spends its
+	// attempt, the last one, yet the job is retried: the next claim
+	// finishes from the checkpoint.
+	accept(t, s, newJob("acme", "checkpointed", func(n *store.NewJob) { n.MaxAttempts = 1; n.Now = now }))
+	now = now.Add(time.Minute)
+	c := claimOne(t, s, now)
+	if err := s.MarkSent(ctx, c.ID, c.Fence, now, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SaveStage(ctx, c.ID, c.Fence, "inference", []byte(`"answer"`), now); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", c.ID); got.State != store.RetryScheduled || got.Attempt != 1 {
+		t.Errorf("a lost claim with a checkpoint: %s attempt %d, want RETRY_SCHEDULED with its attempt spent", got.State, got.Attempt)
+	}
 }
 
 // testWaitsSpendNothing ends claims that only waited (no backend, a

@@ -7,3 +7,6 @@
 ALTER TABLE jobs ADD COLUMN sent_fence BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE attempts ADD COLUMN spent BOOLEAN NOT NULL DEFAULT TRUE;
 ALTER TABLE attempts ADD COLUMN sent BOOLEAN NOT NULL DEFAULT TRUE;
+-- A job RUNNING at the upgrade was claimed by a binary that counted the
+-- attempt at the claim: the claim may have sent its request.
+UPDATE jobs SET sent_fence = fence WHERE state = 'RUNNING';
