@@ -36,13 +36,13 @@ func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 
 // Prepare implements scheduler.Executor. The job's request is parsed and
 // counted once, as it would be on the interactive path, and admitted in
-// the interactive path's order: first the tenant's quota (a permit for
-// its reservation, prompt plus output budget, so that jobs count against
+// that path's order: first the tenant's quota (Admit: a permit for its
+// reservation, prompt plus output budget, so that jobs count against
 // their tenant's rates, concurrency and budgets and land in its usage
 // ledger), then, by the runner, a backend's KV grant. A quota that
-// refuses the permit fails with scheduler.ClassQuota and the quota's
-// reset as RetryAfter; one the job's request alone exceeds fails it for
-// good, as does a request that does not parse.
+// refuses the permit fails Admit with scheduler.ClassQuota and the
+// quota's reset as RetryAfter; one the job's request alone exceeds fails
+// it for good, as does a request that does not parse.
 func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, error) {
 	c, model, err := s.jobCall(j)
 	if err != nil {
@@ -53,16 +53,22 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 	if !exact {
 		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}
-	p, err := s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt+maxOut)
-	if err != nil {
-		return nil, jobQuotaError(err)
-	}
-	var once sync.Once
+	var (
+		p    *permit
+		once sync.Once
+	)
 	release := func(o store.Outcome, attempts int, u *usage) {
 		once.Do(func() { p.release(ctx, o, attempts, u) })
 	}
 	return &scheduler.Call{
-		Ticket:  t,
+		Ticket: t,
+		Admit: func(ctx context.Context) error {
+			var err error
+			if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt+maxOut); err != nil {
+				return jobQuotaError(err)
+			}
+			return nil
+		},
 		Release: func() { release(store.NotSent, 0, nil) },
 		Run: func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
 			ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)

@@ -34,6 +34,7 @@ type scriptedExecutor struct {
 func (e *scriptedExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error) {
 	return &Call{
 		Ticket: &Ticket{Model: j.Model, PromptTokens: 10, MaxTokens: 10},
+		Admit:  func(context.Context) error { return nil },
 		Run: func(ctx context.Context, g *Grant, sending func() error) (Outcome, error) {
 			if err := sending(); err != nil {
 				return Outcome{}, err

@@ -19,13 +19,22 @@ type quotaExecutor struct {
 	refusals int64
 	reset    time.Duration
 	seen     atomic.Int64
+	prepared atomic.Int64 // calls of Prepare: one per claim
 }
 
 func (e *quotaExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error) {
-	if e.seen.Add(1) <= e.refusals {
-		return nil, &ExecError{Class: ClassQuota, Status: 429, RetryAfter: e.reset, Err: errors.New("tenant quota tokens")}
+	e.prepared.Add(1)
+	c, err := e.scriptedExecutor.Prepare(ctx, j)
+	if err != nil {
+		return nil, err
 	}
-	return e.scriptedExecutor.Prepare(ctx, j)
+	c.Admit = func(context.Context) error {
+		if e.seen.Add(1) <= e.refusals {
+			return &ExecError{Class: ClassQuota, Status: 429, RetryAfter: e.reset, Err: errors.New("tenant quota tokens")}
+		}
+		return nil
+	}
+	return c, nil
 }
 
 // A short quota wait happens inside the attempt: the job succeeds on its
@@ -52,6 +61,9 @@ func TestRunnerWaitsForQuotaInPlace(t *testing.T) {
 			}
 			if n := testutil.ToFloat64(f.runner.m.quotaWaits); n != 20 {
 				t.Errorf("%v quota waits, want 20", n)
+			}
+			if n := exec.prepared.Load(); n != 1 {
+				t.Errorf("the request was prepared %d times, want once however long its quota wait", n)
 			}
 		})
 	}

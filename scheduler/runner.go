@@ -32,17 +32,20 @@ type jobStore interface {
 // Executor prepares and runs a durable job's request; package gateway
 // implements it.
 type Executor interface {
-	// Prepare parses and counts the job's request, once, and takes what
-	// the job's tenant must grant before the job may wait for a backend
-	// (its quota: the same order as an interactive request's). It returns
-	// the admission ticket and the call to run on the grant, or an
-	// *ExecError (ClassQuota when the tenant is over its quota).
+	// Prepare parses and counts the job's request, once, and returns the
+	// admission ticket and the call to run on the grant, or an
+	// *ExecError (ClassInvalid for a request that cannot run).
 	Prepare(ctx context.Context, j store.Job) (*Call, error)
 }
 
 // Call is a prepared job request.
 type Call struct {
 	Ticket *Ticket
+	// Admit takes what the job's tenant must grant before the job may
+	// wait for a backend (its quota: the same order as an interactive
+	// request's), or fails with an *ExecError (ClassQuota when the tenant
+	// is over its quota). The runner may call it again after a refusal.
+	Admit func(ctx context.Context) error
 	// Run sends the request to the granted backend and returns its answer,
 	// or an *ExecError saying how the attempt failed. It calls sending
 	// right before the request leaves, and sends nothing if that fails
@@ -302,11 +305,15 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 // class, marks it sent and runs it on the granted backend. It records the
 // backend and whether the request may have left in a.
 func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted func()) (Outcome, error) {
+	call, err := r.exec.Prepare(ctx, j)
+	if err != nil {
+		return Outcome{}, err
+	}
+	defer call.Release()
 	var waited time.Duration
-	var call *Call
 	for {
-		var err error
-		if call, err = r.exec.Prepare(ctx, j); err == nil {
+		err := call.Admit(ctx)
+		if err == nil {
 			break
 		}
 		d, ok := r.quotaPause(j, err, waited)
@@ -328,7 +335,6 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 		}
 		waited += d
 	}
-	defer call.Release()
 	t := call.Ticket
 	t.Class, t.Tenant, t.Deadline = Batch, j.Tenant, j.Deadline
 	g, err := r.sched.Acquire(ctx, t)
