@@ -9,6 +9,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -100,5 +101,26 @@ func TestRunnerHandsLongQuotaWaitsBack(t *testing.T) {
 				t.Errorf("%v quota waits in place, want 0", n)
 			}
 		})
+	}
+}
+
+// A drain hands back at once, spending nothing, a job that waits in place
+// for its tenant's quota: its request has not left, and a replica that
+// stays can take it.
+func TestRunnerDrainHandsBackWaitingJobs(t *testing.T) {
+	exec := &quotaExecutor{refusals: 1 << 30, reset: 5 * time.Millisecond}
+	f := startRunner(t, exec, time.Minute)
+	j := f.submit(t, "k", func(n *store.NewJob) { n.MaxAttempts = 1 })
+	eventually.True(t, "the job to wait for its quota", func() bool { return testutil.ToFloat64(f.runner.m.quotaWaits) > 2 })
+	f.runner.Drain()
+	got := f.waitState(t, j.ID, store.RetryScheduled)
+	as, _ := f.st.Attempts(context.Background(), j.ID)
+	if got.Attempt != 0 || len(as) != 1 || as[0].Outcome != store.OutcomeInterrupted || as[0].Spent || as[0].Sent {
+		t.Errorf("after the drain: attempt %d, attempts %+v; want one unspent, unsent interruption", got.Attempt, as)
+	}
+	select {
+	case <-f.done: // drained: nothing left in flight
+	case <-time.After(eventually.Timeout):
+		t.Fatal("the runner did not return after its drain")
 	}
 }

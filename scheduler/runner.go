@@ -113,6 +113,10 @@ type Runner struct {
 	// draining, once set, stops the claims; work in flight goes on until
 	// Run's context ends.
 	draining atomic.Bool
+	// unsent cancels, by job id, the attempts whose request has not left
+	// yet: a drain hands them back at once.
+	unsentMu sync.Mutex
+	unsent   map[string]context.CancelCauseFunc
 
 	rngMu    sync.Mutex
 	rng      *rand.Rand
@@ -155,15 +159,47 @@ func (r *Runner) Wake() {
 // Collectors returns the runner's metrics, to register once.
 func (r *Runner) Collectors() []prometheus.Collector { return r.m.collectors() }
 
-// Drain stops claiming new jobs; the attempts in flight go on until they
-// end, and then Run returns nil, or until Run's context ends (then each
-// hands its job back without spending an attempt). Safe to call more than
-// once.
+// Drain stops claiming new jobs and hands back at once, spending nothing,
+// the claimed jobs whose request has not left yet (waiting for their
+// quota, for room in kvgate's queue), so that a replica that stays takes
+// them. The attempts whose request has left go on until they end, and
+// then Run returns nil, or until Run's context ends (then each hands its
+// job back without spending an attempt). Safe to call more than once.
 func (r *Runner) Drain() {
 	if !r.draining.Swap(true) {
-		r.log.Info("runner draining: no new claims", "in_flight", r.inflight.Load())
+		r.unsentMu.Lock()
+		for _, cancel := range r.unsent {
+			cancel(errDrained)
+		}
+		n := len(r.unsent)
+		r.unsentMu.Unlock()
+		r.log.Info("runner draining: no new claims", "in_flight", r.inflight.Load(), "handed_back", n)
 	}
 	r.Wake()
+}
+
+// errDrained stops an attempt whose request had not left when the drain
+// began.
+var errDrained = errors.New("kvgate is draining")
+
+// trackUnsent registers an attempt's cancel until its request leaves (the
+// returned func), or until the attempt ends; under a drain it cancels at
+// once.
+func (r *Runner) trackUnsent(id string, cancel context.CancelCauseFunc) (sent func()) {
+	r.unsentMu.Lock()
+	defer r.unsentMu.Unlock()
+	if r.draining.Load() {
+		cancel(errDrained)
+	}
+	if r.unsent == nil {
+		r.unsent = map[string]context.CancelCauseFunc{}
+	}
+	r.unsent[id] = cancel
+	return func() {
+		r.unsentMu.Lock()
+		delete(r.unsent, id)
+		r.unsentMu.Unlock()
+	}
 }
 
 // Run claims and runs jobs until ctx is done, then waits for the jobs it
@@ -259,6 +295,8 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	var once sync.Once
 	admitted := func() { once.Do(func() { r.admitting.Add(-1) }) }
 	defer admitted()
+	sent := r.trackUnsent(j.ID, cancel)
+	defer sent()
 	a := store.Attempt{JobID: j.ID, Attempt: j.Attempt + 1, Fence: j.Fence, StartedAt: r.cfg.Now()}
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
@@ -269,7 +307,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, xerr := r.infer(ctx, j, &a, admitted)
+		out, xerr := r.infer(ctx, j, &a, admitted, sent)
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, a, xerr)
 			return
@@ -304,7 +342,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 // reset (see quotaPause), admits it through the scheduler as the batch
 // class, marks it sent and runs it on the granted backend. It records the
 // backend and whether the request may have left in a.
-func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted func()) (Outcome, error) {
+func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func()) (Outcome, error) {
 	call, err := r.exec.Prepare(ctx, j)
 	if err != nil {
 		return Outcome{}, err
@@ -351,6 +389,7 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 			// Unmarked, the request must not leave: a wait, not an attempt.
 			return &ExecError{Class: ClassStore, Err: err}
 		}
+		sent() // from here a drain lets it finish
 		a.Sent = true
 		return nil
 	})
