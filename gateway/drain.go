@@ -44,6 +44,7 @@ const drainGrace = 5 * time.Second
 type drainState struct {
 	active   atomic.Int64
 	flag     atomic.Bool
+	unready  atomic.Bool // /readyz fails; requests are still served
 	idle     chan struct{} // a token when active drops to 0 while draining
 	once     sync.Once
 	begun    chan struct{}   // closed when the drain begins
@@ -77,6 +78,11 @@ func (d *drainState) leave() {
 }
 
 func (d *drainState) draining() bool { return d.flag.Load() }
+
+// Unready fails /readyz from now on, while requests are still served: a
+// drain's first step, so that load balancers stop sending before the
+// replica starts refusing. Drain implies it.
+func (s *Server) Unready() { s.drain.unready.Store(true) }
 
 // wait waits for no request to be in flight; false if ctx ended first.
 func (d *drainState) wait(ctx context.Context) bool {

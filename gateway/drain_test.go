@@ -106,3 +106,24 @@ func TestDrain(t *testing.T) {
 	eventually.True(t, "the backend requests to be aborted", func() bool { return f.sims[0].Engine().Load() == 0 })
 	eventually.True(t, "the reservations to be freed", func() bool { return f.inflight() == 0 })
 }
+
+// Unready, a drain's first step, fails /readyz while requests are still
+// served: a load balancer moves away before anything is refused.
+func TestUnreadyBeforeDrain(t *testing.T) {
+	f := startFleet(t, fleetOpts{})
+	status := func(method, path, body string) int {
+		resp, _ := send(t, f.srv.URL, method, path, "", body)
+		return resp.StatusCode
+	}
+	if c := status(http.MethodGet, "/readyz", ""); c != http.StatusOK {
+		t.Fatalf("/readyz before: %d", c)
+	}
+	f.api.Unready()
+	if c := status(http.MethodGet, "/readyz", ""); c != http.StatusServiceUnavailable {
+		t.Errorf("/readyz once unready: %d, want 503", c)
+	}
+	body := `{"model":"` + llama + `","messages":[{"role":"user","content":"still served"}],"max_tokens":2}`
+	if c := status(http.MethodPost, "/v1/chat/completions", body); c != http.StatusOK {
+		t.Errorf("a request while unready: %d, want 200: not refused until the drain", c)
+	}
+}

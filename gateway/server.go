@@ -288,7 +288,7 @@ func listOf[T any](data []T) list[T] { return list[T]{Object: "list", Data: data
 // handleReady answers 200 while at least one backend can take work, and
 // 503 from the moment a drain begins.
 func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
-	if s.drain.draining() {
+	if s.drain.draining() || s.drain.unready.Load() {
 		http.Error(w, "not ready: draining", http.StatusServiceUnavailable)
 		return
 	}

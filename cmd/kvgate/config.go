@@ -31,6 +31,11 @@ type config struct {
 	// streams and jobs in flight may take to finish once kvgate stops
 	// taking new ones [60s].
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
+	// DrainUnreadyDelay is how long /readyz fails, at shutdown, before
+	// new requests are refused: a load balancer's time to see it and move
+	// away [1s, or a quarter of a shorter drain_timeout; 0: refuse at
+	// once].
+	DrainUnreadyDelay *time.Duration `yaml:"drain_unready_delay"`
 
 	// Dev is development mode: a caller without a key is tenant
 	// "default"'s admin until the first key exists.
@@ -210,6 +215,13 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	if v, ok := env("KVGATE_NATS_URL"); ok {
 		cfg.NATS.URL = v
 	}
+	if v, ok := env("KVGATE_DRAIN_UNREADY_DELAY"); ok {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return nil, fmt.Errorf("KVGATE_DRAIN_UNREADY_DELAY: %w", err)
+		}
+		cfg.DrainUnreadyDelay = &d
+	}
 	if v, ok := env("KVGATE_DRAIN_TIMEOUT"); ok {
 		d, err := time.ParseDuration(v)
 		if err != nil {
@@ -298,6 +310,13 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if cfg.DrainTimeout <= 0 {
 		return nil, fmt.Errorf("drain timeout %s: it must be positive", cfg.DrainTimeout)
+	}
+	if cfg.DrainUnreadyDelay == nil {
+		d := min(time.Second, cfg.DrainTimeout/4)
+		cfg.DrainUnreadyDelay = &d
+	}
+	if d := *cfg.DrainUnreadyDelay; d < 0 || d >= cfg.DrainTimeout {
+		return nil, fmt.Errorf("drain_unready_delay %s: it must be at least 0 and shorter than drain_timeout (%s)", d, cfg.DrainTimeout)
 	}
 	if err := cfg.validate(); err != nil {
 		return nil, err

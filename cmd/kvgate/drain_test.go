@@ -40,6 +40,32 @@ func TestDrainTimeoutConfig(t *testing.T) {
 	}
 }
 
+// drain_unready_delay: 1s by default, a quarter of a shorter drain, set
+// from the file or the environment, and never as long as the drain.
+func TestDrainUnreadyDelayConfig(t *testing.T) {
+	for _, tc := range []struct {
+		env  map[string]string
+		want time.Duration
+	}{
+		{nil, time.Second},
+		{map[string]string{"KVGATE_DRAIN_TIMEOUT": "1s"}, 250 * time.Millisecond},
+		{map[string]string{"KVGATE_DRAIN_UNREADY_DELAY": "5s"}, 5 * time.Second},
+		{map[string]string{"KVGATE_DRAIN_UNREADY_DELAY": "0s"}, 0},
+	} {
+		cfg, err := loadConfig(t, nil, tc.env)
+		if err != nil || *cfg.DrainUnreadyDelay != tc.want {
+			t.Errorf("%v: %v (%v), want %s", tc.env, cfg.DrainUnreadyDelay, err, tc.want)
+		}
+	}
+	for _, bad := range []map[string]string{
+		{"KVGATE_DRAIN_UNREADY_DELAY": "2m"}, {"KVGATE_DRAIN_UNREADY_DELAY": "-1s"}, {"KVGATE_DRAIN_UNREADY_DELAY": "later"},
+	} {
+		if _, err := loadConfig(t, nil, bad); err == nil {
+			t.Errorf("%v accepted", bad)
+		}
+	}
+}
+
 // envOf is a getenv over a map.
 func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
@@ -95,7 +121,7 @@ func TestServeDrains(t *testing.T) {
 	done := make(chan error, 1)
 	go func() {
 		done <- run(ctx, []string{"serve", "--dev", "--addr", "127.0.0.1:0", "--sim-speedup", "1", "--no-nvml", "--data-dir", t.TempDir()},
-			envOf(map[string]string{"KVGATE_DRAIN_TIMEOUT": "1s"}), &stdout, &stderr)
+			envOf(map[string]string{"KVGATE_DRAIN_TIMEOUT": "1s", "KVGATE_DRAIN_UNREADY_DELAY": "0s"}), &stdout, &stderr)
 	}()
 	base := waitOutput(t, "address", &stdout, servingAt)
 	for deadline := time.Now().Add(20 * time.Second); status(base+"/readyz") != http.StatusOK; time.Sleep(5 * time.Millisecond) {

@@ -159,7 +159,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	})
 	g.Go(func() error {
 		err := serveAPI(ctx, gctx, ln, api, drainConfig{
-			timeout: cfg.DrainTimeout, jobs: runner, stopJobs: stopJobs, jobsDone: jobsDone, log: log,
+			timeout: cfg.DrainTimeout, unready: *cfg.DrainUnreadyDelay, jobs: runner, stopJobs: stopJobs, jobsDone: jobsDone, log: log,
 		})
 		cancel() // the rest goes with the API
 		return err
@@ -209,6 +209,7 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 // drainConfig is what serveAPI needs for the drain.
 type drainConfig struct {
 	timeout  time.Duration
+	unready  time.Duration // /readyz fails this long before requests are refused
 	jobs     interface{ Drain() } // the runner: stops claiming new jobs
 	stopJobs func()               // ends the runner's context
 	jobsDone <-chan struct{}      // closed once the runner has returned
@@ -240,11 +241,18 @@ func serveAPI(ctx, life context.Context, ln net.Listener, api *gateway.Server, d
 	case <-ctx.Done():
 	}
 	start := time.Now()
-	d.log.Info("draining", "timeout", d.timeout)
+	d.log.Info("draining", "timeout", d.timeout, "unready_first", d.unready)
 	srv.SetKeepAlivesEnabled(false) // each answer closes its connection: clients reconnect elsewhere
 	d.jobs.Drain()
 	drainCtx, cancel := context.WithTimeout(life, d.timeout)
 	defer cancel()
+	// /readyz fails first, while requests are still served, so that a
+	// load balancer moves away before this replica refuses anything.
+	api.Unready()
+	select {
+	case <-time.After(d.unready):
+	case <-drainCtx.Done():
+	}
 	if n := api.Drain(drainCtx); n > 0 {
 		d.log.Warn("drain timeout: ended requests still running", "requests", n, "timeout", d.timeout)
 	}
