@@ -138,12 +138,26 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err := json.Unmarshal(raw, &req); err != nil {
 		return writeError(w, s.log, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")"))
 	}
+	hash := requestHash(req.Endpoint, req.Body)
+	// A client retrying a lost 202 must get its job back whatever refuses
+	// a new one now (its limits, which the job it retries fills; a model
+	// gone; an absolute deadline since passed): on a refusal, the key's
+	// job, if it made one, is the answer.
+	refuse := func(err error) int {
+		if j, lerr := s.jobs.Store.GetByKey(r.Context(), tenantOf(r.Context()), key); lerr == nil {
+			if j.RequestHash != hash {
+				return writeError(w, s.log, store.ErrConflict)
+			}
+			return s.acceptedJob(w, j, false)
+		}
+		return writeError(w, s.log, err)
+	}
 	ep, ok := jobEndpoints[req.Endpoint]
 	if !ok {
-		return writeError(w, s.log, badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings."))
+		return refuse(badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings."))
 	}
 	if len(req.Metadata) > 16<<10 {
-		return writeError(w, s.log, badRequest("metadata", "metadata is limited to 16 KiB."))
+		return refuse(badRequest("metadata", "metadata is limited to 16 KiB."))
 	}
 	c, err := parseCall(req.Body, ep)
 	if err != nil {
@@ -151,14 +165,14 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		if errors.As(err, &api) && api.param != "" {
 			api.param = "body." + api.param
 		}
-		return writeError(w, s.log, err)
+		return refuse(err)
 	}
 	if c.f.Stream {
-		return writeError(w, s.log, badRequest("body.stream", "A job's result is stored, not streamed: leave stream unset."))
+		return refuse(badRequest("body.stream", "A job's result is stored, not streamed: leave stream unset."))
 	}
 	model, ok := s.lookupModel(c.model)
 	if !ok {
-		return writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
+		return refuse(&apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
 			param: "body.model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
 	}
 	now := time.Now()
@@ -173,29 +187,17 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		deadline = now.Add(time.Duration(secs) * time.Second)
 	}
 	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
-		return writeError(w, s.log, badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
+		return refuse(badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
 	if estimate > maxJobTokens {
-		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
+		return refuse(&apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
 			param: "body.max_tokens", msg: fmt.Sprintf("The job would reserve %d tokens (its prompt, and max_tokens for each of its n sequences); a job may reserve at most %d.", estimate, maxJobTokens)})
 	}
-	hash := requestHash(req.Endpoint, req.Body)
 	endReservation, err := s.reserveJob(r.Context(), estimate)
-	var quota *store.QuotaError
-	if errors.As(err, &quota) {
-		// A client retrying a lost 202 must get its job back, whatever
-		// the limits: the job it retries is what fills them.
-		if j, lerr := s.jobs.Store.GetByKey(r.Context(), tenantOf(r.Context()), key); lerr == nil {
-			if j.RequestHash != hash {
-				return writeError(w, s.log, store.ErrConflict)
-			}
-			return s.acceptedJob(w, j, false)
-		}
-	}
 	if err != nil {
-		return writeError(w, s.log, err)
+		return refuse(err)
 	}
 	defer endReservation()
 	job, created, err := s.jobs.Store.Accept(r.Context(), store.NewJob{

@@ -1,9 +1,12 @@
 package gateway
 
 import (
+	"fmt"
 	"net/http"
 	"testing"
+	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -35,4 +38,31 @@ func TestIdempotentReplayAtPendingLimit(t *testing.T) {
 	if resp, _ := submitJob(t, f, "k1", chatJob("something else", 4), auth...); resp.StatusCode != http.StatusConflict {
 		t.Errorf("the key reused for another request: %d, want 409", resp.StatusCode)
 	}
+}
+
+// A replay gets its job back however the world moved since: here its
+// absolute deadline has passed (the job, with no runner, still waits), so
+// a new job would be refused 400, yet the retried request is the job's.
+func TestIdempotentReplayAfterItsDeadlinePassed(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true})
+	deadline := time.Now().Add(1500 * time.Millisecond).UTC().Format(time.RFC3339Nano)
+	body := fmt.Sprintf(`{"endpoint":"/v1/chat/completions","deadline":%q,"body":{"model":%q,"messages":[{"role":"user","content":"hi"}],"max_tokens":4}}`,
+		deadline, llama)
+	resp, first := submitJob(t, f, "k1", body)
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("first submit: %d", resp.StatusCode)
+	}
+	eventually.True(t, "the deadline to pass", func() bool { return deadlinePassed(deadline) })
+	resp, again := submitJob(t, f, "k1", body)
+	if resp.StatusCode != http.StatusAccepted || again.ID != first.ID || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Errorf("replay after the deadline: %d, job %q (want %q)", resp.StatusCode, again.ID, first.ID)
+	}
+	if resp, _ := submitJob(t, f, "k2", body); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("a new job with that deadline: %d, want 400", resp.StatusCode)
+	}
+}
+
+func deadlinePassed(rfc3339 string) bool {
+	d, err := time.Parse(time.RFC3339Nano, rfc3339)
+	return err == nil && time.Now().After(d)
 }
