@@ -44,7 +44,7 @@ const drainGrace = 5 * time.Second
 type drainState struct {
 	active   atomic.Int64
 	flag     atomic.Bool
-	unready  atomic.Bool // /readyz fails; requests are still served
+	unready  atomic.Bool   // /readyz fails; requests are still served
 	idle     chan struct{} // a token when active drops to 0 while draining
 	once     sync.Once
 	begun    chan struct{}   // closed when the drain begins
