@@ -302,6 +302,9 @@ func (s *Server) handleRevokeKey(w http.ResponseWriter, r *http.Request) int {
 	k, err := s.findKey(r, r.PathValue("id"))
 	if err == nil {
 		err = s.cfg.Tenants.Store.RevokeKey(r.Context(), k.ID, s.cfg.Tenants.Now())
+		// Forgotten whatever the answer: a revocation that committed as
+		// its connection broke must not stay cached here.
+		s.keys.forget(k.Hash)
 	}
 	if errors.Is(err, store.ErrNotFound) {
 		err = notFound("key")
@@ -309,7 +312,6 @@ func (s *Server) handleRevokeKey(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	s.keys.forget(k.Hash)
 	k.RevokedAt = s.cfg.Tenants.Now()
 	writeJSON(w, http.StatusOK, keyView(k, ""))
 	return http.StatusOK

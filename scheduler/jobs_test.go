@@ -445,3 +445,22 @@ func TestRunnerOutlastsAStoreRestart(t *testing.T) {
 		t.Errorf("%v writes tried again, want 3", n)
 	}
 }
+
+// deafStore never takes a heartbeat: the store is out of reach for them.
+type deafStore struct{ store.Store }
+
+func (deafStore) Heartbeat(context.Context, string, int64, time.Time, time.Duration) error {
+	return fmt.Errorf("heartbeat: %w: connection refused", store.ErrUnavailable)
+}
+
+// TestRunnerGivesUpPastItsLease: a worker whose heartbeats cannot land
+// stops its call once its lease has run out by its own clock, rather than
+// run on beside the replica that may own the job now.
+func TestRunnerGivesUpPastItsLease(t *testing.T) {
+	exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 4)}
+	defer close(exec.hold)
+	f := startRunnerOn(t, deafStore{openStore(t)}, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, 300*time.Millisecond)
+	f.submit(t, "k")
+	<-exec.started
+	eventually.True(t, "the worker to give the job up", func() bool { return testutil.ToFloat64(f.runner.m.stale) >= 1 })
+}

@@ -543,18 +543,29 @@ func (r *Runner) lost(log *slog.Logger, err error) {
 func (r *Runner) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, j store.Job) {
 	t := time.NewTicker(r.cfg.Lease / 3)
 	defer t.Stop()
+	held := j.LeaseUntil // the lease as last confirmed by the store
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		err := r.st.Heartbeat(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease)
+		now := r.cfg.Now()
+		err := r.st.Heartbeat(ctx, j.ID, j.Fence, now, r.cfg.Lease)
 		switch {
+		case err == nil:
+			held = now.Add(r.cfg.Lease)
 		case errors.Is(err, store.ErrLeaseLost):
 			cancel(errLeaseLost)
 			return
-		case err != nil && ctx.Err() == nil:
+		case ctx.Err() != nil:
+		case !now.Before(held):
+			// The store could not be told, and the lease has run out:
+			// another replica may own the job now. Stop.
+			r.log.Warn("heartbeat failed past the lease: giving the job up", "job_id", j.ID, "fence", j.Fence, "err", err)
+			cancel(errLeaseLost)
+			return
+		default:
 			// The next beat tries again; the lease outlives two misses.
 			r.log.Warn("heartbeat failed", "job_id", j.ID, "fence", j.Fence, "err", err)
 		}
