@@ -209,7 +209,7 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 // drainConfig is what serveAPI needs for the drain.
 type drainConfig struct {
 	timeout  time.Duration
-	unready  time.Duration // /readyz fails this long before requests are refused
+	unready  time.Duration        // /readyz fails this long before requests are refused
 	jobs     interface{ Drain() } // the runner: stops claiming new jobs
 	stopJobs func()               // ends the runner's context
 	jobsDone <-chan struct{}      // closed once the runner has returned
