@@ -21,8 +21,7 @@ func (s *Server) tenantRoutes() {
 		_, path, _ := strings.Cut(route, " ")
 		s.mux.Handle(route, s.api(path, func(w http.ResponseWriter, r *http.Request) int {
 			if !isAdmin(r.Context()) {
-				return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "forbidden",
-					msg: "This endpoint needs an admin key."})
+				return writeError(w, s.log, forbidden("admin_key_required", "This endpoint needs an admin key."))
 			}
 			return h(w, r)
 		}))
@@ -39,8 +38,7 @@ func (s *Server) tenantRoutes() {
 	admin("GET /v1/admin/usage", s.handleUsage)
 	s.mux.Handle("GET /v1/usage", s.api("/v1/usage", func(w http.ResponseWriter, r *http.Request) int {
 		if !isOperator(r.Context()) {
-			return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "forbidden",
-				msg: "Usage is for your tenant's operators: this endpoint needs an operator key."})
+			return writeError(w, s.log, forbidden("operator_key_required", "Usage is for your tenant's operators: this endpoint needs an operator key."))
 		}
 		return s.handleUsage(w, r)
 	}))

@@ -10,8 +10,6 @@ import (
 	"strings"
 	"time"
 
-	openai "github.com/sashabaranov/go-openai"
-
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
@@ -31,6 +29,14 @@ func (e *apiError) Error() string { return e.msg }
 
 func badRequest(param, msg string) *apiError {
 	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", param: param, msg: msg}
+}
+
+// forbidden is a 403: the caller is known and may not do this. OpenAI
+// answers a 403 with a type of its own (request_forbidden, as for an
+// unsupported region), not invalid_request_error; the SDKs raise it as
+// PermissionDeniedError.
+func forbidden(code, msg string) *apiError {
+	return &apiError{status: http.StatusForbidden, typ: "request_forbidden", code: code, msg: msg}
 }
 
 // upstreamError is a backend's own error response, passed on to the
@@ -60,12 +66,25 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	return e.status
 }
 
+// errorResponse is OpenAI's ErrorResponse: all four keys always present,
+// param and code null when empty.
+type errorResponse struct {
+	Error errorInfo `json:"error"`
+}
+
+type errorInfo struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    *string `json:"code"`
+}
+
 // body is the error in OpenAI's shape: the response body, or the data of
 // the error event that ends a stream whose status line has gone out.
-func (e *apiError) body() openai.ErrorResponse {
-	body := openai.ErrorResponse{Error: &openai.APIError{Message: e.msg, Type: e.typ}}
+func (e *apiError) body() errorResponse {
+	body := errorResponse{Error: errorInfo{Message: e.msg, Type: e.typ}}
 	if e.code != "" {
-		body.Error.Code = e.code
+		body.Error.Code = &e.code
 	}
 	if e.param != "" {
 		body.Error.Param = &e.param

@@ -438,8 +438,7 @@ func (s *Server) handleJobAttempts(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, err)
 	}
 	if !isOperator(ctx) {
-		return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "operator_key_required",
-			msg: "A job's attempts and retry details need an operator key for its tenant."})
+		return writeError(w, s.log, forbidden("operator_key_required", "A job's attempts and retry details need an operator key for its tenant."))
 	}
 	as, err := s.jobs.Store.Attempts(ctx, j.ID)
 	if err != nil {
