@@ -49,6 +49,7 @@ type samplingFields struct {
 	N                   *int           `json:"n"`
 	Stream              bool           `json:"stream"`
 	StreamOptions       *streamOptions `json:"stream_options"`
+	responses           *responsesMeta // a Responses API call: responses.go
 }
 
 type chatMessageIn struct {
@@ -132,6 +133,7 @@ type genKind uint8
 const (
 	kindChat genKind = iota
 	kindCompletion
+	kindResponses
 )
 
 // genCall is a validated generation request.
@@ -145,6 +147,7 @@ type genCall struct {
 	contUsage bool // continuous_usage_stats
 	ignoreEOS bool
 	minTokens int
+	responses *responsesMeta
 }
 
 func (s *Sim) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -238,7 +241,7 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		writeError(w, http.StatusBadRequest, msg)
 		return
 	}
-	c := genCall{kind: kind, prompt: prompt, stream: f.Stream, ignoreEOS: f.IgnoreEOS, minTokens: f.MinTokens}
+	c := genCall{kind: kind, prompt: prompt, stream: f.Stream, ignoreEOS: f.IgnoreEOS, minTokens: f.MinTokens, responses: f.responses}
 	c.maxTokens = p.MaxModelLen - len(prompt) // vLLM's default when max_tokens is absent
 	if maxTokens != nil {
 		c.maxTokens = *maxTokens
@@ -252,8 +255,11 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		c.contUsage = c.usage && f.StreamOptions.ContinuousUsageStats
 	}
 	c.id = s.newID("cmpl-")
-	if kind == kindChat {
+	switch kind {
+	case kindChat:
 		c.id = s.newID("chatcmpl-")
+	case kindResponses:
+		c.id = s.newID("resp_")
 	}
 
 	flt, delay, _ := s.faults.draw(r)
@@ -268,6 +274,10 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 	req, err := s.eng.Submit(SubmitParams{Prompt: prompt, MaxTokens: c.maxTokens, IgnoreEOS: c.ignoreEOS, MinTokens: c.minTokens, Arrival: &arrival})
 	if err != nil {
 		s.submitError(w, err)
+		return
+	}
+	if c.kind == kindResponses {
+		s.serveResponse(w, r, c, req, flt == faultDrop)
 		return
 	}
 	if c.stream {
@@ -580,7 +590,7 @@ func (s *Sim) handleEmbeddings(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	p := s.cfg.Profile
-	if !p.Embedding {
+	if !p.Embedding || p.Reranker {
 		writeError(w, http.StatusBadRequest, "The model does not support Embeddings API")
 		return
 	}

@@ -107,13 +107,15 @@ func (s *Sim) routes() {
 	s.mux.HandleFunc("POST /ping", s.handleHealth)
 	s.mux.HandleFunc("GET /version", s.handleVersion)
 	s.mux.HandleFunc("GET /load", s.handleLoad)
+	s.poolingRoutes()
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(s.eng.m.reg, promhttp.HandlerOpts{}))
 	s.mux.HandleFunc("GET /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("PUT /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("POST /admin/faults", s.handleFaults)
 	known := map[string]bool{}
 	for _, p := range []string{"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
-		"/tokenize", "/detokenize", "/health", "/ping", "/version", "/load", "/metrics", "/admin/faults"} {
+		"/tokenize", "/detokenize", "/health", "/ping", "/version", "/load", "/metrics", "/admin/faults",
+		"/v1/responses", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"} {
 		known[p] = true
 	}
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {

@@ -156,7 +156,10 @@ func writeProfiles(w io.Writer) {
 	fmt.Fprintln(tw, "  PROFILE\tMODEL\tGPUS\tKV BLOCKS\tKV TOKENS\tMAX SEQS\tBATCH TOKENS\tMAX LEN")
 	for _, p := range vllmsim.Profiles() {
 		kind := "generate"
-		if p.Embedding {
+		switch {
+		case p.Reranker:
+			kind = "score, rerank"
+		case p.Embedding:
 			kind = fmt.Sprintf("embed, %d dims", p.EmbeddingDim)
 		}
 		fmt.Fprintf(tw, "  %s\t%s (%s)\t%dx %s\t%d\t%d\t%d\t%d\t%d\n", p.Name, p.Model, kind, p.TP, p.GPU,
