@@ -27,8 +27,8 @@ func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 	if err != nil {
 		return nil, gpu.Model{}, fmt.Errorf("job %s: %w", j.ID, err)
 	}
-	model, ok := s.lookupModel(c.model)
-	if !ok {
+	model, err := s.resolveCall(c, "body.model")
+	if err != nil {
 		model = gpu.Model{ID: c.model}
 	}
 	return c, model, nil
@@ -138,7 +138,7 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	fail := func(sent sendState, class scheduler.ErrorClass, status int, retryAfter time.Duration, err error) (execOutcome, sendState, error) {
 		return execOutcome{}, sent, &scheduler.ExecError{Class: class, Status: status, RetryAfter: retryAfter, Err: err}
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+j.Endpoint, bytes.NewReader(j.Body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+j.Endpoint, bytes.NewReader(c.body))
 	if err != nil {
 		return fail(sentNothing, scheduler.ClassInvalid, 0, 0, err)
 	}

@@ -170,10 +170,9 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if c.f.Stream {
 		return refuse(badRequest("body.stream", "A job's result is stored, not streamed: leave stream unset."))
 	}
-	model, ok := s.lookupModel(c.model)
-	if !ok {
-		return refuse(&apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
-			param: "body.model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
+	model, err := s.resolveCall(c, "body.model")
+	if err != nil {
+		return refuse(err)
 	}
 	now := time.Now()
 	deadline := now.Add(s.jobs.DefaultDeadline)

@@ -110,7 +110,8 @@ type call struct {
 	body        []byte
 	f           reqFields
 	model       string
-	promptBytes int // size of the prompt's JSON, for the token estimate
+	alias       string // the alias the client asked for, resolved to model; "" if none
+	promptBytes int    // size of the prompt's JSON, for the token estimate
 	// sequences is how many sequences the backend will run: n times the
 	// number of prompts of a batched completion.
 	sequences int
@@ -224,10 +225,9 @@ func (s *Server) handleInference(w http.ResponseWriter, r *http.Request, ep endp
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	model, ok := s.lookupModel(c.model)
-	if !ok {
-		return writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
-			param: "model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
+	model, err := s.resolveCall(c, "model")
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
 	if sw, ok := w.(*statusWriter); ok {
 		sw.model = model.ID

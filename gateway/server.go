@@ -62,6 +62,14 @@ type Config struct {
 	// Tenants enables store-backed keys, quotas and usage; without a
 	// store, only the static keys above exist and nothing is limited.
 	Tenants Tenants
+	// Version is what GET /version answers [the build's module version].
+	Version string
+	// Models maps model aliases to the models they stand for, in order:
+	// the first whose backends can take work serves (see aliases.go).
+	Models map[string][]string
+	// Prices are per-model prices, for costs in usage and spending
+	// budgets (see costs.go).
+	Prices map[string]Price
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -157,6 +165,7 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("POST /v1/completions", s.api("/v1/completions", s.handleCompletion))
 	s.mux.Handle("POST /v1/embeddings", s.api("/v1/embeddings", s.handleEmbeddings))
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
+	s.surfaceRoutes()
 	if s.jobs.Store != nil {
 		s.jobRoutes()
 	}
@@ -265,10 +274,14 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
 		Created     int64  `json:"created"`
 		OwnedBy     string `json:"owned_by"`
 		MaxModelLen int    `json:"max_model_len,omitempty"`
+		Root        string `json:"root,omitempty"` // an alias's model
 	}
 	list := listOf([]model{})
 	for _, m := range s.pool.Models() {
 		list.Data = append(list.Data, model{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
+	}
+	for _, a := range s.aliasModels() {
+		list.Data = append(list.Data, model{ID: a.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: a.MaxModelLen, Root: a.root})
 	}
 	writeJSON(w, http.StatusOK, list)
 	return http.StatusOK

@@ -254,7 +254,6 @@ func (s *Sim) handleRerank(w http.ResponseWriter, r *http.Request) {
 	})
 }
 
-
 // poolingRoutes registers the scoring routes, and the Responses API's
 // (responses.go).
 func (s *Sim) poolingRoutes() {
