@@ -135,6 +135,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 	keyed := [nRoles]int{no, ok, ok, ok, ok}
 	adminOnly := [nRoles]int{no, fb, fb, fb, ok}
 	ownJob := [nRoles]int{no, nf, ok, ok, ok}
+	refusedScoring := [nRoles]int{no, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest}
 	// kept: a refused request left the spare tenant or key as it was.
 	keptTenant := func(e *matrixEnv, role, status int, _ []byte) {
 		if _, err := e.st.GetTenant(context.Background(), e.spare); status >= 300 && err != nil {
@@ -190,6 +191,18 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /v1/admin/keys/{id}/rotate", path: "/v1/admin/keys/{spare-key}/rotate",
 			want: [nRoles]int{no, fb, fb, fb, http.StatusCreated}, check: keptKey},
 		{pattern: "GET /v1/admin/usage", want: adminOnly},
+		// vLLM's routes (vllmroutes.go, responses.go, pooling.go): /health
+		// and /version need no key, as on vLLM; the chat fleet's backend
+		// refuses scoring, once the caller is let through.
+		{pattern: "GET /health", want: anyone},
+		{pattern: "GET /version", want: anyone},
+		{pattern: "POST /tokenize", body: `{"model":"` + llama + `","prompt":"hi"}`, want: keyed},
+		{pattern: "POST /detokenize", body: `{"model":"` + llama + `","tokens":[104,105]}`, want: keyed},
+		{pattern: "POST /v1/responses", body: `{"model":"` + llama + `","input":"hi","max_output_tokens":2}`, want: keyed},
+		{pattern: "POST /v1/rerank", body: `{"model":"` + llama + `","query":"q","documents":["d"]}`, want: refusedScoring},
+		{pattern: "POST /rerank", body: `{"model":"` + llama + `","query":"q","documents":["d"]}`, want: refusedScoring},
+		{pattern: "POST /v1/score", body: `{"model":"` + llama + `","text_1":"q","text_2":"d"}`, want: refusedScoring},
+		{pattern: "POST /score", body: `{"model":"` + llama + `","text_1":"q","text_2":"d"}`, want: refusedScoring},
 		{pattern: "GET /healthz", want: anyone},
 		{pattern: "GET /readyz", want: anyone},
 		{pattern: "GET /metrics", want: anyone},
@@ -217,7 +230,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 				t.Errorf("%s (%s %s) with %s: %d %s, want %d", row.pattern, method, p, roleNames[role], status, b, row.want[role])
 			}
 			var eb errorBody
-			if status >= 400 && strings.HasPrefix(path, "/v1/") && (json.Unmarshal(b, &eb) != nil || eb.Error.Message == "" || eb.Error.Type == "") {
+			if status >= 400 && path != "/health" && (json.Unmarshal(b, &eb) != nil || eb.Error.Message == "" || eb.Error.Type == "") {
 				t.Errorf("%s with %s: %d and not an OpenAI-shaped error: %s", row.pattern, roleNames[role], status, b)
 			}
 			if row.check != nil {

@@ -3,7 +3,6 @@ package gateway
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -175,11 +174,9 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		return fail(sentAnswered, u.class.errorClass(), resp.StatusCode, 0, err)
 	}
 	u := classifyResponse(resp.StatusCode, resp.Header, body)
-	var parsed struct {
-		Usage *usage `json:"usage"`
-	}
+	var answered *usage
 	if u.class == upstreamOK {
-		if err := json.Unmarshal(body, &parsed); err != nil {
+		if body, answered, err = answerOf(c.ep, body); err != nil {
 			u = malformedAnswer(resp.StatusCode, err)
 		}
 	}
@@ -195,9 +192,9 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, u.err)
 	}
 	out := execOutcome{Outcome: scheduler.Outcome{Body: body}}
-	if parsed.Usage != nil {
+	if answered != nil {
 		out.reported = true
-		out.PromptTokens, out.CompletionTokens = parsed.Usage.PromptTokens, parsed.Usage.CompletionTokens
+		out.PromptTokens, out.CompletionTokens = answered.PromptTokens, answered.CompletionTokens
 		if c.promptBytes > 0 {
 			s.est.observe(j.Model, c.promptBytes, out.PromptTokens)
 		}

@@ -66,6 +66,9 @@ type fleetOpts struct {
 	// keysRequired runs the gateway outside development mode: every
 	// caller needs a key.
 	keysRequired bool
+	// simConfig, when set, adjusts backend i's simulator configuration
+	// (its profile, its served model name).
+	simConfig func(i int, c *vllmsim.Config)
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -84,7 +87,11 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	f := &fleet{}
 	var cfgs []gpu.BackendConfig
 	for i := range max(o.backends, 1) {
-		sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: o.profile, Speedup: o.speedup, Seed: uint64(i)})
+		sc := vllmsim.Config{Profile: o.profile, Speedup: o.speedup, Seed: uint64(i)}
+		if o.simConfig != nil {
+			o.simConfig(i, &sc)
+		}
+		sim, srv := vllmsim.NewTestServer(t, sc)
 		if o.wrap != nil {
 			srv = httptest.NewServer(o.wrap(i, sim))
 			t.Cleanup(srv.Close)

@@ -61,6 +61,7 @@ const maxJobTokens = math.MaxInt32
 
 var jobEndpoints = map[string]endpoint{
 	"/v1/chat/completions": epChat, "/v1/completions": epCompletion, "/v1/embeddings": epEmbedding,
+	"/v1/responses": epResponses,
 }
 
 type jobRequest struct {
@@ -154,7 +155,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	}
 	ep, ok := jobEndpoints[req.Endpoint]
 	if !ok {
-		return refuse(badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings."))
+		return refuse(badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses."))
 	}
 	if len(req.Metadata) > 16<<10 {
 		return refuse(badRequest("metadata", "metadata is limited to 16 KiB."))

@@ -31,6 +31,13 @@ type reqFields struct {
 	Messages            json.RawMessage `json:"messages"`
 	Prompt              json.RawMessage `json:"prompt"`
 	Input               json.RawMessage `json:"input"`
+	// The Responses API's and the scoring routes': responses.go, pooling.go.
+	MaxOutputTokens *int            `json:"max_output_tokens"`
+	Instructions    json.RawMessage `json:"instructions"`
+	Query           json.RawMessage `json:"query"`
+	Documents       json.RawMessage `json:"documents"`
+	Text1           json.RawMessage `json:"text_1"`
+	Text2           json.RawMessage `json:"text_2"`
 }
 
 type streamOptions struct {
@@ -47,6 +54,8 @@ func (f *reqFields) decode(body []byte) error {
 		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
 		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
 		{"messages", &f.Messages}, {"prompt", &f.Prompt}, {"input", &f.Input},
+		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
+		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
 	})
 	if err != nil || len(opts) == 0 || string(opts) == "null" {
 		return err
@@ -98,11 +107,19 @@ const (
 	epChat endpoint = iota
 	epCompletion
 	epEmbedding
+	epResponses
+	epRerank
+	epScore
 )
 
 var endpointPath = map[endpoint]string{
 	epChat: "/v1/chat/completions", epCompletion: "/v1/completions", epEmbedding: "/v1/embeddings",
+	epResponses: "/v1/responses", epRerank: "/v1/rerank", epScore: "/v1/score",
 }
+
+// pooling reports whether the endpoint's requests only prefill: they
+// reserve their prompt, and no output.
+func (ep endpoint) pooling() bool { return ep == epEmbedding || ep == epRerank || ep == epScore }
 
 // call is one validated inference request.
 type call struct {
@@ -181,8 +198,12 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 			return nil, badRequest("input", "'input' must be a non-empty string or array.")
 		}
 		c.promptBytes = len(c.f.Input)
+	case epResponses, epRerank, epScore:
+		if err := c.parseSurface(); err != nil {
+			return nil, err
+		}
 	}
-	for _, v := range []*int{c.f.MaxTokens, c.f.MaxCompletionTokens} {
+	for _, v := range []*int{c.f.MaxTokens, c.f.MaxCompletionTokens, c.f.MaxOutputTokens} {
 		if v != nil && *v < 1 {
 			return nil, badRequest("max_tokens", fmt.Sprintf("max_tokens must be at least 1, got %d.", *v))
 		}
@@ -269,7 +290,7 @@ func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (pro
 // reservationWith returns a call's total reservation and its output part,
 // given its prompt tokens.
 func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, maxOut int) {
-	if c.ep == epEmbedding {
+	if c.ep.pooling() {
 		return prompt, 0
 	}
 	room := model.MaxModelLen - prompt
@@ -281,6 +302,8 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 		maxOut = *c.f.MaxCompletionTokens
 	case c.f.MaxTokens != nil:
 		maxOut = *c.f.MaxTokens
+	case c.f.MaxOutputTokens != nil:
+		maxOut = *c.f.MaxOutputTokens
 	case c.ep == epCompletion:
 		maxOut = 16 // the completions API's default
 	default:
@@ -342,7 +365,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	}
 	body, injected := c.body, false
 	clientUsage := c.f.StreamOptions != nil && c.f.StreamOptions.IncludeUsage != nil && *c.f.StreamOptions.IncludeUsage
-	if c.f.Stream && !clientUsage && (permit != nil || (!exact && s.est.wantSample(model.ID))) {
+	if c.f.Stream && c.ep != epResponses && !clientUsage && (permit != nil || (!exact && s.est.wantSample(model.ID))) {
 		// Ask for usage to settle the estimate, or the tenant's quota; the
 		// client does not see it.
 		if b, err := withStreamUsage(c.body, c.f.StreamOptions != nil || bytes.Contains(c.body, []byte(`"stream_options"`))); err == nil {
@@ -516,10 +539,8 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if err != nil {
 		return failed("read", err)
 	}
-	var parsed struct {
-		Usage *usage `json:"usage"`
-	}
-	if err := json.Unmarshal(b, &parsed); err != nil {
+	b, answered, err := answerOf(c.ep, b)
+	if err != nil {
 		s.m.upstreamError(g.Backend, "malformed")
 		up := malformedAnswer(resp.StatusCode, err)
 		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, up.err), up: up}
@@ -528,7 +549,7 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(b)
-	return result{status: resp.StatusCode, usage: parsed.Usage, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
+	return result{status: resp.StatusCode, usage: answered, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
 }
 
 // upstreamFailure reads a backend's error answer. 4xx are the request's
@@ -644,6 +665,20 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		data := eventData(event)
 		write := true
 		switch {
+		case c.ep == epResponses && data != nil:
+			// Typed events, no [DONE]: see responses.go.
+			ev := responsesEvent(data)
+			if ev.rewritten != nil {
+				event = append(append(event[:0], "event: "...), ev.typ...)
+				event = append(append(append(event, "\ndata: "...), ev.rewritten...), "\n\n"...)
+			}
+			if ev.usage != nil {
+				u = ev.usage
+			}
+			if ev.delta {
+				chunks++
+			}
+			done = ev.final
 		case data == nil:
 		case bytes.Equal(data, doneData):
 			done = true

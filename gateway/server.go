@@ -121,6 +121,12 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.Jobs.DefaultDeadline = cmp.Or(cfg.Jobs.DefaultDeadline, 24*time.Hour)
 	cfg.Jobs.MaxDeadline = cmp.Or(cfg.Jobs.MaxDeadline, 7*24*time.Hour)
 	cfg.Jobs.MaxReplay = cmp.Or(cfg.Jobs.MaxReplay, 10_000)
+	if err := checkAliases(cfg.Models); err != nil {
+		return nil, err
+	}
+	if err := checkPrices(cfg.Prices); err != nil {
+		return nil, err
+	}
 	if cfg.TokenCount != "estimate" && cfg.TokenCount != "tokenize" {
 		return nil, fmt.Errorf("token count %q is not estimate or tokenize", cfg.TokenCount)
 	}
