@@ -56,6 +56,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaWindow", testQuotaWindow},
 		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},
 		{"QuotaBudgets", testQuotaBudgets},
+		{"SpendBudgets", testSpendBudgets},
 		{"QuotaRace", testQuotaRace},
 		{"JobReservations", testJobReservations},
 	}
