@@ -180,6 +180,12 @@ func quotaError(q *store.QuotaError) *apiError {
 	}[q.Limit]
 	e.msg = fmt.Sprintf("Rate limit reached for your %s on %s: Limit %d, Used %d, Requested %d.", q.Scope, what, q.Max, q.Used, q.Asked)
 	switch {
+	case q.Spend():
+		e.typ, e.code = "insufficient_quota", "insufficient_quota"
+		period := map[string]string{"daily_spend": "spending per day", "monthly_spend": "spending per month"}[q.Limit]
+		e.msg = fmt.Sprintf("You exceeded your current quota of %s: Limit %s, Used %s, Requested %s. It resets in %s.",
+			period, money(q.Max), money(q.Used), money(q.Asked), q.Reset.Round(time.Second))
+		e.header.Set("x-should-retry", "false")
 	case q.Budget():
 		e.typ, e.code = "insufficient_quota", "insufficient_quota"
 		e.msg = fmt.Sprintf("You exceeded your current quota of %s: Limit %d, Used %d, Requested %d. It resets in %s.",

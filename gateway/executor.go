@@ -63,7 +63,7 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 		Ticket: t,
 		Admit: func(ctx context.Context) error {
 			var err error
-			if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt+maxOut); err != nil {
+			if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt, maxOut, s.priceOf(model.ID, c.alias)); err != nil {
 				return jobQuotaError(err)
 			}
 			return nil

@@ -190,10 +190,13 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		return refuse(badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
-	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	estimate, estOut := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
 	if estimate > maxJobTokens {
 		return refuse(&apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
 			param: "body.max_tokens", msg: fmt.Sprintf("The job would reserve %d tokens (its prompt, and max_tokens for each of its n sequences); a job may reserve at most %d.", estimate, maxJobTokens)})
+	}
+	if err := s.checkJobSpend(r.Context(), tenantOf(r.Context()), s.priceOf(model.ID, c.alias).micros(estimate-estOut, estOut)); err != nil {
+		return refuse(err)
 	}
 	endReservation, err := s.reserveJob(r.Context(), estimate)
 	if err != nil {

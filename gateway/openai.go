@@ -335,7 +335,7 @@ func satMul(a, b int) int {
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gpu.Model) int {
 	ctx := r.Context()
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
-	permit, err := s.acquireQuota(ctx, prompt+maxOut)
+	permit, err := s.acquireQuota(ctx, prompt, maxOut, s.priceOf(model.ID, c.alias))
 	if err != nil {
 		if ctx.Err() != nil {
 			return 499

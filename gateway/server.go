@@ -70,6 +70,9 @@ type Config struct {
 	// Prices are per-model prices, for costs in usage and spending
 	// budgets (see costs.go).
 	Prices map[string]Price
+	// Currency names the prices' and budgets' currency in usage reports
+	// ["USD"].
+	Currency string
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
