@@ -13,6 +13,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/kvgate/kvgate/gateway"
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 )
@@ -77,6 +78,12 @@ type config struct {
 		MaxAttempts     int           `yaml:"max_attempts"`
 		DefaultDeadline time.Duration `yaml:"default_deadline"`
 	} `yaml:"jobs"`
+	// Models maps model aliases to a model or an ordered list of models
+	// (fallbacks); Prices are per model (and alias), per million tokens,
+	// in Currency: see docs/api.md.
+	Models   map[string]modelList     `yaml:"models"`
+	Prices   map[string]gateway.Price `yaml:"prices"`
+	Currency string                   `yaml:"currency"`
 	// Sim is the development fleet started when no backend is configured.
 	Sim struct {
 		Profile string  `yaml:"profile"`

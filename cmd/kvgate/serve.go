@@ -130,7 +130,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(),
 		Dev:       cfg.Dev,
-		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
+		Models:    cfg.aliases(), Prices: cfg.Prices, Currency: cfg.Currency,
+		Tenants: gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
 			Feed: sig.Feed,
