@@ -18,8 +18,10 @@ import (
 // response.failed rather than [DONE].
 //
 // vLLM leaves out the response's "error" key, which OpenAI always sends
-// (null on success) and the SDKs' types declare; kvgate adds it, to the
-// answer and to the response of the created, in_progress and final events.
+// (null on success) and the SDKs' types declare, and sends null for keys
+// the SDKs declare optional but not nullable (text, user, usage, a content
+// part's logprobs); kvgate adds the one and leaves out the others, in the
+// answer and in the events that carry a response, an item or a part.
 
 func (s *Server) handleResponses(w http.ResponseWriter, r *http.Request) int {
 	return s.handleInference(w, r, epResponses)
@@ -97,7 +99,7 @@ func answerOf(ep endpoint, b []byte) ([]byte, *usage, error) {
 		if err := json.Unmarshal(b, &parsed); err != nil {
 			return nil, nil, err
 		}
-		out, err := withErrorKey(b)
+		out, err := normalizeResponse(b)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -140,17 +142,102 @@ func (u *responsesUsage) usage() *usage {
 	return &usage{PromptTokens: u.InputTokens, CompletionTokens: u.OutputTokens}
 }
 
-// withErrorKey adds "error": null to a Response object that lacks the key.
-func withErrorKey(b []byte) ([]byte, error) {
+// The keys of a Response that the SDKs declare optional but not nullable,
+// and that vLLM sends as null: left out, as OpenAI leaves them out.
+var responseOptional = []string{"text", "user", "usage", "status", "prompt_cache_options"}
+
+// normalizeResponse makes a Response object what the SDKs' types declare:
+// "error": null where the key is missing, the optional keys that are null
+// left out, and the same for its output items' content parts.
+func normalizeResponse(b []byte) ([]byte, error) {
 	var m map[string]json.RawMessage
 	if err := json.Unmarshal(b, &m); err != nil {
 		return nil, err
 	}
-	if _, ok := m["error"]; ok || m == nil {
+	if m == nil {
 		return b, nil
 	}
-	m["error"] = json.RawMessage("null")
+	changed := false
+	if _, ok := m["error"]; !ok {
+		m["error"] = json.RawMessage("null")
+		changed = true
+	}
+	changed = dropNulls(m, responseOptional) || changed
+	if raw, ok := m["output"]; ok {
+		var items []json.RawMessage
+		if json.Unmarshal(raw, &items) == nil {
+			itemsChanged := false
+			for i, it := range items {
+				if out, ok := normalizeOutputItem(it); ok {
+					items[i], itemsChanged = out, true
+				}
+			}
+			if out := mustMarshalRaw(items); itemsChanged && out != nil {
+				m["output"], changed = out, true
+			}
+		}
+	}
+	if !changed {
+		return b, nil
+	}
 	return marshalRaw(m)
+}
+
+// normalizeOutputItem leaves out the null logprobs of a message item's
+// content parts (optional, not nullable, in the SDKs' types); ok says it
+// changed.
+func normalizeOutputItem(raw json.RawMessage) (json.RawMessage, bool) {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(raw, &m) != nil || m == nil {
+		return raw, false
+	}
+	var parts []json.RawMessage
+	if json.Unmarshal(m["content"], &parts) != nil {
+		return raw, false
+	}
+	changed := false
+	for i, p := range parts {
+		if out, ok := normalizePart(p); ok {
+			parts[i], changed = out, true
+		}
+	}
+	if !changed {
+		return raw, false
+	}
+	m["content"] = mustMarshalRaw(parts)
+	out, err := marshalRaw(m)
+	return out, err == nil && m["content"] != nil
+}
+
+// normalizePart leaves out a content part's null logprobs.
+func normalizePart(raw json.RawMessage) (json.RawMessage, bool) {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(raw, &m) != nil || m == nil || !dropNulls(m, []string{"logprobs"}) {
+		return raw, false
+	}
+	out, err := marshalRaw(m)
+	return out, err == nil
+}
+
+// dropNulls deletes the keys of m whose value is null; it reports whether
+// it deleted any.
+func dropNulls(m map[string]json.RawMessage, keys []string) bool {
+	changed := false
+	for _, k := range keys {
+		if v, ok := m[k]; ok && string(bytes.TrimSpace(v)) == "null" {
+			delete(m, k)
+			changed = true
+		}
+	}
+	return changed
+}
+
+func mustMarshalRaw(v any) json.RawMessage {
+	b, err := marshalRaw(v)
+	if err != nil {
+		return nil
+	}
+	return b
 }
 
 func marshalRaw(v any) ([]byte, error) {
@@ -174,12 +261,14 @@ type responsesStreamEvent struct {
 }
 
 // responsesEvent reads one event's data. The events that carry the whole
-// response (created, in_progress and the final ones) gain its "error"
-// key where the backend left it out.
+// response (created, in_progress and the final ones), an output item or a
+// content part are normalized as normalizeResponse does.
 func responsesEvent(data []byte) responsesStreamEvent {
 	var ev struct {
 		Type     string          `json:"type"`
 		Response json.RawMessage `json:"response"`
+		Item     json.RawMessage `json:"item"`
+		Part     json.RawMessage `json:"part"`
 	}
 	if json.Unmarshal(data, &ev) != nil {
 		return responsesStreamEvent{}
@@ -195,24 +284,35 @@ func responsesEvent(data []byte) responsesStreamEvent {
 		out.final = true
 		return out
 	}
-	if !isPresent(ev.Response) {
-		return out
+	key, fixed := "", json.RawMessage(nil)
+	switch {
+	case isPresent(ev.Response):
+		var resp struct {
+			Usage *responsesUsage `json:"usage"`
+		}
+		if json.Unmarshal(ev.Response, &resp) == nil && out.final {
+			out.usage = resp.Usage.usage()
+		}
+		if b, err := normalizeResponse(ev.Response); err == nil && !bytes.Equal(b, ev.Response) {
+			key, fixed = "response", b
+		}
+	case isPresent(ev.Item):
+		if b, ok := normalizeOutputItem(ev.Item); ok {
+			key, fixed = "item", b
+		}
+	case isPresent(ev.Part):
+		if b, ok := normalizePart(ev.Part); ok {
+			key, fixed = "part", b
+		}
 	}
-	var resp struct {
-		Usage *responsesUsage `json:"usage"`
-	}
-	if json.Unmarshal(ev.Response, &resp) == nil && out.final {
-		out.usage = resp.Usage.usage()
-	}
-	fixed, err := withErrorKey(ev.Response)
-	if err != nil || bytes.Equal(fixed, ev.Response) {
+	if fixed == nil {
 		return out
 	}
 	var m map[string]json.RawMessage
 	if json.Unmarshal(data, &m) != nil {
 		return out
 	}
-	m["response"] = fixed
+	m[key] = fixed
 	if b, err := marshalRaw(m); err == nil {
 		out.rewritten = b
 	}

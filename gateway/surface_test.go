@@ -131,6 +131,16 @@ func TestResponsesOverHTTP(t *testing.T) {
 	if string(r["error"]) != "null" || string(r["object"]) != `"response"` || string(r["metadata"]) != `{"k":"v"}` {
 		t.Errorf("response: %s", b)
 	}
+	// vLLM's nulls for what the SDKs declare optional, not nullable, are
+	// left out; the rest passes as the backend sent it.
+	for _, k := range []string{"user", "text"} {
+		if v, ok := r[k]; ok {
+			t.Errorf("%s: %s, want it left out", k, v)
+		}
+	}
+	if string(r["max_tool_calls"]) != "null" || strings.Contains(string(r["output"]), `"logprobs"`) {
+		t.Errorf("response: %s", b)
+	}
 	if resp.Header.Get("x-ratelimit-limit-tokens") != "100000" {
 		t.Errorf("x-ratelimit-limit-tokens = %q", resp.Header.Get("x-ratelimit-limit-tokens"))
 	}
@@ -189,8 +199,11 @@ func TestResponsesOverHTTP(t *testing.T) {
 		if ev.Type != event || ev.Seq != len(types) {
 			t.Errorf("event %q: type %q, sequence %d", event, ev.Type, ev.Seq)
 		}
-		if ev.Response != nil && string(ev.Response["error"]) != "null" {
-			t.Errorf("%s: the response has no error key: %s", ev.Type, rest)
+		if ev.Response != nil && (string(ev.Response["error"]) != "null" || ev.Response["user"] != nil || ev.Response["usage"] != nil && string(ev.Response["usage"]) == "null") {
+			t.Errorf("%s: the response is not normalized: %s", ev.Type, rest)
+		}
+		if strings.Contains(rest, `"logprobs":null`) {
+			t.Errorf("%s: null logprobs: %s", ev.Type, rest)
 		}
 		types = append(types, ev.Type)
 		if ev.Type == "response.completed" {
