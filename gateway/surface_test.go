@@ -382,3 +382,29 @@ func TestModelAliases(t *testing.T) {
 		t.Error("an alias without models was accepted")
 	}
 }
+
+// TestAliasJob: a job may name an alias; it is accepted for the model the
+// alias resolves to, and its body reaches the backend with that model.
+func TestAliasJob(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 50,
+		gateway: Config{Models: map[string][]string{"gpt-4o-mini": {llama}}}})
+	resp, b := f.post(t, "/v1/jobs", `{"endpoint":"/v1/chat/completions","body":{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":2}}`,
+		"Idempotency-Key", "alias-job")
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d %s", resp.StatusCode, b)
+	}
+	j := decode[jobView](t, b)
+	if j.Model != llama {
+		t.Errorf("the job is for %q, want %q", j.Model, llama)
+	}
+	waitJob(t, f, "default", j.ID, store.Succeeded)
+	resp, b = send(t, f.srv.URL, http.MethodGet, "/v1/jobs/"+j.ID+"/result", "", "")
+	if resp.StatusCode != http.StatusOK || decode[struct{ Model string }](t, b).Model != llama {
+		t.Errorf("result: %d %s", resp.StatusCode, b)
+	}
+	resp, b = f.post(t, "/v1/jobs", `{"endpoint":"/v1/chat/completions","body":{"model":"no-such-alias","messages":[{"role":"user","content":"hi"}]}}`,
+		"Idempotency-Key", "alias-job-2")
+	if e := errorKeys(t, "unknown model", b); resp.StatusCode != http.StatusNotFound || e["param"] != "body.model" {
+		t.Errorf("unknown model: %d %s", resp.StatusCode, b)
+	}
+}
