@@ -408,3 +408,38 @@ func TestAliasJob(t *testing.T) {
 		t.Errorf("unknown model: %d %s", resp.StatusCode, b)
 	}
 }
+
+// TestResponsesStreamCut: a backend that cuts a Responses stream after
+// its first events ends the client's stream with an OpenAI error event
+// (no response.completed), and the tenant stays charged the reservation
+// as uncertain usage; a non-streaming call the backend cuts is a 502,
+// charged the same way.
+func TestResponsesStreamCut(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	key := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	f.sims[0].SetFaults(vllmsim.Faults{DropRate: 1})
+	body := `{"model":"` + llama + `","input":"Say hi.","max_output_tokens":20,"ignore_eos":true,"stream":true}`
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/responses", key, body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	out := string(b)
+	if !strings.Contains(out, "event: response.created") || strings.Contains(out, "response.completed") ||
+		!strings.Contains(out, `data: {"error":{"message":"The model backend failed mid-stream`) {
+		t.Errorf("cut stream:\n%s", out)
+	}
+	eventually.True(t, "the cut stream stays charged as uncertain", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.ReservedTokens == 0 && got.UncertainTokens > 0 && got.CompletionTokens == 0
+	})
+	before := ledgerOf(t, st, "acme").UncertainTokens
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/v1/responses", key, strings.Replace(body, `"stream":true`, `"stream":false`, 1))
+	if e := errorKeys(t, "cut answer", b); resp.StatusCode != http.StatusBadGateway || e["type"] != "server_error" {
+		t.Errorf("cut answer: %d %s", resp.StatusCode, b)
+	}
+	eventually.True(t, "the cut answer stays charged as uncertain", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.ReservedTokens == 0 && got.UncertainTokens > before
+	})
+}
