@@ -56,7 +56,14 @@ func TestOpenAINodeSDK(t *testing.T) {
 	installNodeDeps(t, dir, need, ci)
 
 	const key = "sk-test"
-	chat := startGateway(t, "--api-key", key+"=acme")
+	// The chat gateway's configuration gives the model an alias (as an app
+	// written against OpenAI names it) and a price.
+	cfgFile := filepath.Join(t.TempDir(), "kvgate.yaml")
+	if err := os.WriteFile(cfgFile, []byte("models:\n  gpt-4o-mini: [meta-llama/Llama-3.1-8B-Instruct]\n"+
+		"prices:\n  meta-llama/Llama-3.1-8B-Instruct: {prompt: 0.15, completion: 0.6}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	chat := startGateway(t, "--config", cfgFile, "--api-key", key+"=acme")
 	embed := startGateway(t, "--sim-profile", "h100-bge-m3", "--sim-count", "1")
 	waitForModel(t, chat, key, "meta-llama/Llama-3.1-8B-Instruct")
 	waitForModel(t, embed, "", "BAAI/bge-m3")

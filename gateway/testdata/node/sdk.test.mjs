@@ -635,3 +635,19 @@ describe('responses', () => {
     assert.equal(bad.param, 'input');
   });
 });
+
+describe('model aliases', () => {
+  test('models.list() lists the configured alias, and the alias serves chat and responses', async () => {
+    const page = await client.models.list();
+    const alias = page.data.find((m) => m.id === 'gpt-4o-mini');
+    assert.ok(alias, `gpt-4o-mini not listed: ${JSON.stringify(page.data.map((m) => m.id))}`);
+    assert.equal(alias.object, 'model');
+    assert.equal(alias.root, model);
+    const chat = await client.chat.completions.create({ model: 'gpt-4o-mini', messages, max_tokens: 2, ignore_eos: true });
+    assert.equal(chat.model, model);
+    assertUsage(chat.usage, 2);
+    const res = await client.responses.create({ model: 'gpt-4o-mini', input: 'hi', max_output_tokens: 2, ignore_eos: true });
+    checkResponse('response', res, { withText: true, complete: true });
+    assert.equal(res.model, model);
+  });
+});
