@@ -298,12 +298,17 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 		room = 1 << 30
 	}
 	switch {
+	case c.ep == epResponses:
+		// The Responses API has max_output_tokens only; vLLM ignores
+		// the others there.
+		maxOut = s.cfg.DefaultMaxTokens
+		if c.f.MaxOutputTokens != nil {
+			maxOut = *c.f.MaxOutputTokens
+		}
 	case c.f.MaxCompletionTokens != nil:
 		maxOut = *c.f.MaxCompletionTokens
 	case c.f.MaxTokens != nil:
 		maxOut = *c.f.MaxTokens
-	case c.f.MaxOutputTokens != nil:
-		maxOut = *c.f.MaxOutputTokens
 	case c.ep == epCompletion:
 		maxOut = 16 // the completions API's default
 	default:

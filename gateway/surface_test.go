@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -442,4 +443,34 @@ func TestResponsesStreamCut(t *testing.T) {
 		got := ledgerOf(t, st, "acme")
 		return got.ReservedTokens == 0 && got.UncertainTokens > before
 	})
+}
+
+// TestSurfaceReservations: a Responses call reserves its prompt and
+// max_output_tokens (never max_tokens, which the API does not have), or
+// the default output; rerank and score reserve their prompt only, sized
+// by every pair they make.
+func TestSurfaceReservations(t *testing.T) {
+	s := &Server{cfg: Config{DefaultMaxTokens: 1024}}
+	m := gpu.Model{ID: "m", MaxModelLen: 4096}
+	for _, c := range []struct {
+		ep          endpoint
+		body        string
+		total, out  int
+		promptBytes int
+	}{
+		{epResponses, `{"model":"m","input":"hi","max_output_tokens":4,"max_tokens":100000}`, 14, 4, len(`"hi"`)},
+		{epResponses, `{"model":"m","input":"hi","instructions":"be brief"}`, 1034, 1024, len(`"hi"`) + len(`"be brief"`)},
+		{epRerank, `{"model":"m","query":"qq","documents":["a","b","c"],"max_tokens":50}`, 10, 0, 3*len(`"qq"`) + len(`["a","b","c"]`)},
+		{epScore, `{"model":"m","text_1":"qq","text_2":["a","b"]}`, 10, 0, 2*len(`"qq"`) + len(`["a","b"]`)},
+		{epScore, `{"model":"m","text_1":["q1","q2"],"text_2":["a","b"]}`, 10, 0, len(`["q1","q2"]`) + len(`["a","b"]`)},
+	} {
+		call, err := parseCall([]byte(c.body), c.ep)
+		if err != nil {
+			t.Fatalf("%s: %v", c.body, err)
+		}
+		total, out := s.reservationWith(call, m, 10)
+		if total != c.total || out != c.out || call.promptBytes != c.promptBytes {
+			t.Errorf("%s: reserves %d (output %d), prompt bytes %d; want %d (%d), %d", c.body, total, out, call.promptBytes, c.total, c.out, c.promptBytes)
+		}
+	}
 }
