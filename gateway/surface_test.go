@@ -366,6 +366,11 @@ func TestModelAliases(t *testing.T) {
 	if got := served(); got != "primary" {
 		t.Errorf("alias served by %q, want primary", got)
 	}
+	// /tokenize resolves it too: the backend, which knows no alias, answers.
+	if resp, b := f.post(t, "/tokenize", `{"model":"gpt-4o-mini","prompt":"hi"}`); resp.StatusCode != http.StatusOK ||
+		decode[struct{ Count int }](t, b).Count != len(vllmsim.Tokenize("hi", true)) {
+		t.Errorf("/tokenize of the alias: %d %s", resp.StatusCode, b)
+	}
 	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
 	eventually.True(t, "the alias falls back to its second model", func() bool { return served() == "fallback" })
 	f.sims[1].SetFaults(vllmsim.Faults{Dead: true})
