@@ -264,6 +264,18 @@ type responsesStreamEvent struct {
 // response (created, in_progress and the final ones), an output item or a
 // content part are normalized as normalizeResponse does.
 func responsesEvent(data []byte) responsesStreamEvent {
+	// One event per token: know a delta without decoding it. Inside a
+	// JSON string a quote is escaped, so the unescaped pair is the type.
+	if bytes.Contains(data, deltaType) {
+		return responsesStreamEvent{typ: "response.output_text.delta", delta: true}
+	}
+	return parseResponsesEvent(data)
+}
+
+var deltaType = []byte(`"type":"response.output_text.delta"`)
+
+// parseResponsesEvent is responsesEvent without the fast path for deltas.
+func parseResponsesEvent(data []byte) responsesStreamEvent {
 	var ev struct {
 		Type     string          `json:"type"`
 		Response json.RawMessage `json:"response"`
