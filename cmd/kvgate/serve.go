@@ -78,6 +78,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(buildInfoCollector())
 	nv := openNVML(cfg, log)
 	if nv != nil {
 		reg.MustRegister(nv.Collector())
