@@ -35,6 +35,7 @@ run: build
 # own.
 test: node-deps
 	$(GO) test -race -count=1 $(PKGS)
+	$(MAKE) -C deploy test
 	$(MAKE) experiments
 
 # Four experiments that measure throughput, preemption and waits, which
@@ -93,6 +94,7 @@ lint: $(STATICCHECK)
 	$(GO) vet $(PKGS)
 	CGO_ENABLED=0 $(GO) build $(PKGS)
 	$(STATICCHECK) $(PKGS)
+	$(MAKE) -C deploy lint
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')
