@@ -76,14 +76,6 @@ func (p *proc) stop(grace time.Duration) {
 	}
 }
 
-// kill is kill -9.
-func (p *proc) kill() {
-	if !p.exited() {
-		p.cmd.Process.Kill()
-		<-p.done
-	}
-}
-
 func freePort(t *testing.T) int {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")

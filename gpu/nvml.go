@@ -18,6 +18,9 @@ import (
 )
 
 const (
+	defaultNVMLInterval = 2 * time.Second
+	defaultHotC         = 85
+
 	// maxXIDs bounds GPU.XIDs; maxXIDCodes bounds the distinct codes kept
 	// for health, which real drivers never approach.
 	maxXIDs     = 16
@@ -29,6 +32,13 @@ const (
 
 	clockEventSymbol = "nvmlDeviceGetCurrentClocksEventReasons"
 )
+
+func (g GPU) clone() GPU {
+	g.Throttle = slices.Clone(g.Throttle)
+	g.XIDs = slices.Clone(g.XIDs)
+	g.Reasons = slices.Clone(g.Reasons)
+	return g
+}
 
 // NVMLBuilt reports whether this build can load NVML: true with cgo, where
 // go-nvml opens libnvidia-ml at run time (OpenNVML reports it off when the

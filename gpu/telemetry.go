@@ -2,7 +2,6 @@ package gpu
 
 import (
 	"log/slog"
-	"slices"
 	"strconv"
 	"time"
 )
@@ -53,21 +52,9 @@ type GPU struct {
 	xidTotal uint64 // XID events seen since start, not bounded like XIDs
 }
 
-func (g GPU) clone() GPU {
-	g.Throttle = slices.Clone(g.Throttle)
-	g.XIDs = slices.Clone(g.XIDs)
-	g.Reasons = slices.Clone(g.Reasons)
-	return g
-}
-
 // NVMLConfig tunes the collector. Zero values take defaults.
 type NVMLConfig struct {
 	Interval time.Duration // poll period, default 2s
 	HotC     uint32        // temperature at or above which a GPU is Degraded, default 85
 	Logger   *slog.Logger  // default discards
 }
-
-const (
-	defaultNVMLInterval = 2 * time.Second
-	defaultHotC         = 85
-)

@@ -71,9 +71,6 @@ func readBuildInfo() buildInfo {
 	return b
 }
 
-// version is the one-word version for logs.
-func version() string { return readBuildInfo().Version }
-
 // runVersion prints the version, the commit, the Go version, the platform
 // and whether this build can use NVML.
 func runVersion(args []string, stdout io.Writer) error {
