@@ -178,6 +178,12 @@ func TestMetricsExposed(t *testing.T) {
 			t.Fatalf("chat completion %d: %d %v %s", i, code, err, b)
 		}
 	}
+	// A streaming one, for kvgate's time-to-first-token and inter-token
+	// histograms.
+	stream := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"Say hello"}],"max_tokens":8,"stream":true}`, model)
+	if code, b, err := send("POST", kvURL+"/v1/chat/completions", []byte(stream)); err != nil || code != 200 || !strings.Contains(string(b), "data: [DONE]") {
+		t.Fatalf("streaming chat completion: %d %v %s", code, err, b)
+	}
 	setFaults := func(body string) {
 		if code, b, err := send("PUT", simURL+"/admin/faults", []byte(body)); err != nil || code != 200 {
 			t.Fatalf("set faults %s: %d %v %s", body, code, err, b)
