@@ -282,3 +282,72 @@ func TestComposeKvgateConfig(t *testing.T) {
 		t.Fatalf("kvgate gpus --config compose/kvgate.yaml: %v\n%s", err, out)
 	}
 }
+
+// TestComposeNATSCommand starts nats-server (Debian's, where installed)
+// with each compose node's own arguments, its ports and store moved to
+// free ones on loopback (later flags win), so that a flag the server does
+// not know fails here rather than in a container. It never binds 4222.
+func TestComposeNATSCommand(t *testing.T) {
+	bin, err := exec.LookPath("nats-server")
+	if err != nil {
+		if _, serr := os.Stat("/usr/sbin/nats-server"); serr != nil {
+			t.Skip("nats-server not installed (Debian's nats-server package)")
+		}
+		bin = "/usr/sbin/nats-server"
+	}
+	tools := composeTools(t)
+	doc, stderr, err := composeConfig(t, tools[0], []string{"KVGATE_ADMIN_KEY=x"})
+	if err != nil {
+		t.Fatalf("compose config: %v\n%s", err, stderr)
+	}
+	services := obj(doc["services"])
+	args := strs(obj(services["nats-1"])["command"])
+	if len(args) == 0 {
+		t.Fatal("nats-1 has no command")
+	}
+	dir := t.TempDir()
+	client, monitor, cluster, other := freePort(t), freePort(t), freePort(t), freePort(t)
+	args = append(args, "-a", "127.0.0.1", "-p", fmt.Sprint(client), "--http_port", fmt.Sprint(monitor),
+		"--store_dir", filepath.Join(dir, "js"), "--cluster", fmt.Sprintf("nats://127.0.0.1:%d", cluster),
+		"--routes", fmt.Sprintf("nats://127.0.0.1:%d", other))
+	p := start(t, dir, "nats-1", bin, nil, args...)
+	// /varz, not /healthz: a clustered JetStream node alone has no meta
+	// leader and never reports healthy.
+	health := fmt.Sprintf("http://127.0.0.1:%d/varz", monitor)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if p.exited() {
+			b, _ := os.ReadFile(p.log)
+			t.Fatalf("nats-server with nats-1's arguments %q exited:\n%s", args, b)
+		}
+		if _, err := get(health); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nats-server with nats-1's arguments does not answer /varz after 30s")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	vz, err := get(fmt.Sprintf("http://127.0.0.1:%d/varz", monitor))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v struct {
+		ServerName string `json:"server_name"`
+		JetStream  struct {
+			Config struct {
+				StoreDir string `json:"store_dir"`
+			} `json:"config"`
+		} `json:"jetstream"`
+		Cluster struct {
+			Name string `json:"name"`
+		} `json:"cluster"`
+	}
+	if err := yaml.Unmarshal(vz, &v); err != nil {
+		t.Fatal(err)
+	}
+	if v.ServerName != "nats-1" || v.JetStream.Config.StoreDir == "" || v.Cluster.Name != "kvgate" {
+		t.Errorf("nats-server with nats-1's arguments: name %q, JetStream store %q, cluster %q; want nats-1, a store, kvgate",
+			v.ServerName, v.JetStream.Config.StoreDir, v.Cluster.Name)
+	}
+}
