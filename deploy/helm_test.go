@@ -378,6 +378,13 @@ func TestHelmTemplateRefuses(t *testing.T) {
 		{"drain in config", func(v map[string]any) { v["config"] = map[string]any{"drain_timeout": "30s"} }, "drainTimeoutSeconds"},
 		{"store in config", func(v map[string]any) { v["config"] = map[string]any{"store": "postgres://u:p@h/db"} }, "secrets.databaseURL"},
 		{"keda without target", func(v map[string]any) { v["keda"] = map[string]any{"enabled": true} }, "keda.scaleTargetRef.name"},
+		// values.schema.json, which helm applies before rendering:
+		{"replicas as a string", func(v map[string]any) { v["replicaCount"] = "two" }, "replicaCount"},
+		{"a misspelt key", func(v map[string]any) { v["replicas"] = 3 }, "replicas"},
+		{"a grace period too short", func(v map[string]any) { v["terminationGraceExtraSeconds"] = 0 }, "terminationGraceExtraSeconds"},
+		{"KEDA on a bad address", func(v map[string]any) {
+			v["keda"] = map[string]any{"enabled": true, "scaleTargetRef": map[string]any{"name": "vllm"}, "prometheus": map[string]any{"serverAddress": "prometheus:9090"}}
+		}, "serverAddress"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
