@@ -229,3 +229,72 @@ func TestDashboardGenerated(t *testing.T) {
 		t.Errorf("%s is stale: regenerate it with KVGATE_UPDATE=1 go test -run TestDashboardGenerated (in deploy/)", dashboardFile)
 	}
 }
+
+// TestDashboardLayout: the file is a dashboard Grafana can lay out: unique
+// panel ids, every panel inside the 24-column grid and none overlapping,
+// every non-row panel with a Prometheus query on the datasource variable.
+func TestDashboardLayout(t *testing.T) {
+	raw, err := os.ReadFile(dashboardFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		UID        string `json:"uid"`
+		Templating struct {
+			List []struct{ Name, Type string } `json:"list"`
+		} `json:"templating"`
+		Panels []struct {
+			ID      int                      `json:"id"`
+			Type    string                   `json:"type"`
+			Title   string                   `json:"title"`
+			GridPos struct{ H, W, X, Y int } `json:"gridPos"`
+			Targets []struct {
+				Expr       string               `json:"expr"`
+				Datasource struct{ UID string } `json:"datasource"`
+			} `json:"targets"`
+		} `json:"panels"`
+	}
+	if err := json.Unmarshal(raw, &d); err != nil {
+		t.Fatal(err)
+	}
+	if d.UID == "" || len(d.Templating.List) == 0 || d.Templating.List[0].Type != "datasource" {
+		t.Errorf("uid %q, templating %+v: want a uid and a datasource variable", d.UID, d.Templating.List)
+	}
+	ids := map[int]bool{}
+	type cell struct{ x, y int }
+	taken := map[cell]string{}
+	rows := 0
+	for _, p := range d.Panels {
+		if ids[p.ID] {
+			t.Errorf("panel id %d twice", p.ID)
+		}
+		ids[p.ID] = true
+		g := p.GridPos
+		if g.W <= 0 || g.H <= 0 || g.X < 0 || g.X+g.W > 24 {
+			t.Errorf("panel %q: gridPos %+v outside the 24-column grid", p.Title, g)
+		}
+		for x := g.X; x < g.X+g.W; x++ {
+			for y := g.Y; y < g.Y+g.H; y++ {
+				if other, ok := taken[cell{x, y}]; ok {
+					t.Fatalf("panels %q and %q overlap at %d,%d", other, p.Title, x, y)
+				}
+				taken[cell{x, y}] = p.Title
+			}
+		}
+		if p.Type == "row" {
+			rows++
+			continue
+		}
+		if len(p.Targets) == 0 {
+			t.Errorf("panel %q has no query", p.Title)
+		}
+		for _, tg := range p.Targets {
+			if tg.Expr == "" || tg.Datasource.UID != "${datasource}" {
+				t.Errorf("panel %q: target %+v, want a query on ${datasource}", p.Title, tg)
+			}
+		}
+	}
+	if rows != 3 {
+		t.Errorf("%d rows, want Fleet, Queues and Durable path", rows)
+	}
+}

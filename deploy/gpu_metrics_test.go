@@ -4,6 +4,7 @@ package deploy
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -44,8 +45,16 @@ func TestGPUMetricsExposed(t *testing.T) {
 		t.Fatal(err)
 	}
 	fams := map[string]string{}
+	labelNames := map[string][]string{}
 	for _, mf := range mfs {
 		fams[mf.GetName()] = strings.ToLower(mf.GetType().String())
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if !slices.Contains(labelNames[mf.GetName()], l.GetName()) {
+					labelNames[mf.GetName()] = append(labelNames[mf.GetName()], l.GetName())
+				}
+			}
+		}
 	}
 	used := usedMetrics(t)
 	var names []string
@@ -62,6 +71,16 @@ func TestGPUMetricsExposed(t *testing.T) {
 		if !exposed(fams, n) {
 			t.Errorf("%s (used by %s): not exposed by kvgate's NVML collector (%s)", n, strings.Join(used[n], ", "), fmt.Sprint(mapsKeysS(fams)))
 		}
+	}
+	checked := checkLabels(t, queries(t), func(m string) ([]string, bool) {
+		if !strings.HasPrefix(m, "kvgate_gpu_") {
+			return nil, false
+		}
+		ls, ok := labelNames[m]
+		return ls, ok
+	})
+	if checked == 0 {
+		t.Error("no query's labels checked against the NVML collector")
 	}
 }
 

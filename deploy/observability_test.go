@@ -67,19 +67,26 @@ func globs(t *testing.T, patterns ...string) []string {
 // rules would be named kvgate:..., which it does not match.
 var metricRE = regexp.MustCompile(`\b(kvgate_[a-zA-Z0-9_]+|vllm:[a-zA-Z0-9_:]+)`)
 
-// usedMetrics returns every metric name a panel, a rule (outside
-// pending/: their metrics do not exist yet) or the chart's KEDA
-// ScaledObject queries, with where it is used.
-func usedMetrics(t *testing.T) map[string][]string {
+// query is one PromQL expression a panel, a rule (outside pending/: their
+// metrics do not exist yet) or the chart's KEDA ScaledObject uses, with
+// the label names it reads besides the expression's own: a panel's
+// legend, a rule's annotations.
+type query struct {
+	where, expr string
+	labelRefs   []string
+}
+
+var (
+	legendRE  = regexp.MustCompile(`\{\{\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*\}\}`)
+	labelsRE  = regexp.MustCompile(`\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)`)
+	byRE      = regexp.MustCompile(`\bby\s*\(([^)]*)\)`)
+	matcherRE = regexp.MustCompile(`\{([^{}]*)\}`)
+	nameOpRE  = regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)`)
+)
+
+func queries(t *testing.T) []query {
 	t.Helper()
-	used := map[string][]string{}
-	add := func(where, expr string) {
-		for _, m := range metricRE.FindAllString(expr, -1) {
-			if !slices.Contains(used[m], where) {
-				used[m] = append(used[m], where)
-			}
-		}
-	}
+	var qs []query
 	for _, f := range globs(t, rulesGlob) {
 		raw, err := os.ReadFile(f)
 		if err != nil {
@@ -89,6 +96,7 @@ func usedMetrics(t *testing.T) map[string][]string {
 			Groups []struct {
 				Rules []struct {
 					Alert, Record, Expr string
+					Annotations         map[string]string `json:"annotations"`
 				} `json:"rules"`
 			} `json:"groups"`
 		}
@@ -97,7 +105,13 @@ func usedMetrics(t *testing.T) map[string][]string {
 		}
 		for _, g := range rf.Groups {
 			for _, r := range g.Rules {
-				add(filepath.Base(f)+" "+r.Alert+r.Record, r.Expr)
+				q := query{where: filepath.Base(f) + " " + r.Alert + r.Record, expr: r.Expr}
+				for _, a := range r.Annotations {
+					for _, m := range labelsRE.FindAllStringSubmatch(a, -1) {
+						q.labelRefs = append(q.labelRefs, m[1])
+					}
+				}
+				qs = append(qs, q)
 			}
 		}
 	}
@@ -109,7 +123,8 @@ func usedMetrics(t *testing.T) map[string][]string {
 		Panels []struct {
 			Title   string `json:"title"`
 			Targets []struct {
-				Expr string `json:"expr"`
+				Expr   string `json:"expr"`
+				Legend string `json:"legendFormat"`
 			} `json:"targets"`
 		} `json:"panels"`
 	}
@@ -118,7 +133,11 @@ func usedMetrics(t *testing.T) map[string][]string {
 	}
 	for _, p := range dash.Panels {
 		for _, tg := range p.Targets {
-			add("panel "+p.Title, tg.Expr)
+			q := query{where: "panel " + p.Title, expr: tg.Expr}
+			for _, m := range legendRE.FindAllStringSubmatch(tg.Legend, -1) {
+				q.labelRefs = append(q.labelRefs, m[1])
+			}
+			qs = append(qs, q)
 		}
 	}
 	c := loadChart(t)
@@ -127,11 +146,141 @@ func usedMetrics(t *testing.T) map[string][]string {
 		t.Fatal(err)
 	}
 	for name, body := range files {
-		if strings.HasSuffix(name, "scaledobject.yaml") {
-			add("helm ScaledObject", body)
+		if !strings.HasSuffix(name, "scaledobject.yaml") {
+			continue
+		}
+		var so struct {
+			Spec struct {
+				Triggers []struct {
+					Name     string            `json:"name"`
+					Metadata map[string]string `json:"metadata"`
+				} `json:"triggers"`
+			} `json:"spec"`
+		}
+		if err := yaml.Unmarshal([]byte(body), &so); err != nil {
+			t.Fatal(err)
+		}
+		for _, tr := range so.Spec.Triggers {
+			qs = append(qs, query{where: "helm ScaledObject " + tr.Name, expr: tr.Metadata["query"]})
+		}
+	}
+	return qs
+}
+
+// labels returns the label names a query reads: by (...) groupings,
+// matchers, and its legend's or annotations' references.
+func (q query) labels() []string {
+	var ls []string
+	for _, m := range byRE.FindAllStringSubmatch(q.expr, -1) {
+		for _, l := range strings.Split(m[1], ",") {
+			if l = strings.TrimSpace(l); l != "" {
+				ls = append(ls, l)
+			}
+		}
+	}
+	for _, m := range matcherRE.FindAllStringSubmatch(q.expr, -1) {
+		for _, n := range nameOpRE.FindAllStringSubmatch(m[1], -1) {
+			ls = append(ls, n[1])
+		}
+	}
+	ls = append(ls, q.labelRefs...)
+	slices.Sort(ls)
+	return slices.Compact(ls)
+}
+
+// usedMetrics returns every metric name the queries use, with where.
+func usedMetrics(t *testing.T) map[string][]string {
+	t.Helper()
+	used := map[string][]string{}
+	for _, q := range queries(t) {
+		for _, m := range metricRE.FindAllString(q.expr, -1) {
+			if !slices.Contains(used[m], q.where) {
+				used[m] = append(used[m], q.where)
+			}
 		}
 	}
 	return used
+}
+
+// scrapeLabels are the labels Prometheus adds to every series it scrapes.
+var scrapeLabels = []string{"instance", "job"}
+
+// checkLabels fails for a query that reads a label none of its metrics
+// carries (a panel grouped by a label that is not there shows one line, or
+// nothing). labelsOf gives a metric's label names, false when the metric
+// is not checked here; a query with such a metric is left out.
+func checkLabels(t *testing.T, qs []query, labelsOf func(metric string) ([]string, bool)) int {
+	t.Helper()
+	checked := 0
+	for _, q := range qs {
+		ms := metricRE.FindAllString(q.expr, -1)
+		if len(ms) == 0 {
+			continue
+		}
+		have := slices.Clone(scrapeLabels)
+		all := true
+		for _, m := range ms {
+			ls, ok := labelsOf(m)
+			if !ok {
+				all = false
+				break
+			}
+			have = append(have, ls...)
+		}
+		if !all {
+			continue
+		}
+		checked++
+		for _, l := range q.labels() {
+			if !slices.Contains(have, l) {
+				t.Errorf("%s reads label %q, which none of %v carries (they have %v)", q.where, l, ms, have[len(scrapeLabels):])
+			}
+		}
+	}
+	return checked
+}
+
+// seriesLabels returns, for each family of an exposition, the label names
+// its series carry.
+func seriesLabels(exposition []byte) map[string][]string {
+	fams := families(exposition)
+	out := map[string][]string{}
+	for _, line := range strings.Split(string(exposition), "\n") {
+		if line == "" || line[0] == '#' {
+			continue
+		}
+		name, rest, _ := strings.Cut(line, "{")
+		if i := strings.IndexAny(name, " \t"); i >= 0 {
+			name = name[:i]
+		}
+		fam := name
+		for _, suf := range []string{"_bucket", "_sum", "_count"} {
+			if base, ok := strings.CutSuffix(name, suf); ok && (fams[base] == "histogram" || fams[base] == "summary") {
+				fam = base
+			}
+		}
+		if body, _, ok := strings.Cut(rest, "}"); ok {
+			for _, m := range nameOpRE.FindAllStringSubmatch(body, -1) {
+				if !slices.Contains(out[fam], m[1]) {
+					out[fam] = append(out[fam], m[1])
+				}
+			}
+		}
+		if _, ok := out[fam]; !ok {
+			out[fam] = nil
+		}
+	}
+	return out
+}
+
+// familyOf maps a series name to its family in fams.
+func familyOf(fams map[string]string, name string) string {
+	for _, suf := range []string{"_bucket", "_sum", "_count"} {
+		if base, ok := strings.CutSuffix(name, suf); ok && (fams[base] == "histogram" || fams[base] == "summary") {
+			return base
+		}
+	}
+	return name
 }
 
 // awaited names the metrics agreed between the helpers working on this
@@ -265,4 +414,15 @@ func TestMetricsExposed(t *testing.T) {
 		t.Error(m)
 	}
 	t.Logf("%d metric names used by panels, rules and the ScaledObject; %d not exposed", len(names), len(missing))
+
+	kvLabels, simLabels := seriesLabels(kvMetrics), seriesLabels(simMetrics)
+	n := checkLabels(t, queries(t), func(m string) ([]string, bool) {
+		if strings.HasPrefix(m, "vllm:") {
+			ls, ok := simLabels[familyOf(simFams, m)]
+			return ls, ok
+		}
+		ls, ok := kvLabels[familyOf(kvFams, m)]
+		return ls, ok
+	})
+	t.Logf("labels checked on %d queries", n)
 }
