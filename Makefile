@@ -5,12 +5,26 @@ PKGS     := ./...
 STATICCHECK_VERSION := v0.8.2
 STATICCHECK := $(shell $(GO) env GOPATH)/bin/staticcheck
 
-.PHONY: all build run test experiments test-short fuzz fuzz-short node-deps lint fmt bench calibrate simcost clean
+# Version stamps for kvgate version and kvgate_build_info (cmd/kvgate/version.go).
+VERSION  ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo "(devel)")
+COMMIT   ?= $(shell c=$$(git rev-parse HEAD 2>/dev/null) && { git diff --quiet HEAD 2>/dev/null && echo $$c || echo $$c-dirty; } || echo unknown)
+LDFLAGS  := -X main.stampVersion=$(VERSION) -X main.stampCommit=$(COMMIT)
+# go-nvml's cgo bindings call NVML functions the header marks deprecated:
+# gcc would print ~150 lines of warnings on the first build.
+export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
+
+.PHONY: all build build-static run test experiments test-short fuzz fuzz-short node-deps lint fmt bench calibrate simcost clean
 
 all: build
 
+# With cgo (the default where gcc is installed) kvgate reads the GPUs
+# through NVML; build-static is the CGO_ENABLED=0 binary of the container
+# image, which reports NVML unavailable and needs no gcc.
 build:
-	$(GO) build -o $(BIN) ./cmd/kvgate
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN) ./cmd/kvgate
+
+build-static:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '-s -w $(LDFLAGS)' -o $(BIN) ./cmd/kvgate
 
 # kvgate on the embedded defaults: with no backend configured it fronts two
 # simulated H100s in-process.
@@ -21,6 +35,7 @@ run: build
 # own.
 test: node-deps
 	$(GO) test -race -count=1 $(PKGS)
+	$(MAKE) -C deploy test
 	$(MAKE) experiments
 
 # Four experiments that measure throughput, preemption and waits, which
@@ -77,7 +92,9 @@ $(STATICCHECK):
 lint: $(STATICCHECK)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet $(PKGS)
+	CGO_ENABLED=0 $(GO) build $(PKGS)
 	$(STATICCHECK) $(PKGS)
+	$(MAKE) -C deploy lint
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')

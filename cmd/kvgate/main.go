@@ -27,7 +27,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"runtime/debug"
 	"syscall"
 )
 
@@ -115,35 +114,11 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	case "bench":
 		return runBench(ctx, args[1:], getenv, stdout, stderr)
 	case "version", "--version":
-		fmt.Fprintln(stdout, "kvgate", version())
-		return nil
+		return runVersion(args[1:], stdout)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
 	}
 	fmt.Fprint(stderr, usage)
 	return fmt.Errorf("unknown command %q", args[0])
-}
-
-func version() string {
-	info, ok := debug.ReadBuildInfo()
-	if !ok {
-		return "unknown"
-	}
-	rev, dirty := "", false
-	for _, s := range info.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			rev = s.Value
-		case "vcs.modified":
-			dirty = s.Value == "true"
-		}
-	}
-	if rev == "" {
-		return info.Main.Version
-	}
-	if dirty {
-		rev += "-dirty"
-	}
-	return rev
 }

@@ -78,6 +78,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(buildInfoCollector())
 	nv := openNVML(cfg, log)
 	if nv != nil {
 		reg.MustRegister(nv.Collector())
@@ -341,9 +342,12 @@ func runGPUs(ctx context.Context, args []string, getenv func(string) string, std
 	if nv != nil {
 		nv.Refresh()
 	}
-	if nv == nil || !nv.Enabled() {
+	switch {
+	case !gpu.NVMLBuilt:
+		fmt.Fprintln(tw, "GPUs: NVML is not available: this kvgate was built without cgo (make build has it)")
+	case nv == nil || !nv.Enabled():
 		fmt.Fprintln(tw, "GPUs: NVML is not available on this machine")
-	} else {
+	default:
 		fmt.Fprintf(tw, "GPUs (driver %s)\n", nv.Driver())
 		fmt.Fprintln(tw, "INDEX\tNAME\tUUID\tMEMORY USED/TOTAL\tUTIL\tTEMP\tPOWER/LIMIT\tTHROTTLE\tECC (CORR/UNCORR)\tHEALTH")
 		for _, g := range nv.GPUs() {
