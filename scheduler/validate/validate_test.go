@@ -235,7 +235,7 @@ func TestRequestParts(t *testing.T) {
 	}
 	for body, want := range map[string]string{
 		`{"choices": [{"message": {"role": "assistant", "content": "{\"a\":1}"}}]}`: `{"a":1}`,
-		`{"choices": [{"text": "[1]"}]}`: `[1]`,
+		`{"choices": [{"text": "[1]"}]}`:                                            `[1]`,
 	} {
 		if got, err := Answer([]byte(body)); err != nil || got != want {
 			t.Errorf("Answer(%s) = %q, %v", body, got, err)
