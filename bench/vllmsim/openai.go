@@ -49,6 +49,7 @@ type samplingFields struct {
 	N                   *int           `json:"n"`
 	Stream              bool           `json:"stream"`
 	StreamOptions       *streamOptions `json:"stream_options"`
+	structuredFields                   // response_format, guided_json (structured.go)
 }
 
 type chatMessageIn struct {
@@ -145,6 +146,10 @@ type genCall struct {
 	contUsage bool // continuous_usage_stats
 	ignoreEOS bool
 	minTokens int
+	// structured is the JSON the request asked for (nil: free text);
+	// invalidJSON breaks it on purpose (structured.go).
+	structured  *structuredSpec
+	invalidJSON bool
 }
 
 func (s *Sim) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -256,6 +261,9 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		c.id = s.newID("chatcmpl-")
 	}
 
+	if !s.structuredCall(w, r, &c, f.structuredFields) {
+		return
+	}
 	flt, delay, _ := s.faults.draw(r)
 	if !s.injectEarly(w, r, flt) {
 		return
@@ -355,6 +363,9 @@ func (s *Sim) respond(w http.ResponseWriter, r *http.Request, c genCall, req *Re
 		dropConnection()
 	}
 	text, _ := Detokenize(out, true)
+	if c.structured != nil {
+		text = s.structuredText(c.structured, c.prompt, c.invalidJSON)
+	}
 	usage := usageInfo{PromptTokens: len(c.prompt), CompletionTokens: len(out), TotalTokens: len(c.prompt) + len(out)}
 	created := time.Now().Unix()
 	if c.kind == kindChat {
