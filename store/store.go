@@ -95,6 +95,8 @@ type NewJob struct {
 	MaxAttempts    int
 	Deadline       time.Time
 	Now            time.Time
+	// Outcome, when set, pins the job's validation policy (outcomes.go).
+	Outcome *NewOutcome
 }
 
 // Event is an outbox event: committed with the state change it reports,
@@ -284,4 +286,6 @@ type Store interface {
 	Close() error
 	// Tenants, keys, quotas and usage (tenants.go).
 	Tenants
+	// Policies, reviews, audit, dead letters and replay (outcomes.go).
+	Outcomes
 }
