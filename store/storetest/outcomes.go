@@ -45,7 +45,9 @@ func putPolicy(t *testing.T, s store.Store, tenant, name, doc string) store.Poli
 }
 
 func withPolicy(name string, version int) func(*store.NewJob) {
-	return func(n *store.NewJob) { n.Outcome = &store.NewOutcome{Policy: name, Version: version, Source: "the source"} }
+	return func(n *store.NewJob) {
+		n.Outcome = &store.NewOutcome{Policy: name, Version: version, Source: "the source"}
+	}
 }
 
 func testPolicyVersions(t *testing.T, s store.Store) {
