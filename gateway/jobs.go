@@ -31,6 +31,7 @@ type jobStore interface {
 	Attempts(ctx context.Context, id string) ([]store.Attempt, error)
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
 	FeedHead(ctx context.Context, tenant string) (int64, error)
+	store.Outcomes // policies, reviews, replay, dead letters (outcomes.go)
 }
 
 // feedNotices tells event streams that the published feed may have moved;
@@ -69,6 +70,10 @@ type jobRequest struct {
 	Deadline        *time.Time      `json:"deadline"`
 	DeadlineSeconds *int            `json:"deadline_seconds"`
 	Metadata        json.RawMessage `json:"metadata"`
+	// Validation names the policy that judges the answer; Source is the
+	// text its evidence must occur in (outcomes.go).
+	Validation *jobValidation `json:"validation"`
+	Source     *string        `json:"source"`
 }
 
 // jobView is a job as its tenant sees it. Retry details (attempts,
@@ -138,7 +143,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err := json.Unmarshal(raw, &req); err != nil {
 		return writeError(w, s.log, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")"))
 	}
-	hash := requestHash(req.Endpoint, req.Body)
+	hash := outcomeHash(requestHash(req.Endpoint, req.Body), req)
 	// A client retrying a lost 202 must get its job back whatever refuses
 	// a new one now (its limits, which the job it retries fills; a model
 	// gone; an absolute deadline since passed): on a refusal, the key's
@@ -175,6 +180,10 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		return refuse(&apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
 			param: "body.model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
 	}
+	outcome, err := s.outcomeOf(r.Context(), req, ep)
+	if err != nil {
+		return refuse(err)
+	}
 	now := time.Now()
 	deadline := now.Add(s.jobs.DefaultDeadline)
 	switch {
@@ -205,6 +214,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: hash,
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
 		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
+		Outcome: outcome,
 	})
 	if err != nil {
 		return writeError(w, s.log, err)

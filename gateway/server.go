@@ -159,6 +159,7 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
 	if s.jobs.Store != nil {
 		s.jobRoutes()
+		s.outcomeRoutes(reg) // outcomes.go
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()

@@ -110,3 +110,32 @@ func (r Request) Source() string {
 	}
 	return b.String()
 }
+
+// ReplaceAnswer returns an OpenAI-format answer with its first choice's
+// content (or text) replaced by answer, every other field as it was.
+func ReplaceAnswer(response []byte, answer string) ([]byte, error) {
+	var top map[string]json.RawMessage
+	if err := json.Unmarshal(response, &top); err != nil {
+		return nil, err
+	}
+	var choices []map[string]json.RawMessage
+	if err := json.Unmarshal(top["choices"], &choices); err != nil || len(choices) == 0 {
+		return nil, errors.New("the answer has no choices")
+	}
+	text, _ := json.Marshal(answer)
+	switch {
+	case choices[0]["message"] != nil:
+		var msg map[string]json.RawMessage
+		if err := json.Unmarshal(choices[0]["message"], &msg); err != nil {
+			return nil, err
+		}
+		msg["content"] = text
+		choices[0]["message"], _ = json.Marshal(msg)
+	case choices[0]["text"] != nil:
+		choices[0]["text"] = text
+	default:
+		return nil, errors.New("the answer's first choice has no content")
+	}
+	top["choices"], _ = json.Marshal(choices)
+	return json.Marshal(top)
+}
