@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -74,8 +75,9 @@ type ExecError struct {
 func (e *ExecError) Error() string { return fmt.Sprintf("%s: %v", e.Class, e.Err) }
 func (e *ExecError) Unwrap() error { return e.Err }
 
-// The stage whose checkpoint spares a retry the model call.
-const stageInference = "inference"
+// The stage whose checkpoint spares a retry the model call (stages.go
+// lists them all).
+const stageInference = store.StageInference
 
 // RunnerConfig tunes a Runner. Zero values take the defaults in brackets.
 type RunnerConfig struct {
@@ -326,16 +328,26 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 		return
 	}
 
+	// The next stage (stages.go) never calls the backend.
+	state, err := r.validation(ctx, wctx, j, body)
+	if err != nil {
+		if errors.Is(err, store.ErrLeaseLost) {
+			r.lost(log, err)
+			return
+		}
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err})
+		return
+	}
 	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
 	err = r.record(wctx, func(now time.Time) error {
-		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: body,
+		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
 			Reused: reused, Attempt: a, Now: now})
 	})
 	if err != nil {
 		r.lost(log, err)
 		return
 	}
-	r.m.finished.WithLabelValues("succeeded").Inc()
+	r.m.finished.WithLabelValues(strings.ToLower(string(state))).Inc()
 }
 
 // infer prepares the job's request, waiting in place for a short quota
