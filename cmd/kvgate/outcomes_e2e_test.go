@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -226,4 +227,27 @@ func scrapeFamily(t *testing.T, url, name string) float64 {
 		sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
 	}
 	return sum
+}
+
+// jobs.retention comes from the file; zero takes the pruner's 30 days; a
+// negative one is refused.
+func TestJobsRetentionConfig(t *testing.T) {
+	file := t.TempDir() + "/kvgate.yaml"
+	for _, tc := range []struct {
+		yaml string
+		want time.Duration
+		ok   bool
+	}{
+		{"jobs: {retention: 72h}\n", 72 * time.Hour, true},
+		{"jobs: {max_attempts: 3}\n", 0, true},
+		{"jobs: {retention: -1h}\n", 0, false},
+	} {
+		if err := os.WriteFile(file, []byte(tc.yaml), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := loadConfig(t, []string{"--config", file}, nil)
+		if (err == nil) != tc.ok || (err == nil && cfg.Jobs.Retention != tc.want) {
+			t.Errorf("%q: %v, %v; want %v (ok %v)", tc.yaml, cfg, err, tc.want, tc.ok)
+		}
+	}
 }
