@@ -471,7 +471,7 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 	n := 0
 	err := s.tx(ctx, "prune final jobs", func(tx *sql.Tx) error {
 		rows, err := tx.QueryContext(ctx, rebind(s.d, `SELECT id FROM jobs
-			WHERE state IN ('SUCCEEDED', 'REVIEW_REQUIRED', 'FAILED_TERMINAL', 'CANCELLED') AND updated_at < ?
+			WHERE state IN `+finalStatesSQL()+` AND updated_at < ?
 			ORDER BY updated_at LIMIT ?`), micros(before), limit)
 		if err != nil {
 			return err
@@ -490,7 +490,7 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 			return err
 		}
 		in := `(` + strings.TrimSuffix(strings.Repeat("?, ", len(ids)), ", ") + `)`
-		for _, t := range []string{"audit", "job_outcomes", "stages", "attempts", "outbox"} {
+		for _, t := range []string{"audit", "job_outcomes", "job_entities", "stages", "attempts", "outbox"} {
 			if _, err := tx.ExecContext(ctx, rebind(s.d, `DELETE FROM `+t+` WHERE job_id IN `+in), ids...); err != nil {
 				return err
 			}

@@ -236,7 +236,7 @@ func buildQueries(d Dialect) queries {
 		insertEvent: r(`INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 			VALUES (?, ?, ?, ?, ?, ?, ?)`),
 		cancel: r(`UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
-			WHERE tenant = ? AND id = ? AND state NOT IN ('SUCCEEDED', 'REVIEW_REQUIRED', 'FAILED_TERMINAL', 'CANCELLED')
+			WHERE tenant = ? AND id = ? AND state NOT IN ` + finalStatesSQL() + `
 			RETURNING ` + jobColumns),
 		result:        r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
 		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, spent, sent, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY fence, attempt`),
@@ -342,10 +342,11 @@ func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant stri
 	return err
 }
 
-// Accept implements store.Store. A job that pins a policy is accepted in
-// a transaction of its own, which writes its outcome row too.
+// Accept implements store.Store. A job that pins a policy or names an
+// entity is accepted in a transaction of its own, which writes its
+// outcome and entity rows too (outcomes.go, outcomes_entities.go).
 func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
-	if s.accepts != nil && n.Outcome == nil {
+	if s.accepts != nil && n.Outcome == nil && n.Entity == nil {
 		c := &acceptCall{n: n}
 		if err := s.accepts.do(ctx, c); err != nil {
 			return store.Job{}, false, err
@@ -389,6 +390,11 @@ func (s *Store) acceptTx(ctx context.Context, tx *sql.Tx, n store.NewJob) (store
 	}
 	if n.Outcome != nil {
 		if err := s.pinOutcome(ctx, tx, job, n.Outcome); err != nil {
+			return job, false, err
+		}
+	}
+	if n.Entity != nil {
+		if err := s.pinEntity(ctx, tx, job, n.Entity); err != nil {
 			return job, false, err
 		}
 	}
