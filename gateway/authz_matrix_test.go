@@ -124,6 +124,10 @@ func TestRouteRoleMatrix(t *testing.T) {
 		e.job = decode[jobView](t, b).ID
 	}
 	waitJob(t, f, "acme", e.job, store.Succeeded)
+	if status, b := e.do(http.MethodPost, "/v1/jobs", e.keys[roleUser], strings.Replace(chatJob("an entity's job", 2), `"metadata"`,
+		`"entity":{"key":"matrix-entity","version":1},"metadata"`, 1), "Idempotency-Key", "matrix-entity"); status != http.StatusAccepted {
+		t.Fatalf("submit with an entity: %d %s", status, b)
+	}
 	if _, err := st.PutPolicy(context.Background(), store.Policy{Tenant: "acme", Name: "matrix", Document: json.RawMessage(`{"name":"matrix","rules":[{"rule":"json"}]}`), CreatedAt: quotaT0}); err != nil {
 		t.Fatal(err)
 	}
@@ -212,6 +216,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /v1/jobs/{id}/replay", path: "/v1/jobs/{job}/replay",
 			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
 		{pattern: "GET /v1/dead-letters", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
+		{pattern: "GET /v1/entities/{key}", path: "/v1/entities/matrix-entity", want: ownJob},
 		{pattern: "GET /healthz", want: anyone},
 		{pattern: "GET /readyz", want: anyone},
 		{pattern: "GET /metrics", want: anyone},

@@ -11,6 +11,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -32,6 +33,7 @@ type jobStore interface {
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
 	FeedHead(ctx context.Context, tenant string) (int64, error)
 	store.Outcomes // policies, reviews, replay, dead letters (outcomes.go)
+	store.Entities // per-entity ordering (outcomes.go)
 }
 
 // feedNotices tells event streams that the published feed may have moved;
@@ -74,6 +76,10 @@ type jobRequest struct {
 	// text its evidence must occur in (outcomes.go).
 	Validation *jobValidation `json:"validation"`
 	Source     *string        `json:"source"`
+	// Entity names the entity version the job produces; Ordering is
+	// "latest" (the default) or "serial" (entities.go).
+	Entity   *jobEntity `json:"entity"`
+	Ordering string     `json:"ordering"`
 }
 
 // jobView is a job as its tenant sees it. Retry details (attempts,
@@ -184,6 +190,10 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return refuse(err)
 	}
+	entity, err := entityOf(req)
+	if err != nil {
+		return refuse(err)
+	}
 	now := time.Now()
 	deadline := now.Add(s.jobs.DefaultDeadline)
 	switch {
@@ -214,7 +224,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: hash,
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
 		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
-		Outcome: outcome,
+		Outcome: outcome, Entity: entity,
 	})
 	if err != nil {
 		return writeError(w, s.log, err)
@@ -256,12 +266,10 @@ func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
 		f.Limit = n
 	}
 	for _, st := range q["state"] {
-		switch store.State(st) {
-		case store.Ready, store.Running, store.RetryScheduled, store.Succeeded, store.ReviewRequired, store.FailedTerminal, store.Cancelled:
-			f.States = append(f.States, store.State(st))
-		default:
+		if !slices.Contains(store.States, store.State(st)) {
 			return writeError(w, s.log, badRequest("state", fmt.Sprintf("state %q is not a job state.", st)))
 		}
+		f.States = append(f.States, store.State(st))
 	}
 	jobs, next, err := s.jobs.Store.List(r.Context(), tenantOf(r.Context()), f)
 	if err != nil {

@@ -33,6 +33,7 @@ func (s *Server) outcomeRoutes(reg *prometheus.Registry) {
 	s.mux.Handle("GET /v1/jobs/{id}/audit", s.api("/v1/jobs/{id}/audit", s.handleAudit))
 	s.mux.Handle("POST /v1/jobs/{id}/replay", s.api("/v1/jobs/{id}/replay", s.handleReplay))
 	s.mux.Handle("GET /v1/dead-letters", s.api("/v1/dead-letters", s.handleDeadLetters))
+	s.mux.Handle("GET /v1/entities/{key}", s.api("/v1/entities/{key}", s.handleEntity))
 	if reg != nil {
 		reg.MustRegister(&outcomeCollector{st: s.jobs.Store})
 	}
@@ -99,17 +100,86 @@ func (s *Server) outcomeOf(ctx context.Context, req jobRequest, ep endpoint) (*s
 	return o, nil
 }
 
-// outcomeHash extends a request hash with the validation it asks for: the
-// same key with another policy is another request.
+// outcomeHash extends a request hash with the validation and the entity
+// it asks for: the same key with another policy or version is another
+// request.
 func outcomeHash(hash string, req jobRequest) string {
-	if req.Validation == nil {
+	if req.Validation == nil && req.Entity == nil {
 		return hash
 	}
 	b, _ := json.Marshal(struct {
 		V *jobValidation `json:"v"`
 		S *string        `json:"s"`
-	}{req.Validation, req.Source})
+		E *jobEntity     `json:"e,omitempty"`
+		O string         `json:"o,omitempty"`
+	}{req.Validation, req.Source, req.Entity, req.Ordering})
 	return requestHash(hash, b)
+}
+
+// jobEntity is the entity version a job submission names.
+type jobEntity struct {
+	Key     string `json:"key"`
+	Version int64  `json:"version"`
+}
+
+var entityKey = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:-]{0,254}$`)
+
+// entityOf checks a submission's entity and ordering.
+func entityOf(req jobRequest) (*store.NewEntity, error) {
+	if req.Entity == nil {
+		if req.Ordering != "" {
+			return nil, badRequest("ordering", "ordering applies to the versions of an entity: give it with entity.")
+		}
+		return nil, nil
+	}
+	if !entityKey.MatchString(req.Entity.Key) {
+		return nil, badRequest("entity.key", "entity.key must be 1 to 255 letters, digits, '.', '_', ':' or '-', starting with a letter or digit.")
+	}
+	if req.Entity.Version < 1 {
+		return nil, badRequest("entity.version", "entity.version must be a number of at least 1.")
+	}
+	switch req.Ordering {
+	case "", store.OrderLatest, store.OrderSerial:
+	default:
+		return nil, badRequest("ordering", `ordering must be "latest" (the default) or "serial".`)
+	}
+	return &store.NewEntity{Key: req.Entity.Key, Version: req.Entity.Version, Ordering: req.Ordering}, nil
+}
+
+type entityView struct {
+	Object        string              `json:"object"`
+	Key           string              `json:"key"`
+	LatestVersion int64               `json:"latest_version"`
+	LatestJob     string              `json:"latest_job"`
+	WonVersion    int64               `json:"succeeded_version"`
+	Versions      []entityVersionView `json:"versions"`
+}
+
+type entityVersionView struct {
+	Version int64  `json:"version"`
+	JobID   string `json:"job_id"`
+	State   string `json:"state"`
+}
+
+// handleEntity shows an entity's accepted versions, the latest first,
+// with their jobs, and the version that won.
+func (s *Server) handleEntity(w http.ResponseWriter, r *http.Request) int {
+	ctx := r.Context()
+	limit, err := pageSize(r)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	e, err := s.jobs.Store.Entity(ctx, tenantOf(ctx), r.PathValue("key"), limit)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	v := entityView{Object: "entity", Key: e.Key, WonVersion: e.WonVersion, LatestVersion: e.Versions[0].Version,
+		LatestJob: e.Versions[0].JobID, Versions: make([]entityVersionView, len(e.Versions))}
+	for i, x := range e.Versions {
+		v.Versions[i] = entityVersionView{Version: x.Version, JobID: x.JobID, State: string(x.State)}
+	}
+	writeJSON(w, http.StatusOK, v)
+	return http.StatusOK
 }
 
 type policyView struct {

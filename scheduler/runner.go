@@ -303,6 +303,10 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
 
+	ent, ok := r.entityGate(ctx, wctx, log, j, a) // stages.go
+	if !ok {
+		return
+	}
 	body, err := r.st.Stage(ctx, j.ID, stageInference)
 	reused := err == nil
 	switch {
@@ -341,7 +345,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
 	err = r.record(wctx, func(now time.Time) error {
 		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
-			Reused: reused, Attempt: a, Now: now})
+			Reused: reused, Entity: ent, Attempt: a, Now: now})
 	})
 	if err != nil {
 		r.lost(log, err)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/kvgate/kvgate/scheduler/validate"
@@ -92,4 +94,57 @@ func judge(j store.Job, o store.JobOutcome, answer []byte) store.Validation {
 		v.Reasons, _ = json.Marshal(reasons)
 	}
 	return v
+}
+
+// ClassOrdering is a serial entity version that waited for a lower one:
+// a wait, spending nothing.
+const ClassOrdering ErrorClass = "entity_ordering"
+
+// entityStore is what per-entity ordering needs of the store beyond
+// jobStore; store.Store has it.
+type entityStore interface {
+	JobEntity(ctx context.Context, jobID string) (store.JobEntity, error)
+	EntityTurn(ctx context.Context, e store.JobEntity) (store.Turn, error)
+}
+
+// entityGate runs before the stages of a job that names an entity: a
+// serial version whose predecessor has not ended is handed back to wait,
+// and a version a higher one has beaten (latest wins) ends SUPERSEDED
+// without running. It returns the job's entity (nil for none), for the
+// completion to decide the winner, and whether the stages may run; when
+// they may not, it has recorded the attempt's end.
+func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store.Job, a store.Attempt) (*store.JobEntity, bool) {
+	es, ok := r.st.(entityStore)
+	if !ok {
+		return nil, true
+	}
+	e, err := es.JobEntity(ctx, j.ID)
+	if errors.Is(err, store.ErrNotFound) {
+		return nil, true
+	}
+	var turn store.Turn
+	if err == nil {
+		turn, err = es.EntityTurn(ctx, e)
+	}
+	switch {
+	case err != nil:
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err})
+		return nil, false
+	case turn == store.TurnWait:
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassOrdering,
+			Err: fmt.Errorf("entity %s version %d waits for a lower version to end", e.Key, e.Version)})
+		return nil, false
+	case turn == store.TurnSuperseded:
+		a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
+		if err := r.record(wctx, func(now time.Time) error {
+			return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Superseded, Reused: true,
+				Entity: &e, Attempt: a, Now: now})
+		}); err != nil {
+			r.lost(log, err)
+			return nil, false
+		}
+		r.m.finished.WithLabelValues("superseded").Inc()
+		return nil, false
+	}
+	return &e, true
 }
