@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 
+	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/scheduler/validate"
 	"github.com/kvgate/kvgate/store"
 )
@@ -57,6 +58,14 @@ type jobValidation struct {
 // a chat or completion, and a schema rule without its own schema needs
 // the request's.
 func (s *Server) outcomeOf(ctx context.Context, req jobRequest, ep endpoint) (*store.NewOutcome, error) {
+	if ep == epEmbedding {
+		var in struct {
+			Input []json.RawMessage `json:"input"`
+		}
+		if json.Unmarshal(req.Body, &in) == nil && len(in.Input) > scheduler.MaxEmbedInputs {
+			return nil, badRequest("body.input", fmt.Sprintf("An embeddings job embeds at most %d inputs (in batches, each checkpointed).", scheduler.MaxEmbedInputs))
+		}
+	}
 	if req.Validation == nil {
 		if req.Source != nil {
 			return nil, badRequest("source", "source is the text a validation policy's evidence must occur in: give it with validation.")

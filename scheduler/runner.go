@@ -313,7 +313,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, xerr := r.infer(ctx, j, &a, admitted, sent)
+		out, xerr := r.inferStage(ctx, j, &a, admitted, sent) // embed.go: in batches for many inputs
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, a, xerr)
 			return
