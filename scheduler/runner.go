@@ -335,11 +335,14 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	// The next stage (stages.go) never calls the backend.
 	state, err := r.validation(ctx, wctx, j, body)
 	if err != nil {
-		if errors.Is(err, store.ErrLeaseLost) {
+		if errors.Is(err, store.ErrLeaseLost) || !reused {
+			// This attempt called the backend: as for an end that cannot
+			// be written, the reaper counts it and retries the job from
+			// the inference's checkpoint.
 			r.lost(log, err)
 			return
 		}
-		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err})
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err}) // nothing sent: a wait
 		return
 	}
 	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
