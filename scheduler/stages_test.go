@@ -82,7 +82,6 @@ func TestValidationRetryNeverCallsTheBackend(t *testing.T) {
 			}
 			exec := &answerExecutor{answer: tc.answer}
 			f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, 300*time.Millisecond)
-			f.runner.cfg.ReapEvery = 50 * time.Millisecond
 			j := f.submit(t, "k", func(n *store.NewJob) { n.Outcome = &store.NewOutcome{Policy: "p"} })
 			// The lost claim's lease runs out; the reaper hands the job on.
 			stop := make(chan struct{})
