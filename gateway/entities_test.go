@@ -151,6 +151,9 @@ func TestEntityOrderingTwoReplicasPostgres(t *testing.T) {
 	if status != 200 || ev.LatestVersion != 2 || ev.LatestJob != latest[0].v2 || ev.WonVersion != 2 || len(ev.Versions) != 2 {
 		t.Errorf("entity: %d %s", status, b)
 	}
+	if status, b := getFrom(t, reps[0].srv.URL, "/v1/jobs/"+latest[0].v1); status != 200 || !strings.Contains(string(b), `"entity":{"key":"invoice-0","version":1}`) {
+		t.Errorf("the job's view does not name its entity version: %d %s", status, b)
+	}
 	if status, _ := getFrom(t, reps[1].srv.URL, "/v1/entities/no-such"); status != http.StatusNotFound {
 		t.Errorf("an unknown entity: %d", status)
 	}

@@ -32,6 +32,7 @@ type jobStore interface {
 	Attempts(ctx context.Context, id string) ([]store.Attempt, error)
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
 	FeedHead(ctx context.Context, tenant string) (int64, error)
+	Stage(ctx context.Context, id, stage string) ([]byte, error)
 	store.Outcomes // policies, reviews, replay, dead letters (outcomes.go)
 	store.Entities // per-entity ordering (outcomes.go)
 }
@@ -96,6 +97,10 @@ type jobView struct {
 	Deadline     int64           `json:"deadline"`
 	Metadata     json.RawMessage `json:"metadata,omitempty"`
 	ResultURL    string          `json:"result_url,omitempty"`
+	// The pinned policy and the entity version, on a single job's view
+	// (outcomes.go).
+	Validation *jobValidation `json:"validation,omitempty"`
+	Entity     *jobEntity     `json:"entity,omitempty"`
 }
 
 func viewOf(j store.Job) jobView {
@@ -251,7 +256,11 @@ func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	writeJSON(w, http.StatusOK, viewOf(j))
+	v := viewOf(j)
+	if err := s.outcomeView(r.Context(), &v); err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, v)
 	return http.StatusOK
 }
 

@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -633,5 +634,38 @@ func (c *outcomeCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(reviewRequiredDesc, prometheus.GaugeValue, float64(n.ReviewRequired))
 	for class, v := range n.DeadLetters {
 		ch <- prometheus.MustNewConstMetric(deadLettersDesc, prometheus.GaugeValue, float64(v), class)
+	}
+}
+
+// outcomeView adds a job's pinned policy and entity version to its view.
+func (s *Server) outcomeView(ctx context.Context, v *jobView) error {
+	switch o, err := s.jobs.Store.JobOutcome(ctx, v.ID); {
+	case err == nil:
+		v.Validation = &jobValidation{Policy: o.Policy, Version: o.Version}
+	case !errors.Is(err, store.ErrNotFound):
+		return err
+	}
+	switch e, err := s.jobs.Store.JobEntity(ctx, v.ID); {
+	case err == nil:
+		v.Entity = &jobEntity{Key: e.Key, Version: e.Version}
+	case !errors.Is(err, store.ErrNotFound):
+		return err
+	}
+	return nil
+}
+
+// attemptPolicies marks the attempt that validated the job's answer with
+// the policy version it judged by (from the validation checkpoint).
+func (s *Server) attemptPolicies(ctx context.Context, jobID string, as []attemptView) {
+	data, err := s.jobs.Store.Stage(ctx, jobID, store.StageValidation)
+	var v store.Validation
+	if err != nil || json.Unmarshal(data, &v) != nil {
+		return
+	}
+	for i := len(as) - 1; i >= 0; i-- {
+		if as[i].Fence == v.Fence {
+			as[i].Policy, as[i].PolicyVersion = v.Policy, v.Version
+			return
+		}
 	}
 }

@@ -151,6 +151,12 @@ func TestValidationPolicyReviewFlow(t *testing.T) {
 			t.Errorf("succeeded job %s: %d %s", id, status, b)
 		}
 	}
+	if _, v := getJob(t, f, ok[0]); v.Validation == nil || v.Validation.Policy != "invoice" || v.Validation.Version != 2 {
+		t.Errorf("the job's view does not name its pinned policy: %+v", v.Validation)
+	}
+	if _, b := f.get(t, "/v1/jobs/"+review[0]+"/attempts"); !strings.Contains(string(b), `"policy_version":2`) {
+		t.Errorf("the attempts do not record the policy version: %s", b)
+	}
 	for _, id := range review {
 		if status, b := f.get(t, "/v1/jobs/"+id+"/result"); status != http.StatusConflict {
 			t.Errorf("a result under review was delivered: %d %s", status, b)

@@ -56,6 +56,7 @@ func (r *Runner) validation(ctx, wctx context.Context, j store.Job, answer []byt
 		r.m.stageReused.Inc() // judged before, by this version
 	case err == nil, errors.Is(err, store.ErrNotFound):
 		v = judge(j, o, answer)
+		v.Fence = j.Fence
 		data, _ = json.Marshal(v)
 		if err := r.record(wctx, func(now time.Time) error {
 			return r.st.SaveStage(wctx, j.ID, j.Fence, store.StageValidation, data, now)
