@@ -79,7 +79,7 @@ type Validation struct {
 	Policy  string          `json:"policy"`
 	Version int             `json:"version"`
 	Passed  bool            `json:"passed"`
-	Fence   int64           `json:"fence"` // the claim whose attempt judged
+	Fence   int64           `json:"fence"`             // the claim whose attempt judged
 	Reasons json.RawMessage `json:"reasons,omitempty"` // []validate.Reason
 }
 
