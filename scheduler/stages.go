@@ -23,8 +23,8 @@ import (
 //
 // A job without a policy skips validation. A failing verdict ends the job
 // REVIEW_REQUIRED, with the answer stored but withheld and the reasons in
-// the checkpoint, for a review to decide.
-var stages = [...]string{store.StageInference, store.StageValidation}
+// the checkpoint, for a review to decide. Before the stages, the entity
+// gate (below) may hold a serial version back or supersede a beaten one.
 
 // outcomeStore is what the validation stage needs of the store beyond
 // jobStore; store.Store has it.

@@ -34,15 +34,13 @@ func TestServeValidatesOutcomes(t *testing.T) {
 	}
 	const jobs = 1000
 	var urls []string
-	var sims []*vllmsim.Sim
 	for i := range 2 {
 		p, err := vllmsim.LookupProfile("h100-llama-3.1-8b")
 		if err != nil {
 			t.Fatal(err)
 		}
-		sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p, Speedup: 0, Seed: uint64(100 + i),
+		_, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p, Speedup: 0, Seed: uint64(100 + i),
 			Faults: vllmsim.Faults{InvalidJSONRate: 0.1}})
-		sims = append(sims, sim)
 		urls = append(urls, srv.URL)
 	}
 	base, _ := startServe(t, "--data-dir", t.TempDir(), "--backend", urls[0], "--backend", urls[1])
