@@ -42,6 +42,8 @@ func (r *Runner) validation(ctx, wctx context.Context, j store.Job, answer []byt
 	if !ok {
 		return store.Succeeded, nil
 	}
+	// The inference is paid for: read and write on, a shutdown aside.
+	ctx = wctx
 	o, err := os.JobOutcome(ctx, j.ID)
 	if errors.Is(err, store.ErrNotFound) {
 		return store.Succeeded, nil // no policy: nothing to judge
