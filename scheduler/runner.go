@@ -333,7 +333,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	}
 
 	// The next stage (stages.go) never calls the backend.
-	state, err := r.validation(ctx, wctx, j, body)
+	state, err := r.validation(wctx, j, body)
 	if err != nil {
 		if errors.Is(err, store.ErrLeaseLost) || !reused {
 			// This attempt called the backend: as for an end that cannot

@@ -37,13 +37,14 @@ type outcomeStore interface {
 // ends in: SUCCEEDED, or REVIEW_REQUIRED when the answer fails its
 // policy. An error is the store's: nothing was decided, and the attempt
 // should hand the job back without spending.
-func (r *Runner) validation(ctx, wctx context.Context, j store.Job, answer []byte) (store.State, error) {
+func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte) (store.State, error) {
 	os, ok := r.st.(outcomeStore)
 	if !ok {
 		return store.Succeeded, nil
 	}
-	// The inference is paid for: read and write on, a shutdown aside.
-	ctx = wctx
+	// The inference is paid for: its reads and writes go on through a
+	// shutdown (wctx is not cancelled), like the attempt's end.
+	ctx := wctx
 	o, err := os.JobOutcome(ctx, j.ID)
 	if errors.Is(err, store.ErrNotFound) {
 		return store.Succeeded, nil // no policy: nothing to judge
