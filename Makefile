@@ -112,6 +112,14 @@ clean:
 # subset CI runs (cold start after 25 s, one kill -9, SIGTERM with
 # max_attempts 1: under two minutes). Logs of failed scenarios and the
 # figures (figures.md) go to bin/chaos/.
+# kvgate's durable path beside River on the same PostgreSQL, one run
+# (bench/peers/river, a module of its own: River is no dependency of
+# kvgate). PEERSFLAGS passes more, e.g. -rounds 7 -jobs 50000.
+PEERSFLAGS ?=
+.PHONY: bench-peers
+bench-peers:
+	cd bench/peers/river && $(GO) run . $(PEERSFLAGS)
+
 .PHONY: chaos chaos-short
 chaos:
 	KVGATE_CHAOS=full KVGATE_CHAOS_DIR=$(CURDIR)/bin/chaos KVGATE_CHAOS_REPORT=$(CURDIR)/bin/chaos/figures.md \

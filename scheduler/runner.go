@@ -266,15 +266,24 @@ func (r *Runner) Run(ctx context.Context) error {
 			r.inflight.Add(1)
 			r.admitting.Add(1)
 			wg.Go(func() {
-				defer func() {
-					r.inflight.Add(-1)
-					<-slots
+				wake := func() {
 					select {
 					case done <- struct{}{}:
 					default:
 					}
+				}
+				// The slot is the attempt's, not its final write's: it is
+				// freed once the outcome is known, so that the next claim
+				// does not wait for the commit, and the writes of many
+				// workers meet in one batch (group commit in the store).
+				var freeOnce sync.Once
+				free := func() { freeOnce.Do(func() { <-slots; wake() }) }
+				defer func() {
+					r.inflight.Add(-1)
+					free()
+					wake()
 				}()
-				r.work(ctx, j)
+				r.work(ctx, j, free)
 				if r.cfg.OnEvents != nil {
 					r.cfg.OnEvents()
 				}
@@ -285,8 +294,9 @@ func (r *Runner) Run(ctx context.Context) error {
 
 var errLeaseLost = errors.New("lease lost")
 
-// work runs one claimed attempt to its recorded end.
-func (r *Runner) work(parent context.Context, j store.Job) {
+// work runs one claimed attempt to its recorded end; it calls free when
+// the attempt's outcome is known, before the writes that record it.
+func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	ctx, cancel := context.WithCancelCause(parent)
 	log := r.log.With("job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt+1, "fence", j.Fence)
 	var hb sync.WaitGroup
@@ -314,6 +324,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
 		out, xerr := r.inferStage(ctx, j, &a, admitted, sent) // embed.go: in batches for many inputs
+		free()
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, a, xerr)
 			return
@@ -328,6 +339,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 		}
 	default:
 		// The store did not answer: nothing was sent, nothing is spent.
+		free()
 		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err})
 		return
 	}
@@ -345,6 +357,7 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err}) // nothing sent: a wait
 		return
 	}
+	free()
 	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
 	err = r.record(wctx, func(now time.Time) error {
 		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,

@@ -73,6 +73,8 @@ type Store struct {
 	// Group commit, where the dialect has writable CTEs (else nil).
 	accepts  *group[acceptCall]
 	finishes *group[end]
+	renews   *group[renewCall]
+	stages   *group[stageCall]
 }
 
 // New returns a store over db, whose schema is already migrated.
@@ -82,6 +84,8 @@ func New(db *sql.DB, d Dialect) *Store {
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
 		s.finishes = newGroup(groupSlots, groupMax, s.finishGroup)
+		s.renews = newGroup(groupSlots, groupMax, s.renewGroup)
+		s.stages = newGroup(groupSlots, groupMax, s.stageGroup)
 	}
 	return s
 }
@@ -216,7 +220,7 @@ type queries struct {
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, acceptBatch, finishBatch string
+	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch string
 }
 
 // listJobs starts a List query; the filters complete it per call.
