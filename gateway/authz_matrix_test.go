@@ -124,6 +124,13 @@ func TestRouteRoleMatrix(t *testing.T) {
 		e.job = decode[jobView](t, b).ID
 	}
 	waitJob(t, f, "acme", e.job, store.Succeeded)
+	if status, b := e.do(http.MethodPost, "/v1/jobs", e.keys[roleUser], strings.Replace(chatJob("an entity's job", 2), `"metadata"`,
+		`"entity":{"key":"matrix-entity","version":1},"metadata"`, 1), "Idempotency-Key", "matrix-entity"); status != http.StatusAccepted {
+		t.Fatalf("submit with an entity: %d %s", status, b)
+	}
+	if _, err := st.PutPolicy(context.Background(), store.Policy{Tenant: "acme", Name: "matrix", Document: json.RawMessage(`{"name":"matrix","rules":[{"rule":"json"}]}`), CreatedAt: quotaT0}); err != nil {
+		t.Fatal(err)
+	}
 
 	const (
 		no = http.StatusUnauthorized
@@ -203,6 +210,26 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /rerank", body: `{"model":"` + llama + `","query":"q","documents":["d"]}`, want: refusedScoring},
 		{pattern: "POST /v1/score", body: `{"model":"` + llama + `","text_1":"q","text_2":"d"}`, want: refusedScoring},
 		{pattern: "POST /score", body: `{"model":"` + llama + `","text_1":"q","text_2":"d"}`, want: refusedScoring},
+		// Outcomes (outcomes.go): policies are written by operators and
+		// read by any key of their tenant; the rest is operators'. The
+		// matrix's job succeeded: too late to review or replay.
+		{pattern: "POST /v1/validation-policies", body: `{"name":"{unique}","rules":[{"rule":"json"}]}`,
+			want: [nRoles]int{no, http.StatusCreated, fb, http.StatusCreated, http.StatusCreated}},
+		{pattern: "GET /v1/validation-policies", want: keyed, check: func(e *matrixEnv, role, status int, body []byte) {
+			if role == roleOther && strings.Contains(string(body), `"matrix"`) {
+				e.t.Errorf("another tenant sees acme's policies: %s", body)
+			}
+		}},
+		{pattern: "GET /v1/validation-policies/{name}", path: "/v1/validation-policies/matrix", want: ownJob},
+		{pattern: "GET /v1/validation-policies/{name}/versions", path: "/v1/validation-policies/matrix/versions", want: ownJob},
+		{pattern: "GET /v1/reviews", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
+		{pattern: "POST /v1/jobs/{id}/review", path: "/v1/jobs/{job}/review", body: `{"decision":"approve"}`,
+			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/jobs/{id}/audit", path: "/v1/jobs/{job}/audit", want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "POST /v1/jobs/{id}/replay", path: "/v1/jobs/{job}/replay",
+			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/dead-letters", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
+		{pattern: "GET /v1/entities/{key}", path: "/v1/entities/matrix-entity", want: ownJob},
 		{pattern: "GET /healthz", want: anyone},
 		{pattern: "GET /readyz", want: anyone},
 		{pattern: "GET /metrics", want: anyone},

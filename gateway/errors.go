@@ -130,6 +130,15 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrConflict):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "idempotency_key_reused",
 			msg: "This Idempotency-Key was used for a different request; use a new key for a new request."}
+	case errors.Is(err, store.ErrPolicyNotFound):
+		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "policy_not_found", param: "validation.policy",
+			msg: "No such validation policy (or version of it) for your tenant."}
+	case errors.Is(err, store.ErrEntityVersionExists):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "entity_version_exists", param: "entity.version",
+			msg: "Another job already has this version of the entity: a version of an entity is one job."}
+	case errors.Is(err, store.ErrWrongState):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_state",
+			msg: "The job's state does not allow this: a review needs REVIEW_REQUIRED, a replay FAILED_TERMINAL or REVIEW_REQUIRED."}
 	case errors.Is(err, store.ErrFinal):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_final", msg: "The job has already ended."}
 	case errors.Is(err, store.ErrUnavailable):

@@ -11,6 +11,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -31,6 +32,9 @@ type jobStore interface {
 	Attempts(ctx context.Context, id string) ([]store.Attempt, error)
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
 	FeedHead(ctx context.Context, tenant string) (int64, error)
+	Stage(ctx context.Context, id, stage string) ([]byte, error)
+	store.Outcomes // policies, reviews, replay, dead letters (outcomes.go)
+	store.Entities // per-entity ordering (outcomes.go)
 }
 
 // feedNotices tells event streams that the published feed may have moved;
@@ -70,6 +74,14 @@ type jobRequest struct {
 	Deadline        *time.Time      `json:"deadline"`
 	DeadlineSeconds *int            `json:"deadline_seconds"`
 	Metadata        json.RawMessage `json:"metadata"`
+	// Validation names the policy that judges the answer; Source is the
+	// text its evidence must occur in (outcomes.go).
+	Validation *jobValidation `json:"validation"`
+	Source     *string        `json:"source"`
+	// Entity names the entity version the job produces; Ordering is
+	// "latest" (the default) or "serial" (entities.go).
+	Entity   *jobEntity `json:"entity"`
+	Ordering string     `json:"ordering"`
 }
 
 // jobView is a job as its tenant sees it. Retry details (attempts,
@@ -86,6 +98,10 @@ type jobView struct {
 	Deadline     int64           `json:"deadline"`
 	Metadata     json.RawMessage `json:"metadata,omitempty"`
 	ResultURL    string          `json:"result_url,omitempty"`
+	// The pinned policy and the entity version, on a single job's view
+	// (outcomes.go).
+	Validation *jobValidation `json:"validation,omitempty"`
+	Entity     *jobEntity     `json:"entity,omitempty"`
 }
 
 func viewOf(j store.Job) jobView {
@@ -139,7 +155,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err := json.Unmarshal(raw, &req); err != nil {
 		return writeError(w, s.log, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")"))
 	}
-	hash := requestHash(req.Endpoint, req.Body)
+	hash := outcomeHash(requestHash(req.Endpoint, req.Body), req)
 	// A client retrying a lost 202 must get its job back whatever refuses
 	// a new one now (its limits, which the job it retries fills; a model
 	// gone; an absolute deadline since passed): on a refusal, the key's
@@ -172,6 +188,14 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		return refuse(badRequest("body.stream", "A job's result is stored, not streamed: leave stream unset."))
 	}
 	model, err := s.resolveCall(c, "body.model")
+	if err != nil {
+		return refuse(err)
+	}
+	outcome, err := s.outcomeOf(r.Context(), req, ep)
+	if err != nil {
+		return refuse(err)
+	}
+	entity, err := entityOf(req)
 	if err != nil {
 		return refuse(err)
 	}
@@ -208,6 +232,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: hash,
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
 		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
+		Outcome: outcome, Entity: entity,
 	})
 	if err != nil {
 		return writeError(w, s.log, err)
@@ -234,7 +259,11 @@ func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	writeJSON(w, http.StatusOK, viewOf(j))
+	v := viewOf(j)
+	if err := s.outcomeView(r.Context(), &v); err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, v)
 	return http.StatusOK
 }
 
@@ -249,12 +278,10 @@ func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
 		f.Limit = n
 	}
 	for _, st := range q["state"] {
-		switch store.State(st) {
-		case store.Ready, store.Running, store.RetryScheduled, store.Succeeded, store.ReviewRequired, store.FailedTerminal, store.Cancelled:
-			f.States = append(f.States, store.State(st))
-		default:
+		if !slices.Contains(store.States, store.State(st)) {
 			return writeError(w, s.log, badRequest("state", fmt.Sprintf("state %q is not a job state.", st)))
 		}
+		f.States = append(f.States, store.State(st))
 	}
 	jobs, next, err := s.jobs.Store.List(r.Context(), tenantOf(r.Context()), f)
 	if err != nil {

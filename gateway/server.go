@@ -177,6 +177,7 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.surfaceRoutes()
 	if s.jobs.Store != nil {
 		s.jobRoutes()
+		s.outcomeRoutes(reg) // outcomes.go
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()

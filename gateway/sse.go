@@ -427,6 +427,9 @@ type attemptView struct {
 	CompletionTokens int    `json:"completion_tokens"`
 	StartedAt        int64  `json:"started_at,omitempty"` // unknown (0) for a lease the reaper took
 	EndedAt          int64  `json:"ended_at"`
+	// The policy version this attempt's validation judged by (outcomes.go).
+	Policy        string `json:"policy,omitempty"`
+	PolicyVersion int    `json:"policy_version,omitempty"`
 }
 
 // handleJobAttempts lists a job's attempts: backends, outcomes and error
@@ -460,6 +463,7 @@ func (s *Server) handleJobAttempts(w http.ResponseWriter, r *http.Request) int {
 			out.Data[i].StartedAt = a.StartedAt.Unix()
 		}
 	}
+	s.attemptPolicies(ctx, j.ID, out.Data)
 	writeJSON(w, http.StatusOK, out)
 	return http.StatusOK
 }

@@ -50,6 +50,7 @@ type samplingFields struct {
 	Stream              bool           `json:"stream"`
 	StreamOptions       *streamOptions `json:"stream_options"`
 	responses           *responsesMeta // a Responses API call: responses.go
+	structuredFields                   // response_format, guided_json (structured.go)
 }
 
 type chatMessageIn struct {
@@ -148,6 +149,10 @@ type genCall struct {
 	ignoreEOS bool
 	minTokens int
 	responses *responsesMeta
+	// structured is the JSON the request asked for (nil: free text);
+	// invalidJSON breaks it on purpose (structured.go).
+	structured  *structuredSpec
+	invalidJSON bool
 }
 
 func (s *Sim) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -262,6 +267,9 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		c.id = s.newID("resp_")
 	}
 
+	if !s.structuredCall(w, r, &c, f.structuredFields) {
+		return
+	}
 	flt, delay, _ := s.faults.draw(r)
 	if !s.injectEarly(w, r, flt) {
 		return
@@ -365,6 +373,9 @@ func (s *Sim) respond(w http.ResponseWriter, r *http.Request, c genCall, req *Re
 		dropConnection()
 	}
 	text, _ := Detokenize(out, true)
+	if c.structured != nil {
+		text = s.structuredText(c.structured, c.prompt, c.invalidJSON)
+	}
 	usage := usageInfo{PromptTokens: len(c.prompt), CompletionTokens: len(out), TotalTokens: len(c.prompt) + len(out)}
 	created := time.Now().Unix()
 	if c.kind == kindChat {

@@ -77,6 +77,8 @@ type config struct {
 		Lease           time.Duration `yaml:"lease"`
 		MaxAttempts     int           `yaml:"max_attempts"`
 		DefaultDeadline time.Duration `yaml:"default_deadline"`
+		// Retention: final jobs are pruned this long after they ended [30 days].
+		Retention time.Duration `yaml:"retention"`
 	} `yaml:"jobs"`
 	// Models maps model aliases to a model or an ordered list of models
 	// (fallbacks); Prices are per model (and alias), per million tokens,
@@ -359,7 +361,7 @@ func (c *config) validate() error {
 		{"gateway.request_timeout", int64(c.Gateway.RequestTimeout), true}, {"metrics.scrape_interval", int64(c.Metrics.ScrapeInterval), true},
 		{"metrics.stale_after", int64(c.Metrics.StaleAfter), true}, {"metrics.probe_interval", int64(c.Metrics.ProbeInterval), true},
 		{"nvml.interval", int64(c.NVML.Interval), true}, {"jobs.lease", int64(c.Jobs.Lease), true},
-		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true},
+		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true}, {"jobs.retention", int64(c.Jobs.Retention), true},
 		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
 		{"nats.replicas", int64(c.NATS.Replicas), false}, {"jobs.concurrency", int64(c.Jobs.Concurrency), false},
 		{"jobs.max_attempts", int64(c.Jobs.MaxAttempts), false}, {"sim.count", int64(c.Sim.Count), false},

@@ -148,9 +148,12 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	})
 	runnerPtr.Store(runner)
 	reg.MustRegister(runner.Collectors()...)
+	pruner := scheduler.NewPruner(st, scheduler.RetentionConfig{Retention: cfg.Jobs.Retention, Logger: log})
+	reg.MustRegister(pruner.Collectors()...)
 
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })
 	g.Go(func() error { return ignoreCanceled(sched.Run(gctx)) })
+	g.Go(func() error { return ignoreCanceled(pruner.Run(gctx)) })
 	// The runner's context is its own: the drain ends it, not the signal.
 	jobsCtx, stopJobs := context.WithCancel(gctx)
 	defer stopJobs()

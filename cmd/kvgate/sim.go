@@ -56,6 +56,7 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 	fs.Float64Var(&faults.MalformedRate, "fault-malformed-rate", 0, "fraction of requests answered with truncated JSON")
 	fs.Float64Var(&faults.SlowFirstTokenRate, "fault-slow-first-token-rate", 0, "fraction of requests whose first token is delayed")
 	fs.Float64Var(&faults.SlowFirstTokenSeconds, "fault-slow-first-token", 5, "delay of a slow first token, in simulated seconds")
+	fs.Float64Var(&faults.InvalidJSONRate, "fault-invalid-json-rate", 0, "fraction of structured answers (response_format, guided_json) that break their schema")
 	fs.BoolVar(&faults.Dead, "fault-dead", false, "start with a dead engine (/health 503, requests fail)")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: kvgate sim [flags]\n       kvgate sim calibrate [--profile NAME] [--seed N]\n       kvgate sim profiles\n\n"+

@@ -390,7 +390,7 @@ type end struct {
 
 // Complete implements store.Store.
 func (s *Store) Complete(ctx context.Context, c store.Completion) error {
-	if c.State != store.Succeeded && c.State != store.ReviewRequired {
+	if c.State != store.Succeeded && c.State != store.ReviewRequired && (c.State != store.Superseded || c.Entity == nil) {
 		return fmt.Errorf("complete job %s: state %s is not a completion", c.JobID, c.State)
 	}
 	result := []byte(c.Result)
@@ -399,8 +399,12 @@ func (s *Store) Complete(ctx context.Context, c store.Completion) error {
 	}
 	a := c.Attempt
 	a.Spent, a.Sent = !c.Reused, !c.Reused
-	return s.finish(ctx, &end{op: "complete job " + c.JobID, id: c.JobID, fence: c.Fence, state: c.State, avail: c.Now,
-		result: result, a: a, eventID: c.EventID, now: c.Now})
+	e := &end{op: "complete job " + c.JobID, id: c.JobID, fence: c.Fence, state: c.State, avail: c.Now,
+		result: result, a: a, eventID: c.EventID, now: c.Now}
+	if c.Entity != nil {
+		return s.completeEntity(ctx, *c.Entity, e) // outcomes_entities.go
+	}
+	return s.finish(ctx, e)
 }
 
 // Fail implements store.Store; where the job goes is nextState's rule.
@@ -553,4 +557,34 @@ func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage str
 		return s.err(op, err)
 	}
 	return nil
+}
+
+// finishEntity ends an attempt of an entity job with a completion (its
+// state decided by the entity's check, outcomes_entities.go), under the
+// claim's ownership, as one statement of the transaction that decides.
+var finishEntity = `UPDATE jobs SET state = ?, attempt = ` + spentAttempts("jobs", "?") + `, state_version = state_version + 1,
+		updated_at = ?, lease_until = 0, available_at = ?, result = COALESCE(?, result), error_class = '', last_error = ''
+	WHERE id = ? AND ` + owned("jobs", "?", "?") + ` RETURNING tenant, state, state_version`
+
+// finishEntityTx is finish for an entity job, in tx: the job's new state,
+// its attempt record and its event, or ErrLeaseLost and nothing.
+func (s *Store) finishEntityTx(ctx context.Context, tx *sql.Tx, e *end) error {
+	var tenant, st string
+	var version int64
+	var res any
+	if e.result != nil {
+		res = e.result
+	}
+	err := tx.QueryRowContext(ctx, rebind(s.d, finishEntity), string(e.state), e.a.Spent, micros(e.now), micros(e.avail), res,
+		e.id, e.fence, micros(e.now)).Scan(&tenant, &st, &version)
+	if errors.Is(err, sql.ErrNoRows) {
+		return store.ErrLeaseLost
+	}
+	if err != nil {
+		return err
+	}
+	if err := s.insertAttempt(ctx, tx, e.id, e.fence, e.a); err != nil {
+		return err
+	}
+	return s.addEvent(ctx, tx, e.eventID, e.id, tenant, store.State(st), version, e.now)
 }

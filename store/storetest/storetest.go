@@ -61,6 +61,8 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaRace", testQuotaRace},
 		{"JobReservations", testJobReservations},
 	}
+	tests = append(tests, outcomeTests...) // outcomes.go
+	tests = append(tests, entityTests...)  // entities.go
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newStore(t)
