@@ -147,6 +147,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	g.generated.Store(-1)
 	g.admittedStep = -1
+	g.admittedGen = best.Metrics.Generation
 	if st, ok := best.StepsAt(now); ok {
 		g.admittedStep = st
 	}
@@ -210,7 +211,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 				g.prompt = p
 			}
 		}
-		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, s.policy.ProgressFactor)
+		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, m.Generation, s.policy.ProgressFactor)
 		ld.flights[i] = flight{held: g.prompt + hi, remaining: g.maxOut - lo}
 		if i < len(l.grants)-ld.newSinceScrape {
 			// The low end: what the measurement surely includes, so that
