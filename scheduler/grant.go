@@ -51,7 +51,7 @@ type Grant struct {
 	// than the backend has since.
 	admittedGen float64
 	generated   atomic.Int64 // -1 until reported
-	released     bool         // guarded by s.mu
+	released    bool         // guarded by s.mu
 }
 
 // progress brackets the output a grant has produced: lo and hi tokens.
