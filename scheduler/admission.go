@@ -54,6 +54,10 @@ type load struct {
 	// usage already includes those, not these.
 	newSinceScrape   int
 	heldBeforeScrape int
+	// unscheduled counts the flights sent since the scrape that vLLM may
+	// not have scheduled yet (lateview.go): they may sit in its queue,
+	// which the scrape does not show.
+	unscheduled int
 }
 
 // verdict is an admission decision and, when it is no, why.
@@ -77,6 +81,7 @@ const (
 	reasonPreempting = "preempting"
 	reasonShare      = "replica_share"
 	reasonCooldown   = "cooldown"
+	reasonAlone      = "needs_backend_alone"
 )
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
@@ -130,7 +135,9 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	// vLLM's own queue: beside other replicas, each may add to it
 	// unseen, and a request waiting there makes the progress estimate of
 	// every non-streaming flight run ahead; so each keeps to its share.
-	if l.measuredWaiting > int(l.share*float64(p.MaxBackendWaiting)) {
+	// The scrape shows the queue as it was; what kvgate sent since may
+	// be in it too.
+	if l.measuredWaiting+l.unscheduled > int(l.share*float64(p.MaxBackendWaiting)) {
 		return verdict{reason: reasonWaiting}
 	}
 
@@ -141,6 +148,9 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		external = max(0, l.measuredUsed-l.heldBeforeScrape)
 	}
 	need := prompt + maxOut
+	if alone := need + roundingSlack(1, l.blockSize); alone > budget {
+		return decideAlone(l, external, alone)
+	}
 
 	if l.paced && l.stepsSinceAdmit >= 0 && l.stepsSinceAdmit < pacingGap(l, budget) {
 		return verdict{reason: reasonPacing}

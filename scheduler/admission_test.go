@@ -74,8 +74,12 @@ func TestDecide(t *testing.T) {
 		{name: "stale metrics count as saturated", mod: func(l *load) { l.stale = true }, prompt: 10, out: 10, reason: reasonStale},
 		{name: "unknown capacity", mod: func(l *load) { l.capacity = 0 }, prompt: 10, out: 10, reason: reasonNoCapacity},
 		{name: "up to the target", prompt: 45_000, out: 45_000, ok: true},
-		{name: "over the target", prompt: 45_000, out: 45_001, reason: reasonKV},
-		{name: "degraded GPUs lower the target", mod: func(l *load) { l.degraded = true }, prompt: 40_000, out: 40_000, reason: reasonKV},
+		{name: "over the target waits to run alone", mod: func(l *load) { l.inflight, l.reserved = 1, 1 }, prompt: 45_000, out: 45_001, reason: reasonAlone},
+		{name: "degraded GPUs lower the target", mod: func(l *load) {
+			l.degraded = true
+			l.flights = []flight{{held: 10_000, remaining: 10_000}}
+			l.reserved, l.inflight = 20_000, 1
+		}, prompt: 35_000, out: 25_000, reason: reasonKV},
 		{name: "degraded still admits under the lowered target", mod: func(l *load) { l.degraded = true }, prompt: 30_000, out: 30_000, ok: true},
 		{
 			name: "max_num_seqs from kvgate's own count",

@@ -1,10 +1,15 @@
 package scheduler
 
 import (
+	"fmt"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvgate/kvgate/gpu"
 )
 
 // TestProgressSourceGauge: /metrics says, per backend, which source
@@ -31,5 +36,144 @@ kvgate_scheduler_backend_progress_source{backend="steps",source="steps"} 1
 `
 	if err := testutil.CollectAndCompare(stateCollector{s}, strings.NewReader(want), "kvgate_scheduler_backend_progress_source"); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestDecideWaitingSinceScrape: the waiting-queue guard counts what kvgate
+// sent since the scrape that vLLM may not have taken in yet, as the
+// sequence guard counts what it sent: one pass cannot pile tickets into
+// vLLM's queue against one scrape.
+func TestDecideWaitingSinceScrape(t *testing.T) {
+	p := Policy{}
+	p.defaults() // max_backend_waiting 2
+	for _, tc := range []struct {
+		name                 string
+		waiting, unscheduled int
+		share                float64
+		ok                   bool
+	}{
+		{"nothing waits", 0, 0, 1, true},
+		{"two sent since, none seen waiting", 0, 2, 1, true},
+		{"three sent since and not scheduled", 0, 3, 1, false},
+		{"one waiting, two sent since", 1, 2, 1, false},
+		{"two waiting, none sent since", 2, 0, 1, true},
+		{"three waiting", 3, 0, 1, false},
+		{"beside another replica, one sent since", 0, 2, 0.5, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true, share: tc.share,
+				measuredWaiting: tc.waiting, unscheduled: tc.unscheduled, newSinceScrape: tc.unscheduled}
+			v := decide(&l, 100, 100, &p)
+			if v.ok != tc.ok || (!v.ok && v.reason != reasonWaiting) {
+				t.Errorf("decide = %+v, want ok=%v (or %s)", v, tc.ok, reasonWaiting)
+			}
+		})
+	}
+}
+
+func TestScheduledSince(t *testing.T) {
+	for _, tc := range []struct {
+		name              string
+		admitted, stepsAt float64
+		want              bool
+	}{
+		{"no step counter", -1, -1, false},
+		{"admitted before the counter was known", -1, 500, false},
+		{"no step since", 100, 100, false},
+		{"one step since: maybe its prefill", 100, 101, false},
+		{"two steps since", 100, 102, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := scheduledSince(&Grant{admittedStep: tc.admitted}, tc.stepsAt); got != tc.want {
+				t.Errorf("scheduledSince = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestDecideLargerThanTarget: a request above kv_target × capacity but
+// within the capacity waits until the backend can hold it alone, then goes.
+func TestDecideLargerThanTarget(t *testing.T) {
+	p := Policy{}
+	p.defaults()
+	p.KVTarget = 0.9 // 90,000 of 100,000
+	for _, tc := range []struct {
+		name        string
+		mod         func(*load)
+		prompt, out int
+		ok          bool
+		reason      string
+		needExact   bool
+	}{
+		{name: "within the target: the usual path", prompt: 45_000, out: 45_000, ok: true},
+		{name: "above the target, backend empty", prompt: 60_000, out: 35_000, ok: true},
+		{name: "above the target, rounding included", mod: func(l *load) { l.blockSize = 16 }, prompt: 60_000, out: 39_990, reason: reasonKV},
+		{name: "above the target, kvgate has work there", mod: func(l *load) { l.inflight, l.reserved = 1, 100 }, prompt: 60_000, out: 35_000, reason: reasonAlone},
+		{name: "above the target, foreign load leaves no room", mod: func(l *load) { l.measuredUsed = 10_000 }, prompt: 60_000, out: 35_000, reason: reasonAlone},
+		{name: "foreign load may be kvgate's releases: ask for the exact ledger", mod: func(l *load) { l.measuredUsed = 10_000; l.exact = false }, prompt: 60_000, out: 35_000, reason: reasonAlone, needExact: true},
+		{name: "releases in the scrape are not foreign", mod: func(l *load) { l.measuredUsed, l.heldBeforeScrape = 10_000, 10_000 }, prompt: 60_000, out: 35_000, ok: true},
+		{name: "some foreign load, still room", mod: func(l *load) { l.measuredUsed = 4_000 }, prompt: 60_000, out: 35_000, ok: true},
+		{name: "degraded lowers the target, not the capacity", mod: func(l *load) { l.degraded = true }, prompt: 60_000, out: 35_000, ok: true},
+		{name: "above the capacity", prompt: 60_000, out: 40_001, reason: reasonKV},
+		{name: "the other guards still apply", mod: func(l *load) { l.stale = true }, prompt: 60_000, out: 35_000, reason: reasonStale},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true, share: 1}
+			if tc.mod != nil {
+				tc.mod(&l)
+			}
+			v := decide(&l, tc.prompt, tc.out, &p)
+			if v.ok != tc.ok || v.reason != tc.reason || v.needExact != tc.needExact {
+				t.Errorf("decide = %+v, want ok=%v reason=%q needExact=%v", v, tc.ok, tc.reason, tc.needExact)
+			}
+		})
+	}
+}
+
+// TestWaitingGuardCountsSentSinceScrape: against one scrape that showed an
+// empty queue, kvgate sends no more than max_backend_waiting+1 requests
+// that the backend has not had the steps to take in; once its step
+// counter has moved on, the next goes.
+func TestWaitingGuardCountsSentSinceScrape(t *testing.T) {
+	for _, withSteps := range []bool{true, false} {
+		t.Run(fmt.Sprint("steps=", withSteps), func(t *testing.T) {
+			t0 := time.Now()
+			var mu sync.Mutex
+			now := t0
+			clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+			sn := backendSnap("a", 100_000)
+			sn.ScrapedAt = t0.Add(-time.Millisecond)
+			if withSteps {
+				sn.Metrics.HasSteps, sn.Metrics.Steps, sn.StepRate = true, 100, 1000 // a step a millisecond
+			}
+			s, err := New(&staticSource{snaps: []*gpu.Snapshot{sn}}, Options{Policy: Policy{}, Now: clock})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i := range 3 {
+				g, err := s.Acquire(t.Context(), &Ticket{Model: model, PromptTokens: 10, MaxTokens: 10})
+				if err != nil {
+					t.Fatalf("ticket %d: %v", i, err)
+				}
+				defer g.Release()
+			}
+			fourth := acquireAsync(t.Context(), s, &Ticket{Model: model, PromptTokens: 10, MaxTokens: 10})
+			waitQueued(t, s, 1)
+			mu.Lock()
+			now = now.Add(5 * time.Millisecond) // five steps, no new scrape
+			mu.Unlock()
+			s.Wake()
+			if withSteps {
+				o := <-fourth
+				if o.err != nil {
+					t.Fatal(o.err)
+				}
+				o.g.Release()
+				return
+			}
+			if q := s.Queued(); q[Interactive] != 1 {
+				t.Fatalf("without a step counter the fourth went before a scrape showed the queue: queued %v", q)
+			}
+		})
 	}
 }

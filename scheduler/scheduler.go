@@ -188,14 +188,17 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		return ld
 	}
 	ld.reserved, ld.inflight = l.reserved, len(l.grants)
-	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
-		ld.newSinceScrape++
-	}
 	stepsNow, hasSteps := sn.StepsAt(now)
 	if !hasSteps {
 		stepsNow = -1
 	} else if l.lastAdmitStep >= 0 {
 		ld.stepsSinceAdmit = max(0, stepsNow-l.lastAdmitStep)
+	}
+	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
+		ld.newSinceScrape++
+		if g := l.grants[i]; !scheduledSince(g, stepsNow) {
+			ld.unscheduled++
+		}
 	}
 	if n := len(l.grants); n > 0 {
 		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved)/float64(n)
