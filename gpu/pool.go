@@ -535,13 +535,18 @@ func smooth(old, cur float64) float64 {
 }
 
 // StepsAt extrapolates the backend's engine step counter to t, from the
-// last scrape and the step rate; ok is false when the server does not
-// publish steps.
+// last scrape and the step rate, no further than the staleness bound past
+// the scrape (a backend that stopped stepping must not seem to go on);
+// ok is false when the server does not publish steps.
 func (s *Snapshot) StepsAt(t time.Time) (steps float64, ok bool) {
 	if !s.Metrics.HasSteps || s.ScrapedAt.IsZero() {
 		return 0, false
 	}
-	return s.Metrics.Steps + s.StepRate*max(0, t.Sub(s.ScrapedAt).Seconds()), true
+	ahead := max(0, t.Sub(s.ScrapedAt))
+	if s.StaleAfter > 0 {
+		ahead = min(ahead, s.StaleAfter)
+	}
+	return s.Metrics.Steps + s.StepRate*ahead.Seconds(), true
 }
 
 func (p *Pool) fetchMetrics(ctx context.Context, base string) (EngineMetrics, error) {

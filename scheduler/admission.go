@@ -17,6 +17,7 @@ type load struct {
 	routable   bool
 	cooling    bool // the backend asked for a pause (429)
 	stale      bool
+	late       bool // past the staleness bound while a scrape is under way (lateview.go)
 	degraded   bool
 	preempting bool // the backend preempted since its previous scrape
 
@@ -67,6 +68,8 @@ type verdict struct {
 	headroom float64 // fraction of capacity left under the target after admission
 	// needExact asks the caller to retry with the exact ledger.
 	needExact bool
+	// gap is the pacing gap in steps the decision applied (0: none).
+	gap float64
 }
 
 // Reasons a backend cannot take a ticket now.
@@ -105,6 +108,9 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	target := p.KVTarget
 	if l.degraded {
 		target *= p.DegradedFactor
+	}
+	if l.late {
+		target -= lateMargin
 	}
 	budget := int(target * float64(l.capacity))
 
@@ -152,15 +158,18 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		return decideAlone(l, external, alone)
 	}
 
-	if l.paced && l.stepsSinceAdmit >= 0 && l.stepsSinceAdmit < pacingGap(l, budget) {
-		return verdict{reason: reasonPacing}
+	gap := 0.0
+	if l.paced && l.stepsSinceAdmit >= 0 {
+		if gap = pacingGap(l, budget); l.stepsSinceAdmit < gap {
+			return verdict{reason: reasonPacing}
+		}
 	}
 
 	// Fast path: every flight at its largest at once still fits.
 	slack := roundingSlack(l.inflight+1, l.blockSize)
 	own := l.reserved + need + slack
 	if worst := external + own; worst <= budget && own <= shareBudget {
-		return verdict{ok: true, headroom: headroom(budget-worst, shareBudget-own, l.capacity)}
+		return verdict{ok: true, headroom: headroom(budget-worst, shareBudget-own, l.capacity), gap: gap}
 	}
 	if !l.exact {
 		return verdict{reason: reasonKV, needExact: true}
@@ -172,7 +181,7 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	case own > shareBudget:
 		return verdict{reason: reasonShare}
 	}
-	return verdict{ok: true, headroom: headroom(budget-external-own, shareBudget-own, l.capacity)}
+	return verdict{ok: true, headroom: headroom(budget-external-own, shareBudget-own, l.capacity), gap: gap}
 }
 
 // headroom is the smaller of the room left under the whole budget and

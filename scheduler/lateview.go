@@ -1,5 +1,49 @@
 package scheduler
 
+import (
+	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// lateMargin is the share of a backend's capacity that a late view costs:
+// while a scrape is overdue, admission goes on from what it knows (what it
+// sent, the streams' reported progress, the step rate extrapolated no
+// further than the staleness bound) with the KV target lowered by this
+// much, rather than stopping.
+const lateMargin = 0.1
+
+// lateView reports whether a backend's metrics are past the staleness
+// bound only because a scrape is late: the last one succeeded, none has
+// failed since, and it is no older than twice the bound (a scrape times
+// out at the bound, and a failed one marks the snapshot). A backend whose
+// scrapes fail, or that was never scraped, stays stale: saturated.
+func lateView(sn *gpu.Snapshot, now time.Time) bool {
+	if sn.ScrapedAt.IsZero() || sn.ScrapeErr != "" {
+		return false
+	}
+	age := now.Sub(sn.ScrapedAt)
+	return age > sn.StaleAfter && age <= 2*sn.StaleAfter
+}
+
+// maxPacingCredit bounds, in pacing gaps, the steps a backlog may have
+// to its credit: how many admissions one pass may make at once to a
+// backend after a pass came late.
+const maxPacingCredit = 4
+
+// pacingMark is where the pacing clock of a backend stands after an
+// admission at step now that applied the gap (0: none applied, the clock
+// restarts at now). Pacing spaces admissions gap steps apart on the
+// backend's step clock, not one per admission pass: when a pass comes late
+// (a busy host, a late scrape) the steps it missed are credit, up to
+// maxPacingCredit gaps, rather than lost fleet throughput.
+func pacingMark(last, now, gap float64) float64 {
+	if gap <= 0 || last < 0 || now < 0 {
+		return now
+	}
+	return max(last+gap, now-maxPacingCredit*gap)
+}
+
 // decideAlone decides on a request larger than the KV budget (kv_target
 // of the capacity) but not than the capacity: vLLM would run it, so it
 // waits until kvgate has nothing else in flight on the backend and the

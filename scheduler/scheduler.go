@@ -100,7 +100,7 @@ func (s *Scheduler) Policy() Policy { return s.policy }
 
 func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
 	var best *gpu.Snapshot
-	bestHead := math.Inf(-1)
+	bestHead, bestGap := math.Inf(-1), 0.0
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
 			continue
@@ -129,7 +129,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			continue
 		}
 		if v.headroom > bestHead {
-			best, bestHead = sn, v.headroom
+			best, bestHead, bestGap = sn, v.headroom, v.gap
 		}
 	}
 	if best == nil {
@@ -151,7 +151,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	if st, ok := best.StepsAt(now); ok {
 		g.admittedStep = st
 	}
-	l.lastAdmitStep = g.admittedStep
+	l.lastAdmitStep = pacingMark(l.lastAdmitStep, g.admittedStep, bestGap)
 	l.grants = append(l.grants, g)
 	l.reserved += t.Need()
 	l.sumOut += t.MaxTokens
@@ -172,7 +172,8 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		preempting:      sn.PreemptionRate > 0,
 		routable:        sn.Routable(),
 		cooling:         sn.Cooling(now),
-		stale:           sn.Stale(now),
+		stale:           sn.Stale(now) && !lateView(sn, now),
+		late:            lateView(sn, now),
 		degraded:        sn.GPUHealth == gpu.Degraded,
 		capacity:        sn.CapacityTokens,
 		maxNumSeqs:      sn.MaxNumSeqs,
