@@ -1,7 +1,9 @@
 package gateway
 
 import (
+	"bufio"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -57,5 +59,115 @@ func TestLargerThanTargetRunsAlone(t *testing.T) {
 	resp, body = f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","max_tokens":9600}`)
 	if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "context") {
 		t.Errorf("beyond the context: status %d: %s", resp.StatusCode, body)
+	}
+}
+
+// BenchmarkStreamRelay streams 4-token completions through kvgate from an
+// unpaced simulator, all in-process, from 16 clients: a CPU profile of it
+// (-cpuprofile) shows what the relay costs per stream.
+//
+//	go test -run '^$' -bench StreamRelay -benchtime 5000x -cpuprofile /tmp/relay.prof ./gateway/
+func BenchmarkStreamRelay(b *testing.B) {
+	f := startFleet(b, fleetOpts{profile: llamaProfile(b)})
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 64}}
+	body := `{"model":"` + llama + `","prompt":"hello","max_tokens":4,"ignore_eos":true,"stream":true}`
+	b.SetParallelism(8)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			resp, err := client.Post(f.srv.URL+"/v1/completions", "application/json", strings.NewReader(body))
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				b.Errorf("status %d", resp.StatusCode)
+				return
+			}
+		}
+	})
+}
+
+func TestPetWatchdog(t *testing.T) {
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	now := time.Now()
+	if got := petWatchdog(timer, time.Hour, time.Time{}); got.Before(now) {
+		t.Error("the first line did not reset the watchdog")
+	}
+	recent := time.Now().Add(-time.Second) // within an hour/64
+	if got := petWatchdog(timer, time.Hour, recent); !got.Equal(recent) {
+		t.Error("reset again within idle/64 of the last reset")
+	}
+	old := time.Now().Add(-2 * time.Minute) // more than an hour/64 ago
+	if got := petWatchdog(timer, time.Hour, old); !got.After(old) {
+		t.Error("not reset idle/64 after the last reset")
+	}
+}
+
+// TestRelayHoldsNoSequenceBehindAnother: the relay sends a stream's finish
+// chunk together with its [DONE], but with several sequences (n=2) one's
+// finish is not the stream's end: the other's tokens after it must reach
+// the client before the backend sends [DONE].
+func TestRelayHoldsNoSequenceBehindAnother(t *testing.T) {
+	seen := make(chan struct{})
+	wrap := func(_ int, sim http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/v1/completions" {
+				sim.ServeHTTP(w, r)
+				return
+			}
+			w.Header().Set("Content-Type", "text/event-stream")
+			rc := http.NewResponseController(w)
+			chunk := func(i int, text, finish string) {
+				fmt.Fprintf(w, `data: {"id":"c","object":"text_completion","created":1,"model":"%s","choices":[{"index":%d,"text":"%s","finish_reason":%s}]}`+"\n\n", llama, i, text, finish)
+				_ = rc.Flush()
+			}
+			chunk(0, "a", "null")
+			chunk(1, "b", "null")
+			chunk(0, "c", `"length"`) // sequence 0 ends
+			chunk(1, "d", "null")     // sequence 1 goes on
+			select {                  // [DONE] only once the client has seen "d"
+			case <-seen:
+			case <-r.Context().Done():
+				return
+			}
+			chunk(1, "e", `"length"`)
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			_ = rc.Flush()
+		})
+	}
+	f := startFleet(t, fleetOpts{profile: llamaProfile(t), wrap: wrap})
+	resp, err := http.Post(f.srv.URL+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"`+llama+`","prompt":"a","max_tokens":3,"n":2,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	sc := bufio.NewScanner(resp.Body)
+	var texts []string
+	for sc.Scan() {
+		line := sc.Text()
+		if strings.Contains(line, `"text":"d"`) {
+			close(seen)
+		}
+		if strings.HasPrefix(line, "data: {") {
+			var c struct {
+				Choices []struct {
+					Text string `json:"text"`
+				} `json:"choices"`
+			}
+			if json.Unmarshal([]byte(line[len("data: "):]), &c) == nil && len(c.Choices) > 0 {
+				texts = append(texts, c.Choices[0].Text)
+			}
+		}
+	}
+	if got := strings.Join(texts, ""); got != "abcde" {
+		t.Errorf("relayed %q, want abcde", got)
 	}
 }

@@ -590,6 +590,7 @@ var (
 	dataPrefix = []byte("data:")
 	doneData   = []byte("[DONE]")
 	usageKey   = []byte(`"usage"`)
+	finishKey  = []byte(`"finish_reason":"`) // a finish reason that is not null
 )
 
 // relay copies a backend's event stream to the client event by event,
@@ -621,6 +622,12 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		started bool
 		midLine bool // the last read ended inside a line longer than the buffer
 		readErr error
+		// finishing is set from the event that carries a finish reason:
+		// the backend sends the rest ([DONE], the usage) at once, and
+		// the client's stream ends only with [DONE], so that event goes
+		// out with them in one flush (stream_relay.go).
+		finishing bool
+		lastPet   time.Time
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -633,7 +640,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			readErr = err
 			break
 		}
-		watchdog.Reset(s.cfg.StreamIdleTimeout)
+		lastPet = petWatchdog(watchdog, s.cfg.StreamIdleTimeout, lastPet)
 		event = append(event, line...)
 		// Only an empty line ends an event, as the client's parser sees
 		// it: one of blanks does not, nor the end of a long line.
@@ -664,6 +671,11 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		default:
 			chunks++
 		}
+		// One sequence only: beside others still going, its end is not
+		// the stream's.
+		if report && data != nil && !finishing && bytes.Contains(data, finishKey) {
+			finishing = true
+		}
 		if chunks > 0 && write && !done {
 			now := time.Now()
 			if last.IsZero() {
@@ -690,7 +702,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			}
 		}
 		event = event[:0]
-		if started && (br.Buffered() == 0 || done) {
+		if started && ((br.Buffered() == 0 && !finishing) || done) {
 			if err := rc.Flush(); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
