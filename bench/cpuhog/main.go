@@ -33,8 +33,9 @@ func main() {
 	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, *d)
 	defer cancel()
+	start := time.Now()
 	spins := spin(ctx, *duty)
-	fmt.Fprintf(os.Stderr, "cpuhog: spun %d loops over %v\n", spins, *d)
+	fmt.Fprintf(os.Stderr, "cpuhog: spun %d loops over %v\n", spins, time.Since(start).Round(time.Millisecond))
 }
 
 // spin busy-loops on one locked OS thread until ctx is done.
