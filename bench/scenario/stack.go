@@ -158,6 +158,8 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 		// Staleness bounds keep their wall-clock defaults: scaled down,
 		// a busy host's scheduling jitter would read as dead metrics.
 		StaleAfter:    time.Second,
+		// A fleet sped up decodes that much faster per wall second.
+		MaxDecodeRate: gpu.DefaultMaxDecodeRate * max(1, spec.speedup),
 		ProbeInterval: wall(time.Second, spec.speedup, 20*time.Millisecond),
 		EjectBase:     wall(2*time.Second, spec.speedup, 50*time.Millisecond),
 		EjectMax:      wall(time.Minute, spec.speedup, time.Second),
