@@ -1,9 +1,7 @@
 package gateway
 
 import (
-	"bufio"
 	"encoding/json"
-	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -104,70 +102,5 @@ func TestPetWatchdog(t *testing.T) {
 	old := time.Now().Add(-2 * time.Minute) // more than an hour/64 ago
 	if got := petWatchdog(timer, time.Hour, old); !got.After(old) {
 		t.Error("not reset idle/64 after the last reset")
-	}
-}
-
-// TestRelayHoldsNoSequenceBehindAnother: the relay sends a stream's finish
-// chunk together with its [DONE], but with several sequences (n=2) one's
-// finish is not the stream's end: the other's tokens after it must reach
-// the client before the backend sends [DONE].
-func TestRelayHoldsNoSequenceBehindAnother(t *testing.T) {
-	seen := make(chan struct{})
-	wrap := func(_ int, sim http.Handler) http.Handler {
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.URL.Path != "/v1/completions" {
-				sim.ServeHTTP(w, r)
-				return
-			}
-			w.Header().Set("Content-Type", "text/event-stream")
-			rc := http.NewResponseController(w)
-			chunk := func(i int, text, finish string) {
-				fmt.Fprintf(w, `data: {"id":"c","object":"text_completion","created":1,"model":"%s","choices":[{"index":%d,"text":"%s","finish_reason":%s}]}`+"\n\n", llama, i, text, finish)
-				_ = rc.Flush()
-			}
-			chunk(0, "a", "null")
-			chunk(1, "b", "null")
-			chunk(0, "c", `"length"`) // sequence 0 ends
-			chunk(1, "d", "null")     // sequence 1 goes on
-			select {                  // [DONE] only once the client has seen "d"
-			case <-seen:
-			case <-r.Context().Done():
-				return
-			}
-			chunk(1, "e", `"length"`)
-			fmt.Fprint(w, "data: [DONE]\n\n")
-			_ = rc.Flush()
-		})
-	}
-	f := startFleet(t, fleetOpts{profile: llamaProfile(t), wrap: wrap})
-	resp, err := http.Post(f.srv.URL+"/v1/completions", "application/json",
-		strings.NewReader(`{"model":"`+llama+`","prompt":"a","max_tokens":3,"n":2,"stream":true}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("status %d", resp.StatusCode)
-	}
-	sc := bufio.NewScanner(resp.Body)
-	var texts []string
-	for sc.Scan() {
-		line := sc.Text()
-		if strings.Contains(line, `"text":"d"`) {
-			close(seen)
-		}
-		if strings.HasPrefix(line, "data: {") {
-			var c struct {
-				Choices []struct {
-					Text string `json:"text"`
-				} `json:"choices"`
-			}
-			if json.Unmarshal([]byte(line[len("data: "):]), &c) == nil && len(c.Choices) > 0 {
-				texts = append(texts, c.Choices[0].Text)
-			}
-		}
-	}
-	if got := strings.Join(texts, ""); got != "abcde" {
-		t.Errorf("relayed %q, want abcde", got)
 	}
 }

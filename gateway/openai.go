@@ -590,7 +590,6 @@ var (
 	dataPrefix = []byte("data:")
 	doneData   = []byte("[DONE]")
 	usageKey   = []byte(`"usage"`)
-	finishKey  = []byte(`"finish_reason":"`) // a finish reason that is not null
 )
 
 // relay copies a backend's event stream to the client event by event,
@@ -622,12 +621,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		started bool
 		midLine bool // the last read ended inside a line longer than the buffer
 		readErr error
-		// finishing is set from the event that carries a finish reason:
-		// the backend sends the rest ([DONE], the usage) at once, and
-		// the client's stream ends only with [DONE], so that event goes
-		// out with them in one flush (stream_relay.go).
-		finishing bool
-		lastPet   time.Time
+		lastPet time.Time // the watchdog's last reset (stream_relay.go)
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -671,11 +665,6 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		default:
 			chunks++
 		}
-		// One sequence only: beside others still going, its end is not
-		// the stream's.
-		if report && data != nil && !finishing && bytes.Contains(data, finishKey) {
-			finishing = true
-		}
 		if chunks > 0 && write && !done {
 			now := time.Now()
 			if last.IsZero() {
@@ -702,7 +691,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			}
 		}
 		event = event[:0]
-		if started && ((br.Buffered() == 0 && !finishing) || done) {
+		if started && (br.Buffered() == 0 || done) {
 			if err := rc.Flush(); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
