@@ -16,6 +16,9 @@ type ledger struct {
 	// lastAdmitStep is the backend's engine step count at kvgate's last
 	// admission to it, for pacing; < 0 when unknown.
 	lastAdmitStep float64
+	// lastPassStep is the backend's step count at the end of the last
+	// admission pass over the backlog, for pacing's credit; < 0 unknown.
+	lastPassStep float64
 	// released are recent releases: the backend's last scrape may still
 	// show their KV, which is kvgate's own and not foreign load.
 	released []release

@@ -33,15 +33,35 @@ const maxPacingCredit = 4
 
 // pacingMark is where the pacing clock of a backend stands after an
 // admission at step now that applied the gap (0: none applied, the clock
-// restarts at now). Pacing spaces admissions gap steps apart on the
-// backend's step clock, not one per admission pass: when a pass comes late
-// (a busy host, a late scrape) the steps it missed are credit, up to
-// maxPacingCredit gaps, rather than lost fleet throughput.
-func pacingMark(last, now, gap float64) float64 {
+// restarts at now); prevPass is the step at the end of the previous pass
+// over the backlog (< 0: unknown). Pacing spaces admissions gap steps
+// apart on the backend's step clock, not one per pass: when passes come
+// late (a busy host, a late scrape), the steps between the previous pass
+// and this one, in which no pass could admit, are credit, up to
+// maxPacingCredit gaps, rather than lost fleet throughput. Steps in which
+// passes ran and found no room are no credit: admitting them at once when
+// room appears would make a cohort of what pacing spreads.
+func pacingMark(last, now, gap, prevPass float64) float64 {
 	if gap <= 0 || last < 0 || now < 0 {
 		return now
 	}
-	return max(last+gap, now-maxPacingCredit*gap)
+	if prevPass < 0 || prevPass > now {
+		prevPass = now
+	}
+	return max(last+gap, prevPass, now-maxPacingCredit*gap)
+}
+
+// markPass records, at the end of a pass over the backlog, each backend's
+// step count: the next pass's admissions take credit only for the steps
+// after it.
+func markPass(ledgers map[string]*ledger, snaps []*gpu.Snapshot, now time.Time) {
+	for _, sn := range snaps {
+		if l := ledgers[sn.Name]; l != nil {
+			if st, ok := sn.StepsAt(now); ok {
+				l.lastPassStep = st
+			}
+		}
+	}
 }
 
 // decideAlone decides on a request larger than the KV budget (kv_target

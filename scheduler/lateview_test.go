@@ -177,3 +177,30 @@ func TestWaitingGuardCountsSentSinceScrape(t *testing.T) {
 		})
 	}
 }
+
+// TestPacingMark: pacing's clock after an admission. The steps since the
+// previous pass are credit (a late pass catches up, up to four gaps);
+// steps in which passes ran and found no room are not.
+func TestPacingMark(t *testing.T) {
+	for _, tc := range []struct {
+		name                     string
+		last, now, gap, prevPass float64
+		want                     float64
+	}{
+		{"no gap applied: the clock restarts", 100, 150, 0, 140, 150},
+		{"first admission", -1, 150, 10, -1, 150},
+		{"no step counter", 100, -1, 10, 90, -1},
+		{"passes every step: no credit", 100, 150, 10, 149, 149},
+		{"on time: the gap", 100, 110, 10, 109, 110},
+		{"a late pass: credit back to the previous one", 100, 130, 10, 105, 110},
+		{"a very late pass: credit up to four gaps", 100, 200, 10, 101, 160},
+		{"previous pass unknown: no credit", 100, 150, 10, -1, 150},
+		{"previous pass in the future (clock skew): no credit", 100, 150, 10, 170, 150},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := pacingMark(tc.last, tc.now, tc.gap, tc.prevPass); got != tc.want {
+				t.Errorf("pacingMark(%v, %v, %v, %v) = %v, want %v", tc.last, tc.now, tc.gap, tc.prevPass, got, tc.want)
+			}
+		})
+	}
+}

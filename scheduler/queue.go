@@ -239,6 +239,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 		clear(q[len(kept):])
 		s.queues[c] = kept
 	}
+	markPass(s.ledgers, snaps, now)
 }
 
 // tick is how often Run re-evaluates the queue: estimated decode progress

@@ -138,7 +138,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
-		l = &ledger{lastAdmitStep: -1}
+		l = &ledger{lastAdmitStep: -1, lastPassStep: -1}
 		s.ledgers[best.Name] = l
 	}
 	g := &Grant{
@@ -151,7 +151,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	if st, ok := best.StepsAt(now); ok {
 		g.admittedStep = st
 	}
-	l.lastAdmitStep = pacingMark(l.lastAdmitStep, g.admittedStep, bestGap)
+	l.lastAdmitStep = pacingMark(l.lastAdmitStep, g.admittedStep, bestGap, l.lastPassStep)
 	l.grants = append(l.grants, g)
 	l.reserved += t.Need()
 	l.sumOut += t.MaxTokens
