@@ -204,3 +204,47 @@ func TestPacingMark(t *testing.T) {
 		})
 	}
 }
+
+// TestLateView: a backend past the staleness bound only because its next
+// scrape is late keeps admitting, with the target lowered by lateMargin;
+// one whose scrapes fail, never scraped, or past twice the bound is stale.
+func TestLateView(t *testing.T) {
+	now := time.Now()
+	for _, tc := range []struct {
+		name  string
+		age   time.Duration
+		err   string
+		never bool
+		late  bool
+	}{
+		{"fresh", 500 * time.Millisecond, "", false, false},
+		{"just past the bound", 1100 * time.Millisecond, "", false, true},
+		{"at twice the bound", 2 * time.Second, "", false, true},
+		{"past twice the bound", 2100 * time.Millisecond, "", false, false},
+		{"a scrape failed since", 1100 * time.Millisecond, "GET /metrics: status 500", false, false},
+		{"never scraped", 0, "", true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sn := &gpu.Snapshot{ScrapedAt: now.Add(-tc.age), StaleAfter: time.Second, ScrapeErr: tc.err}
+			if tc.never {
+				sn.ScrapedAt = time.Time{}
+			}
+			if got := lateView(sn, now); got != tc.late {
+				t.Errorf("lateView = %v, want %v", got, tc.late)
+			}
+		})
+	}
+	p := Policy{}
+	p.defaults() // kv_target 0.95; late: 0.85
+	for _, tc := range []struct {
+		late bool
+		need int
+		ok   bool
+	}{{false, 90_000, true}, {true, 90_000, false}, {true, 84_000, true}} {
+		l := load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true, share: 1, late: tc.late,
+			inflight: 1, reserved: 1, flights: []flight{{held: 1, remaining: 0}}}
+		if v := decide(&l, tc.need/2, tc.need/2, &p); v.ok != tc.ok {
+			t.Errorf("late=%v need %d: %+v, want ok=%v", tc.late, tc.need, v, tc.ok)
+		}
+	}
+}
