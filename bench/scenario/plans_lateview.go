@@ -2,6 +2,7 @@ package scenario
 
 import (
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/kvgate/kvgate/bench"
@@ -24,7 +25,7 @@ func planClosedOverload(o Options) (plan, error) {
 	// About 6 requests/s per backend complete; enough prompts to keep
 	// every client busy until the sending time is up.
 	cfg.Tenants = []bench.Tenant{{
-		Name: "load", Arrival: bench.Arrival{Kind: bench.ArrivalConcurrency, Concurrency: clients},
+		Name: "load", Arrival: bench.Arrival{Kind: bench.ArrivalConcurrency, Concurrency: clients, Rate: math.Inf(1)},
 		Workload: fixedWorkload(1000, 500), NumPrompts: count(8*float64(f.backends), d),
 	}}
 	return plan{
