@@ -398,17 +398,6 @@ func TestErrors(t *testing.T) {
 	}
 }
 
-func TestTooLargeFailsFast(t *testing.T) {
-	p := llamaProfile(t)
-	p.NumGPUBlocks, p.MaxModelLen = 600, 9500 // 9,584 tokens of KV; 9,120 under the 0.95 target
-	f := startFleet(t, fleetOpts{profile: p})
-	// Within the context, beyond what admission would ever allow.
-	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","max_tokens":9300}`)
-	if resp.StatusCode != 400 || !strings.Contains(string(body), "KV tokens") {
-		t.Fatalf("status %d: %s", resp.StatusCode, body)
-	}
-}
-
 // TestQueueTimeout fills a small backend with one long request; the next
 // waits in kvgate and, past its wait, gets 503 with Retry-After.
 func TestQueueTimeout(t *testing.T) {

@@ -647,6 +647,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		started bool
 		midLine bool // the last read ended inside a line longer than the buffer
 		readErr error
+		lastPet time.Time // the watchdog's last reset (stream_relay.go)
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -659,7 +660,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			readErr = err
 			break
 		}
-		watchdog.Reset(s.cfg.StreamIdleTimeout)
+		lastPet = petWatchdog(watchdog, s.cfg.StreamIdleTimeout, lastPet)
 		event = append(event, line...)
 		// Only an empty line ends an event, as the client's parser sees
 		// it: one of blanks does not, nor the end of a long line.

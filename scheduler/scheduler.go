@@ -100,7 +100,7 @@ func (s *Scheduler) Policy() Policy { return s.policy }
 
 func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
 	var best *gpu.Snapshot
-	bestHead := math.Inf(-1)
+	bestHead, bestGap := math.Inf(-1), 0.0
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
 			continue
@@ -129,7 +129,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			continue
 		}
 		if v.headroom > bestHead {
-			best, bestHead = sn, v.headroom
+			best, bestHead, bestGap = sn, v.headroom, v.gap
 		}
 	}
 	if best == nil {
@@ -138,7 +138,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
-		l = &ledger{lastAdmitStep: -1}
+		l = &ledger{lastAdmitStep: -1, lastPassStep: -1}
 		s.ledgers[best.Name] = l
 	}
 	g := &Grant{
@@ -147,10 +147,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	g.generated.Store(-1)
 	g.admittedStep = -1
+	g.admittedGen = best.Metrics.Generation
 	if st, ok := best.StepsAt(now); ok {
 		g.admittedStep = st
 	}
-	l.lastAdmitStep = g.admittedStep
+	l.lastAdmitStep = pacingMark(l.lastAdmitStep, g.admittedStep, bestGap, l.lastPassStep)
 	l.grants = append(l.grants, g)
 	l.reserved += t.Need()
 	l.sumOut += t.MaxTokens
@@ -171,7 +172,8 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		preempting:      sn.PreemptionRate > 0,
 		routable:        sn.Routable(),
 		cooling:         sn.Cooling(now),
-		stale:           sn.Stale(now),
+		stale:           sn.Stale(now) && !lateView(sn, now),
+		late:            lateView(sn, now),
 		degraded:        sn.GPUHealth == gpu.Degraded,
 		capacity:        sn.CapacityTokens,
 		maxNumSeqs:      sn.MaxNumSeqs,
@@ -187,14 +189,17 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		return ld
 	}
 	ld.reserved, ld.inflight = l.reserved, len(l.grants)
-	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
-		ld.newSinceScrape++
-	}
 	stepsNow, hasSteps := sn.StepsAt(now)
 	if !hasSteps {
 		stepsNow = -1
 	} else if l.lastAdmitStep >= 0 {
 		ld.stepsSinceAdmit = max(0, stepsNow-l.lastAdmitStep)
+	}
+	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
+		ld.newSinceScrape++
+		if g := l.grants[i]; !scheduledSince(g, stepsNow) {
+			ld.unscheduled++
+		}
 	}
 	if n := len(l.grants); n > 0 {
 		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved)/float64(n)
@@ -210,7 +215,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 				g.prompt = p
 			}
 		}
-		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, s.policy.ProgressFactor)
+		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, m.Generation, s.policy.ProgressFactor)
 		ld.flights[i] = flight{held: g.prompt + hi, remaining: g.maxOut - lo}
 		if i < len(l.grants)-ld.newSinceScrape {
 			// The low end: what the measurement surely includes, so that

@@ -111,6 +111,7 @@ var registry = []Scenario{
 	{Name: "mixed", About: "interactive chat streaming at a moderate rate plus batch jobs filling the rest: interactive TTFT and total throughput", plan: planMixed},
 	{Name: "burst", About: "tenant A submits 10,000 jobs at once while tenant B chats: B's TTFT and latency", plan: planBurst},
 	{Name: "backend-failure", About: "one of three backends dies a third of the way in: errors and throughput", plan: planBackendFailure},
+	{Name: "closed-overload", About: "64 closed-loop clients of 1,000-in/500-out streamed requests on two backends: the output tok/s kept", plan: planClosedOverload},
 }
 
 // List returns the scenarios in a stable order.

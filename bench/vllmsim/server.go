@@ -26,6 +26,7 @@ type Config struct {
 	Speedup         float64 // see Options.Speedup
 	Seed            uint64
 	LegacyMetrics   bool
+	Quirks          Quirks // quirks.go
 	Faults          Faults
 	// MaxBodyBytes caps request bodies; 32 MiB by default.
 	MaxBodyBytes int64
@@ -53,7 +54,7 @@ func New(cfg Config) (*Sim, error) {
 	if err := cfg.Faults.Validate(); err != nil {
 		return nil, err
 	}
-	eng, err := NewEngine(Options{Profile: cfg.Profile, ModelName: cfg.ServedModelName, Speedup: cfg.Speedup, Seed: cfg.Seed, LegacyMetrics: cfg.LegacyMetrics})
+	eng, err := NewEngine(Options{Profile: cfg.Profile, ModelName: cfg.ServedModelName, Speedup: cfg.Speedup, Seed: cfg.Seed, LegacyMetrics: cfg.LegacyMetrics, Quirks: cfg.Quirks})
 	if err != nil {
 		return nil, err
 	}

@@ -46,7 +46,10 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 		modelLen  = fs.Int("max-model-len", 0, "override the context length")
 		noPrefix  = fs.Bool("no-enable-prefix-caching", false, "disable prefix caching")
 		faults    vllmsim.Faults
+		quirks    vllmsim.Quirks
 	)
+	fs.BoolVar(&quirks.NoStepCounter, "no-step-counter", false, "leave vllm:iteration_tokens_total out of /metrics, as older vLLM and some emulators do")
+	fs.BoolVar(&quirks.OutputAtFinish, "output-at-finish", false, "count a request's output in vllm:generation_tokens_total when it ends, as some emulators do")
 	fs.Float64Var(&faults.RateLimitRate, "fault-429-rate", 0, "fraction of requests answered 429")
 	fs.IntVar(&faults.RetryAfterSeconds, "fault-retry-after", 1, "Retry-After seconds on injected 429s")
 	fs.Float64Var(&faults.ServerErrorRate, "fault-500-rate", 0, "fraction of requests answered 500")
@@ -89,7 +92,7 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 	log := slog.New(slog.NewTextHandler(stderr, nil))
 	sim, err := vllmsim.New(vllmsim.Config{
 		Profile: p, ServedModelName: *served, Speedup: *speedup, Seed: *seed,
-		LegacyMetrics: *legacy, Faults: faults, Logger: log,
+		LegacyMetrics: *legacy, Quirks: quirks, Faults: faults, Logger: log,
 	})
 	if err != nil {
 		return err
