@@ -209,6 +209,9 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	if created {
+		s.jobAccepted(r.Context(), job)
+	}
 	if created && s.jobs.Wake != nil {
 		s.jobs.Wake()
 	}

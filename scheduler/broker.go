@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -37,6 +38,9 @@ type BrokerConfig struct {
 	Replicas int
 	// Wake is called for each event that may mean runnable work.
 	Wake func()
+	// OnEvent, when set, hears every event the inbox records, once
+	// fleet-wide (the completion latency histogram).
+	OnEvent func(Event)
 	// ApplyCooldown applies another replica's 429 pause of a backend;
 	// *gpu.Pool's CooldownURL satisfies it.
 	ApplyCooldown func(url string, until time.Time) bool
@@ -61,6 +65,8 @@ type Broker struct {
 	st  brokerStore
 	sch *Scheduler
 	log *slog.Logger
+	// cons is the inbox consumer once set up: InboxPending reads it.
+	cons atomic.Pointer[jetstream.Consumer]
 }
 
 // StartBroker connects to NATS (or starts the embedded server) and builds
@@ -187,12 +193,16 @@ func (b *Broker) setup(ctx context.Context, g *errgroup.Group, metrics *sync.Onc
 			if b.cfg.Wake != nil && (e.State == store.Ready || e.State == store.RetryScheduled) {
 				b.cfg.Wake()
 			}
+			if b.cfg.OnEvent != nil {
+				b.cfg.OnEvent(e)
+			}
 		},
 	})
 	metrics.Do(func() {
 		b.cfg.Registerer.MustRegister(inbox.Collectors()...)
 		b.cfg.Registerer.MustRegister(mem.Collectors()...)
 	})
+	b.cons.Store(&cons)
 	b.log.Info("signals over nats", "url", b.url, "stream", StreamName)
 	g.Go(func() error { return ignoreCanceled(inbox.Run(ctx)) })
 	g.Go(func() error { return ignoreCanceled(mem.Run(ctx)) })

@@ -48,6 +48,7 @@ type Event struct {
 	Type         string
 	State        store.State
 	StateVersion int64
+	CreatedAt    time.Time // when the event was committed
 }
 
 // Inbox consumes the job events from JetStream through the shared durable
@@ -164,8 +165,10 @@ func (in *Inbox) handle(ctx context.Context, msg jetstream.Msg) {
 		return
 	}
 	in.m.recorded.Inc()
+	ev := Event(w)
+	traceReceived(ev, in.cfg.Now())
 	if in.cfg.OnEvent != nil {
-		in.cfg.OnEvent(Event{ID: w.ID, JobID: w.JobID, Tenant: w.Tenant, Type: w.Type, State: w.State, StateVersion: w.StateVersion})
+		in.cfg.OnEvent(ev)
 	}
 }
 

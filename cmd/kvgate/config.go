@@ -5,8 +5,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -27,6 +29,13 @@ type config struct {
 	Backends  []gpu.BackendConfig `yaml:"backends"`
 	APIKeys   []apiKey            `yaml:"api_keys"`
 	LogLevel  string              `yaml:"log_level"`
+	LogFormat string              `yaml:"log_format"` // text or json
+	AccessLog string              `yaml:"access_log"` // the access log's level: debug, info or off [debug]
+	Tracing   struct {
+		OTLPEndpoint string   `yaml:"otlp_endpoint"` // OTLP/HTTP collector URL; empty: tracing off
+		SampleRatio  *float64 `yaml:"sample_ratio"`  // of new traces (a caller's sampled traceparent is followed) [1]
+		ServiceName  string   `yaml:"service_name"`  // [kvgate]
+	} `yaml:"tracing"`
 	// DrainTimeout bounds the drain at shutdown: how long requests,
 	// streams and jobs in flight may take to finish once kvgate stops
 	// taking new ones [60s].
@@ -62,6 +71,9 @@ type config struct {
 		ScrapeInterval time.Duration `yaml:"scrape_interval"`
 		StaleAfter     time.Duration `yaml:"stale_after"`
 		ProbeInterval  time.Duration `yaml:"probe_interval"`
+		// BacklogInterval is how often the durable backlog, outbox age
+		// and broker lag are read for /metrics [5s].
+		BacklogInterval time.Duration `yaml:"backlog_interval"`
 	} `yaml:"metrics"`
 	NVML struct {
 		Disabled bool          `yaml:"disabled"`
@@ -104,6 +116,9 @@ type configFlags struct {
 	backends repeated
 	keys     repeated
 	logLevel string
+	logFmt   string
+	access   string
+	otlp     string
 	kvTarget float64
 	simCount int
 	simProf  string
@@ -125,6 +140,9 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
 	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none (and no store key) means 401 for everyone, outside --dev")
 	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
+	fs.StringVar(&c.logFmt, "log-format", "", "text or json: slog's JSON handler, one object a line (env KVGATE_LOG_FORMAT; default text)")
+	fs.StringVar(&c.access, "access-log", "", "level of the access log's line per request: debug, info or off (env KVGATE_ACCESS_LOG; default debug)")
+	fs.StringVar(&c.otlp, "otlp-endpoint", "", "OTLP/HTTP collector URL for traces, e.g. http://127.0.0.1:4318 (env KVGATE_OTLP_ENDPOINT; default: tracing off)")
 	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
 	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
 	fs.StringVar(&c.simProf, "sim-profile", "", "profile of the simulated backends (default h100-llama-3.1-8b)")
@@ -143,7 +161,8 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 // load builds the configuration from the file, the environment and the
 // flags that were set on fs.
 func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*config, error) {
-	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data", DrainTimeout: 60 * time.Second}
+	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", LogFormat: "text", AccessLog: "debug", DataDir: "data", DrainTimeout: 60 * time.Second}
+	cfg.Tracing.ServiceName = "kvgate"
 	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -188,6 +207,15 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if v, ok := env("KVGATE_LOG_LEVEL"); ok {
 		cfg.LogLevel = v
+	}
+	if v, ok := env("KVGATE_LOG_FORMAT"); ok {
+		cfg.LogFormat = v
+	}
+	if v, ok := env("KVGATE_ACCESS_LOG"); ok {
+		cfg.AccessLog = v
+	}
+	if v, ok := env("KVGATE_OTLP_ENDPOINT"); ok {
+		cfg.Tracing.OTLPEndpoint = v
 	}
 	if v, ok := env("KVGATE_STORE"); ok {
 		cfg.Store = v
@@ -255,6 +283,15 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["log-level"] {
 		cfg.LogLevel = c.logLevel
+	}
+	if set["log-format"] {
+		cfg.LogFormat = c.logFmt
+	}
+	if set["access-log"] {
+		cfg.AccessLog = c.access
+	}
+	if set["otlp-endpoint"] {
+		cfg.Tracing.OTLPEndpoint = c.otlp
 	}
 	if set["store"] {
 		cfg.Store = c.store
@@ -352,7 +389,7 @@ func (c *config) validate() error {
 		{"gateway.request_timeout", int64(c.Gateway.RequestTimeout), true}, {"metrics.scrape_interval", int64(c.Metrics.ScrapeInterval), true},
 		{"metrics.stale_after", int64(c.Metrics.StaleAfter), true}, {"metrics.probe_interval", int64(c.Metrics.ProbeInterval), true},
 		{"nvml.interval", int64(c.NVML.Interval), true}, {"jobs.lease", int64(c.Jobs.Lease), true},
-		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true},
+		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true}, {"metrics.backlog_interval", int64(c.Metrics.BacklogInterval), true},
 		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
 		{"nats.replicas", int64(c.NATS.Replicas), false}, {"jobs.concurrency", int64(c.Jobs.Concurrency), false},
 		{"jobs.max_attempts", int64(c.Jobs.MaxAttempts), false}, {"sim.count", int64(c.Sim.Count), false},
@@ -387,8 +424,16 @@ func (c *config) validate() error {
 	if tc := c.Gateway.TokenCount; tc != "" && tc != "estimate" && tc != "tokenize" {
 		return fmt.Errorf("gateway: token_count %q is not estimate or tokenize", tc)
 	}
-	if _, err := newLogger(io.Discard, c.LogLevel); err != nil {
+	if _, err := newLogger(io.Discard, c.LogLevel, c.LogFormat); err != nil {
 		return err
+	}
+	switch c.AccessLog {
+	case "", "debug", "info", "off":
+	default:
+		return fmt.Errorf("access_log %q: write debug, info or off", c.AccessLog)
+	}
+	if r := c.Tracing.SampleRatio; r != nil && !(*r >= 0 && *r <= 1) {
+		return fmt.Errorf("tracing.sample_ratio %g: write a number from 0 to 1", *r)
 	}
 	return nil
 }
@@ -447,4 +492,17 @@ func (c *config) adminKeys() map[string]string {
 		return nil
 	}
 	return map[string]string{c.AdminKey: "admin"}
+}
+
+// tenants are the tenants the configuration names: the static keys'
+// (and "default" in development mode), sorted, once each.
+func (c *config) tenants() []string {
+	seen := map[string]bool{}
+	if c.Dev {
+		seen["default"] = true
+	}
+	for _, k := range c.APIKeys {
+		seen[k.Tenant] = true
+	}
+	return slices.Sorted(maps.Keys(seen))
 }

@@ -76,6 +76,18 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		}
 	}
 
+	stopTracing, err := setupTracing(cfg, log)
+	if err != nil {
+		return fail(err)
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := stopTracing(sctx); err != nil {
+			log.Warn("tracing: spans not flushed at shutdown", "err", err)
+		}
+	}()
+
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	nv := openNVML(cfg, log)
@@ -116,21 +128,31 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			r.Wake()
 		}
 	}
-	sig, err := scheduler.StartBroker(st, sched, scheduler.BrokerConfig{
-		URL: cfg.NATS.URL, DataDir: cfg.DataDir, Replicas: cfg.NATS.Replicas,
+	// The durable path's gauges, read on a period (never per scrape),
+	// and the completion histogram, fed by the inbox.
+	var sig *scheduler.Broker
+	durable := scheduler.NewDurableMetrics(scheduler.DurableMetricsConfig{
+		Store: st, Every: cfg.Metrics.BacklogInterval, Logger: log, Tenants: cfg.tenants(),
+		Pending: func(ctx context.Context) (uint64, bool, error) { return sig.InboxPending(ctx) },
+	})
+	sig, err = scheduler.StartBroker(st, sched, scheduler.BrokerConfig{
+		OnEvent: durable.ObserveEvent,
+		URL:     cfg.NATS.URL, DataDir: cfg.DataDir, Replicas: cfg.NATS.Replicas,
 		Wake: wakeRunner, ApplyCooldown: pool.CooldownURL, Registerer: reg, Logger: log,
 	})
 	if err != nil {
 		return fail(fmt.Errorf("signals: %w", err))
 	}
 	g.Go(func() error { return sig.Run(gctx) })
+	reg.MustRegister(durable.Collectors()...)
+	g.Go(func() error { return ignoreCanceled(durable.Run(gctx)) })
 	api, err := gateway.New(gateway.Config{
 		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
-		AdminKeys: cfg.adminKeys(),
-		Dev:       cfg.Dev,
-		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
+		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog,
+		Dev:     cfg.Dev,
+		Tenants: gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
 			Feed: sig.Feed,
@@ -199,7 +221,7 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 	if err != nil {
 		return nil, nil, err
 	}
-	log, err := newLogger(stderr, cfg.LogLevel)
+	log, err := newLogger(stderr, cfg.LogLevel, cfg.LogFormat)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -281,14 +303,6 @@ func ignoreCanceled(err error) error {
 		return nil
 	}
 	return err
-}
-
-func newLogger(w io.Writer, level string) (*slog.Logger, error) {
-	var l slog.Level
-	if err := l.UnmarshalText([]byte(level)); err != nil {
-		return nil, fmt.Errorf("log level %q: %w", level, err)
-	}
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
 }
 
 // openNVML opens NVML unless configured off (nil then). Without the

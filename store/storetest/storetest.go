@@ -58,6 +58,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaBudgets", testQuotaBudgets},
 		{"QuotaRace", testQuotaRace},
 		{"JobReservations", testJobReservations},
+		{"Stats", testStats},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
