@@ -166,7 +166,11 @@ func (in *Inbox) handle(ctx context.Context, msg jetstream.Msg) {
 	}
 	in.m.recorded.Inc()
 	ev := Event(w)
-	traceReceived(ev, in.cfg.Now())
+	var stored time.Time // when the broker took the event in
+	if md, err := msg.Metadata(); err == nil {
+		stored = md.Timestamp
+	}
+	traceReceived(ev, stored, in.cfg.Now())
 	if in.cfg.OnEvent != nil {
 		in.cfg.OnEvent(ev)
 	}

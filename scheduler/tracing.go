@@ -81,7 +81,6 @@ func EndJobTrace(e Event) {
 	accepted := time.Unix(sec, nsec)
 	ctx := context.WithValue(context.Background(), rootIDsKey{}, sc)
 	_, span := Tracer().Start(ctx, "job", trace.WithNewRoot(), trace.WithTimestamp(accepted),
-		trace.WithSpanKind(trace.SpanKindConsumer),
 		trace.WithAttributes(append(JobAttrs(e.JobID, e.Tenant, 0, 0), attribute.String("kvgate.final_state", string(e.State)))...))
 	span.End(trace.WithTimestamp(e.CreatedAt))
 }
@@ -136,10 +135,11 @@ func tracePublished(evs []store.Event, at time.Time) {
 }
 
 // traceReceived adds the inbox's receipt of an event (recorded once,
-// fleet-wide) to its job's trace, from the event's commit to its record;
-// a final event also ends the job's root span.
-func traceReceived(e Event, at time.Time) {
-	start := e.CreatedAt
+// fleet-wide) to its job's trace, from the broker's ingestion (stored) to
+// the inbox's record: the broker lag of that event. A final event also
+// ends the job's root span.
+func traceReceived(e Event, stored, at time.Time) {
+	start := stored
 	if start.IsZero() || start.After(at) {
 		start = at
 	}
