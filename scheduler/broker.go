@@ -36,6 +36,10 @@ type BrokerConfig struct {
 	DataDir string
 	// Replicas of the events stream (an external cluster only).
 	Replicas int
+	// Options are more connection options for an external server: TLS
+	// (nats.Secure) and credentials (nats.UserInfo, NkeyOptionFromSeed,
+	// UserCredentials).
+	Options []nats.Option
 	// Wake is called for each event that may mean runnable work.
 	Wake func()
 	// OnEvent, when set, hears every event the inbox records, once
@@ -114,6 +118,7 @@ func StartBroker(st brokerStore, sched *Scheduler, cfg BrokerConfig) (*Broker, e
 		b.url = "in-process"
 	} else {
 		opts = append(opts, nats.RetryOnFailedConnect(true))
+		opts = append(opts, cfg.Options...)
 	}
 	nc, err := nats.Connect(b.url, opts...)
 	if err != nil {

@@ -82,7 +82,26 @@ type config struct {
 	NATS struct {
 		URL      string `yaml:"url"`      // external server or cluster; empty: embedded in-process
 		Replicas int    `yaml:"replicas"` // stream replicas on a cluster [1]
+		// Credentials, one kind at most: user and password (or in the
+		// URL), a token, an NKey seed file or a .creds file (JWT and seed).
+		User         string `yaml:"user"`
+		Password     string `yaml:"password"`
+		Token        string `yaml:"token"`
+		NKeySeedFile string `yaml:"nkey_seed_file"`
+		CredsFile    string `yaml:"creds_file"`
+		TLS          struct {
+			CAFile     string `yaml:"ca_file"`     // CA that signed the servers' certificates [the system's]
+			CertFile   string `yaml:"cert_file"`   // client certificate, for servers that verify clients
+			KeyFile    string `yaml:"key_file"`    // its key
+			ServerName string `yaml:"server_name"` // name to verify [the URL's host]
+		} `yaml:"tls"`
 	} `yaml:"nats"`
+	// TLS serves the API over HTTPS: a PEM certificate (chain) and key,
+	// loaded again on SIGHUP and when either file changes.
+	TLS struct {
+		CertFile string `yaml:"cert_file"`
+		KeyFile  string `yaml:"key_file"`
+	} `yaml:"tls"`
 	Jobs struct {
 		Concurrency     int           `yaml:"concurrency"`
 		Lease           time.Duration `yaml:"lease"`
@@ -119,6 +138,8 @@ type configFlags struct {
 	logFmt   string
 	access   string
 	otlp     string
+	tlsCert  string
+	tlsKey   string
 	kvTarget float64
 	simCount int
 	simProf  string
@@ -143,6 +164,8 @@ func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.logFmt, "log-format", "", "text or json: slog's JSON handler, one object a line (env KVGATE_LOG_FORMAT; default text)")
 	fs.StringVar(&c.access, "access-log", "", "level of the access log's line per request: debug, info or off (env KVGATE_ACCESS_LOG; default debug)")
 	fs.StringVar(&c.otlp, "otlp-endpoint", "", "OTLP/HTTP collector URL for traces, e.g. http://127.0.0.1:4318 (env KVGATE_OTLP_ENDPOINT; default: tracing off)")
+	fs.StringVar(&c.tlsCert, "tls-cert", "", "PEM certificate (chain) to serve HTTPS with, reloaded on SIGHUP or change (env KVGATE_TLS_CERT_FILE)")
+	fs.StringVar(&c.tlsKey, "tls-key", "", "PEM private key of --tls-cert (env KVGATE_TLS_KEY_FILE)")
 	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
 	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
 	fs.StringVar(&c.simProf, "sim-profile", "", "profile of the simulated backends (default h100-llama-3.1-8b)")
@@ -216,6 +239,15 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if v, ok := env("KVGATE_OTLP_ENDPOINT"); ok {
 		cfg.Tracing.OTLPEndpoint = v
+	}
+	if v, ok := env("KVGATE_TLS_CERT_FILE"); ok {
+		cfg.TLS.CertFile = v
+	}
+	if v, ok := env("KVGATE_TLS_KEY_FILE"); ok {
+		cfg.TLS.KeyFile = v
+	}
+	if v, ok := env("KVGATE_NATS_PASSWORD"); ok {
+		cfg.NATS.Password = v
 	}
 	if v, ok := env("KVGATE_STORE"); ok {
 		cfg.Store = v
@@ -292,6 +324,12 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	}
 	if set["otlp-endpoint"] {
 		cfg.Tracing.OTLPEndpoint = c.otlp
+	}
+	if set["tls-cert"] {
+		cfg.TLS.CertFile = c.tlsCert
+	}
+	if set["tls-key"] {
+		cfg.TLS.KeyFile = c.tlsKey
 	}
 	if set["store"] {
 		cfg.Store = c.store

@@ -248,10 +248,10 @@ func startServe(t *testing.T, args ...string) (string, *syncBuffer) {
 			t.Errorf("serve: %v", err)
 		}
 	})
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
+	addr := regexp.MustCompile(`(https?://127\.0\.0\.1:\d+)/v1`)
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
 		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
-			return "http://" + m[1], &stderr
+			return m[1], &stderr
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("serve printed no address:\n%s", stderr.String())

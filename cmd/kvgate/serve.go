@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -48,6 +49,17 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			return err
 		}
 		defer lock.Close()
+	}
+	// The certificate's reloader lives as long as serve, drain included.
+	reloadCtx, stopReload := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopReload()
+	tlsConf, err := listenerTLS(reloadCtx, cfg, log)
+	if err != nil {
+		return err
+	}
+	natsOpts, err := natsOptions(cfg)
+	if err != nil {
+		return err
 	}
 	ln, err := net.Listen("tcp", cfg.Addr)
 	if err != nil {
@@ -136,8 +148,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		Pending: func(ctx context.Context) (uint64, bool, error) { return sig.InboxPending(ctx) },
 	})
 	sig, err = scheduler.StartBroker(st, sched, scheduler.BrokerConfig{
-		OnEvent: durable.ObserveEvent,
-		URL:     cfg.NATS.URL, DataDir: cfg.DataDir, Replicas: cfg.NATS.Replicas,
+		OnEvent: durable.ObserveEvent, Options: natsOpts,
+		URL: cfg.NATS.URL, DataDir: cfg.DataDir, Replicas: cfg.NATS.Replicas,
 		Wake: wakeRunner, ApplyCooldown: pool.CooldownURL, Registerer: reg, Logger: log,
 	})
 	if err != nil {
@@ -182,6 +194,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	g.Go(func() error {
 		err := serveAPI(ctx, gctx, ln, api, drainConfig{
 			timeout: cfg.DrainTimeout, unready: *cfg.DrainUnreadyDelay, jobs: runner, stopJobs: stopJobs, jobsDone: jobsDone, log: log,
+			tls: tlsConf,
 		})
 		cancel() // the rest goes with the API
 		return err
@@ -198,8 +211,12 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	if !api.DevOpen(ctx) {
 		auth = " -H 'Authorization: Bearer YOUR_KEY'"
 	}
-	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on http://%s/v1\ntry: curl -s http://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
-		"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", addr, addr, auth, model)
+	scheme, insecure := "http", ""
+	if tlsConf != nil {
+		scheme, insecure = "https", " --cacert CA.pem"
+	}
+	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on %s://%s/v1\ntry: curl -s%s %s://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
+		"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", scheme, addr, insecure, scheme, addr, auth, model)
 	return g.Wait()
 }
 
@@ -236,6 +253,7 @@ type drainConfig struct {
 	stopJobs func()               // ends the runner's context
 	jobsDone <-chan struct{}      // closed once the runner has returned
 	log      *slog.Logger
+	tls      *tls.Config // HTTPS when set
 }
 
 // serveAPI serves the API on ln until ctx ends (the first signal), then
@@ -248,9 +266,17 @@ type drainConfig struct {
 // attempt) and serveAPI returns once the runner has. When life ends first
 // (a component failed), it stops at once.
 func serveAPI(ctx, life context.Context, ln net.Listener, api *gateway.Server, d drainConfig) error {
-	srv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second, TLSConfig: d.tls,
+		// Failed handshakes and the like: the client's trouble, at debug.
+		ErrorLog: slog.NewLogLogger(d.log.Handler(), slog.LevelDebug)}
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln) }()
+	go func() {
+		if d.tls != nil {
+			served <- srv.ServeTLS(ln, "", "") // the certificate comes from TLSConfig.GetCertificate
+			return
+		}
+		served <- srv.Serve(ln)
+	}()
 	select {
 	case err := <-served:
 		d.stopJobs()
