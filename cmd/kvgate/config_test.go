@@ -235,12 +235,18 @@ func serveRunsJob(t *testing.T, dir string, args ...string) {
 // returns its base URL and its log.
 func startServe(t *testing.T, args ...string) (string, *syncBuffer) {
 	t.Helper()
+	return startServeEnv(t, nil, args...)
+}
+
+// startServeEnv is startServe with environment variables.
+func startServeEnv(t *testing.T, env map[string]string, args ...string) (string, *syncBuffer) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	var stdout, stderr syncBuffer
 	done := make(chan error, 1)
 	go func() {
 		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--dev"}, args...),
-			noenv, &stdout, &stderr)
+			func(k string) string { return env[k] }, &stdout, &stderr)
 	}()
 	t.Cleanup(func() {
 		cancel()

@@ -71,6 +71,13 @@ func (ca *testCA) pool() *x509.CertPool {
 // the certificate and of its key.
 func (ca *testCA) issue(t *testing.T, serial int64, client bool) (certPEM, keyPEM []byte) {
 	t.Helper()
+	return ca.issueCN(t, serial, client, "kvgate-test")
+}
+
+// issueCN is issue with the certificate's common name (PostgreSQL's
+// cert authentication takes the user from it).
+func (ca *testCA) issueCN(t *testing.T, serial int64, client bool, cn string) (certPEM, keyPEM []byte) {
+	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +87,7 @@ func (ca *testCA) issue(t *testing.T, serial int64, client bool) (certPEM, keyPE
 		usage = x509.ExtKeyUsageClientAuth
 	}
 	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: "kvgate-test"},
+		SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: cn},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
 		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage},
 		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, DNSNames: []string{"localhost"},
