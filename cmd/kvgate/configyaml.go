@@ -333,9 +333,13 @@ func keysOf(t reflect.Type) []string {
 	return keys
 }
 
-// nearest is the known key within two edits of key, if one is.
+// nearest is the known key closest to key: within two edits, three for
+// a key of six letters or more.
 func nearest(key string, keys []string) string {
 	best, bestD := "", 3
+	if len(key) >= 6 {
+		bestD = 4
+	}
 	for _, k := range keys {
 		if d := editDistance(key, k); d < bestD {
 			best, bestD = k, d

@@ -78,7 +78,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		_ = g.Wait()
 		return err
 	}
-	if len(cfg.Backends) == 0 {
+	simulated := len(cfg.Backends) == 0
+	if simulated {
 		urls, err := startSimFleet(gctx, g, cfg, log)
 		if err != nil {
 			return fail(err)
@@ -203,10 +204,6 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	addr := ln.Addr().String()
 	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys)+len(operators) > 0,
 		"admin_key", cfg.AdminKey != "", "quota_fail_open", cfg.Quotas.FailOpen)
-	model := "meta-llama/Llama-3.1-8B-Instruct"
-	if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
-		model = p.Model
-	}
 	auth := ""
 	if !api.DevOpen(ctx) {
 		auth = " -H 'Authorization: Bearer YOUR_KEY'"
@@ -215,8 +212,39 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	if tlsConf != nil {
 		scheme, insecure = "https", " --cacert CA.pem"
 	}
-	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on %s://%s/v1\ntry: curl -s%s %s://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
-		"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", scheme, addr, insecure, scheme, addr, auth, model)
+	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on %s://%s/v1\n", scheme, addr)
+	try := func(model string) {
+		if model == "" {
+			fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/models%s (no backend has listed a model yet)\n", insecure, scheme, addr, auth)
+			return
+		}
+		fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
+			"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", insecure, scheme, addr, auth, model)
+	}
+	// The example names a model the backends serve: the simulator's, a
+	// backend's configured one, or the first the fleet lists once a
+	// backend answers.
+	if model := tryModel(cfg, simulated); model != "" {
+		try(model)
+	} else {
+		g.Go(func() error {
+			t := time.NewTicker(100 * time.Millisecond)
+			defer t.Stop()
+			for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); {
+				if ms := pool.Models(); len(ms) > 0 {
+					try(ms[0].ID)
+					return nil
+				}
+				select {
+				case <-gctx.Done():
+					return nil
+				case <-t.C:
+				}
+			}
+			try("")
+			return nil
+		})
+	}
 	return g.Wait()
 }
 
@@ -231,7 +259,7 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 		fmt.Fprintf(stderr, "Usage: kvgate %s [flags]\n\n%s\n\nFlags:\n", cmd, about)
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return nil, nil, err
 	}
 	cfg, err := cf.load(fs, getenv)
@@ -441,3 +469,21 @@ func (c *config) backendGPUs(name string) []string {
 }
 
 var _ http.Handler = (*gateway.Server)(nil)
+
+// tryModel is the model of start-up's example request when it is known
+// before any backend answers: the simulator profile's, or the first a
+// configured backend lists.
+func tryModel(cfg *config, simulated bool) string {
+	if simulated {
+		if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
+			return p.Model
+		}
+		return ""
+	}
+	for _, b := range cfg.Backends {
+		if len(b.Models) > 0 {
+			return b.Models[0]
+		}
+	}
+	return ""
+}
