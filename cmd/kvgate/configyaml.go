@@ -381,7 +381,13 @@ func defaultText(v reflect.Value) string {
 		return ""
 	}
 	if v.Type() == durationType {
-		return time.Duration(v.Int()).String()
+		d := time.Duration(v.Int()).String()
+		for _, zero := range []string{"m0s", "h0m"} { // 1m0s reads 1m
+			if strings.HasSuffix(d, zero) {
+				d = strings.TrimSuffix(d, zero[1:])
+			}
+		}
+		return d
 	}
 	switch v.Kind() {
 	case reflect.String, reflect.Bool, reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64,
