@@ -146,6 +146,9 @@ func traceTree(spans []*tracepb.Span) string {
 			for _, e := range s.GetEvents() {
 				as = append(as, "event:"+e.GetName())
 			}
+			if s.GetStatus().GetCode() == tracepb.Status_STATUS_CODE_ERROR {
+				as = append(as, "error")
+			}
 			fmt.Fprintf(&sb, "%s%s%s  %s  %s\n", indent, branch, s.GetName(), d.Round(10*time.Microsecond), strings.Join(as, " "))
 			walk(hex.EncodeToString(s.GetSpanId()), indent+next)
 		}
@@ -160,13 +163,26 @@ type headerProxy struct {
 	mu      sync.Mutex
 	parents []string
 	next    http.Handler
+	// failCompletions answers this many POST /v1/completions with a 500
+	// of its own, before passing them on: a job's first attempt fails.
+	failCompletions int
 }
 
 func (h *headerProxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	h.mu.Lock()
 	if tp := r.Header.Get("Traceparent"); tp != "" {
-		h.mu.Lock()
 		h.parents = append(h.parents, tp)
-		h.mu.Unlock()
+	}
+	fail := r.URL.Path == "/v1/completions" && h.failCompletions > 0
+	if fail {
+		h.failCompletions--
+	}
+	h.mu.Unlock()
+	if fail {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = w.Write([]byte(`{"error":{"message":"injected failure","type":"server_error"}}`))
+		return
 	}
 	h.next.ServeHTTP(w, r)
 }
@@ -194,7 +210,7 @@ func TestTracesOverOTLP(t *testing.T) {
 	p, _ := vllmsim.LookupProfile("h100-llama-3.1-8b")
 	_, sim := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p, Speedup: 50})
 	target, _ := url.Parse(sim.URL)
-	proxy := &headerProxy{next: httputil.NewSingleHostReverseProxy(target)}
+	proxy := &headerProxy{next: httputil.NewSingleHostReverseProxy(target), failCompletions: 1}
 	backend := httptest.NewServer(proxy)
 	t.Cleanup(backend.Close)
 
@@ -265,29 +281,43 @@ func TestTracesOverOTLP(t *testing.T) {
 	if len(root.GetParentSpanId()) != 0 || attr(root, "kvgate.job_id") != jobID || attr(root, "kvgate.final_state") != "SUCCEEDED" {
 		t.Errorf("root span: parent %x, attributes %v", root.GetParentSpanId(), root.GetAttributes())
 	}
-	for _, name := range []string{"accept", "outbox.publish job.accepted", "inbox.receive job.accepted", "attempt",
+	for _, name := range []string{"accept", "outbox.publish job.accepted", "inbox.receive job.accepted",
 		"outbox.publish job.succeeded", "inbox.receive job.succeeded"} {
 		ss := named(job, name)
 		if len(ss) != 1 || !bytes.Equal(ss[0].GetParentSpanId(), root.GetSpanId()) {
 			t.Errorf("%s: %d spans, want one under the root\n%s", name, len(ss), tree)
 		}
 	}
-	attempt := named(job, "attempt")
-	if len(attempt) == 1 {
-		a := attempt[0]
-		if attr(a, "kvgate.job_id") != jobID || attr(a, "kvgate.attempt") != "1" || attr(a, "kvgate.fence") != "1" || attr(a, "kvgate.backend") == "" {
-			t.Errorf("attempt attributes %v", a.GetAttributes())
+	// One span per attempt: the first failed on the backend's 500, the
+	// second succeeded, each with its own fence, admission and backend
+	// call (whose traceparent the backend received).
+	attempts := named(job, "attempt")
+	sort.Slice(attempts, func(i, j int) bool { return attempts[i].GetStartTimeUnixNano() < attempts[j].GetStartTimeUnixNano() })
+	if len(attempts) != 2 {
+		t.Fatalf("%d attempt spans, want 2\n%s", len(attempts), tree)
+	}
+	for i, a := range attempts {
+		n := fmt.Sprint(i + 1)
+		if attr(a, "kvgate.job_id") != jobID || attr(a, "kvgate.attempt") != n || attr(a, "kvgate.fence") != n || attr(a, "kvgate.backend") == "" {
+			t.Errorf("attempt %d attributes %v", i+1, a.GetAttributes())
 		}
-		for _, name := range []string{"admission", "backend /v1/completions"} {
-			if ss := named(job, name); len(ss) != 1 || !bytes.Equal(ss[0].GetParentSpanId(), a.GetSpanId()) {
-				t.Errorf("%s: want one span under the attempt\n%s", name, tree)
+		if failed := a.GetStatus().GetCode() == tracepb.Status_STATUS_CODE_ERROR; failed != (i == 0) {
+			t.Errorf("attempt %d: status %v", i+1, a.GetStatus())
+		}
+		var kids []*tracepb.Span
+		for _, s := range job {
+			if bytes.Equal(s.GetParentSpanId(), a.GetSpanId()) {
+				kids = append(kids, s)
 			}
 		}
-		if b := named(job, "backend /v1/completions"); len(b) == 1 {
-			want := "00-" + jobTrace + "-" + hex.EncodeToString(b[0].GetSpanId()) + "-01"
-			if !slices.Contains(proxy.seen(), want) {
-				t.Errorf("the backend got traceparents %v, want the job's %s", proxy.seen(), want)
-			}
+		if len(kids) != 2 || len(named(kids, "admission")) != 1 || len(named(kids, "backend /v1/completions")) != 1 {
+			t.Errorf("attempt %d's children: %d, want its admission and backend call\n%s", i+1, len(kids), tree)
+			continue
+		}
+		b := named(kids, "backend /v1/completions")[0]
+		want := "00-" + jobTrace + "-" + hex.EncodeToString(b.GetSpanId()) + "-01"
+		if !slices.Contains(proxy.seen(), want) {
+			t.Errorf("the backend got traceparents %v, want attempt %d's %s", proxy.seen(), i+1, want)
 		}
 	}
 	// The submitting request's span, in the caller's trace, links to the
