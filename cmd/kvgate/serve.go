@@ -218,6 +218,11 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/models%s (no backend has listed a model yet)\n", insecure, scheme, addr, auth)
 			return
 		}
+		if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); simulated && err == nil && p.Embedding {
+			fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/embeddings%s -H 'Content-Type: application/json' "+
+				"-d '{\"model\":\"%s\",\"input\":\"Hello\"}'\n", insecure, scheme, addr, auth, model)
+			return
+		}
 		fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
 			"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", insecure, scheme, addr, auth, model)
 	}
