@@ -290,7 +290,7 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		}
 	}
 	if cfg.DrainTimeout <= 0 {
-		return nil, fmt.Errorf("drain timeout %s: it must be positive", cfg.DrainTimeout)
+		return nil, fmt.Errorf("drain_timeout %s: write a positive duration such as 60s", cfg.DrainTimeout)
 	}
 	if cfg.DrainUnreadyDelay == nil {
 		d := min(time.Second, cfg.DrainTimeout/4)
