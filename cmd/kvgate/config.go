@@ -79,7 +79,7 @@ type config struct {
 	} `yaml:"metrics"`
 	NVML struct {
 		Disabled bool          `yaml:"disabled"` // do not read GPUs through NVML
-		Interval time.Duration `yaml:"interval"` // GPU health period [5s]
+		Interval time.Duration `yaml:"interval"` // GPU health period [2s]
 	} `yaml:"nvml"`
 	NATS struct {
 		URL      string `yaml:"url"`      // external server or cluster (nats:// or tls://); empty: embedded in-process, files under data_dir
