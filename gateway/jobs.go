@@ -287,6 +287,7 @@ func (s *Server) handleJobResult(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	defer traceDelivery(r.Context(), j, len(res))
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusOK)
 	_, _ = w.Write(res)

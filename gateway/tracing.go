@@ -129,3 +129,21 @@ func firstToken(ctx context.Context, ttft time.Duration) {
 		span.SetAttributes(attribute.Float64("kvgate.ttft_seconds", ttft.Seconds()))
 	}
 }
+
+// traceDelivery adds a result's delivery to its caller to the job's trace
+// (linked to the fetching request's span), each time the result is
+// fetched; webhook deliveries will add theirs the same way.
+func traceDelivery(ctx context.Context, j store.Job, bytes int) {
+	if !trace.SpanFromContext(ctx).IsRecording() {
+		return
+	}
+	if i := infoOf(ctx); i != nil {
+		i.jobID = j.ID
+	}
+	_, span := scheduler.Tracer().Start(scheduler.JobContext(context.Background(), j.ID), "delivery result",
+		trace.WithTimestamp(requestStart(ctx)), trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithLinks(trace.LinkFromContext(ctx, attribute.String("kvgate.link", "request"))),
+		trace.WithAttributes(append(scheduler.JobAttrs(j.ID, j.Tenant, 0, 0), attribute.String("kvgate.request_id", RequestID(ctx)),
+			attribute.Int("kvgate.result_bytes", bytes))...))
+	span.End()
+}

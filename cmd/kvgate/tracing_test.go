@@ -242,15 +242,15 @@ func TestTracesOverOTLP(t *testing.T) {
 		attr(server, "kvgate.request_id") != "traced-1" || attr(server, "http.response.status_code") != "200" || attr(server, "kvgate.backend") == "" {
 		t.Errorf("request span: parent %x, kind %v, attributes %v", server.GetParentSpanId(), server.GetKind(), server.GetAttributes())
 	}
-	adm, call := named(chat, "admission"), named(chat, "backend /v1/chat/completions")[0]
-	if len(adm) != 1 || !bytes.Equal(adm[0].GetParentSpanId(), server.GetSpanId()) || !bytes.Equal(call.GetParentSpanId(), server.GetSpanId()) ||
-		call.GetKind() != tracepb.Span_SPAN_KIND_CLIENT {
-		t.Errorf("admission %v and backend %v should be children of the request span", adm, call)
+	adm, bcall := named(chat, "admission"), named(chat, "backend /v1/chat/completions")[0]
+	if len(adm) != 1 || !bytes.Equal(adm[0].GetParentSpanId(), server.GetSpanId()) || !bytes.Equal(bcall.GetParentSpanId(), server.GetSpanId()) ||
+		bcall.GetKind() != tracepb.Span_SPAN_KIND_CLIENT {
+		t.Errorf("admission %v and backend %v should be children of the request span", adm, bcall)
 	}
-	if len(call.GetEvents()) == 0 || call.GetEvents()[0].GetName() != "first_token" || attr(call, "kvgate.ttft_seconds") == "" {
-		t.Errorf("backend span lacks the first token: %v", call.GetEvents())
+	if len(bcall.GetEvents()) == 0 || bcall.GetEvents()[0].GetName() != "first_token" || attr(bcall, "kvgate.ttft_seconds") == "" {
+		t.Errorf("backend span lacks the first token: %v", bcall.GetEvents())
 	}
-	want := "00-" + callerTrace + "-" + hex.EncodeToString(call.GetSpanId()) + "-01"
+	want := "00-" + callerTrace + "-" + hex.EncodeToString(bcall.GetSpanId()) + "-01"
 	if !slices.Contains(proxy.seen(), want) {
 		t.Errorf("the backend got traceparents %v, want %s", proxy.seen(), want)
 	}
@@ -267,10 +267,18 @@ func TestTracesOverOTLP(t *testing.T) {
 	resp.Body.Close()
 	jobID := strings.TrimPrefix(resp.Header.Get("Location"), "/v1/jobs/")
 	jobTrace := strings.ReplaceAll(jobID, "-", "")
+	eventually.True(t, "the job to succeed", func() bool {
+		st, b := call(t, base, http.MethodGet, "/v1/jobs/"+jobID, "", "")
+		return st == http.StatusOK && strings.Contains(string(b), `"SUCCEEDED"`)
+	})
+	// Its delivery: the caller fetches the result.
+	if st, b := call(t, base, http.MethodGet, "/v1/jobs/"+jobID+"/result", "", ""); st != http.StatusOK {
+		t.Fatalf("result: %d %s", st, b)
+	}
 	var job []*tracepb.Span
-	eventually.True(t, "the job's trace through to its root span", func() bool {
+	eventually.True(t, "the job's trace through to its root span and its delivery", func() bool {
 		job = recv.trace(jobTrace)
-		return len(named(job, "job")) == 1 && len(named(job, "inbox.receive job.succeeded")) == 1
+		return len(named(job, "job")) == 1 && len(named(job, "inbox.receive job.succeeded")) == 1 && len(named(job, "delivery result")) == 1
 	})
 	tree := traceTree(job)
 	t.Logf("the trace of job %s:\n%s", jobID, tree)
@@ -282,7 +290,7 @@ func TestTracesOverOTLP(t *testing.T) {
 		t.Errorf("root span: parent %x, attributes %v", root.GetParentSpanId(), root.GetAttributes())
 	}
 	for _, name := range []string{"accept", "outbox.publish job.accepted", "inbox.receive job.accepted",
-		"outbox.publish job.succeeded", "inbox.receive job.succeeded"} {
+		"outbox.publish job.succeeded", "inbox.receive job.succeeded", "delivery result"} {
 		ss := named(job, name)
 		if len(ss) != 1 || !bytes.Equal(ss[0].GetParentSpanId(), root.GetSpanId()) {
 			t.Errorf("%s: %d spans, want one under the root\n%s", name, len(ss), tree)
