@@ -13,7 +13,7 @@ LDFLAGS  := -X main.stampVersion=$(VERSION) -X main.stampCommit=$(COMMIT)
 # gcc would print ~150 lines of warnings on the first build.
 export CGO_CFLAGS ?= -O2 -g -Wno-deprecated-declarations
 
-.PHONY: all build build-static run test experiments test-short fuzz fuzz-short node-deps lint fmt bench calibrate simcost clean
+.PHONY: all build build-static run test experiments test-short fuzz fuzz-short node-deps lint fmt bench calibrate simcost clean docs
 
 all: build
 
@@ -98,6 +98,11 @@ lint: $(STATICCHECK)
 
 fmt:
 	gofmt -w $$(git ls-files '*.go')
+
+# docs/configuration.md's reference, generated from cmd/kvgate/config.go
+# (TestConfigReference fails while it is stale).
+docs:
+	KVGATE_UPDATE_DOCS=1 $(GO) test -count=1 -run '^TestConfigReference$$' ./cmd/kvgate/
 
 # Go benchmarks, the gateway's overhead and throughput, the simulator's
 # calibration table and CPU cost, then the named scenarios at a quarter of

@@ -54,7 +54,7 @@ func (e *upstreamError) Error() string { return e.msg }
 func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	e := toAPIError(err)
 	if e.status >= 500 && e.status != http.StatusServiceUnavailable {
-		log.Error("request failed", "status", e.status, "err", err)
+		log.Error("request failed", "status", e.status, "err", err, "request_id", w.Header().Get(RequestIDHeader))
 	}
 	if e.retryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((e.retryAfter+time.Second-1)/time.Second)))

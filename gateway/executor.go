@@ -10,6 +10,9 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
@@ -45,7 +48,26 @@ func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, error) {
 	c, model, err := s.jobCall(j)
 	if err != nil {
+		_, span := startAttempt(ctx, j)
+		endSpan(span, 0, err)
 		return nil, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
+	}
+	// The attempt's span, in the job's trace: the admission wait (quota,
+	// then a backend's KV grant) and the backend call below it.
+	actx, attempt := startAttempt(ctx, j)
+	_, admission := startAdmission(actx, scheduler.Batch.String())
+	var (
+		spanOnce sync.Once
+		runErr   error
+	)
+	var backend string
+	endAttempt := func() {
+		spanOnce.Do(func() {
+			endSpan(admission, 0, nil) // a no-op once Run ended it
+			endSpan(attempt, 0, runErr)
+			s.log.DebugContext(actx, "job attempt ended", "job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt+1,
+				"fence", j.Fence, "backend", backend, "err", runErr)
+		})
 	}
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
 	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant)}
@@ -68,11 +90,15 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 			}
 			return nil
 		},
-		Release: func() { release(store.NotSent, 0, nil) },
+		Release: func() { release(store.NotSent, 0, nil); endAttempt() },
 		Run: func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
-			ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+			admission.SetAttributes(attribute.String("kvgate.backend", g.Backend))
+			admission.End()
+			ctx, cancel := context.WithTimeout(trace.ContextWithSpan(ctx, attempt), s.cfg.RequestTimeout)
 			defer cancel()
 			out, sent, err := s.execute(ctx, j, c, g, sending)
+			runErr, backend = err, g.Backend
+			attempt.SetAttributes(attribute.String("kvgate.backend", g.Backend))
 			o, attempts, u := store.NotSent, 0, (*usage)(nil)
 			switch {
 			case sent == sentNothing:
@@ -145,10 +171,18 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	if err := sending(); err != nil {
 		return execOutcome{}, sentNothing, err // the claim lost the job: send nothing
 	}
+	span := startBackendSpan(req, g)
+	var spanStatus int
+	var spanErr error
+	defer func() { endSpan(span, spanStatus, spanErr) }()
 	// One classification of a backend's answer, the interactive path's
 	// (upstream.go). A job's attempt is tried on one backend only, so its
 	// ambiguous failures count against that backend (reportAlone).
 	resp, err := s.client.Do(req)
+	spanErr = err
+	if err == nil {
+		spanStatus = resp.StatusCode
+	}
 	stopped := func() bool { return errors.Is(ctx.Err(), context.Canceled) }
 	if err != nil && stopped() {
 		// kvgate itself stopped the attempt: the backend did nothing wrong.

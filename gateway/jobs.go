@@ -237,6 +237,9 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	if created {
+		s.jobAccepted(r.Context(), job)
+	}
 	if created && s.jobs.Wake != nil {
 		s.jobs.Wake()
 	}
@@ -314,6 +317,7 @@ func (s *Server) handleJobResult(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	defer traceDelivery(r.Context(), j, len(res))
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusOK)
 	_, _ = w.Write(res)

@@ -15,6 +15,8 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 )
@@ -378,7 +380,9 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}
 	}
 	for retries := 0; ; {
-		grant, err := s.sched.Acquire(ctx, ticket)
+		actx, aspan := startAdmission(ctx, scheduler.Interactive.String())
+		grant, err := s.sched.Acquire(actx, ticket)
+		endSpan(aspan, 0, err)
 		if err != nil {
 			if ctx.Err() != nil {
 				return 499 // the client left; nobody to answer
@@ -398,6 +402,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}
 		sameTwice := health.observe(s.pool, grant.Backend, res.up)
 		if res.err == nil {
+			noteAnswer(ctx, grant.Backend, res.usage)
 			if res.usage != nil && c.promptBytes > 0 {
 				s.est.observe(model.ID, c.promptBytes, res.usage.PromptTokens)
 			}
@@ -528,15 +533,21 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if c.f.Stream {
 		req.Header.Set("Accept", "text/event-stream")
 	}
+	span := startBackendSpan(req, g)
 	start := time.Now()
 	resp, err := s.client.Do(req)
 	if err != nil {
+		endSpan(span, 0, err)
 		return failed("connect", err)
 	}
 	defer resp.Body.Close()
+	ctx = trace.ContextWithSpan(ctx, span)
 	if resp.StatusCode >= 400 {
-		return s.upstreamFailure(g, resp)
+		res := s.upstreamFailure(g, resp)
+		endSpan(span, resp.StatusCode, res.err)
+		return res
 	}
+	defer func() { endSpan(span, resp.StatusCode, nil) }()
 	if c.f.Stream && isEventStream(resp.Header.Get("Content-Type")) {
 		return s.relay(ctx, w, g, c, resp, injected, start, watchdog, failed)
 	}
@@ -709,6 +720,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			now := time.Now()
 			if last.IsZero() {
 				ttft.Observe(now.Sub(start).Seconds())
+				firstToken(ctx, now.Sub(start))
 			} else {
 				itl.Observe(now.Sub(last).Seconds())
 			}

@@ -73,6 +73,9 @@ type Config struct {
 	// Currency names the prices' and budgets' currency in usage reports
 	// ["USD"].
 	Currency string
+	// AccessLog is the level of the access log's line per request:
+	// "debug", "info" or "off" ["debug"].
+	AccessLog string
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -108,6 +111,9 @@ type Server struct {
 	limits  *tenantCache // nil without Tenants.Store
 	quota   *quotaMetrics
 	drain   *drainState
+	// accessLevel is the access log's level (requestid.go).
+	accessLevel slog.Level
+	accepted    prometheus.Histogram
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
@@ -159,6 +165,9 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	if err := s.m.register(reg); err != nil {
 		return nil, err
 	}
+	if err := s.initObservability(reg); err != nil {
+		return nil, err
+	}
 	if err := s.initTenants(reg); err != nil {
 		return nil, err
 	}
@@ -193,9 +202,6 @@ func (s *Server) routes(reg *prometheus.Registry) {
 			msg: fmt.Sprintf("Unknown request URL: %s %s.", r.Method, r.URL.Path)})
 	})
 }
-
-// ServeHTTP serves the API.
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
 
 type tenantKey struct{}
 
@@ -245,6 +251,10 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		r = r.WithContext(ctx)
 		r.Body = http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes)
 		rw := &statusWriter{ResponseWriter: w}
+		if i := infoOf(ctx); i != nil {
+			i.route, i.tenant = route, p.tenant
+			defer func() { i.model = rw.model }()
+		}
 		s.m.inflight.Inc()
 		defer s.m.inflight.Dec()
 		status := h(rw, r)

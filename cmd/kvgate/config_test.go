@@ -237,12 +237,18 @@ func serveRunsJob(t *testing.T, dir string, args ...string) {
 // returns its base URL and its log.
 func startServe(t *testing.T, args ...string) (string, *syncBuffer) {
 	t.Helper()
+	return startServeEnv(t, nil, args...)
+}
+
+// startServeEnv is startServe with environment variables.
+func startServeEnv(t *testing.T, env map[string]string, args ...string) (string, *syncBuffer) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(t.Context())
 	var stdout, stderr syncBuffer
 	done := make(chan error, 1)
 	go func() {
 		done <- run(ctx, append([]string{"serve", "--addr", "127.0.0.1:0", "--sim-speedup", "0", "--no-nvml", "--dev"}, args...),
-			noenv, &stdout, &stderr)
+			func(k string) string { return env[k] }, &stdout, &stderr)
 	}()
 	t.Cleanup(func() {
 		cancel()
@@ -250,10 +256,10 @@ func startServe(t *testing.T, args ...string) (string, *syncBuffer) {
 			t.Errorf("serve: %v", err)
 		}
 	})
-	addr := regexp.MustCompile(`http://(127\.0\.0\.1:\d+)/v1`)
+	addr := regexp.MustCompile(`(https?://127\.0\.0\.1:\d+)/v1`)
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
 		if m := addr.FindStringSubmatch(stdout.String()); m != nil {
-			return "http://" + m[1], &stderr
+			return m[1], &stderr
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("serve printed no address:\n%s", stderr.String())

@@ -122,3 +122,31 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	fmt.Fprint(stderr, usage)
 	return fmt.Errorf("unknown command %q", args[0])
 }
+
+// parseFlags parses a command's flags. An unknown or malformed flag is an
+// error of two lines, the problem and where the flags are listed, not the
+// whole usage (which scrolls the error away); -h and --help print the
+// usage (fs.Usage, to fs's output) and return flag.ErrHelp.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	usage, out := fs.Usage, fs.Output()
+	fs.Usage = func() {}
+	fs.SetOutput(io.Discard)
+	err := fs.Parse(args)
+	fs.Usage = usage
+	fs.SetOutput(out)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		if usage != nil {
+			usage()
+		} else {
+			fs.PrintDefaults()
+		}
+		return err
+	case err != nil:
+		return fmt.Errorf("%w\n  (%s --help lists the flags)", err, fs.Name())
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected argument %q\n  (%s --help lists the flags)", fs.Arg(0), fs.Name())
+	}
+	return nil
+}

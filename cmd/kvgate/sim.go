@@ -68,7 +68,7 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 		fmt.Fprintln(stderr, "\nProfiles:")
 		writeProfiles(stderr)
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
@@ -178,7 +178,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) error {
 	profile := fs.String("profile", vllmsim.CalibrationProfile, "profile to replay the published experiments on")
 	seed := fs.Uint64("seed", 1, "seed for prompts and lengths")
 	tol := fs.Float64("tolerance", 0.15, "largest relative error accepted")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	p, err := vllmsim.LookupProfile(*profile)

@@ -60,6 +60,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"SpendBudgets", testSpendBudgets},
 		{"QuotaRace", testQuotaRace},
 		{"JobReservations", testJobReservations},
+		{"Stats", testStats},
 	}
 	tests = append(tests, outcomeTests...) // outcomes.go
 	tests = append(tests, entityTests...)  // entities.go
