@@ -76,6 +76,12 @@ type Config struct {
 	// AccessLog is the level of the access log's line per request:
 	// "debug", "info" or "off" ["debug"].
 	AccessLog string
+	// ConsoleSecret seals the console's session cookies (console.go):
+	// replicas that share it share sessions. Empty: each replica draws
+	// its own at start, and sessions are per replica.
+	ConsoleSecret string
+	// ConsoleSessionTTL is how long a console session lasts [8h].
+	ConsoleSessionTTL time.Duration
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -114,6 +120,7 @@ type Server struct {
 	// accessLevel is the access log's level (requestid.go).
 	accessLevel slog.Level
 	accepted    prometheus.Histogram
+	consoleSeal *consoleSealer // console.go
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
@@ -156,11 +163,12 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 			IdleConnTimeout:     90 * time.Second,
 			DisableCompression:  true,
 		}},
-		est:   newEstimator(),
-		jobs:  cfg.Jobs,
-		m:     newMetrics(),
-		mux:   newRouteMux(),
-		drain: newDrainState(),
+		est:         newEstimator(),
+		jobs:        cfg.Jobs,
+		m:           newMetrics(),
+		mux:         newRouteMux(),
+		drain:       newDrainState(),
+		consoleSeal: newConsoleSealer(cfg.ConsoleSecret),
 	}
 	if err := s.m.register(reg); err != nil {
 		return nil, err
@@ -191,6 +199,8 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()
 	}
+	s.fleetRoutes()   // fleet.go
+	s.consoleRoutes() // console.go
 	s.mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = w.Write([]byte("ok\n"))

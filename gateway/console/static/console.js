@@ -1,0 +1,95 @@
+// kvgate console: live updates over the API's event streams, through the
+// console's forwarder (/console/api/v1/...), which carries the session.
+"use strict";
+(function () {
+  var page = document.body.dataset.page;
+  var api = "/console/api";
+
+  function text(el, v) { if (el && el.textContent !== String(v)) el.textContent = v; }
+  function pct(f) { return (Math.round(f * 1000) / 10) + "%"; }
+
+  // Fleet: one "fleet" event a second; each backend's card and its chart
+  // of the last five minutes of KV use.
+  var history = {}, windowMs = 5 * 60 * 1000;
+  function draw(svg, points, target) {
+    var ns = "http://www.w3.org/2000/svg";
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    var now = points.length ? points[points.length - 1][0] : 0;
+    function x(t) { return 300 - (now - t) / windowMs * 300; }
+    function y(v) { return 80 - Math.min(1, Math.max(0, v)) * 78 - 1; }
+    if (target) {
+      var tl = document.createElementNS(ns, "line");
+      tl.setAttribute("x1", "0"); tl.setAttribute("x2", "300");
+      tl.setAttribute("y1", y(target)); tl.setAttribute("y2", y(target));
+      tl.setAttribute("class", "target");
+      svg.appendChild(tl);
+    }
+    var pl = document.createElementNS(ns, "polyline");
+    pl.setAttribute("points", points.map(function (p) { return x(p[0]).toFixed(1) + "," + y(p[1]).toFixed(1); }).join(" "));
+    pl.setAttribute("class", "use");
+    svg.appendChild(pl);
+  }
+  function fleet() {
+    var status = document.getElementById("fleet-live");
+    var es = new EventSource(api + "/v1/fleet/events");
+    es.onopen = function () { text(status, "Live updates: on"); };
+    es.onerror = function () { text(status, "Live updates: reconnecting…"); };
+    es.addEventListener("fleet", function (e) {
+      var f = JSON.parse(e.data);
+      f.backends.forEach(function (b) {
+        var card = document.querySelector('[data-backend="' + CSS.escape(b.name) + '"]');
+        if (!card) return;
+        var field = function (n) { return card.querySelector('[data-field="' + n + '"]'); };
+        text(field("kv"), pct(b.kv_usage));
+        text(field("capacity"), b.capacity_tokens);
+        text(field("running"), b.running);
+        text(field("waiting"), b.waiting);
+        text(field("preemptions"), b.preemptions);
+        text(field("inflight"), b.inflight);
+        text(field("state"), b.ejected ? "ejected" : b.cooling ? "cooling down" : b.stale ? "metrics stale" : b.routable ? "routable" : "not routable");
+        var h = history[b.name] = history[b.name] || [];
+        h.push([f.at_ms, b.kv_usage]);
+        while (h.length && h[0][0] < f.at_ms - windowMs) h.shift();
+        var svg = card.querySelector("[data-chart]");
+        if (svg) draw(svg, h, f.kv_target);
+      });
+      Object.keys(f.queued || {}).forEach(function (c) { text(document.getElementById("queued-" + c), f.queued[c]); });
+    });
+  }
+
+  // Jobs, reviews, dead letters: the tenant's job events move each shown
+  // job's state.
+  function jobs() {
+    var es = new EventSource(api + "/v1/events");
+    function apply(e) {
+      var ev = JSON.parse(e.data);
+      var list = ev.data || [ev];
+      list.forEach(function (j) {
+        var id = j.job_id || j.id, st = j.state;
+        document.querySelectorAll('[data-job="' + CSS.escape(id) + '"] [data-field="state"]').forEach(function (el) { text(el, st); });
+      });
+    }
+    ["job.state", "snapshot", "message"].forEach(function (t) { es.addEventListener(t, apply); });
+  }
+
+  // A job's page: its own stream, listed as it comes.
+  function job() {
+    var ol = document.getElementById("job-events");
+    if (!ol) return;
+    var es = new EventSource(api + "/v1/jobs/" + encodeURIComponent(ol.dataset.job) + "/events");
+    function add(e) {
+      var ev = JSON.parse(e.data);
+      var li = document.createElement("li");
+      li.textContent = (e.type || "event") + ": " + (ev.state || "") + (ev.state_version ? " (version " + ev.state_version + ")" : "");
+      ol.appendChild(li);
+      var st = document.querySelector('[data-job="' + CSS.escape(ol.dataset.job) + '"] [data-field="state"]');
+      if (ev.state) text(st, ev.state);
+    }
+    ["job.state", "snapshot", "message"].forEach(function (t) { es.addEventListener(t, add); });
+    es.addEventListener("error", function () { if (es.readyState === EventSource.CLOSED) return; });
+  }
+
+  if (page === "fleet") fleet();
+  if (page === "jobs" || page === "reviews" || page === "deadletters") jobs();
+  if (page === "job") job();
+})();

@@ -1,0 +1,378 @@
+package gateway
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// The console's pages (console.go). Each one is a few API calls, made in
+// process as the session's key, rendered by a template of console/.
+
+const consolePageSize = 50
+
+func fmtFloat(f float64) string { return strconv.FormatFloat(f, 'f', 1, 64) }
+
+func containsString(s []string, v string) bool { return slices.Contains(s, v) }
+
+func prettyJSON(b json.RawMessage) string {
+	if len(b) == 0 {
+		return ""
+	}
+	var v any
+	if json.Unmarshal(b, &v) != nil {
+		return string(b)
+	}
+	out, _ := json.MarshalIndent(v, "", "  ")
+	return string(out)
+}
+
+func (s *Server) consoleFleet(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	var f fleetView
+	err := s.consoleGet(r, u, "/v1/fleet", &f)
+	s.page(w, r, u, "fleet", "Fleet", f, err)
+}
+
+type queuesData struct {
+	Fleet  fleetView
+	Queued []jobView // the tenant's oldest QUEUED jobs
+	Oldest string    // age of the oldest eligible QUEUED job
+	Tenant TenantView
+	Total  int // weight of every tenant, for the share
+	Shares []tenantShare
+}
+
+type tenantShare struct {
+	Name   string
+	Weight int
+	Share  float64 // its weight over every tenant's
+}
+
+func (s *Server) consoleQueues(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	var d queuesData
+	err := s.consoleGet(r, u, "/v1/fleet", &d.Fleet)
+	if err == nil && s.jobs.Store != nil {
+		var pg struct {
+			Data []jobView `json:"data"`
+		}
+		if err = s.consoleGet(r, u, "/v1/jobs?state=QUEUED&limit=100", &pg); err == nil {
+			d.Queued = pg.Data
+			if n := len(pg.Data); n > 0 {
+				d.Oldest = time.Since(time.Unix(pg.Data[n-1].CreatedAt, 0)).Round(time.Second).String()
+			}
+		}
+	}
+	if err == nil && u.Admin() && s.cfg.Tenants.Store != nil {
+		var ts struct {
+			Data []TenantView `json:"data"`
+		}
+		if err = s.consoleGet(r, u, "/v1/admin/tenants", &ts); err == nil {
+			for _, t := range ts.Data {
+				d.Total += t.Weight
+			}
+			for _, t := range ts.Data {
+				d.Shares = append(d.Shares, tenantShare{Name: t.Name, Weight: t.Weight, Share: float64(t.Weight) / float64(max(1, d.Total))})
+			}
+		}
+	}
+	s.page(w, r, u, "queues", "Queues", d, err)
+}
+
+type jobsData struct {
+	Jobs       []jobView
+	States     []string
+	Selected   []string
+	Entity     *entityView
+	EntityKey  string
+	Since      string
+	Until      string
+	NextURL    string
+	AllStates  []string
+	FilterDesc string
+}
+
+// v7Cursor is the keyset cursor that starts a listing at jobs created
+// before t: job ids are UUIDv7, whose first 48 bits are the creation's
+// Unix milliseconds, and listings run by id, newest first.
+func v7Cursor(t time.Time) string {
+	ms := uint64(t.UnixMilli())
+	return fmt.Sprintf("%08x-%04x-0000-0000-000000000000", ms>>16, ms&0xffff)
+}
+
+func parseConsoleTime(v string) (time.Time, bool) {
+	for _, layout := range []string{"2006-01-02T15:04", time.RFC3339, time.DateOnly} {
+		if t, err := time.Parse(layout, v); err == nil {
+			return t, true
+		}
+	}
+	return time.Time{}, false
+}
+
+func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	q := r.URL.Query()
+	d := jobsData{Selected: q["state"], EntityKey: strings.TrimSpace(q.Get("entity")), Since: q.Get("since"), Until: q.Get("until")}
+	for _, st := range store.States {
+		d.AllStates = append(d.AllStates, string(st))
+	}
+	var err error
+	if d.EntityKey != "" {
+		var e entityView
+		if err = s.consoleGet(r, u, "/v1/entities/"+url.PathEscape(d.EntityKey), &e); err == nil {
+			d.Entity = &e
+		}
+		s.page(w, r, u, "jobs", "Jobs", d, err)
+		return
+	}
+	api := url.Values{"limit": {strconv.Itoa(consolePageSize)}}
+	for _, st := range d.Selected {
+		api.Add("state", st)
+	}
+	after := q.Get("after")
+	if t, ok := parseConsoleTime(d.Until); ok && after == "" {
+		after = v7Cursor(t)
+	}
+	if after != "" {
+		api.Set("after", after)
+	}
+	var pg struct {
+		Data       []jobView `json:"data"`
+		NextCursor string    `json:"next_cursor"`
+	}
+	if err = s.consoleGet(r, u, "/v1/jobs?"+api.Encode(), &pg); err == nil {
+		d.Jobs = pg.Data
+		next := pg.NextCursor
+		if since, ok := parseConsoleTime(d.Since); ok {
+			// Newest first: the first job older than since ends the listing.
+			if i := slices.IndexFunc(d.Jobs, func(j jobView) bool { return j.CreatedAt < since.Unix() }); i >= 0 {
+				d.Jobs, next = d.Jobs[:i], ""
+			}
+		}
+		if next != "" {
+			nq := url.Values{"after": {next}}
+			for _, k := range []string{"since", "until"} {
+				if v := q.Get(k); v != "" {
+					nq.Set(k, v)
+				}
+			}
+			for _, st := range d.Selected {
+				nq.Add("state", st)
+			}
+			d.NextURL = "/console/jobs?" + nq.Encode()
+		}
+	}
+	s.page(w, r, u, "jobs", "Jobs", d, err)
+}
+
+type jobData struct {
+	Job      jobView
+	Attempts []attemptView
+	Audit    []auditView
+	Reasons  json.RawMessage
+	Result   string
+	Review   bool // it waits for a review
+	Replay   bool // it may be replayed
+}
+
+func (s *Server) consoleJob(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	id := url.PathEscape(r.PathValue("id"))
+	var d jobData
+	err := s.consoleGet(r, u, "/v1/jobs/"+id, &d.Job)
+	if err == nil {
+		var as struct {
+			Data []attemptView `json:"data"`
+		}
+		if err = s.consoleGet(r, u, "/v1/jobs/"+id+"/attempts", &as); err == nil {
+			d.Attempts = as.Data
+		}
+	}
+	if err == nil {
+		var au struct {
+			Data []auditView `json:"data"`
+		}
+		if err = s.consoleGet(r, u, "/v1/jobs/"+id+"/audit", &au); err == nil {
+			d.Audit = au.Data
+		}
+	}
+	if err == nil {
+		d.Review = d.Job.State == string(store.ReviewRequired)
+		d.Replay = d.Review || d.Job.State == string(store.FailedTerminal)
+		if d.Job.State == string(store.Succeeded) {
+			if status, b := s.consoleCall(r, u, http.MethodGet, "/v1/jobs/"+id+"/result", nil); status == http.StatusOK {
+				d.Result = prettyJSON(b)
+			}
+		}
+		if d.Review {
+			d.Reasons = s.reviewReasons(r, u, d.Job.ID)
+		}
+	}
+	title := "Job"
+	if d.Job.ID != "" {
+		title = "Job " + d.Job.ID
+	}
+	s.page(w, r, u, "job", title, d, err)
+}
+
+// reviewReasons finds a REVIEW_REQUIRED job's reasons in the review queue.
+func (s *Server) reviewReasons(r *http.Request, u consoleUser, id string) json.RawMessage {
+	after := ""
+	for range 20 {
+		var pg struct {
+			Data       []reviewView `json:"data"`
+			NextCursor string       `json:"next_cursor"`
+		}
+		if s.consoleGet(r, u, "/v1/reviews?limit=1000&after="+url.QueryEscape(after), &pg) != nil {
+			return nil
+		}
+		for _, v := range pg.Data {
+			if v.ID == id {
+				return v.Reasons
+			}
+		}
+		if after = pg.NextCursor; after == "" {
+			return nil
+		}
+	}
+	return nil
+}
+
+type reviewsData struct {
+	Reviews []reviewView
+	NextURL string
+}
+
+func (s *Server) consoleReviews(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	var pg struct {
+		Data       []reviewView `json:"data"`
+		NextCursor string       `json:"next_cursor"`
+	}
+	err := s.consoleGet(r, u, "/v1/reviews?limit="+strconv.Itoa(consolePageSize)+"&after="+url.QueryEscape(r.URL.Query().Get("after")), &pg)
+	d := reviewsData{Reviews: pg.Data}
+	if pg.NextCursor != "" {
+		d.NextURL = "/console/reviews?after=" + url.QueryEscape(pg.NextCursor)
+	}
+	s.page(w, r, u, "reviews", "Reviews", d, err)
+}
+
+// consoleAction posts an action's API twin and goes back to where the
+// form came from, with the API's answer as the notice.
+func (s *Server) consoleAction(w http.ResponseWriter, r *http.Request, u consoleUser, path string, body any, done string) {
+	status, b := s.consoleCall(r, u, http.MethodPost, path, body)
+	back := safeNext(r.PostFormValue("back"))
+	msg := done
+	if status >= 300 {
+		msg = "Refused: " + apiMessage(status, b).Error()
+	}
+	sep := "?"
+	if strings.Contains(back, "?") {
+		sep = "&"
+	}
+	http.Redirect(w, r, back+sep+"notice="+url.QueryEscape(msg), http.StatusSeeOther)
+}
+
+func (s *Server) consoleReview(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	req := reviewRequest{Decision: r.PostFormValue("decision"), Reason: r.PostFormValue("reason")}
+	id := r.PathValue("id")
+	s.consoleAction(w, r, u, "/v1/jobs/"+url.PathEscape(id)+"/review", req, "Job "+id+": "+req.Decision+"d.")
+}
+
+func (s *Server) consoleReplay(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	req := replayRequest{From: r.PostFormValue("from")}
+	id := r.PathValue("id")
+	s.consoleAction(w, r, u, "/v1/jobs/"+url.PathEscape(id)+"/replay", req, "Job "+id+" replayed.")
+}
+
+type deadLettersData struct {
+	Letters []deadLetterView
+	NextURL string
+	Class   string
+}
+
+func (s *Server) consoleDeadLetters(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	q := r.URL.Query()
+	api := url.Values{"limit": {strconv.Itoa(consolePageSize)}}
+	for _, k := range []string{"after", "class"} {
+		if v := q.Get(k); v != "" {
+			api.Set(k, v)
+		}
+	}
+	var pg struct {
+		Data       []deadLetterView `json:"data"`
+		NextCursor string           `json:"next_cursor"`
+	}
+	err := s.consoleGet(r, u, "/v1/dead-letters?"+api.Encode(), &pg)
+	d := deadLettersData{Letters: pg.Data, Class: q.Get("class")}
+	if pg.NextCursor != "" {
+		d.NextURL = "/console/dead-letters?" + url.Values{"after": {pg.NextCursor}, "class": {d.Class}}.Encode()
+	}
+	s.page(w, r, u, "deadletters", "Dead letters", d, err)
+}
+
+type tenantsData struct {
+	Tenants []TenantView
+	Keys    []KeyView
+	NewKey  *KeyView // a rotated key, shown once
+}
+
+func (s *Server) consoleTenants(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	d, err := s.tenantsData(r, u)
+	s.page(w, r, u, "tenants", "Tenants and keys", d, err)
+}
+
+func (s *Server) tenantsData(r *http.Request, u consoleUser) (tenantsData, error) {
+	var d tenantsData
+	var ts struct {
+		Data []TenantView `json:"data"`
+	}
+	if err := s.consoleGet(r, u, "/v1/admin/tenants", &ts); err != nil {
+		return d, err
+	}
+	var ks struct {
+		Data []KeyView `json:"data"`
+	}
+	if err := s.consoleGet(r, u, "/v1/admin/keys", &ks); err != nil {
+		return d, err
+	}
+	d.Tenants, d.Keys = ts.Data, ks.Data
+	return d, nil
+}
+
+// consoleRotate rotates a key and shows the new one, once, on the page
+// (never in a URL).
+func (s *Server) consoleRotate(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	status, b := s.consoleCall(r, u, http.MethodPost, "/v1/admin/keys/"+url.PathEscape(r.PathValue("id"))+"/rotate", nil)
+	if status >= 300 {
+		d, _ := s.tenantsData(r, u)
+		s.page(w, r, u, "tenants", "Tenants and keys", d, apiMessage(status, b))
+		return
+	}
+	var k KeyView
+	_ = json.Unmarshal(b, &k)
+	d, err := s.tenantsData(r, u)
+	d.NewKey = &k
+	s.page(w, r, u, "tenants", "Tenants and keys", d, err)
+}
+
+type usageData struct {
+	Days   []UsageView
+	Tenant string
+}
+
+func (s *Server) consoleUsage(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	var l struct {
+		Data []UsageView `json:"data"`
+	}
+	path := "/v1/usage"
+	tenant := r.URL.Query().Get("tenant")
+	if u.Admin() {
+		path = "/v1/admin/usage?tenant=" + url.QueryEscape(tenant)
+	}
+	err := s.consoleGet(r, u, path, &l)
+	s.page(w, r, u, "usage", "Usage", usageData{Days: l.Data, Tenant: tenant}, err)
+}

@@ -1,0 +1,157 @@
+package gateway
+
+import (
+	"net/http"
+	"slices"
+	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
+)
+
+// The fleet's state, for operators: GET /v1/fleet answers it once, and GET
+// /v1/fleet/events streams it (Server-Sent Events, one "fleet" event a
+// second and at once on connecting). Backends are shared by every tenant,
+// so any tenant's operator sees them all; a user key gets 403. The console's
+// Fleet page draws its live chart from the stream.
+
+// fleetPeriod is how often the fleet stream sends the fleet's state.
+const fleetPeriod = time.Second
+
+type fleetView struct {
+	Object   string             `json:"object"`
+	At       int64              `json:"at_ms"`
+	KVTarget float64            `json:"kv_target,omitempty"`
+	Queued   map[string]int     `json:"queued,omitempty"` // waiting in kvgate, by class
+	Backends []fleetBackendView `json:"backends"`
+}
+
+type fleetBackendView struct {
+	Name           string    `json:"name"`
+	Models         []string  `json:"models"`
+	Routable       bool      `json:"routable"`
+	Stale          bool      `json:"stale"`
+	Ejected        bool      `json:"ejected"`
+	Cooling        bool      `json:"cooling"`
+	HealthErr      string    `json:"health_error,omitempty"`
+	ScrapeErr      string    `json:"scrape_error,omitempty"`
+	KVUsage        float64   `json:"kv_usage"` // 0..1 of capacity, as vLLM reports it
+	CapacityTokens int       `json:"capacity_tokens"`
+	Running        float64   `json:"running"`
+	Waiting        float64   `json:"waiting"`
+	Preemptions    float64   `json:"preemptions"`
+	Inflight       int       `json:"inflight"`        // admitted by this replica
+	ReservedTokens int       `json:"reserved_tokens"` // KV tokens this replica reserved
+	GPUHealth      string    `json:"gpu_health,omitempty"`
+	GPUs           []gpuView `json:"gpus,omitempty"`
+}
+
+type gpuView struct {
+	Index          int      `json:"index"`
+	Name           string   `json:"name"`
+	UtilGPU        uint32   `json:"util_gpu"`
+	MemoryUsed     uint64   `json:"memory_used"`
+	MemoryTotal    uint64   `json:"memory_total"`
+	TemperatureC   uint32   `json:"temperature_c"`
+	Throttle       []string `json:"throttle,omitempty"`
+	ECCCorrected   uint64   `json:"ecc_corrected"`
+	ECCUncorrected uint64   `json:"ecc_uncorrected"`
+	Health         string   `json:"health"`
+}
+
+// The scheduler's reports, when the admitter offers them (*scheduler.Scheduler does).
+type (
+	loadReporter interface {
+		Loads() []scheduler.BackendLoad
+	}
+	queueReporter  interface{ Queued() [2]int }
+	policyReporter interface{ Policy() scheduler.Policy }
+)
+
+func (s *Server) fleetRoutes() {
+	s.mux.Handle("GET /v1/fleet", s.api("/v1/fleet", func(w http.ResponseWriter, r *http.Request) int {
+		if !isOperator(r.Context()) {
+			return writeError(w, s.log, errOperatorOnly)
+		}
+		writeJSON(w, http.StatusOK, s.fleet(time.Now()))
+		return http.StatusOK
+	}))
+	s.mux.Handle("GET /v1/fleet/events", s.api("/v1/fleet/events", s.handleFleetEvents))
+}
+
+func (s *Server) handleFleetEvents(w http.ResponseWriter, r *http.Request) int {
+	if !isOperator(r.Context()) {
+		return writeError(w, s.log, errOperatorOnly)
+	}
+	sse, err := startSSE(w)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	t := time.NewTicker(fleetPeriod)
+	defer t.Stop()
+	for {
+		now := time.Now()
+		if err := sse.send("", "fleet", s.fleet(now)); err != nil {
+			return http.StatusOK
+		}
+		select {
+		case <-r.Context().Done():
+			return http.StatusOK
+		case <-s.drain.deadline.Done():
+			return http.StatusOK
+		case <-t.C:
+			// A key revoked ends the stream, as it ends a job stream.
+			if err := s.reauthorize(r); err != nil {
+				sse.fail(err)
+				return http.StatusOK
+			}
+		}
+	}
+}
+
+func (s *Server) fleet(now time.Time) fleetView {
+	v := fleetView{Object: "fleet", At: now.UnixMilli(), Backends: []fleetBackendView{}}
+	loads := map[string]scheduler.BackendLoad{}
+	if lr, ok := s.sched.(loadReporter); ok {
+		for _, l := range lr.Loads() {
+			loads[l.Backend] = l
+		}
+	}
+	if pr, ok := s.sched.(policyReporter); ok {
+		v.KVTarget = pr.Policy().KVTarget
+	}
+	if qr, ok := s.sched.(queueReporter); ok {
+		q := qr.Queued()
+		v.Queued = map[string]int{"interactive": q[scheduler.Interactive], "batch": q[scheduler.Batch]}
+	}
+	for _, sn := range s.pool.Snapshots() {
+		b := fleetBackendView{Name: sn.Name, Models: []string{}, Routable: sn.Routable(), Stale: sn.Stale(now), Ejected: sn.Ejected,
+			Cooling: sn.Cooling(now), HealthErr: sn.HealthErr, ScrapeErr: sn.ScrapeErr, KVUsage: sn.Metrics.KVUsage,
+			CapacityTokens: sn.CapacityTokens, Running: sn.Metrics.Running, Waiting: sn.Metrics.Waiting,
+			Preemptions: sn.Metrics.Preemptions, Inflight: loads[sn.Name].Inflight, ReservedTokens: loads[sn.Name].Reserved}
+		for _, m := range sn.Models {
+			b.Models = append(b.Models, m.ID)
+		}
+		if len(sn.GPUs) > 0 {
+			b.GPUHealth = healthName(sn.GPUHealth)
+		}
+		for _, g := range sn.GPUs {
+			b.GPUs = append(b.GPUs, gpuView{Index: g.Index, Name: g.Name, UtilGPU: g.UtilGPU, MemoryUsed: g.MemoryUsed,
+				MemoryTotal: g.MemoryTotal, TemperatureC: g.TemperatureC, Throttle: g.Throttle, ECCCorrected: g.ECCCorrected,
+				ECCUncorrected: g.ECCUncorrected, Health: healthName(g.Health)})
+		}
+		v.Backends = append(v.Backends, b)
+	}
+	slices.SortFunc(v.Backends, func(a, b fleetBackendView) int {
+		if a.Name < b.Name {
+			return -1
+		}
+		if a.Name > b.Name {
+			return 1
+		}
+		return 0
+	})
+	return v
+}
+
+func healthName(h gpu.Health) string { return h.String() }
