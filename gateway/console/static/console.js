@@ -69,7 +69,7 @@
         document.querySelectorAll('[data-job="' + CSS.escape(id) + '"] [data-field="state"]').forEach(function (el) { text(el, st); });
       });
     }
-    ["job.state", "snapshot", "message"].forEach(function (t) { es.addEventListener(t, apply); });
+    jobEvents.forEach(function (t) { es.addEventListener(t, apply); });
   }
 
   // A job's page: its own stream, listed as it comes.
@@ -84,10 +84,16 @@
       ol.appendChild(li);
       var st = document.querySelector('[data-job="' + CSS.escape(ol.dataset.job) + '"] [data-field="state"]');
       if (ev.state) text(st, ev.state);
+      // A job's stream ends after its final state: do not reconnect.
+      if (["SUCCEEDED", "REVIEW_REQUIRED", "FAILED_TERMINAL", "CANCELLED", "SUPERSEDED"].indexOf(ev.state) >= 0) es.close();
     }
-    ["job.state", "snapshot", "message"].forEach(function (t) { es.addEventListener(t, add); });
-    es.addEventListener("error", function () { if (es.readyState === EventSource.CLOSED) return; });
+    jobEvents.forEach(function (t) { es.addEventListener(t, add); });
   }
+
+  // The job event types: "job." and the state in lower case, but for
+  // READY (job.accepted) and FAILED_TERMINAL (job.dead_lettered).
+  var jobEvents = ["snapshot", "job.accepted", "job.running", "job.retry_scheduled", "job.succeeded",
+    "job.review_required", "job.dead_lettered", "job.cancelled", "job.superseded"];
 
   if (page === "fleet") fleet();
   if (page === "jobs" || page === "reviews" || page === "deadletters") jobs();
