@@ -42,8 +42,8 @@ func (s *Server) consoleFleet(w http.ResponseWriter, r *http.Request, u consoleU
 
 type queuesData struct {
 	Fleet  fleetView
-	Queued []jobView // the tenant's oldest QUEUED jobs
-	Oldest string    // age of the oldest eligible QUEUED job
+	Queued []jobView // the tenant's waiting jobs (READY, RETRY_SCHEDULED), newest first
+	Oldest string    // how long the oldest one shown has waited
 	Tenant TenantView
 	Total  int // weight of every tenant, for the share
 	Shares []tenantShare
@@ -62,7 +62,7 @@ func (s *Server) consoleQueues(w http.ResponseWriter, r *http.Request, u console
 		var pg struct {
 			Data []jobView `json:"data"`
 		}
-		if err = s.consoleGet(r, u, "/v1/jobs?state=QUEUED&limit=100", &pg); err == nil {
+		if err = s.consoleGet(r, u, "/v1/jobs?state=READY&state=RETRY_SCHEDULED&limit=100", &pg); err == nil {
 			d.Queued = pg.Data
 			if n := len(pg.Data); n > 0 {
 				d.Oldest = time.Since(time.Unix(pg.Data[n-1].CreatedAt, 0)).Round(time.Second).String()

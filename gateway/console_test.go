@@ -1,0 +1,350 @@
+package gateway
+
+import (
+	"context"
+	"io"
+	"net/http"
+	"net/http/cookiejar"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/store"
+)
+
+// consoleEnv is a fleet with tenants acme and globex and acme's objects
+// for the console to show: a REVIEW_REQUIRED job, a dead letter, a job
+// that succeeded.
+type consoleEnv struct {
+	f                                  *fleet
+	user, operator, admin, otherOp     string // keys: acme's user, operator and admin; globex's operator
+	reviewJob, deadJob, doneJob, opKey string // ids; opKey is the operator key's id
+}
+
+func startConsoleEnv(t *testing.T) *consoleEnv {
+	t.Helper()
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 50, keysRequired: true,
+		gateway: Config{Tenants: Tenants{Store: st}, Jobs: Jobs{MaxAttempts: 1}}})
+	e := &consoleEnv{f: f}
+	e.user = newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	e.operator = newKey(t, st, "acme", store.RoleOperator)
+	e.admin = newKey(t, st, "acme", store.RoleAdmin)
+	e.otherOp = newTenant(t, st, "globex", store.Limits{}, store.RoleOperator)
+	ks, err := st.ListKeys(context.Background(), "acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range ks {
+		if k.Role == store.RoleOperator {
+			e.opKey = k.ID
+		}
+	}
+	if status, b := bearer(t, f, e.operator, http.MethodPost, "/v1/validation-policies",
+		`{"name":"invoice","rules":[{"rule":"json"},{"rule":"schema"}]}`); status != http.StatusCreated {
+		t.Fatalf("policy: %d %s", status, b)
+	}
+	submit := func(key, body string) string {
+		t.Helper()
+		resp, v := submitJob(t, f, key, body, "Authorization", "Bearer "+e.user)
+		if resp.StatusCode != http.StatusAccepted {
+			t.Fatalf("submit %s: %d", key, resp.StatusCode)
+		}
+		return v.ID
+	}
+	f.sims[0].SetFaults(vllmsim.Faults{InvalidJSONRate: 1})
+	e.reviewJob = submit("console-review", schemaJob("invoice: total 30 EUR", "invoice"))
+	waitJob(t, f, "acme", e.reviewJob, store.ReviewRequired)
+	f.sims[0].SetFaults(vllmsim.Faults{ServerErrorRate: 1})
+	e.deadJob = submit("console-dead", chatJob("a dead letter", 4))
+	waitJob(t, f, "acme", e.deadJob, store.FailedTerminal)
+	f.sims[0].SetFaults(vllmsim.Faults{})
+	e.doneJob = submit("console-done", chatJob("a job that succeeds", 4))
+	waitJob(t, f, "acme", e.doneJob, store.Succeeded)
+	return e
+}
+
+// bearer sends one API request with a key.
+func bearer(t *testing.T, f *fleet, key, method, path, body string) (int, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(method, f.srv.URL+path, strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Authorization", "Bearer "+key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, b
+}
+
+// browser is an HTTP client with a cookie jar, as a browser signs in.
+type browser struct {
+	t    *testing.T
+	base string
+	c    *http.Client
+}
+
+func newBrowser(t *testing.T, base string) *browser {
+	jar, _ := cookiejar.New(nil)
+	return &browser{t: t, base: base, c: &http.Client{Jar: jar}}
+}
+
+func (b *browser) do(req *http.Request) (int, string, *http.Response) {
+	b.t.Helper()
+	resp, err := b.c.Do(req)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body), resp
+}
+
+func (b *browser) get(path string) (int, string) {
+	b.t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, b.base+path, nil)
+	status, body, _ := b.do(req)
+	return status, body
+}
+
+func (b *browser) postForm(path string, form url.Values, header ...string) (int, string) {
+	b.t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, b.base+path, strings.NewReader(form.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	status, body, _ := b.do(req)
+	return status, body
+}
+
+var (
+	formCSRF = regexp.MustCompile(`name="csrf" value="([^"]+)"`)
+	metaCSRF = regexp.MustCompile(`name="csrf-token" content="([^"]*)"`)
+)
+
+// signIn signs in with key and returns the page it lands on.
+func (b *browser) signIn(key string) (int, string) {
+	b.t.Helper()
+	_, page := b.get("/console/signin")
+	m := formCSRF.FindStringSubmatch(page)
+	if m == nil {
+		b.t.Fatalf("no CSRF token in the sign-in form: %s", page)
+	}
+	return b.postForm("/console/signin", url.Values{"csrf": {m[1]}, "key": {key}, "next": {"/console/jobs"}})
+}
+
+func (b *browser) csrf(page string) string {
+	m := metaCSRF.FindStringSubmatch(page)
+	if m == nil || m[1] == "" {
+		b.t.Fatalf("no CSRF token on the page: %.300s", page)
+	}
+	return m[1]
+}
+
+// TestConsoleAccess: the console's sessions, role by role, without a
+// browser (TestConsoleBrowser drives Chromium through the same).
+func TestConsoleAccess(t *testing.T) {
+	e := startConsoleEnv(t)
+	base := e.f.srv.URL
+
+	// Signed out: every page sends the browser to the sign-in form, and
+	// the forwarder and the actions answer 401.
+	out := newBrowser(t, base)
+	if status, page := out.get("/console/jobs"); status != http.StatusOK || !strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("signed out, /console/jobs: %d %.200s", status, page)
+	}
+	if status, _ := out.get("/console/api/v1/jobs"); status != http.StatusUnauthorized {
+		t.Errorf("signed out, the forwarder: %d, want 401", status)
+	}
+	// A forged sign-in (no form token of this browser's) is refused.
+	if status, _ := out.postForm("/console/signin", url.Values{"key": {e.operator}, "csrf": {"forged"}}); status != http.StatusForbidden {
+		t.Errorf("a sign-in without the form's token: %d, want 403", status)
+	}
+
+	// A user key gets no console, and no session.
+	user := newBrowser(t, base)
+	if status, page := user.signIn(e.user); status != http.StatusForbidden || !strings.Contains(page, "operator or admin") {
+		t.Errorf("a user key's sign-in: %d %.200s", status, page)
+	}
+	if status, page := user.get("/console/jobs"); !strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("after a user key's sign-in, /console/jobs: %d %.200s", status, page)
+	}
+	if status, _ := newBrowser(t, base).signIn("kvg_not-a-key"); status != http.StatusUnauthorized {
+		t.Errorf("a wrong key's sign-in: %d, want 401", status)
+	}
+
+	// acme's operator: a session cookie, HttpOnly and SameSite=Strict,
+	// and acme's jobs.
+	op := newBrowser(t, base)
+	status, page := op.signIn(e.operator)
+	if status != http.StatusOK || !strings.Contains(page, e.doneJob) || !strings.Contains(page, e.reviewJob) {
+		t.Fatalf("the operator's jobs page: %d %.300s", status, page)
+	}
+	u, _ := url.Parse(base + "/console/")
+	var sess *http.Cookie
+	for _, c := range op.c.Jar.Cookies(u) {
+		if c.Name == consoleCookie {
+			sess = c
+		}
+	}
+	if sess == nil {
+		t.Fatal("no session cookie")
+	}
+	pre := newBrowser(t, base)
+	_, page0 := pre.get("/console/signin")
+	req, _ := http.NewRequest(http.MethodPost, base+"/console/signin", strings.NewReader(url.Values{"csrf": {formCSRF.FindStringSubmatch(page0)[1]}, "key": {e.operator}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	pre.c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+	_, _, resp := pre.do(req)
+	var set string
+	for _, c := range resp.Header.Values("Set-Cookie") {
+		if strings.HasPrefix(c, consoleCookie+"=") {
+			set = c
+		}
+	}
+	for _, attr := range []string{"HttpOnly", "SameSite=Strict", "Path=/console", "Expires=", "Max-Age="} {
+		if !strings.Contains(set, attr) {
+			t.Errorf("the session cookie %q lacks %s", set, attr)
+		}
+	}
+	if strings.Contains(set, e.operator) {
+		t.Error("the session cookie shows the key in clear")
+	}
+
+	// Pages: the job's detail with its attempts; the review queue; the
+	// dead letters; admin pages refused to an operator.
+	for path, want := range map[string]string{
+		"/console/fleet":                 "sim0",
+		"/console/queues":                "Durable backlog",
+		"/console/jobs/" + e.reviewJob:   "REVIEW_REQUIRED",
+		"/console/jobs/" + e.deadJob:     "Attempt 1",
+		"/console/jobs/" + e.doneJob:     "chat.completion",
+		"/console/reviews":               e.reviewJob,
+		"/console/dead-letters":          e.deadJob,
+		"/console/usage":                 "Usage by day",
+		"/console/jobs?state=SUCCEEDED":  e.doneJob,
+		"/console/api/v1/jobs?limit=100": e.deadJob,
+	} {
+		if status, page := op.get(path); status != http.StatusOK || !strings.Contains(page, want) {
+			t.Errorf("%s: %d, want %q in %.300s", path, status, want, page)
+		}
+	}
+	if _, page := op.get("/console/jobs?state=SUCCEEDED"); strings.Contains(page, e.deadJob) {
+		t.Error("the SUCCEEDED filter shows a FAILED_TERMINAL job")
+	}
+	if status, page := op.get("/console/tenants"); status != http.StatusForbidden || strings.Contains(page, "kvg_") {
+		t.Errorf("an operator's tenants page: %d, want 403", status)
+	}
+
+	// Actions need the session's CSRF token; with it, they are the API's
+	// actions, audited with the session's key as their actor.
+	_, page = op.get("/console/jobs/" + e.reviewJob)
+	token := op.csrf(page)
+	if status, _ := op.postForm("/console/jobs/"+e.reviewJob+"/review", url.Values{"decision": {"approve"}}); status != http.StatusForbidden {
+		t.Errorf("a review without a CSRF token: %d, want 403", status)
+	}
+	if status, _ := op.postForm("/console/jobs/"+e.reviewJob+"/review", url.Values{"decision": {"approve"}, "csrf": {"wrong"}}); status != http.StatusForbidden {
+		t.Errorf("a review with a wrong CSRF token: %d, want 403", status)
+	}
+	if j, _ := e.f.store.Get(context.Background(), "acme", e.reviewJob); j.State != store.ReviewRequired {
+		t.Fatalf("a refused review moved the job to %s", j.State)
+	}
+	if status, page := op.postForm("/console/jobs/"+e.reviewJob+"/review", url.Values{"decision": {"approve"}, "reason": {"checked by hand"},
+		"csrf": {token}, "back": {"/console/jobs/" + e.reviewJob}}); status != http.StatusOK || !strings.Contains(page, "approved") {
+		t.Errorf("the review: %d %.300s", status, page)
+	}
+	waitJob(t, e.f, "acme", e.reviewJob, store.Succeeded)
+	status, audit := bearer(t, e.f, e.operator, http.MethodGet, "/v1/jobs/"+e.reviewJob+"/audit", "")
+	if status != http.StatusOK || !strings.Contains(string(audit), `"action":"review.approve","actor":"`+e.opKey+`"`) {
+		t.Errorf("the review's audit record: %d %s", status, audit)
+	}
+	// The forwarder: a change needs the token in X-CSRF-Token.
+	if status, _ := op.postForm("/console/api/v1/jobs/"+e.deadJob+"/replay", nil); status != http.StatusForbidden {
+		t.Errorf("a forwarded replay without a CSRF token: %d, want 403", status)
+	}
+	if status, body := op.postForm("/console/api/v1/jobs/"+e.deadJob+"/replay", nil, "X-CSRF-Token", token); status != http.StatusAccepted {
+		t.Errorf("a forwarded replay: %d %s", status, body)
+	}
+	waitJob(t, e.f, "acme", e.deadJob, store.Succeeded)
+
+	// Another tenant's operator sees none of acme's objects.
+	other := newBrowser(t, base)
+	if status, _ := other.signIn(e.otherOp); status != http.StatusOK {
+		t.Fatalf("globex's operator's sign-in: %d", status)
+	}
+	for _, path := range []string{"/console/jobs", "/console/reviews", "/console/dead-letters", "/console/queues", "/console/api/v1/jobs"} {
+		if _, page := other.get(path); strings.Contains(page, e.doneJob) || strings.Contains(page, e.reviewJob) || strings.Contains(page, e.deadJob) {
+			t.Errorf("globex's operator sees acme's jobs on %s", path)
+		}
+	}
+	for _, id := range []string{e.doneJob, e.reviewJob} {
+		if status, _ := other.get("/console/jobs/" + id); status != http.StatusNotFound {
+			t.Errorf("globex's operator, acme's job %s: %d, want 404", id, status)
+		}
+	}
+
+	// The admin rotates the operator's key: the operator's session ends
+	// (on this replica at once), and the new key signs in.
+	adm := newBrowser(t, base)
+	if status, _ := adm.signIn(e.admin); status != http.StatusOK {
+		t.Fatalf("the admin's sign-in: %d", status)
+	}
+	_, page = adm.get("/console/tenants")
+	if !strings.Contains(page, e.opKey) {
+		t.Fatalf("the admin's keys page lacks the operator's key: %.300s", page)
+	}
+	status, page = adm.postForm("/console/keys/"+e.opKey+"/rotate", url.Values{"csrf": {adm.csrf(page)}})
+	m := regexp.MustCompile(`id="newkey-value" readonly value="(kvg_[^"]+)"`).FindStringSubmatch(page)
+	if status != http.StatusOK || m == nil {
+		t.Fatalf("the rotation: %d %.400s", status, page)
+	}
+	if _, page := op.get("/console/jobs"); !strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("the rotated key's session still opens pages: %.200s", page)
+	}
+	if status, _ := newBrowser(t, base).signIn(m[1]); status != http.StatusOK {
+		t.Errorf("the new key's sign-in: %d", status)
+	}
+	// Signing out ends the browser's session.
+	_, page = adm.get("/console/fleet")
+	if status, page := adm.postForm("/console/signout", url.Values{"csrf": {adm.csrf(page)}}); !strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("sign-out: %d %.200s", status, page)
+	}
+	if _, page := adm.get("/console/fleet"); !strings.Contains(page, `action="/console/signin"`) {
+		t.Error("signed out, the fleet page still opens")
+	}
+}
+
+// TestConsoleSessionSeal: a cookie is good until its expiry, on a sealer
+// with the same secret only, and not after any change.
+func TestConsoleSessionSeal(t *testing.T) {
+	a, b, other := newConsoleSealer("s3cret"), newConsoleSealer("s3cret"), newConsoleSealer("another")
+	now := quotaT0
+	c := a.seal(consoleSession{Key: "kvg_x", Expires: now.Unix() + 60, CSRF: "t"})
+	if s, ok := b.open(c, now); !ok || s.Key != "kvg_x" {
+		t.Errorf("a replica with the same secret: %v %v", s, ok)
+	}
+	if _, ok := other.open(c, now); ok {
+		t.Error("a replica with another secret opened the session")
+	}
+	if _, ok := a.open(c, now.Add(61e9)); ok {
+		t.Error("an expired session opened")
+	}
+	raw := []byte(c)
+	raw[len(raw)/2] ^= 1
+	if _, ok := a.open(string(raw), now); ok {
+		t.Error("a tampered cookie opened")
+	}
+	if _, ok := newConsoleSealer("").open(newConsoleSealer("").seal(consoleSession{Key: "k", Expires: now.Unix() + 60}), now); ok {
+		t.Error("two replicas without a secret share sessions")
+	}
+	for _, next := range []string{"//evil.example/", "https://evil.example/", "/console/api/v1/jobs", "/v1/jobs", `/console/\evil`} {
+		if got := safeNext(next); got != "/console/fleet" {
+			t.Errorf("safeNext(%q) = %q", next, got)
+		}
+	}
+}
