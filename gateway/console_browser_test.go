@@ -160,7 +160,7 @@ func TestConsoleBrowser(t *testing.T) {
 	moved, err := chromedp.Run(ctx, chromedp.Poll[bool](`(() => {
 		const kv = document.querySelector('[data-backend="sim0"] [data-field="kv"]').textContent;
 		const pts = document.querySelector('[data-chart="sim0"] polyline');
-		return kv !== `+jsString(idle)+` && kv !== "0%" && pts !== null && pts.getAttribute("points").split(" ").length > 2;
+		return kv !== `+jsString(idle)+` && kv !== "0%" && pts !== null && pts.getAttribute("points").split(" ").length > 4;
 	})()`, chromedp.WithPollingTimeout(90*time.Second)))
 	if err == nil {
 		shot("fleet")

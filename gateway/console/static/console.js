@@ -15,7 +15,9 @@
     var ns = "http://www.w3.org/2000/svg";
     while (svg.firstChild) svg.removeChild(svg.firstChild);
     var now = points.length ? points[points.length - 1][0] : 0;
-    function x(t) { return 300 - (now - t) / windowMs * 300; }
+    // The x axis spans what has been seen, from 30 s up to five minutes.
+    var span = points.length ? Math.min(windowMs, Math.max(30000, now - points[0][0])) : windowMs;
+    function x(t) { return 300 - (now - t) / span * 300; }
     function y(v) { return 80 - Math.min(1, Math.max(0, v)) * 78 - 1; }
     if (target) {
       var tl = document.createElementNS(ns, "line");

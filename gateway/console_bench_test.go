@@ -1,0 +1,87 @@
+package gateway
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlite"
+)
+
+// BenchmarkConsolePages renders console pages with 100,000 jobs of the
+// signed-in tenant in the store (SQLite), beside the API call the jobs
+// page makes (api-v1-jobs): every page is a keyset query on an index, so
+// a deep page costs what the first does.
+//
+//	go test -run '^$' -bench BenchmarkConsolePages -benchtime 200x -count 5 ./gateway/
+func BenchmarkConsolePages(b *testing.B) {
+	const n = 100_000
+	ctx := context.Background()
+	st, err := sqlite.Open(ctx, filepath.Join(b.TempDir(), "kvgate.db"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer st.Close()
+	if _, err := sqlite.Migrate(ctx, st); err != nil {
+		b.Fatal(err)
+	}
+	f := startFleet(b, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	if err := st.CreateTenant(ctx, store.Tenant{Name: "acme", Weight: 1, CreatedAt: quotaT0, UpdatedAt: quotaT0}); err != nil {
+		b.Fatal(err)
+	}
+	secret, k := NewAPIKey("acme", store.RoleOperator, "bench", quotaT0)
+	if err := st.CreateKey(ctx, k); err != nil {
+		b.Fatal(err)
+	}
+	start := time.Now().Add(-time.Duration(n) * time.Millisecond)
+	var ids []string
+	for i := range n {
+		at := start.Add(time.Duration(i) * time.Millisecond)
+		u := uuid.Must(uuid.NewV7()) // made at at: its first 48 bits are at's Unix milliseconds
+		ms := uint64(at.UnixMilli())
+		for j := range 6 {
+			u[j] = byte(ms >> (40 - 8*j))
+		}
+		id := u.String()
+		ids = append(ids, id)
+		if _, _, err := st.Accept(ctx, store.NewJob{ID: id, EventID: uuid.Must(uuid.NewV7()).String(), Tenant: "acme",
+			IdempotencyKey: fmt.Sprint("bench-", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: llama,
+			Body: []byte(`{"model":"m","messages":[]}`), TokenEstimate: 10, MaxAttempts: 3, Deadline: at.Add(time.Hour), Now: at}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	cookie := &http.Cookie{Name: consoleCookie, Value: f.api.consoleSeal.seal(consoleSession{Key: secret, Expires: time.Now().Add(time.Hour).Unix(), CSRF: "x"})}
+	mid := ids[n/2]
+	for _, c := range []struct{ name, path string }{
+		{"api-v1-jobs", "/v1/jobs?limit=50"},
+		{"jobs-first-page", "/console/jobs"},
+		{"jobs-deep-page", "/console/jobs?after=" + mid},
+		{"jobs-by-state", "/console/jobs?state=READY&state=RETRY_SCHEDULED"},
+		{"jobs-before-time", "/console/jobs?until=" + start.Add(n/4*time.Millisecond).UTC().Format("2006-01-02T15:04")},
+		{"job", "/console/jobs/" + mid},
+		{"queues", "/console/queues"},
+		{"reviews", "/console/reviews"},
+		{"dead-letters", "/console/dead-letters"},
+		{"fleet", "/console/fleet"},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				req := httptest.NewRequest(http.MethodGet, c.path, nil)
+				req.AddCookie(cookie)
+				req.Header.Set("Authorization", "Bearer "+secret) // for the API's own row
+				w := httptest.NewRecorder()
+				f.api.ServeHTTP(w, req)
+				if w.Code != http.StatusOK {
+					b.Fatalf("%s: %d %s", c.path, w.Code, w.Body)
+				}
+			}
+		})
+	}
+}
