@@ -41,6 +41,11 @@ type config struct {
 		SampleRatio  *float64 `yaml:"sample_ratio"`  // share of new traces kept; a caller's traceparent decides for its own [1]
 		ServiceName  string   `yaml:"service_name"`  // the spans' service.name
 	} `yaml:"tracing"`
+	// Console is the operator console at /console (docs/console.md).
+	Console struct {
+		SessionSecret string        `yaml:"session_secret"` // seals the console's session cookies: replicas that share it share sessions; empty: each replica draws its own, and sessions are per replica
+		SessionTTL    time.Duration `yaml:"session_ttl"`    // how long a console session lasts [8h]
+	} `yaml:"console"`
 	// DrainTimeout bounds the drain at shutdown: how long requests,
 	// streams and jobs in flight may take to finish once kvgate stops
 	// taking new ones; positive.
@@ -165,6 +170,7 @@ var settings = []setting{
 		usage: "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env: comma-separated)"},
 	{path: "log_level", env: "KVGATE_LOG_LEVEL", flag: "log-level", usage: "debug, info, warn or error"},
 	{path: "log_format", env: "KVGATE_LOG_FORMAT", flag: "log-format", usage: "text or json (slog's JSON handler, one object a line)"},
+	{path: "console.session_secret", env: "KVGATE_CONSOLE_SESSION_SECRET", usage: "seals the console's session cookies; replicas that share it share sessions"},
 	{path: "access_log", env: "KVGATE_ACCESS_LOG", flag: "access-log", usage: "level of the access log's line per request: debug, info or off"},
 	{path: "tracing.otlp_endpoint", env: "KVGATE_OTLP_ENDPOINT", flag: "otlp-endpoint", usage: "OTLP/HTTP collector URL for traces, e.g. http://127.0.0.1:4318; empty: tracing off"},
 	{path: "admission.kv_target", env: "KVGATE_KV_TARGET", flag: "kv-target", usage: "share of each backend's KV cache admitted work may fill (0.95)"},
@@ -379,6 +385,9 @@ func (c *config) validate() error {
 	}
 	if _, err := newLogger(io.Discard, c.LogLevel, c.LogFormat); err != nil {
 		return err
+	}
+	if c.Console.SessionTTL < 0 {
+		return fmt.Errorf("console.session_ttl %s: write a positive duration, or leave it out for 8h", c.Console.SessionTTL)
 	}
 	switch c.AccessLog {
 	case "", "debug", "info", "off":
