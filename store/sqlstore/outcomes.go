@@ -317,12 +317,19 @@ func (s *Store) Audit(ctx context.Context, tenant, jobID string) ([]store.AuditR
 // a listing by reference reads.
 var refColumns = strings.Replace(jobColumns, "body, metadata", "NULL AS body, NULL AS metadata", 1)
 
+// finalIndexed repeats the predicate of the partial index jobs_final
+// (tenant, state, id): SQLite uses a partial index only when the query's
+// WHERE names the index's own predicate, and does not infer it from
+// state = '...'. Without it, a tenant's review queue or dead letters scan
+// all its jobs (about 100 ms with 100,000 jobs; BenchmarkConsolePages).
+const finalIndexed = ` AND jobs.state IN ('REVIEW_REQUIRED', 'FAILED_TERMINAL')`
+
 // Reviews implements store.Outcomes.
 func (s *Store) Reviews(ctx context.Context, tenant, after string, limit int) ([]store.Job, []store.Validation, string, error) {
 	limit = pageLimit(limit)
 	q := `SELECT ` + qualifiedRefs("jobs") + `, st.data FROM jobs
 		LEFT JOIN stages st ON st.job_id = jobs.id AND st.stage = '` + store.StageValidation + `'
-		WHERE jobs.tenant = ? AND jobs.state = 'REVIEW_REQUIRED'`
+		WHERE jobs.tenant = ? AND jobs.state = 'REVIEW_REQUIRED'` + finalIndexed
 	args := []any{tenant}
 	if after != "" {
 		q += ` AND jobs.id < ?`
@@ -384,7 +391,7 @@ func (s *Store) DeadLetters(ctx context.Context, f store.DeadLetterFilter) ([]st
 	limit := pageLimit(f.Limit)
 	q := `SELECT ` + qualifiedRefs("jobs") + `, COALESCE(o.policy_name, ''), COALESCE(o.policy_version, 0),
 		COALESCE((SELECT a.action FROM audit a WHERE a.job_id = jobs.id ORDER BY a.seq DESC LIMIT 1), '')
-		FROM jobs LEFT JOIN job_outcomes o ON o.job_id = jobs.id WHERE jobs.state = 'FAILED_TERMINAL'`
+		FROM jobs LEFT JOIN job_outcomes o ON o.job_id = jobs.id WHERE jobs.state = 'FAILED_TERMINAL'` + finalIndexed
 	var args []any
 	if f.Tenant != "" {
 		q += ` AND jobs.tenant = ?`
