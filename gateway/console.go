@@ -16,6 +16,7 @@ import (
 	"io/fs"
 	"net/http"
 	"net/url"
+	pathpkg "path"
 	"strings"
 	"time"
 
@@ -306,7 +307,7 @@ func (s *Server) consoleTTL() time.Duration {
 // The request keeps its context (a stream ends with the browser's
 // connection) and loses its cookies.
 func (s *Server) consoleAPI(w http.ResponseWriter, r *http.Request, u consoleUser) {
-	path := "/" + r.PathValue("path")
+	path := pathpkg.Clean("/" + r.PathValue("path"))
 	if !strings.HasPrefix(path, "/v1/") {
 		writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error",
 			msg: "The console forwards /console/api/v1/... only."})

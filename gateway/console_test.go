@@ -272,6 +272,13 @@ func TestConsoleAccess(t *testing.T) {
 	}
 	waitJob(t, e.f, "acme", e.deadJob, store.Succeeded)
 
+	// The forwarder reaches /v1/ only.
+	for _, path := range []string{"/console/api/metrics", "/console/api/v1%2F..%2Fmetrics", "/console/api/healthz"} {
+		if status, body := op.get(path); status != http.StatusNotFound {
+			t.Errorf("the forwarder, %s: %d %.100s, want 404", path, status, body)
+		}
+	}
+
 	// Another tenant's operator sees none of acme's objects.
 	other := newBrowser(t, base)
 	if status, _ := other.signIn(e.otherOp); status != http.StatusOK {
