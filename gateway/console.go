@@ -205,6 +205,9 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 				return
 			}
 			if r.Method != http.MethodGet && r.Method != http.MethodHead {
+				if !api {
+					r.Body = http.MaxBytesReader(w, r.Body, 64<<10) // a form; the API bounds its own bodies
+				}
 				tok := r.Header.Get("X-CSRF-Token")
 				if tok == "" {
 					tok = r.PostFormValue("csrf")

@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/store"
@@ -232,6 +233,15 @@ func TestConsoleAccess(t *testing.T) {
 	} {
 		if status, page := op.get(path); status != http.StatusOK || !strings.Contains(page, want) {
 			t.Errorf("%s: %d, want %q in %.300s", path, status, want, page)
+		}
+	}
+	// Time filters: the keyset cursor of a time (until), the cut of a
+	// page (since).
+	later := time.Now().UTC().Add(time.Hour).Format("2006-01-02T15:04")
+	for q, want := range map[string]bool{"until=2000-01-01T00:00": false, "since=" + later: false,
+		"since=2000-01-01T00:00": true, "until=" + later: true} {
+		if _, page := op.get("/console/jobs?" + q); strings.Contains(page, e.doneJob) != want {
+			t.Errorf("/console/jobs?%s shows acme's job: %v, want %v", q, !want, want)
 		}
 	}
 	if _, page := op.get("/console/jobs?state=SUCCEEDED"); strings.Contains(page, e.deadJob) {
