@@ -4,9 +4,21 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/server"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -73,5 +85,76 @@ func TestFleetStream(t *testing.T) {
 	}
 	if e, ok := s.next(t); ok {
 		t.Errorf("the stream went on after its error event: %+v", e)
+	}
+}
+
+// TestFleetShowsGPUs: a backend's GPUs, read through NVML (go-nvml's DGX
+// H100 mock), reach /v1/fleet and the console's Fleet page.
+func TestFleetShowsGPUs(t *testing.T) {
+	lib := dgxh100.New()
+	lib.EventSetCreateFunc = func() (nvml.EventSet, nvml.Return) { return nil, nvml.ERROR_NOT_SUPPORTED }
+	for i, d := range lib.Devices {
+		d := d.(*server.Device)
+		temp := uint32(35)
+		if i == 0 {
+			temp = 91 // hot: degraded
+		}
+		d.GetUtilizationRatesFunc = func() (nvml.Utilization, nvml.Return) { return nvml.Utilization{Gpu: 87}, nvml.SUCCESS }
+		d.GetTemperatureFunc = func(nvml.TemperatureSensors) (uint32, nvml.Return) { return temp, nvml.SUCCESS }
+		d.GetPowerUsageFunc = func() (uint32, nvml.Return) { return 72_000, nvml.SUCCESS }
+		d.GetEnforcedPowerLimitFunc = func() (uint32, nvml.Return) { return 700_000, nvml.SUCCESS }
+		d.GetCurrentClocksEventReasonsFunc = func() (uint64, nvml.Return) { return nvml.ClocksEventReasonGpuIdle, nvml.SUCCESS }
+		d.GetCurrentClocksThrottleReasonsFunc = func() (uint64, nvml.Return) { return nvml.ClocksThrottleReasonGpuIdle, nvml.SUCCESS }
+		d.GetTotalEccErrorsFunc = func(nvml.MemoryErrorType, nvml.EccCounterType) (uint64, nvml.Return) { return 0, nvml.SUCCESS }
+		d.RegisterEventsFunc = func(uint64, nvml.EventSet) nvml.Return { return nvml.ERROR_NOT_SUPPORTED }
+	}
+	n := gpu.OpenNVML(lib, gpu.NVMLConfig{Interval: 20 * time.Millisecond})
+	_, sim := vllmsim.NewTestServer(t, vllmsim.Config{Profile: llamaProfile(t), Speedup: 50})
+	pool, err := gpu.NewPool([]gpu.BackendConfig{{Name: "sim0", URL: sim.URL, GPUs: []string{"0", "1"}}},
+		gpu.PoolConfig{ScrapeInterval: 20 * time.Millisecond, ProbeInterval: 50 * time.Millisecond, NVML: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sched, err := scheduler.New(pool, scheduler.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	api, err := New(Config{OperatorKeys: map[string]string{"op-key": "acme"}}, pool, sched, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	wg.Go(func() { _ = n.Run(ctx) })
+	wg.Go(func() { _ = pool.Run(ctx) })
+	wg.Go(func() { _ = sched.Run(ctx) })
+	defer wg.Wait()
+	defer cancel()
+
+	get := func(path string, header ...string) (int, string) {
+		req := httptest.NewRequest(http.MethodGet, path, nil)
+		for i := 0; i+1 < len(header); i += 2 {
+			req.Header.Set(header[i], header[i+1])
+		}
+		req.AddCookie(&http.Cookie{Name: consoleCookie, Value: api.consoleSeal.seal(consoleSession{Key: "op-key", Expires: time.Now().Add(time.Hour).Unix(), CSRF: "x"})})
+		w := httptest.NewRecorder()
+		api.ServeHTTP(w, req)
+		return w.Code, w.Body.String()
+	}
+	var fv fleetView
+	eventually.True(t, "the fleet to show sim0's GPUs", func() bool {
+		_, b := get("/v1/fleet", "Authorization", "Bearer op-key")
+		return json.Unmarshal([]byte(b), &fv) == nil && len(fv.Backends) == 1 && len(fv.Backends[0].GPUs) == 2
+	})
+	b := fv.Backends[0]
+	if g := b.GPUs[0]; g.TemperatureC != 91 || g.UtilGPU != 87 || g.Health != "degraded" || g.MemoryTotal == 0 || b.GPUHealth != "degraded" {
+		t.Errorf("GPU 0: %+v (backend's GPU health %q)", g, b.GPUHealth)
+	}
+	if g := b.GPUs[1]; g.TemperatureC != 35 || g.Health != "healthy" {
+		t.Errorf("GPU 1: %+v", g)
+	}
+	status, page := get("/console/fleet")
+	if status != http.StatusOK || !strings.Contains(page, "GPUs (degraded)") || !strings.Contains(page, "91 °C") {
+		t.Errorf("the Fleet page: %d, want the GPUs in %.600s", status, page)
 	}
 }
