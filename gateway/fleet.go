@@ -27,23 +27,27 @@ type fleetView struct {
 }
 
 type fleetBackendView struct {
-	Name           string    `json:"name"`
-	Models         []string  `json:"models"`
-	Routable       bool      `json:"routable"`
-	Stale          bool      `json:"stale"`
-	Ejected        bool      `json:"ejected"`
-	Cooling        bool      `json:"cooling"`
-	HealthErr      string    `json:"health_error,omitempty"`
-	ScrapeErr      string    `json:"scrape_error,omitempty"`
-	KVUsage        float64   `json:"kv_usage"` // 0..1 of capacity, as vLLM reports it
-	CapacityTokens int       `json:"capacity_tokens"`
-	Running        float64   `json:"running"`
-	Waiting        float64   `json:"waiting"`
-	Preemptions    float64   `json:"preemptions"`
-	Inflight       int       `json:"inflight"`        // admitted by this replica
-	ReservedTokens int       `json:"reserved_tokens"` // KV tokens this replica reserved
-	GPUHealth      string    `json:"gpu_health,omitempty"`
-	GPUs           []gpuView `json:"gpus,omitempty"`
+	Name           string   `json:"name"`
+	Models         []string `json:"models"`
+	Routable       bool     `json:"routable"`
+	Stale          bool     `json:"stale"`
+	Ejected        bool     `json:"ejected"`
+	Cooling        bool     `json:"cooling"`
+	HealthErr      string   `json:"health_error,omitempty"`
+	ScrapeErr      string   `json:"scrape_error,omitempty"`
+	KVUsage        float64  `json:"kv_usage"` // 0..1 of capacity, as vLLM reports it
+	CapacityTokens int      `json:"capacity_tokens"`
+	Running        float64  `json:"running"`
+	Waiting        float64  `json:"waiting"`
+	Preemptions    float64  `json:"preemptions"`
+	Inflight       int      `json:"inflight"`        // admitted by this replica
+	ReservedTokens int      `json:"reserved_tokens"` // KV tokens this replica reserved
+	// Refusals counts the admission checks this replica's scheduler made
+	// that the backend refused, by reason (kv_budget, max_num_seqs,
+	// backend_queue, ...), since start: checks, not tickets.
+	Refusals  map[string]float64 `json:"refusals"`
+	GPUHealth string             `json:"gpu_health,omitempty"`
+	GPUs      []gpuView          `json:"gpus,omitempty"`
 }
 
 type gpuView struct {
@@ -124,11 +128,15 @@ func (s *Server) fleet(now time.Time) fleetView {
 		q := qr.Queued()
 		v.Queued = map[string]int{"interactive": q[scheduler.Interactive], "batch": q[scheduler.Batch]}
 	}
+	refusals := s.refusals()
 	for _, sn := range s.pool.Snapshots() {
-		b := fleetBackendView{Name: sn.Name, Models: []string{}, Routable: sn.Routable(), Stale: sn.Stale(now), Ejected: sn.Ejected,
+		b := fleetBackendView{Refusals: refusals[sn.Name], Name: sn.Name, Models: []string{}, Routable: sn.Routable(), Stale: sn.Stale(now), Ejected: sn.Ejected,
 			Cooling: sn.Cooling(now), HealthErr: sn.HealthErr, ScrapeErr: sn.ScrapeErr, KVUsage: sn.Metrics.KVUsage,
 			CapacityTokens: sn.CapacityTokens, Running: sn.Metrics.Running, Waiting: sn.Metrics.Waiting,
 			Preemptions: sn.Metrics.Preemptions, Inflight: loads[sn.Name].Inflight, ReservedTokens: loads[sn.Name].Reserved}
+		if b.Refusals == nil {
+			b.Refusals = map[string]float64{}
+		}
 		for _, m := range sn.Models {
 			b.Models = append(b.Models, m.ID)
 		}
@@ -152,6 +160,40 @@ func (s *Server) fleet(now time.Time) fleetView {
 		return 0
 	})
 	return v
+}
+
+// refusals reads kvgate_scheduler_backend_refusals_total from the
+// registry, by backend and reason: the metric is the one count of them.
+func (s *Server) refusals() map[string]map[string]float64 {
+	out := map[string]map[string]float64{}
+	if s.gatherer == nil {
+		return out
+	}
+	mfs, err := s.gatherer.Gather()
+	if err != nil {
+		return out
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "kvgate_scheduler_backend_refusals_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			var backend, reason string
+			for _, l := range m.GetLabel() {
+				switch l.GetName() {
+				case "backend":
+					backend = l.GetValue()
+				case "reason":
+					reason = l.GetValue()
+				}
+			}
+			if out[backend] == nil {
+				out[backend] = map[string]float64{}
+			}
+			out[backend][reason] += m.GetCounter().GetValue()
+		}
+	}
+	return out
 }
 
 func healthName(h gpu.Health) string { return h.String() }

@@ -120,7 +120,8 @@ type Server struct {
 	// accessLevel is the access log's level (requestid.go).
 	accessLevel slog.Level
 	accepted    prometheus.Histogram
-	consoleSeal *consoleSealer // console.go
+	consoleSeal *consoleSealer      // console.go
+	gatherer    prometheus.Gatherer // the registry, for the fleet's refusal counts (fleet.go)
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
@@ -169,6 +170,7 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 		mux:         newRouteMux(),
 		drain:       newDrainState(),
 		consoleSeal: newConsoleSealer(cfg.ConsoleSecret),
+		gatherer:    reg,
 	}
 	if err := s.m.register(reg); err != nil {
 		return nil, err

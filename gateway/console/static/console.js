@@ -48,6 +48,8 @@
         text(field("waiting"), b.waiting);
         text(field("preemptions"), b.preemptions);
         text(field("inflight"), b.inflight);
+        var rs = Object.keys(b.refusals || {}).sort().map(function (r) { return r + ": " + b.refusals[r]; });
+        text(field("refusals"), rs.length ? rs.join(" ") : "none");
         text(field("state"), b.ejected ? "ejected" : b.cooling ? "cooling down" : b.stale ? "metrics stale" : b.routable ? "routable" : "not routable");
         var h = history[b.name] = history[b.name] || [];
         h.push([f.at_ms, b.kv_usage]);
