@@ -31,6 +31,7 @@ type Scheduler struct {
 	queued   int
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
+	prefixes map[string]*prefixIndex // per backend (prefix.go)
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
@@ -62,10 +63,11 @@ func New(src snapshotSource, opts Options) (*Scheduler, error) {
 	}
 	s := &Scheduler{
 		src: src, policy: opts.Policy, now: opts.Now,
-		log:     opts.Logger.With("component", "scheduler"),
-		byModel: map[string]*[numClasses]int{},
-		ledgers: map[string]*ledger{},
-		share:   1,
+		log:      opts.Logger.With("component", "scheduler"),
+		byModel:  map[string]*[numClasses]int{},
+		ledgers:  map[string]*ledger{},
+		prefixes: map[string]*prefixIndex{},
+		share:    1,
 	}
 	s.m = newMetrics(s)
 	s.m.share.Set(1)
@@ -99,8 +101,12 @@ func (s *Scheduler) Share() float64 {
 func (s *Scheduler) Policy() Policy { return s.policy }
 
 func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
-	var best *gpu.Snapshot
-	bestHead := math.Inf(-1)
+	var (
+		best      *gpu.Snapshot
+		bestHit   float64
+		bestPin   int
+		bestScore = math.Inf(-1)
+	)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
 			continue
@@ -109,9 +115,13 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			continue
 		}
 		l := s.ledgers[sn.Name]
+		// Only the chunks requests in flight there hold are shared at
+		// once; the rest of the prompt takes new KV (prefix.go).
+		pinned := l.pinnedLeading(t.Prefix)
+		prompt := t.PromptTokens - t.Prefix.tokens(pinned)
 		ld := s.loadOf(sn, l, now, false)
 		ld.paced = paced
-		v := decide(&ld, t.PromptTokens, t.MaxTokens, &s.policy)
+		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
 		if v.needExact {
 			ex := exact[sn.Name]
 			if ex == nil {
@@ -122,14 +132,15 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 				}
 			}
 			ex.paced = paced
-			v = decide(ex, t.PromptTokens, t.MaxTokens, &s.policy)
+			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
 			continue
 		}
-		if v.headroom > bestHead {
-			best, bestHead = sn, v.headroom
+		hit := s.expectedHit(sn, t, pinned)
+		if score := routeScore(hit, v.headroom, s.policy.KVTarget); score > bestScore {
+			best, bestScore, bestHit, bestPin = sn, score, hit, pinned
 		}
 	}
 	if best == nil {
@@ -145,6 +156,15 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		Backend: best.Name, URL: best.URL, Waited: now.Sub(t.enqueued),
 		s: s, l: l, estimate: t.PromptEstimate, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
 	}
+	if t.Prefix != nil {
+		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
+		g.created = l.pin(t.Prefix)
+		// The prompt tokens the backend should find cached skip their KV
+		// allocation; the rest turn its cache over.
+		cached := bestHit * float64(t.PromptTokens)
+		s.prefixSent(best.Name, t.Prefix.Hashes, float64(t.PromptTokens)-max(cached, float64(t.Prefix.tokens(bestPin))), best.CapacityTokens, l.isPinned)
+		s.prefixes[best.Name].predicted(cached, float64(t.PromptTokens))
+	}
 	g.generated.Store(-1)
 	g.admittedStep = -1
 	if st, ok := best.StepsAt(now); ok {
@@ -152,7 +172,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	l.lastAdmitStep = g.admittedStep
 	l.grants = append(l.grants, g)
-	l.reserved += t.Need()
+	l.reserved += g.own() + g.maxOut + g.created
 	l.sumOut += t.MaxTokens
 	// Admissions per second, smoothed over about a second.
 	if dt := now.Sub(s.lastAdm).Seconds(); dt > 0 {
@@ -203,6 +223,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		return ld
 	}
 	ld.flights = make([]flight, len(l.grants))
+	sharedSince := 0 // shared tokens pinned by grants admitted since the scrape
 	for i, g := range l.grants {
 		if g.estimate != nil {
 			if p := g.estimate(); p != g.prompt {
@@ -211,13 +232,19 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 			}
 		}
 		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, s.policy.ProgressFactor)
-		ld.flights[i] = flight{held: g.prompt + hi, remaining: g.maxOut - lo}
+		ld.flights[i] = flight{held: max(0, g.own()+hi), remaining: g.maxOut - lo}
 		if i < len(l.grants)-ld.newSinceScrape {
 			// The low end: what the measurement surely includes, so that
 			// the load kvgate did not send is not underestimated.
-			ld.heldBeforeScrape += g.prompt + lo
+			ld.heldBeforeScrape += max(0, g.own()+lo)
+		} else {
+			sharedSince += g.created
 		}
 	}
+	// Shared chunks count once, held until their last holder ends; those
+	// pinned before the scrape are in the measurement.
+	ld.shared = l.shared
+	ld.heldBeforeScrape += max(0, l.shared-sharedSince)
 	sortFlights(ld.flights)
 	ld.reserved = l.reserved // prompts may have been re-estimated
 	// Releases before the scrape are out of the measurement; after it,

@@ -25,6 +25,11 @@ type Ticket struct {
 	// estimate that improves as backends report usage, and a ticket that
 	// waits, or a request that runs, should not keep a cold guess.
 	PromptEstimate func() int
+	// Prefix, when set, names the prompt's cacheable chunks (prefix.go):
+	// admission then reserves only what the chosen backend does not
+	// already hold for requests in flight, and routing prefers a backend
+	// likely to have the prompt cached.
+	Prefix *Prefix
 
 	enqueued time.Time
 	vstart   float64 // fair-queueing tags
