@@ -49,7 +49,7 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 		return nil, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
 	}
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
-	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant)}
+	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant), Prefix: promptPrefix(c, prompt)}
 	if !exact {
 		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}

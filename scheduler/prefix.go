@@ -3,6 +3,8 @@ package scheduler
 import (
 	"container/list"
 	"math"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -435,4 +437,28 @@ func (c prefixCollector) Collect(ch chan<- prometheus.Metric) {
 	for name, l := range s.ledgers {
 		ch <- prometheus.MustNewConstMetric(descPrefixShared, prometheus.GaugeValue, float64(l.shared), name)
 	}
+}
+
+// PrefixStat is one backend's prefix index, for reports.
+type PrefixStat struct {
+	Backend string
+	// PredictedHitTokens and QueryTokens are the prompt tokens kvgate
+	// predicted the backend would find cached, and all the prompt tokens
+	// it sent there with chunks: their ratio is the predicted hit rate,
+	// to set beside the backend's measured one.
+	PredictedHitTokens, QueryTokens float64
+	Chunks                          int
+	Scale                           float64
+}
+
+// PrefixStats returns every backend's prefix index, by backend name.
+func (s *Scheduler) PrefixStats() []PrefixStat {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]PrefixStat, 0, len(s.prefixes))
+	for name, x := range s.prefixes {
+		out = append(out, PrefixStat{Backend: name, PredictedHitTokens: x.predictedHits, QueryTokens: x.queried, Chunks: len(x.entries), Scale: x.scale})
+	}
+	slices.SortFunc(out, func(a, b PrefixStat) int { return strings.Compare(a.Backend, b.Backend) })
+	return out
 }
