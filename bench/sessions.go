@@ -88,4 +88,3 @@ func (g *gaps) stepped(n int) []time.Duration {
 	}
 	return out
 }
-
