@@ -41,8 +41,10 @@ type load struct {
 	inflight int
 	exact    bool
 	// shared is the KV of prompt chunks the flights share (prefix.go),
-	// counted once: part of reserved, not of any flight's held.
-	shared int
+	// counted once: part of reserved, not of any flight's held;
+	// sharedBase the part no flight in flight brought, which pacing
+	// takes as a base load.
+	shared, sharedBase int
 	// Pacing applies when paced is set (tickets come from a backlog) and
 	// the backend publishes a step counter: engine steps since kvgate
 	// last admitted to it, and the flights' mean output budget and mean
@@ -191,7 +193,7 @@ func pacingGap(l *load, budget int) float64 {
 	if occupancy <= 0 || l.meanOut <= 0 {
 		return 0
 	}
-	concurrency := float64(budget) / occupancy
+	concurrency := float64(max(budget-l.sharedBase, 1)) / occupancy
 	return 0.8 * l.meanOut / concurrency
 }
 

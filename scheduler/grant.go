@@ -23,6 +23,10 @@ type ledger struct {
 	// the KV tokens they take, once each; reserved includes shared.
 	pins   map[uint64]*pin
 	shared int
+	// created is Σ of the grants' created: the shared tokens that came
+	// with a request still in flight. shared - created is a base load of
+	// chunks whose bringers have ended.
+	created int
 }
 
 type release struct {
@@ -110,6 +114,7 @@ func (g *Grant) Release() {
 	l := g.l
 	l.grants = slices.DeleteFunc(l.grants, func(x *Grant) bool { return x == g })
 	freed := l.unpin(g.prefix)
+	l.created -= g.created
 	l.reserved -= g.own() + g.maxOut + freed
 	l.sumOut -= g.maxOut
 	now := s.now()

@@ -351,6 +351,40 @@ func (l *ledger) isPinned(h uint64) bool {
 // alone would pile a popular prefix onto one backend.
 const loadWeight = 0.5
 
+// Spilling. A request whose prefix is cached on a backend that is only
+// busy for now (its KV budget, pacing or queue refuse it this instant)
+// goes to another backend that would have to prefill spillHit more of it
+// only when that one stays well under its target after admission
+// (spillHeadroom of its capacity left): otherwise it waits for the backend
+// that has its prefix. On a saturated fleet, spilling would copy every
+// tenant's prefix onto every backend and crowd the cache with copies, as
+// round-robin does; waiting keeps the hit rate and the throughput. A
+// request that has waited half the starvation guard spills anyway.
+const (
+	spillHit      = 0.2
+	spillHeadroom = 0.2
+)
+
+// spills reports whether t may go to a backend that holds less of its
+// prefix than a busy one, by lost (the hit given up) and that backend's
+// headroom after admission.
+func (s *Scheduler) spills(t *Ticket, now time.Time, lost, headroom float64) bool {
+	if t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom {
+		return true
+	}
+	return !t.enqueued.IsZero() && now.Sub(t.enqueued) >= s.policy.StarvationGuard/2
+}
+
+// busy reports whether a refusal is load that passes (the backend will
+// take the ticket once something ends), not a backend out of service.
+func busy(reason string) bool {
+	switch reason {
+	case reasonKV, reasonPacing, reasonWaiting, reasonSeqs, reasonShare:
+		return true
+	}
+	return false
+}
+
 // routeScore is a backend's routing score for a ticket it can admit.
 func routeScore(hit, headroom, target float64) float64 {
 	if target <= 0 {

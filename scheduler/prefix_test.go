@@ -247,7 +247,7 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 	// ~12,000 reserved there: the system prompt once, 6 × 1,000 own.
 	// A large prompt with no prefix goes where the headroom is; another
 	// then fits only beside the tenant.
-	big := acquire(&Ticket{Model: model, PromptTokens: 30_000, MaxTokens: 10})
+	big := acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 10})
 	if big.Backend == first.Backend {
 		t.Fatalf("a prompt with no prefix went to the loaded backend")
 	}
@@ -257,15 +257,56 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 	}
 	// ~39,000 of 40,000 held: the tenant's next request (1,000 new
 	// tokens) no longer fits beside its prefix and spills, whole, to the
-	// other backend.
-	if spill := acquire(tk(sysA, "spill")); spill.Backend == first.Backend {
+	// other backend, which keeps room to spare after it (27,000 of 40,000).
+	spill := acquire(tk(sysA, "spill"))
+	if spill.Backend == first.Backend {
 		t.Errorf("the request stayed on a backend without headroom")
 	}
 	// Both now hold the prefix: load decides between them.
 	big.Release()
 	filler.Release()
-	if next := acquire(tk(sysA, "after")); next.Backend == first.Backend {
+	next := acquire(tk(sysA, "after"))
+	if next.Backend == first.Backend {
 		t.Errorf("with the prefix on both, the more loaded backend won")
+	}
+}
+
+// TestSpillWaitsOnSaturatedFleet: a request whose prefix is on a busy
+// backend, with the other backend nearly full too, waits for its own
+// backend rather than copy its prefix where it would leave under a fifth
+// of the capacity.
+func TestSpillWaitsOnSaturatedFleet(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	sys := text("tenant b's system prompt", 24_000)
+	tk := func(q string) *Ticket {
+		prompt := sys + text(q, 4_000)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	acquire := func(tk *Ticket, want string) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g.Backend != want {
+			t.Fatalf("granted on %s, want %s", g.Backend, want)
+		}
+		return g
+	}
+	acquire(tk("b0"), "a")
+	acquire(&Ticket{Model: model, PromptTokens: 28_000, MaxTokens: 1}, "b")
+	hog := acquire(&Ticket{Model: model, PromptTokens: 32_490, MaxTokens: 1}, "a")
+	// a: ~39,500 held, no room for 1,000 more; b: 28,000, room for the
+	// whole 7,000-token prompt but only 5,000 left after it.
+	ch := acquireAsync(context.Background(), s, tk("b1"))
+	waitQueued(t, s, 1)
+	hog.Release()
+	o := <-ch
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	if o.g.Backend != "a" {
+		t.Errorf("the waiting request went to %s, not back to its prefix on a", o.g.Backend)
 	}
 }
 

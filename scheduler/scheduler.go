@@ -104,8 +104,10 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	var (
 		best      *gpu.Snapshot
 		bestHit   float64
+		bestHead  float64
 		bestPin   int
 		bestScore = math.Inf(-1)
+		bestBusy  float64 // the best hit on a backend only busy for now
 	)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
@@ -134,16 +136,19 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			ex.paced = paced
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
+		hit := s.expectedHit(sn, t, pinned)
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
+			if busy(v.reason) {
+				bestBusy = max(bestBusy, hit)
+			}
 			continue
 		}
-		hit := s.expectedHit(sn, t, pinned)
 		if score := routeScore(hit, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestPin = sn, score, hit, pinned
+			best, bestScore, bestHit, bestHead, bestPin = sn, score, hit, v.headroom, pinned
 		}
 	}
-	if best == nil {
+	if best == nil || !s.spills(t, now, bestBusy-bestHit, bestHead) {
 		return nil
 	}
 	delete(exact, best.Name)
@@ -159,6 +164,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	if t.Prefix != nil {
 		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
 		g.created = l.pin(t.Prefix)
+		l.created += g.created
 		// The prompt tokens the backend should find cached skip their KV
 		// allocation; the rest turn its cache over.
 		cached := bestHit * float64(t.PromptTokens)
@@ -217,7 +223,10 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		ld.stepsSinceAdmit = max(0, stepsNow-l.lastAdmitStep)
 	}
 	if n := len(l.grants); n > 0 {
-		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved)/float64(n)
+		// Pacing sees a request's own KV: shared chunks whose bringers
+		// ended are a base load (sharedBase), not any request's.
+		ld.sharedBase = max(0, l.shared-l.created)
+		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved-ld.sharedBase)/float64(n)
 	}
 	if !exact {
 		return ld
