@@ -340,21 +340,41 @@ func (l *ledger) isPinned(h uint64) bool {
 	return ok
 }
 
-// prefixWeight weighs a backend's expected cached share of the prompt
-// against its load (its KV headroom after admission, as a share of the
-// target) in routing: score = hit + loadWeight × headroom/target. With
-// the weight under 1, a backend holding most of a prompt keeps getting it
-// while it can admit it (sticky), a backend whose headroom has run out
-// (admission refuses it) passes it to the next best, and between backends
-// with equal hits the less loaded wins; with no hits anywhere the choice
-// is the most headroom, as without prefixes. Load always counts: prefix
-// alone would pile a popular prefix onto one backend.
-const loadWeight = 0.5
+// Routing weighs three things for each backend that can admit a ticket:
+// hit, the share of its prompt the backend should find cached (prefill it
+// skips); held, the share already in memory there for requests in flight
+// (KV it need not allocate); and its headroom after admission, as a share
+// of the target:
+//
+//	score = hit + heldWeight × held + loadWeight × headroom/target
+//
+// With both weights under 1, a backend holding most of a prompt keeps
+// getting it while it can admit it (sticky), and of two that have it, the
+// one where it is in use wins unless its load is far higher: a tenant's
+// requests gather on one backend rather than keep a copy of its prefix in
+// use on each. A backend whose headroom has run out (admission refuses it)
+// passes the ticket on (see Spilling); between backends with equal hits
+// the less loaded wins; with no hits anywhere the choice is the most
+// headroom, as without prefixes. Load always counts: prefix alone would
+// pile a popular prefix onto one backend.
+const (
+	heldWeight = 0.5
+	loadWeight = 0.5
+)
 
-// Spilling. A request whose prefix is cached on a backend that is only
-// busy for now (its KV budget, pacing or queue refuse it this instant)
-// goes to another backend that would have to prefill spillHit more of it
-// only when that one stays well under its target after admission
+// routeScore is a backend's routing score for a ticket it can admit.
+func routeScore(hit, held, headroom, target float64) float64 {
+	if target <= 0 {
+		target = 1
+	}
+	return min(max(hit, 0), 1) + heldWeight*min(max(held, 0), 1) + loadWeight*headroom/target
+}
+
+// Spilling. A request whose prefix is cached (or in use) on a backend that
+// is only busy for now (its KV budget, pacing or queue refuse it this
+// instant) goes to another backend where hit+held is spillHit lower (more
+// to prefill, or to allocate) only when that one stays well under its
+// target after admission
 // (spillHeadroom of its capacity left): otherwise it waits for the backend
 // that has its prefix. On a saturated fleet, spilling would copy every
 // tenant's prefix onto every backend and crowd the cache with copies, as
@@ -366,8 +386,8 @@ const (
 )
 
 // spills reports whether t may go to a backend that holds less of its
-// prefix than a busy one, by lost (the hit given up) and that backend's
-// headroom after admission.
+// prefix than a busy one, by lost (the hit+held given up) and that
+// backend's headroom after admission.
 func (s *Scheduler) spills(t *Ticket, now time.Time, lost, headroom float64) bool {
 	if t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom {
 		return true
@@ -383,14 +403,6 @@ func busy(reason string) bool {
 		return true
 	}
 	return false
-}
-
-// routeScore is a backend's routing score for a ticket it can admit.
-func routeScore(hit, headroom, target float64) float64 {
-	if target <= 0 {
-		target = 1
-	}
-	return min(max(hit, 0), 1) + loadWeight*headroom/target
 }
 
 // index returns a backend's prefix index, creating it empty.

@@ -313,17 +313,19 @@ func TestSpillWaitsOnSaturatedFleet(t *testing.T) {
 func TestRouteScore(t *testing.T) {
 	tests := []struct {
 		name  string
-		a, b  [2]float64 // hit, headroom
+		a, b  [3]float64 // hit, headroom, held
 		aWins bool
 	}{
-		{name: "no prefixes: most headroom", a: [2]float64{0, 0.5}, b: [2]float64{0, 0.3}, aWins: true},
-		{name: "the prefix beats an idle backend", a: [2]float64{0.8, 0.1}, b: [2]float64{0, 0.95}, aWins: true},
-		{name: "equal prefixes: the less loaded", a: [2]float64{0.8, 0.2}, b: [2]float64{0.8, 0.6}, aWins: false},
-		{name: "a small prefix does not outweigh load", a: [2]float64{0.1, 0.05}, b: [2]float64{0, 0.9}, aWins: false},
+		{name: "no prefixes: most headroom", a: [3]float64{0, 0.5}, b: [3]float64{0, 0.3}, aWins: true},
+		{name: "the prefix beats an idle backend", a: [3]float64{0.8, 0.1}, b: [3]float64{0, 0.95}, aWins: true},
+		{name: "equal prefixes: the less loaded", a: [3]float64{0.8, 0.2}, b: [3]float64{0.8, 0.6}, aWins: false},
+		{name: "a small prefix does not outweigh load", a: [3]float64{0.1, 0.05}, b: [3]float64{0, 0.9}, aWins: false},
+		{name: "of two with the prefix, the one using it", a: [3]float64{0.8, 0.2, 0.8}, b: [3]float64{0.8, 0.6, 0}, aWins: true},
+		{name: "in use, but far busier", a: [3]float64{0.8, 0.02, 0.1}, b: [3]float64{0.8, 0.9, 0}, aWins: false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			sa, sb := routeScore(tc.a[0], tc.a[1], 0.95), routeScore(tc.b[0], tc.b[1], 0.95)
+			sa, sb := routeScore(tc.a[0], tc.a[2], tc.a[1], 0.95), routeScore(tc.b[0], tc.b[2], tc.b[1], 0.95)
 			if (sa > sb) != tc.aWins {
 				t.Errorf("scores %.3f vs %.3f", sa, sb)
 			}

@@ -104,10 +104,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	var (
 		best      *gpu.Snapshot
 		bestHit   float64
+		bestHeld  float64
 		bestHead  float64
 		bestPin   int
 		bestScore = math.Inf(-1)
-		bestBusy  float64 // the best hit on a backend only busy for now
+		bestBusy  float64 // the best hit+held on a backend only busy for now
 	)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
@@ -137,18 +138,22 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		hit := s.expectedHit(sn, t, pinned)
+		held := 0.0 // the share of the prompt already in memory there
+		if t.PromptTokens > 0 {
+			held = min(1, float64(t.Prefix.tokens(pinned))/float64(t.PromptTokens))
+		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
 			if busy(v.reason) {
-				bestBusy = max(bestBusy, hit)
+				bestBusy = max(bestBusy, hit+held)
 			}
 			continue
 		}
-		if score := routeScore(hit, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestHead, bestPin = sn, score, hit, v.headroom, pinned
+		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
+			best, bestScore, bestHit, bestHeld, bestHead, bestPin = sn, score, hit, held, v.headroom, pinned
 		}
 	}
-	if best == nil || !s.spills(t, now, bestBusy-bestHit, bestHead) {
+	if best == nil || !s.spills(t, now, bestBusy-bestHit-bestHeld, bestHead) {
 		return nil
 	}
 	delete(exact, best.Name)
