@@ -84,9 +84,10 @@ fmt:
 
 # Go benchmarks, the gateway's overhead and throughput, the simulator's
 # calibration table and CPU cost, then the named scenarios at a quarter of
-# their size (about three minutes): kvgate, round-robin and an EPP-style
-# threshold router, each in front of a fresh simulated fleet, on the same
-# arrivals; reports in bin/bench/<scenario>/.
+# their size: kvgate, round-robin, an EPP-style threshold router and an
+# llm-d-style prefix router, each in front of a fresh simulated fleet, on
+# the same arrivals (shared-prefix and multi-turn included); reports in
+# bin/bench/<scenario>/.
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem -count 5 ./bench/... ./gpu/ | tee bin/bench.txt
 	$(GO) test -run '^$$' -bench 'GatewayOverhead' -benchtime 1x ./cmd/kvgate/ | tee -a bin/bench.txt

@@ -191,6 +191,10 @@ func (s *Scheduler) Wake() {
 // many tickets in a row fit nowhere, the rest wait for the next event.
 const maxScanMisses = 32
 
+// maxPrefixWaits bounds the tickets one pump passes over because they
+// wait for the backend that holds their prefix (prefix.go).
+const maxPrefixWaits = 512
+
 // pumpLocked admits queued tickets in priority order, each class in its
 // weighted fair order, while they fit. A
 // ticket that does not fit is passed over by later ones of its model until
@@ -202,7 +206,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
 	exact := map[string]*load{}
-	misses := 0
+	misses, prefixWaits := 0, 0
 	for c := range s.queues {
 		q := s.queues[c]
 		kept := q[:0]
@@ -226,7 +230,14 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				misses = 0
 				continue
 			}
-			misses++
+			// A ticket waiting for the backend that holds its prefix
+			// says nothing of the room for the next one: it costs a
+			// scan, not a miss (bounded apart).
+			if t.waitsPrefix && prefixWaits < maxPrefixWaits {
+				prefixWaits++
+			} else {
+				misses++
+			}
 			kept = append(kept, t)
 			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
 				if blocked == nil {

@@ -153,7 +153,8 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			best, bestScore, bestHit, bestHeld, bestHead, bestPin = sn, score, hit, held, v.headroom, pinned
 		}
 	}
-	if best == nil || !s.spills(t, now, bestBusy-bestHit-bestHeld, bestHead) {
+	t.waitsPrefix = best != nil && !s.spills(t, now, bestBusy-bestHit-bestHeld, bestHead)
+	if best == nil || t.waitsPrefix {
 		return nil
 	}
 	delete(exact, best.Name)

@@ -38,6 +38,10 @@ type Ticket struct {
 	grant    *Grant
 	state    ticketState
 	err      error // why a queued ticket was failed (models.go)
+	// waitsPrefix says the last admission attempt held the ticket back
+	// for the backend holding its prefix (prefix.go), not for want of
+	// room anywhere.
+	waitsPrefix bool
 }
 
 type ticketState uint8
