@@ -374,12 +374,15 @@ func routeScore(hit, held, headroom, target float64) float64 {
 // is only busy for now (its KV budget, pacing or queue refuse it this
 // instant) goes to another backend where hit+held is spillHit lower (more
 // to prefill, or to allocate) only when that one stays well under its
-// target after admission
-// (spillHeadroom of its capacity left): otherwise it waits for the backend
-// that has its prefix. On a saturated fleet, spilling would copy every
-// tenant's prefix onto every backend and crowd the cache with copies, as
-// round-robin does; waiting keeps the hit rate and the throughput. A
-// request that has waited half the starvation guard spills anyway.
+// target after admission (spillHeadroom of its capacity left): otherwise
+// it waits for the backend that has its prefix. On a saturated fleet,
+// spilling would copy every tenant's prefix onto every backend and crowd
+// the cache with copies, as round-robin does; waiting keeps the hit rate
+// and the throughput. Waiting does not starve: the queue is scanned in
+// order, so the oldest waiter for a backend sees its room first, and once
+// it has waited the starvation guard, later tickets may not take that
+// backend's room in a pass (Scheduler.hold) — that backend's alone, where
+// a ticket that fits nowhere holds up its whole model.
 const (
 	spillHit      = 0.2
 	spillHeadroom = 0.2
@@ -388,12 +391,37 @@ const (
 // spills reports whether t may go to a backend that holds less of its
 // prefix than a busy one, by lost (the hit+held given up) and that
 // backend's headroom after admission.
-func (s *Scheduler) spills(t *Ticket, now time.Time, lost, headroom float64) bool {
-	if t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom {
-		return true
-	}
-	return !t.enqueued.IsZero() && now.Sub(t.enqueued) >= s.policy.StarvationGuard/2
+func (s *Scheduler) spills(t *Ticket, lost, headroom float64) bool {
+	return t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom
 }
+
+// noteBusy records a backend that cannot take t only for now, for the
+// spill decision: the best hit+held among them and where.
+func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, best *float64, where *string) {
+	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > *best {
+		*best, *where = v, sn.Name
+	}
+}
+
+// heldShare is the share of t's prompt in memory on a backend where
+// pinned of its leading chunks are held by requests in flight.
+func (t *Ticket) heldShare(pinned int) float64 {
+	if t.PromptTokens <= 0 || t.Prefix == nil {
+		return 0
+	}
+	return min(1, float64(t.Prefix.tokens(pinned))/float64(t.PromptTokens))
+}
+
+// holdLocked keeps a backend's room, for the rest of a pump, for the
+// tickets already waiting for it.
+func (s *Scheduler) holdLocked(backend string) {
+	if s.hold == nil {
+		s.hold = map[string]bool{}
+	}
+	s.hold[backend] = true
+}
+
+func (s *Scheduler) releaseHolds() { clear(s.hold) }
 
 // busy reports whether a refusal is load that passes (the backend will
 // take the ticket once something ends), not a backend out of service.

@@ -207,6 +207,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	var blocked map[string]bool
 	exact := map[string]*load{}
 	misses, prefixWaits := 0, 0
+	defer s.releaseHolds()
 	for c := range s.queues {
 		q := s.queues[c]
 		kept := q[:0]
@@ -230,15 +231,20 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				misses = 0
 				continue
 			}
+			kept = append(kept, t)
 			// A ticket waiting for the backend that holds its prefix
 			// says nothing of the room for the next one: it costs a
-			// scan, not a miss (bounded apart).
-			if t.waitsPrefix && prefixWaits < maxPrefixWaits {
+			// scan, not a miss (bounded apart), and once it has waited
+			// the starvation guard it keeps that backend's next room
+			// for itself, not the whole model's (prefix.go).
+			if t.waitsOn != "" && prefixWaits < maxPrefixWaits {
 				prefixWaits++
-			} else {
-				misses++
+				if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
+					s.holdLocked(t.waitsOn)
+				}
+				continue
 			}
-			kept = append(kept, t)
+			misses++
 			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
 				if blocked == nil {
 					blocked = map[string]bool{}

@@ -32,6 +32,7 @@ type Scheduler struct {
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
 	prefixes map[string]*prefixIndex // per backend (prefix.go)
+	hold     map[string]bool         // backends kept for older tickets during a pump (prefix.go)
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
@@ -109,6 +110,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		bestPin   int
 		bestScore = math.Inf(-1)
 		bestBusy  float64 // the best hit+held on a backend only busy for now
+		waitsOn   string  // that backend
 	)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
@@ -122,6 +124,13 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// once; the rest of the prompt takes new KV (prefix.go).
 		pinned := l.pinnedLeading(t.Prefix)
 		prompt := t.PromptTokens - t.Prefix.tokens(pinned)
+		if s.hold[sn.Name] {
+			// An older ticket waits for this backend's next room.
+			if t.Prefix != nil {
+				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+			}
+			continue
+		}
 		ld := s.loadOf(sn, l, now, false)
 		ld.paced = paced
 		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
@@ -137,24 +146,26 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			ex.paced = paced
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
-		hit := s.expectedHit(sn, t, pinned)
-		held := 0.0 // the share of the prompt already in memory there
-		if t.PromptTokens > 0 {
-			held = min(1, float64(t.Prefix.tokens(pinned))/float64(t.PromptTokens))
-		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
-			if busy(v.reason) {
-				bestBusy = max(bestBusy, hit+held)
+			if busy(v.reason) && t.Prefix != nil {
+				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
 			}
 			continue
 		}
+		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
 		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
 			best, bestScore, bestHit, bestHeld, bestHead, bestPin = sn, score, hit, held, v.headroom, pinned
 		}
 	}
-	t.waitsPrefix = best != nil && !s.spills(t, now, bestBusy-bestHit-bestHeld, bestHead)
-	if best == nil || t.waitsPrefix {
+	// Waiting for the backend that holds the prefix, rather than for
+	// room anywhere: no backend can take it, or only one that would
+	// have to copy the prefix with little room left after it.
+	t.waitsOn = ""
+	if bestBusy >= spillHit && (best == nil || !s.spills(t, bestBusy-bestHit-bestHeld, bestHead)) {
+		t.waitsOn = waitsOn
+	}
+	if best == nil || t.waitsOn != "" {
 		return nil
 	}
 	delete(exact, best.Name)

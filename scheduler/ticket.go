@@ -38,10 +38,10 @@ type Ticket struct {
 	grant    *Grant
 	state    ticketState
 	err      error // why a queued ticket was failed (models.go)
-	// waitsPrefix says the last admission attempt held the ticket back
-	// for the backend holding its prefix (prefix.go), not for want of
-	// room anywhere.
-	waitsPrefix bool
+	// waitsOn names the backend holding the ticket's prefix that its
+	// last admission attempt waited for (prefix.go), rather than for room
+	// anywhere; "" when it did not.
+	waitsOn string
 }
 
 type ticketState uint8
