@@ -168,14 +168,25 @@ func newPrefixIndex() *prefixIndex {
 // hold. Chained hashes make a present chunk imply its parents were sent
 // with it; the LRU order keeps them at least as recent.
 func (x *prefixIndex) match(hashes []uint64) int {
-	n := 0
-	for _, h := range hashes {
-		if _, ok := x.entries[h]; !ok {
-			break
+	return leading(hashes, func(h uint64) bool { _, ok := x.entries[h]; return ok })
+}
+
+// leading returns how many leading hashes have, for a set that holds
+// every chunk's parents with it: the index (a prompt's chunks go in
+// together and its tail leaves first) and the pins (a request pins all its
+// chunks) are such sets, so a binary search finds the end of the run in
+// O(log n) lookups, where a prompt of 6,000 tokens has 375 chunks.
+func leading(hashes []uint64, has func(uint64) bool) int {
+	lo, hi := 0, len(hashes)
+	for lo < hi {
+		mid := int(uint(lo+hi) >> 1)
+		if has(hashes[mid]) {
+			lo = mid + 1
+		} else {
+			hi = mid
 		}
-		n++
 	}
-	return n
+	return lo
 }
 
 // sent records that a prompt's chunks went to the backend, which allocated
@@ -283,14 +294,7 @@ func (l *ledger) pinnedLeading(p *Prefix) int {
 	if l == nil || p == nil {
 		return 0
 	}
-	n := 0
-	for _, h := range p.Hashes {
-		if _, ok := l.pins[h]; !ok {
-			break
-		}
-		n++
-	}
-	return n
+	return leading(p.Hashes, l.isPinned)
 }
 
 // pin takes a reference on each of p's chunks and returns the KV tokens
