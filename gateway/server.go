@@ -97,6 +97,8 @@ type Server struct {
 	limits  *tenantCache // nil without Tenants.Store
 	quota   *quotaMetrics
 	drain   *drainState
+	batches batchStore // nil unless the job store keeps files and batches
+	batchWk batchWork
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
@@ -159,6 +161,12 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
 	if s.jobs.Store != nil {
 		s.jobRoutes()
+	}
+	if bs, ok := s.jobs.Store.(batchStore); ok {
+		s.batches = bs
+		s.batchWk = batchWork{ch: make(chan struct{}, 1)}
+		s.fileRoutes()
+		s.batchRoutes()
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()
