@@ -77,7 +77,7 @@ type Batch struct {
 	PriorityBase int
 
 	CreatedAt, InProgressAt, ExpiresAt, FinalizingAt, CompletedAt time.Time
-	FailedAt, ExpiredAt, CancellingAt, CancelledAt               time.Time
+	FailedAt, ExpiredAt, CancellingAt, CancelledAt                time.Time
 
 	// Fence names the claim of the batch's validation or finalization
 	// (see LeaseBatch); LeaseUntil is when that claim lapses.
