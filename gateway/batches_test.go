@@ -456,3 +456,33 @@ func TestBatchFinalizeTakeover(t *testing.T) {
 		t.Error("a finalizer that lost its lease ended the batch")
 	}
 }
+
+// multipartUpload is an upload's body and its content type.
+func multipartUpload(name, purpose string, content []byte) (io.Reader, string) {
+	var body bytes.Buffer
+	mw := multipart.NewWriter(&body)
+	fw, _ := mw.CreateFormFile("file", name)
+	fw.Write(content)
+	mw.WriteField("purpose", purpose)
+	mw.Close()
+	return &body, mw.FormDataContentType()
+}
+
+// matrixFile uploads a batch file as acme's user.
+func matrixFile(t *testing.T, e *matrixEnv, name string) string {
+	t.Helper()
+	status, b := upload(t, e.f.srv.URL, e.keys[roleUser], name, "batch", batchLines(1, nil))
+	if status != http.StatusOK {
+		t.Fatalf("upload: %d %s", status, b)
+	}
+	return decode[fileView](t, b).ID
+}
+
+// matrixBatch makes acme's input file and a batch of it that completed.
+func matrixBatch(t *testing.T, e *matrixEnv) (file, batch string) {
+	t.Helper()
+	file = matrixFile(t, e, "matrix.jsonl")
+	b := createBatch(t, e.f.srv.URL, e.keys[roleUser], file)
+	waitBatch(t, e.f.srv.URL, e.keys[roleUser], b.ID, store.BatchCompleted)
+	return file, b.ID
+}

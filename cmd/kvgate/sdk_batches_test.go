@@ -39,4 +39,9 @@ func TestOpenAINodeSDKBatches(t *testing.T) {
 		logLines(t, "node --test output", string(out))
 		t.Fatal("node --test exited 0 but did not report `fail 0`")
 	}
+	for _, line := range strings.Split(string(out), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(line), "ℹ ") {
+			t.Log(strings.TrimSpace(line))
+		}
+	}
 }
