@@ -3,7 +3,6 @@ package gateway
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -36,38 +35,8 @@ const (
 
 var filePurposes = map[string]bool{"assistants": true, "batch": true, "fine-tune": true, "vision": true, "user_data": true, "evals": true}
 
-// batchStore is what the Files and Batch APIs need of the job store;
-// *sqlstore.Store satisfies it.
-type batchStore interface {
-	CreateFile(ctx context.Context, f store.File) error
-	PutFileChunk(ctx context.Context, id string, seq int, data []byte) error
-	CompleteFile(ctx context.Context, f store.File) error
-	File(ctx context.Context, tenant, id string, now time.Time) (store.File, error)
-	FileChunk(ctx context.Context, id string, seq int) ([]byte, error)
-	ListFiles(ctx context.Context, tenant string, f store.FileFilter, now time.Time) ([]store.File, bool, error)
-	DeleteFile(ctx context.Context, tenant, id string) error
-	SweepFiles(ctx context.Context, staleBefore, now time.Time, limit int) (int, error)
-
-	CreateBatch(ctx context.Context, b store.Batch) error
-	Batch(ctx context.Context, tenant, id string) (store.Batch, error)
-	ListBatches(ctx context.Context, tenant, after string, limit int) ([]store.Batch, bool, error)
-	BatchesToWork(ctx context.Context, now time.Time, limit int) ([]store.Batch, error)
-	LeaseBatch(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) (int64, error)
-	RenewBatch(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
-	ReleaseBatch(ctx context.Context, id string, fence int64) error
-	BatchPriorityBase(ctx context.Context, tenant string) (int, error)
-	SetBatchPriorityBase(ctx context.Context, id string, fence int64, base int) error
-	AcceptBatchLines(ctx context.Context, batchID string, fence int64, jobs []store.NewJob, customIDs []string) error
-	StartBatch(ctx context.Context, id string, fence int64, total int, model string, now time.Time) error
-	FailBatch(ctx context.Context, tenant, id string, fence int64, errs json.RawMessage, total int, eventID string, now time.Time) error
-	CancelBatch(ctx context.Context, tenant, id string, now time.Time) (store.Batch, error)
-	CancelBatchLines(ctx context.Context, id string, running bool, now time.Time) (int, error)
-	BatchCounts(ctx context.Context, id string) (store.BatchCounts, error)
-	BatchOpen(ctx context.Context, id string) (bool, error)
-	BeginFinalize(ctx context.Context, tenant, id string, fence int64, endStatus string, out, errFile store.File, now time.Time) error
-	BatchLines(ctx context.Context, id, after string, limit int) ([]store.BatchLine, error)
-	EndBatch(ctx context.Context, e store.BatchEnd) error
-}
+// batchStore is what the Files and Batch APIs need of the job store.
+type batchStore = store.Batches
 
 // fileView is OpenAI's FileObject.
 type fileView struct {

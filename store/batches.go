@@ -1,6 +1,7 @@
 package store
 
 import (
+	"context"
 	"encoding/json"
 	"time"
 )
@@ -124,4 +125,38 @@ type BatchEnd struct {
 	Usage        json.RawMessage
 	EventID      string
 	Now          time.Time
+}
+
+// Batches is the job store's part for the Files and Batch APIs;
+// *sqlstore.Store implements it. Every tenant-scoped read treats another
+// tenant's file or batch as not found.
+type Batches interface {
+	CreateFile(ctx context.Context, f File) error
+	PutFileChunk(ctx context.Context, id string, seq int, data []byte) error
+	CompleteFile(ctx context.Context, f File) error
+	File(ctx context.Context, tenant, id string, now time.Time) (File, error)
+	FileChunk(ctx context.Context, id string, seq int) ([]byte, error)
+	ListFiles(ctx context.Context, tenant string, f FileFilter, now time.Time) ([]File, bool, error)
+	DeleteFile(ctx context.Context, tenant, id string) error
+	SweepFiles(ctx context.Context, staleBefore, now time.Time, limit int) (int, error)
+
+	CreateBatch(ctx context.Context, b Batch) error
+	Batch(ctx context.Context, tenant, id string) (Batch, error)
+	ListBatches(ctx context.Context, tenant, after string, limit int) ([]Batch, bool, error)
+	BatchesToWork(ctx context.Context, now time.Time, limit int) ([]Batch, error)
+	LeaseBatch(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) (int64, error)
+	RenewBatch(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
+	ReleaseBatch(ctx context.Context, id string, fence int64) error
+	BatchPriorityBase(ctx context.Context, tenant string) (int, error)
+	SetBatchPriorityBase(ctx context.Context, id string, fence int64, base int) error
+	AcceptBatchLines(ctx context.Context, batchID string, fence int64, jobs []NewJob, customIDs []string) error
+	StartBatch(ctx context.Context, id string, fence int64, total int, model string, now time.Time) error
+	FailBatch(ctx context.Context, tenant, id string, fence int64, errs json.RawMessage, total int, eventID string, now time.Time) error
+	CancelBatch(ctx context.Context, tenant, id string, now time.Time) (Batch, error)
+	CancelBatchLines(ctx context.Context, id string, running bool, now time.Time) (int, error)
+	BatchCounts(ctx context.Context, id string) (BatchCounts, error)
+	BatchOpen(ctx context.Context, id string) (bool, error)
+	BeginFinalize(ctx context.Context, tenant, id string, fence int64, endStatus string, out, errFile File, now time.Time) error
+	BatchLines(ctx context.Context, id, after string, limit int) ([]BatchLine, error)
+	EndBatch(ctx context.Context, e BatchEnd) error
 }
