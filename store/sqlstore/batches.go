@@ -514,4 +514,5 @@ func (s *Store) EndBatch(ctx context.Context, e store.BatchEnd) error {
 	}
 	return nil
 }
+
 var _ store.Batches = (*Store)(nil)
