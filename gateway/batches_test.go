@@ -486,3 +486,27 @@ func matrixBatch(t *testing.T, e *matrixEnv) (file, batch string) {
 	waitBatch(t, e.f.srv.URL, e.keys[roleUser], b.ID, store.BatchCompleted)
 	return file, b.ID
 }
+
+// TestBatchAcceptance50k times a 50,000-line batch on PostgreSQL from POST
+// /v1/batches to in_progress: its validation and its bulk acceptance (the
+// goal is under 10 s). An experiment (KVGATE_EXPERIMENTS=1).
+func TestBatchAcceptance50k(t *testing.T) {
+	experiment(t)
+	f := startFleet(t, fleetOpts{pg: true, jobs: true, runner: true, speedup: 100})
+	base := f.srv.URL
+	file := uploadBatchFile(t, base, "", batchLines(maxBatchFileLines, nil))
+	start := time.Now()
+	b := createBatch(t, base, "", file)
+	var v batchView
+	eventually.Within(t, 2*time.Minute, "validated", func() bool {
+		_, body := bsend(t, http.MethodGet, base+"/v1/batches/"+b.ID, "", "")
+		v = decode[batchView](t, body)
+		return v.Status != store.BatchValidating
+	})
+	took := time.Since(start)
+	if v.Status != store.BatchInProgress {
+		t.Fatalf("batch %s", v.Status)
+	}
+	t.Logf("%d lines validated and accepted in %s (POST /v1/batches to in_progress)", maxBatchFileLines, took.Round(time.Millisecond))
+	bsend(t, http.MethodPost, base+"/v1/batches/"+b.ID+"/cancel", "", "")
+}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvgate/kvgate/store"
 )
@@ -26,8 +27,14 @@ import (
 // batchKeyPrefix starts the idempotency key of every batch line's job.
 const batchKeyPrefix = "kvgate-batch/"
 
-// acceptChunk is how many lines one bulk insert writes.
-const acceptChunk = 2000
+// acceptChunk is how many lines one bulk insert writes, at most; and
+// acceptBytes how many bytes of request bodies, so that a batch of long
+// lines costs no more memory per statement than one of short lines.
+const (
+	acceptChunk   = 2000
+	acceptBytes   = 4 << 20
+	acceptWriters = 4
+)
 
 // maxBatchErrors bounds the errors a failed validation records.
 const maxBatchErrors = 1000
@@ -229,6 +236,7 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 			errs = append(errs, e)
 		}
 	}
+	began := time.Now()
 	err = s.eachLine(ctx, f.ID, func(n int, line []byte) error {
 		if len(metas)%acceptChunk == acceptChunk-1 {
 			if err := s.batches.RenewBatch(ctx, b.ID, fence, time.Now(), lease); err != nil {
@@ -304,6 +312,7 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if err != nil {
 		return err
 	}
+	validated := time.Since(began)
 	if len(metas) == 0 {
 		return fail([]batchError{{Code: "empty_file", Message: "The input file holds no requests."}}, 0)
 	}
@@ -327,15 +336,23 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 		jobs    = make([]store.NewJob, 0, acceptChunk)
 		customs = make([]string, 0, acceptChunk)
 		i       int
+		bodies  int // bytes of the bodies in jobs
 	)
+	// Chunks are written by acceptWriters statements at once, each on a
+	// connection of its own: the database's time, not kvgate's, is most
+	// of an acceptance.
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(acceptWriters)
 	flush := func() error {
 		if err := s.batches.RenewBatch(ctx, b.ID, fence, time.Now(), lease); err != nil {
 			return err
 		}
-		if err := s.batches.AcceptBatchLines(ctx, b.ID, fence, jobs, customs); err != nil {
-			return err
+		if gctx.Err() != nil {
+			return context.Cause(gctx) // a writer failed; g.Wait says why
 		}
-		jobs, customs = jobs[:0], customs[:0]
+		js, cs := jobs, customs
+		g.Go(func() error { return s.batches.AcceptBatchLines(gctx, b.ID, fence, js, cs) })
+		jobs, customs, bodies = make([]store.NewJob, 0, acceptChunk), make([]string, 0, acceptChunk), 0
 		return nil
 	}
 	err = s.eachLine(ctx, f.ID, func(n int, line []byte) error {
@@ -352,7 +369,8 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 		})
 		customs = append(customs, *in.CustomID)
 		i++
-		if len(jobs) == acceptChunk {
+		bodies += len(in.Body)
+		if len(jobs) == acceptChunk || bodies >= acceptBytes {
 			return flush()
 		}
 		return nil
@@ -360,12 +378,17 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if err == nil && len(jobs) > 0 {
 		err = flush()
 	}
+	if werr := g.Wait(); err == nil || errors.Is(err, context.Canceled) {
+		err = cmp.Or(werr, err)
+	}
 	if err != nil {
 		return err
 	}
 	if err := s.batches.StartBatch(ctx, b.ID, fence, len(metas), model, time.Now()); err != nil {
 		return err
 	}
+	s.log.Info("batch accepted", "batch", b.ID, "tenant", b.Tenant, "lines", len(metas), "bytes", f.Bytes,
+		"validated_in", validated.Round(time.Millisecond), "accepted_in", (time.Since(began) - validated).Round(time.Millisecond))
 	s.wakeJobs()
 	return nil
 }
