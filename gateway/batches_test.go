@@ -411,26 +411,25 @@ func TestBatchCancelAndExpire(t *testing.T) {
 // lapses with its output half written) is taken over; the batch's files
 // hold each line once, and the dead one's file is gone.
 func TestBatchFinalizeTakeover(t *testing.T) {
-	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 100, gateway: Config{Jobs: Jobs{BatchLease: time.Second}}})
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 100})
 	base := f.srv.URL
 	st := f.store
-	// Hold the batch's lease while its lines run, as a finalizer would.
+	// Take the batch's lease while its lines run, as a finalizer would
+	// once they end.
 	b := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(50, nil)))
-	eventually.Within(t, 30*time.Second, "lines done", func() bool {
-		bt, err := st.Batch(context.Background(), "default", b.ID)
-		open, _ := st.BatchOpen(context.Background(), b.ID)
-		return err == nil && bt.Status == store.BatchInProgress && !open
-	})
 	ctx := context.Background()
 	var fence int64
-	eventually.Within(t, 10*time.Second, "the lease taken", func() bool {
-		bt, _ := st.Batch(ctx, "default", b.ID)
-		if bt.Status != store.BatchInProgress {
+	eventually.Within(t, 30*time.Second, "the lease taken", func() bool {
+		bt, err := st.Batch(ctx, "default", b.ID)
+		if err != nil || bt.Status != store.BatchInProgress {
 			return false
 		}
-		var err error
-		fence, err = st.LeaseBatch(ctx, b.ID, bt.Fence, time.Now(), time.Second)
+		fence, err = st.LeaseBatch(ctx, b.ID, bt.Fence, time.Now(), time.Hour)
 		return err == nil
+	})
+	eventually.Within(t, 30*time.Second, "lines done", func() bool {
+		open, err := st.BatchOpen(ctx, b.ID)
+		return err == nil && !open
 	})
 	now := time.Now()
 	dead := store.File{ID: newObjectID("file-"), Filename: "dead.jsonl", Purpose: "batch_output", CreatedAt: now}
@@ -441,7 +440,10 @@ func TestBatchFinalizeTakeover(t *testing.T) {
 	if err := st.PutFileChunk(ctx, dead.ID, 0, []byte(`{"custom_id":"req-0"}`+"\n")); err != nil {
 		t.Fatal(err)
 	}
-	// ... and dies. Another finalization takes over once the lease lapses.
+	// ... and dies: its lease lapses, and another finalization takes over.
+	if _, err := st.DB().Exec(`UPDATE batches SET lease_until = 1 WHERE id = ?`, b.ID); err != nil {
+		t.Fatal(err)
+	}
 	v := waitBatch(t, base, "", b.ID, store.BatchCompleted)
 	if out := outputFile(t, base, "", v.OutputFileID); len(out) != 50 || *v.OutputFileID == dead.ID {
 		t.Fatalf("%d output lines in %s", len(out), *v.OutputFileID)
