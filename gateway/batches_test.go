@@ -512,3 +512,35 @@ func TestBatchAcceptance50k(t *testing.T) {
 	t.Logf("%d lines validated and accepted in %s (POST /v1/batches to in_progress)", maxBatchFileLines, took.Round(time.Millisecond))
 	bsend(t, http.MethodPost, base+"/v1/batches/"+b.ID+"/cancel", "", "")
 }
+
+// TestBatchResponses: a batch of /v1/responses lines runs through the jobs'
+// executor like the others, once /v1/responses is a job endpoint.
+func TestBatchResponses(t *testing.T) {
+	if _, ok := jobEndpoints["/v1/responses"]; !ok {
+		t.Skip("/v1/responses is not a job endpoint in this tree (the Responses API lands with it)")
+	}
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 100})
+	base := f.srv.URL
+	var in bytes.Buffer
+	for i := range 5 {
+		fmt.Fprintf(&in, `{"custom_id":"r-%d","method":"POST","url":"/v1/responses","body":{"model":%q,"input":"line %d","max_output_tokens":3}}`+"\n", i, llama, i)
+	}
+	file := uploadBatchFile(t, base, "", in.Bytes())
+	status, body := bsend(t, http.MethodPost, base+"/v1/batches", "", `{"input_file_id":"`+file+`","endpoint":"/v1/responses","completion_window":"24h"}`)
+	if status != http.StatusOK {
+		t.Fatalf("create: %d %s", status, body)
+	}
+	v := waitBatch(t, base, "", decode[batchView](t, body).ID, store.BatchCompleted)
+	out := outputFile(t, base, "", v.OutputFileID)
+	if len(out) != 5 || v.Usage.InputTokens == 0 || v.Usage.OutputTokens == 0 {
+		t.Fatalf("%d output lines, usage %+v", len(out), v.Usage)
+	}
+	for id, o := range out {
+		var r struct {
+			Object string `json:"object"`
+		}
+		if o.Response == nil || o.Response.StatusCode != 200 || json.Unmarshal(o.Response.Body, &r) != nil || r.Object != "response" {
+			t.Errorf("line %s: %+v", id, o)
+		}
+	}
+}
