@@ -544,3 +544,29 @@ func TestBatchResponses(t *testing.T) {
 		}
 	}
 }
+
+// TestBatchFairWithinTenant: a tenant's small batch, submitted while its
+// huge one runs, is not held behind the huge one's backlog: it takes its
+// turns beside it and ends while the huge one still runs.
+func TestBatchFairWithinTenant(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 5})
+	base := f.srv.URL
+	slow := func(i int) string {
+		return fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"line %d"}],"max_tokens":30}`, llama, i)
+	}
+	huge := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(600, slow)))
+	eventually.Within(t, 30*time.Second, "the huge batch runs", func() bool {
+		_, body := bsend(t, http.MethodGet, base+"/v1/batches/"+huge.ID, "", "")
+		v := decode[batchView](t, body)
+		return v.Status == store.BatchInProgress && v.RequestCounts.Completed > 0
+	})
+	small := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(10, slow)))
+	waitBatch(t, base, "", small.ID, store.BatchCompleted)
+	_, body := bsend(t, http.MethodGet, base+"/v1/batches/"+huge.ID, "", "")
+	v := decode[batchView](t, body)
+	if v.Status != store.BatchInProgress || v.RequestCounts.Completed > 300 {
+		t.Errorf("the small batch ended only once the huge one had done %d of its %d lines (%s)", v.RequestCounts.Completed, v.RequestCounts.Total, v.Status)
+	}
+	bsend(t, http.MethodPost, base+"/v1/batches/"+huge.ID+"/cancel", "", "")
+	waitBatch(t, base, "", huge.ID, store.BatchCancelled)
+}

@@ -381,6 +381,14 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if werr := g.Wait(); err == nil || errors.Is(err, context.Canceled) {
 		err = cmp.Or(werr, err)
 	}
+	if err == nil && i != len(metas) {
+		// The file lost lines between the two reads (it was deleted):
+		// the batch fails, and the lines already in go with it.
+		if _, err := s.batches.CancelBatchLines(ctx, b.ID, true, time.Now()); err != nil {
+			return err
+		}
+		return fail([]batchError{{Code: "invalid_file", Message: fmt.Sprintf("The input file %s changed while it was validated.", f.ID)}}, len(metas))
+	}
 	if err != nil {
 		return err
 	}
