@@ -179,6 +179,11 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 			if file.Filename == "" {
 				file.Filename = "upload"
 			}
+			if len(file.Filename) > 255 {
+				err = badRequest("file", "The file's name is longer than 255 bytes.")
+				file = nil
+				break
+			}
 			if err = s.batches.CreateFile(r.Context(), *file); err != nil {
 				file = nil
 				break
