@@ -32,7 +32,7 @@ const batchKeyPrefix = "kvgate-batch/"
 // lines costs no more memory per statement than one of short lines.
 const (
 	acceptChunk   = 2000
-	acceptBytes   = 4 << 20
+	acceptBytes   = 1 << 20
 	acceptWriters = 4
 )
 
