@@ -570,3 +570,20 @@ func TestBatchFairWithinTenant(t *testing.T) {
 	bsend(t, http.MethodPost, base+"/v1/batches/"+huge.ID+"/cancel", "", "")
 	waitBatch(t, base, "", huge.ID, store.BatchCancelled)
 }
+
+// TestBatchPendingLimits: a batch is held to its tenant's pending-job
+// limits as a whole, as its lines' submissions as jobs would be.
+func TestBatchPendingLimits(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 100, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	key := newTenant(t, st, "acme", store.Limits{MaxPendingJobs: 5}, store.RoleUser)
+	base := f.srv.URL
+	big := createBatch(t, base, key, uploadBatchFile(t, base, key, batchLines(10, nil)))
+	v := waitBatch(t, base, key, big.ID, store.BatchFailed)
+	var errs []batchError
+	if v.Errors == nil || json.Unmarshal(v.Errors.Data, &errs) != nil || len(errs) != 1 || errs[0].Code != "token_limit_exceeded" {
+		t.Fatalf("a batch over the pending-job limit: %+v", v)
+	}
+	small := createBatch(t, base, key, uploadBatchFile(t, base, key, batchLines(5, nil)))
+	waitBatch(t, base, key, small.ID, store.BatchCompleted)
+}

@@ -319,6 +319,17 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if nErrs > 0 {
 		return fail(errs, len(metas))
 	}
+	if b.PriorityBase == 0 { // not yet accepted, even in part
+		var tokens int64
+		for _, m := range metas {
+			tokens += int64(m.tokens)
+		}
+		if msg, err := s.batchRoom(ctx, b.Tenant, int64(len(metas)), tokens); err != nil {
+			return err
+		} else if msg != "" {
+			return fail([]batchError{{Code: "token_limit_exceeded", Message: msg}}, len(metas))
+		}
+	}
 	// Every line is valid: each becomes a job, in bulk. A second
 	// validation (this one's lease lapsed) finds the lines already
 	// inserted under their keys and the same priorities.
@@ -399,6 +410,32 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 		"validated_in", validated.Round(time.Millisecond), "accepted_in", (time.Since(began) - validated).Round(time.Millisecond))
 	s.wakeJobs()
 	return nil
+}
+
+// batchRoom checks a batch of lines jobs, reserving tokens, against its
+// tenant's pending-job limits (those a job's submission meets): a
+// message saying which it would exceed, or "" when it fits. The check
+// and the acceptance are not one transaction: batches accepted at the
+// same moment may together pass a limit by one batch.
+func (s *Server) batchRoom(ctx context.Context, tenant string, lines, tokens int64) (string, error) {
+	if s.cfg.Tenants.Store == nil {
+		return "", nil
+	}
+	t, found, err := s.tenant(ctx, tenant)
+	if err != nil || !found || (t.Limits.MaxPendingJobs <= 0 && t.Limits.MaxPendingTokens <= 0) {
+		return "", err
+	}
+	jobs, toks, err := s.batches.PendingLoad(ctx, tenant, time.Now())
+	if err != nil {
+		return "", err
+	}
+	switch l := t.Limits; {
+	case l.MaxPendingJobs > 0 && jobs+lines > l.MaxPendingJobs:
+		return fmt.Sprintf("The batch's %d requests would exceed your limit of %d pending jobs (%d pending now).", lines, l.MaxPendingJobs, jobs), nil
+	case l.MaxPendingTokens > 0 && toks+tokens > l.MaxPendingTokens:
+		return fmt.Sprintf("The batch's %d tokens would exceed your limit of %d tokens of pending jobs (%d pending now).", tokens, l.MaxPendingTokens, toks), nil
+	}
+	return "", nil
 }
 
 func (s *Server) wakeJobs() {

@@ -159,4 +159,7 @@ type Batches interface {
 	BeginFinalize(ctx context.Context, tenant, id string, fence int64, endStatus string, out, errFile File, now time.Time) error
 	BatchLines(ctx context.Context, id, after string, limit int) ([]BatchLine, error)
 	EndBatch(ctx context.Context, e BatchEnd) error
+	// PendingLoad returns a tenant's pending jobs and their token
+	// estimates, as the pending limits count them.
+	PendingLoad(ctx context.Context, tenant string, now time.Time) (jobs, tokens int64, err error)
 }
