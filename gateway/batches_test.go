@@ -14,7 +14,9 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/postgres/pgtest"
 )
 
 // upload posts a file to /v1/files as the SDKs do (multipart: file, then
@@ -586,4 +588,35 @@ func TestBatchPendingLimits(t *testing.T) {
 	}
 	small := createBatch(t, base, key, uploadBatchFile(t, base, key, batchLines(5, nil)))
 	waitBatch(t, base, key, small.ID, store.BatchCompleted)
+}
+
+// TestBatchTwoReplicas: two replicas on one PostgreSQL store, each with
+// its batch worker. A file uploaded through one is a batch's input through
+// the other; the batch is validated, run and finalized once, by whichever
+// replica takes its lease; both show it, and its files, the same.
+func TestBatchTwoReplicas(t *testing.T) {
+	var urls []string
+	for i := range 2 {
+		_, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: llamaProfile(t), Speedup: 100, Seed: uint64(i)})
+		urls = append(urls, srv.URL)
+	}
+	st := pgtest.Open(t)
+	reps := startReplicas(t, 2, urls, st, false)
+	a, b := reps[0].srv.URL, reps[1].srv.URL
+	file := uploadBatchFile(t, a, "", batchLines(200, nil))
+	created := createBatch(t, b, "", file)
+	v := waitBatch(t, a, "", created.ID, store.BatchCompleted)
+	if w := waitBatch(t, b, "", created.ID, store.BatchCompleted); w.OutputFileID == nil || *w.OutputFileID != *v.OutputFileID {
+		t.Fatalf("the replicas disagree: %+v, %+v", v, w)
+	}
+	if out := outputFile(t, b, "", v.OutputFileID); len(out) != 200 {
+		t.Fatalf("%d output lines, want 200", len(out))
+	}
+	var events, files int
+	if err := st.DB().QueryRow(`SELECT count(*) FROM outbox WHERE job_id = $1`, created.ID).Scan(&events); err != nil || events != 1 {
+		t.Errorf("%d batch events (%v), want one batch.completed", events, err)
+	}
+	if err := st.DB().QueryRow(`SELECT count(*) FROM files WHERE purpose = 'batch_output'`).Scan(&files); err != nil || files != 1 {
+		t.Errorf("%d output files kept (%v), want 1", files, err)
+	}
 }
