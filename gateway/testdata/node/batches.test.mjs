@@ -186,8 +186,8 @@ describe('batches', () => {
   });
 
   test('cancel: queued lines are cancelled, the rest are in the output file', async () => {
-    const n = 400;
-    const f = await uploadLines(lines(n, (i) => ({ model, messages: [{ role: 'user', content: `line ${i}` }], max_tokens: 64 })));
+    const n = 1000;
+    const f = await uploadLines(lines(n, (i) => ({ model, messages: [{ role: 'user', content: `line ${i}` }], max_tokens: 128 })));
     const b = await client.batches.create({ input_file_id: f.id, endpoint: '/v1/chat/completions', completion_window: '24h' });
     for (let i = 0; i < 100; i++) {
       const r = await client.batches.retrieve(b.id);
