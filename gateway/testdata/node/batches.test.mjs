@@ -156,6 +156,8 @@ describe('batches', () => {
     assert.equal(b.status, 'failed');
     assert.equal(typeof b.failed_at, 'number');
     assert.equal(b.errors.object, 'list');
+    checkFields('batch error', b.errors.data[0], { code: 'string', line: 'number?', message: 'string', param: 'string?' });
+    checkFields('request_counts', b.request_counts, { completed: 'number', failed: 'number', total: 'number' });
     assert.equal(b.errors.data[0].line, 3);
     assert.equal(b.errors.data[0].code, 'duplicate_custom_id');
   });
