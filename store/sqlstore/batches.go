@@ -291,9 +291,11 @@ func (s *Store) batchEvent(ctx context.Context, tx *sql.Tx, evID, id, tenant, st
 // CancelBatch asks for a tenant's batch to be cancelled: validating or in
 // progress, it becomes cancelling (its worker then cancels its queued
 // lines); already cancelling, it is returned as it is. ErrFinal when it
-// has ended or is being finalized.
+// has ended or is being finalized. The cancel ends any claim on the
+// batch (a new fence): a validation still inserting lines inserts no
+// more once it has committed.
 func (s *Store) CancelBatch(ctx context.Context, tenant, id string, now time.Time) (store.Batch, error) {
-	res, err := s.db.ExecContext(ctx, rebind(s.d, `UPDATE batches SET status = 'cancelling', cancelling_at = ?, lease_until = 0
+	res, err := s.db.ExecContext(ctx, rebind(s.d, `UPDATE batches SET status = 'cancelling', cancelling_at = ?, lease_until = 0, fence = fence + 1
 		WHERE tenant = ? AND id = ? AND status IN ('validating', 'in_progress')`), micros(now), tenant, id)
 	if err != nil {
 		return store.Batch{}, s.err("cancel batch", err)

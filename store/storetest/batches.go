@@ -22,6 +22,7 @@ func ExerciseBatches(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"BatchLeaseAndLines", testBatchLines},
 		{"BatchFinalizeFenced", testBatchFinalize},
 		{"BatchLinesInterleave", testBatchInterleave},
+		{"BatchCancelEndsClaims", testBatchCancelEndsClaims},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -403,5 +404,31 @@ func testBatchInterleave(t *testing.T, s store.Store, b store.Batches) {
 	}
 	if small != 5 {
 		t.Errorf("the small batch got %d of the 10 turns after the big one's 10: want all its 5, in turn", small)
+	}
+}
+
+// testBatchCancelEndsClaims: a cancel during validation ends the
+// validator's claim: its further lines and its start are refused.
+func testBatchCancelEndsClaims(t *testing.T, _ store.Store, b store.Batches) {
+	ctx := context.Background()
+	if err := b.CreateBatch(ctx, newBatch("acme", "batch_c")); err != nil {
+		t.Fatal(err)
+	}
+	fence := leaseFree(t, b, "batch_c", t0)
+	js, cs := lineJobs("acme", "batch_c", 4, 1)
+	if err := b.AcceptBatchLines(ctx, "batch_c", fence, js[:2], cs[:2]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.CancelBatch(ctx, "acme", "batch_c", t0); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.AcceptBatchLines(ctx, "batch_c", fence, js[2:], cs[2:]); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("lines after the cancel: %v", err)
+	}
+	if err := b.StartBatch(ctx, "batch_c", fence, 4, "m", t0); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("start after the cancel: %v", err)
+	}
+	if c, _ := b.BatchCounts(ctx, "batch_c"); c.Total != 2 {
+		t.Errorf("%d lines, want the 2 accepted before the cancel", c.Total)
 	}
 }
