@@ -94,6 +94,10 @@ describe('files', () => {
     for await (const x of client.files.list({ purpose: 'batch' })) ids.push(x.id);
     assert.ok(ids.includes(f.id));
     await assert.rejects(other.files.retrieve(f.id), NotFoundError);
+    const exp = await client.files.create({
+      file: await toFile(Buffer.from(text), 'expiring.jsonl'), purpose: 'batch', expires_after: { anchor: 'created_at', seconds: 7200 },
+    });
+    assert.equal(exp.expires_at - exp.created_at, 7200);
     const del = await client.files.delete(f.id);
     assert.deepEqual(del, { id: f.id, object: 'file', deleted: true });
     await assert.rejects(client.files.retrieve(f.id), NotFoundError);
