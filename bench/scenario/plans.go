@@ -199,3 +199,17 @@ func planBatchAPI(o Options) (plan, error) {
 			f.backends, interactive, lines, d, o.Speedup),
 	}, nil
 }
+
+// planInteractiveAlone is planBatchAPI's interactive traffic without the
+// batch: the unloaded reference for its TTFT.
+func planInteractiveAlone(o Options) (plan, error) {
+	p, err := planBatchAPI(o)
+	if err != nil {
+		return p, err
+	}
+	p.cfg.Tenants = p.cfg.Tenants[:1]
+	delete(p.keys, "sk-bench-batch")
+	p.describe = fmt.Sprintf("batch-api's interactive chat alone: %d simulated H100s, %.0f req/s (streamed), for %v simulated at %g× speed-up",
+		p.fleet.backends, p.cfg.Tenants[0].Arrival.Rate, p.sending, o.Speedup)
+	return p, nil
+}

@@ -111,6 +111,7 @@ var registry = []Scenario{
 	{Name: "mixed", About: "interactive chat streaming at a moderate rate plus batch jobs filling the rest: interactive TTFT and total throughput", plan: planMixed},
 	{Name: "burst", About: "tenant A submits 10,000 jobs at once while tenant B chats: B's TTFT and latency", plan: planBurst},
 	{Name: "batch-api", About: "interactive chat beside one Batch API batch that keeps the fleet busy: interactive TTFT against the batch's requests sent as plain ones", plan: planBatchAPI},
+	{Name: "interactive-alone", About: "batch-api's interactive chat without the batch: the unloaded reference of its TTFT", plan: planInteractiveAlone},
 	{Name: "backend-failure", About: "one of three backends dies a third of the way in: errors and throughput", plan: planBackendFailure},
 }
 
