@@ -45,6 +45,15 @@ test: node-deps
 experiments:
 	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^(TestOverloadNoPreemption|TestJobBurst|TestThreeReplicasOneFleet|TestFairnessBurst)$$' ./gateway/
 
+# The Files and Batch APIs' figures (docs/batches.md): the peak RSS growth
+# of kvgate serve over a 200 MiB upload and download (goal: under 64 MiB)
+# and its 50,000-line batch's acceptance, and a 50,000-line batch's
+# acceptance on PostgreSQL in process. Both need the local PostgreSQL.
+.PHONY: files-rss
+files-rss:
+	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^TestFileRSS$$' ./cmd/kvgate/
+	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^TestBatchAcceptance50k$$' ./gateway/
+
 # The OpenAI Node SDK for cmd/kvgate's TestOpenAINodeSDK, installed from the
 # lockfile when it changed. Without node and npm the test skips (with
 # CI=true it fails); an npm failure is fatal only with CI=true.

@@ -223,7 +223,7 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		if u.status < 400 {
 			sent = sentAnswered // a malformed 2xx: the work was done
 		}
-		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, u.err)
+		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, lineError(j, u.status, body, u.err))
 	}
 	out := execOutcome{Outcome: scheduler.Outcome{Body: body}}
 	if answered != nil {

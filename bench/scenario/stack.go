@@ -225,6 +225,7 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 	s.run("pool", pool.Run)
 	s.run("scheduler", sched.Run)
 	s.run("runner", runner.Run)
+	s.run("batches", api.RunBatches)
 	return api, nil
 }
 
