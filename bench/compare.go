@@ -30,6 +30,9 @@ type Comparison struct {
 	Overall []Delta
 	Tenants map[string][]Delta
 	Points  [][]Delta
+	// Warnings name the settings the two runs differ in: their verdicts
+	// then compare different experiments, not only different targets.
+	Warnings []string
 }
 
 // Tolerances below which a change counts as noise.
@@ -47,7 +50,7 @@ func lowerIsBetter(m string) bool {
 // Compare sets b against a (the baseline), headline load point against
 // headline load point and tenant against tenant of the same name.
 func Compare(a, b *Report) Comparison {
-	c := Comparison{Overall: compareSummaries(a.Summary, b.Summary), Tenants: map[string][]Delta{}}
+	c := Comparison{Overall: compareSummaries(a.Summary, b.Summary), Tenants: map[string][]Delta{}, Warnings: settingsDiffer(a, b)}
 	for _, ta := range a.Tenants {
 		for _, tb := range b.Tenants {
 			if ta.Name == tb.Name && (len(a.Tenants) > 1 || len(b.Tenants) > 1) {
@@ -159,6 +162,13 @@ func noise(m string, a, b Summary) float64 {
 func (c Comparison) Write(w io.Writer) error {
 	var b strings.Builder
 	fmt.Fprintf(&b, "# %s → %s\n\n", orDash(c.A), orDash(c.B))
+	if len(c.Warnings) > 0 {
+		b.WriteString("**Warning: the runs' settings differ**, so BETTER and WORSE below measure the settings as well as the targets:\n\n")
+		for _, w := range c.Warnings {
+			fmt.Fprintf(&b, "- %s\n", w)
+		}
+		b.WriteString("\n")
+	}
 	writeDeltas(&b, c.Overall)
 	names := make([]string, 0, len(c.Tenants))
 	for n := range c.Tenants {

@@ -160,6 +160,11 @@ type Tenant struct {
 	// Deferred submits each request as a job (POST /v1/jobs) and follows it
 	// by polling until it ends; its latency is submission to completion.
 	Deferred bool `json:"deferred,omitempty"`
+	// Batch submits the tenant's NumPrompts requests as one batch of the
+	// Batch API (POST /v1/files and /v1/batches, kvgate only) at the
+	// start, and follows it by polling; each request's latency is the
+	// batch's. Its arrival is ignored.
+	Batch bool `json:"batch,omitempty"`
 }
 
 // Arrival says when requests are sent.
@@ -314,7 +319,7 @@ func (c Config) Validate() (Config, error) {
 		}
 		if t.Class == "" {
 			t.Class = "interactive"
-			if t.Deferred {
+			if t.Deferred || t.Batch {
 				t.Class = "batch"
 			}
 		}

@@ -26,8 +26,10 @@ type series struct {
 
 var palette = []string{"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"}
 
+// The page is pageW pixels wide at most and every chart fills it.
 const (
-	chartW, chartH = 760.0, 300.0
+	pageW          = 1400.0
+	chartW, chartH = pageW - 32, 380.0 // the body's padding
 	padL, padR     = 64.0, 230.0
 	padT, padB     = 28.0, 44.0
 )
@@ -51,24 +53,54 @@ func niceMax(v float64) float64 {
 // and labelled (the knee).
 // vlines, when set, draws dashed vertical lines (load point starts).
 func lineChart(title, xlabel, ylabel string, ss []series, mark *xy, markLabel string, vlines ...vline) template.HTML {
+	return drawLineChart(title, xlabel, ylabel, ss, mark, markLabel, false, vlines...)
+}
+
+// logLineChart is lineChart on a logarithmic x axis, for figures that span
+// decades (latencies from milliseconds to seconds).
+func logLineChart(title, xlabel, ylabel string, ss []series) template.HTML {
+	return drawLineChart(title, xlabel, ylabel, ss, nil, "", true)
+}
+
+func drawLineChart(title, xlabel, ylabel string, ss []series, mark *xy, markLabel string, logX bool, vlines ...vline) template.HTML {
 	var xmax, ymax float64
+	xmin := math.Inf(1)
 	for _, s := range ss {
 		for _, p := range s.pts {
 			xmax, ymax = max(xmax, p.x), max(ymax, p.y)
+			if p.x > 0 {
+				xmin = min(xmin, p.x)
+			}
 		}
 	}
-	xmax, ymax = niceMax(xmax), niceMax(ymax)
+	ymax = niceMax(ymax)
 	pw, ph := chartW-padL-padR, chartH-padT-padB
-	X := func(x float64) float64 { return padL + x/xmax*pw }
+	var X func(float64) float64
+	var xticks []float64
+	if logX {
+		var lo, hi float64
+		lo, hi, xticks = logScale(xmin, xmax)
+		X = func(x float64) float64 {
+			return padL + (math.Log10(max(x, lo))-math.Log10(lo))/(math.Log10(hi)-math.Log10(lo))*pw
+		}
+	} else {
+		xmax = niceMax(xmax)
+		X = func(x float64) float64 { return padL + x/xmax*pw }
+		for i := 0; i <= 4; i++ {
+			xticks = append(xticks, xmax*float64(i)/4)
+		}
+	}
 	Y := func(y float64) float64 { return padT + ph - y/ymax*ph }
 	var b strings.Builder
 	fmt.Fprintf(&b, `<svg viewBox="0 0 %g %g" width="%g" height="%g" role="img"><title>%s</title>`, chartW, chartH, chartW, chartH, template.HTMLEscapeString(title))
 	fmt.Fprintf(&b, `<text x="%g" y="16" class="t">%s</text>`, padL, template.HTMLEscapeString(title))
 	for i := 0; i <= 4; i++ {
-		fy, fx := ymax*float64(i)/4, xmax*float64(i)/4
+		fy := ymax * float64(i) / 4
 		fmt.Fprintf(&b, `<line x1="%g" x2="%g" y1="%g" y2="%g" class="g"/><text x="%g" y="%g" class="a" text-anchor="end">%s</text>`,
 			padL, padL+pw, Y(fy), Y(fy), padL-4, Y(fy)+4, tick(fy))
-		fmt.Fprintf(&b, `<text x="%g" y="%g" class="a" text-anchor="middle">%s</text>`, X(fx), padT+ph+16, tick(fx))
+	}
+	for _, fx := range xticks {
+		fmt.Fprintf(&b, `<text x="%.1f" y="%g" class="a" text-anchor="middle">%s</text>`, X(fx), padT+ph+16, tick(fx))
 	}
 	fmt.Fprintf(&b, `<text x="%g" y="%g" class="a" text-anchor="middle">%s</text>`, padL+pw/2, chartH-6, template.HTMLEscapeString(xlabel))
 	fmt.Fprintf(&b, `<text transform="translate(14 %g) rotate(-90)" class="a" text-anchor="middle">%s</text>`, padT+ph/2, template.HTMLEscapeString(ylabel))
@@ -128,18 +160,38 @@ func barChart(title, ylabel string, labels []string, values []float64) template.
 	return template.HTML(b.String())
 }
 
+// tick writes an axis label with the digits it needs: a quarter of a
+// round maximum may have one more than the maximum (22.5 of 90), which
+// must not round to 22.
 func tick(v float64) string {
 	switch {
 	case v == 0:
 		return "0"
 	case math.Abs(v) >= 1e6:
-		return fmt.Sprintf("%.3gM", v/1e6)
+		return trimZeros(fmt.Sprintf("%.2f", v/1e6)) + "M"
 	case math.Abs(v) >= 1e4:
-		return fmt.Sprintf("%.3gk", v/1e3)
+		return trimZeros(fmt.Sprintf("%.2f", v/1e3)) + "k"
 	case math.Abs(v) >= 10:
-		return fmt.Sprintf("%.0f", v)
+		return trimZeros(fmt.Sprintf("%.2f", v))
 	}
 	return fmt.Sprintf("%.3g", v)
+}
+
+// logScale returns the decades around [lo, hi] and a tick at each.
+func logScale(lo, hi float64) (from, to float64, ticks []float64) {
+	if !(lo > 0) || math.IsInf(lo, 0) {
+		lo = 1
+	}
+	hi = max(hi, lo)
+	from = math.Pow(10, math.Floor(math.Log10(lo)))
+	to = math.Pow(10, math.Ceil(math.Log10(hi)))
+	if to <= from {
+		to = from * 10
+	}
+	for t := from; t <= to*1.0001; t *= 10 {
+		ticks = append(ticks, t)
+	}
+	return from, to, ticks
 }
 
 // cdf returns the empirical CDF of values (in place sorted), thinned to at
@@ -158,6 +210,7 @@ func cdf(v []float64) []xy {
 }
 
 type htmlData struct {
+	PageW  float64
 	R      *Report
 	Md     template.HTML
 	Charts []template.HTML
@@ -166,10 +219,10 @@ type htmlData struct {
 var htmlTmpl = template.Must(template.New("report").Parse(`<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>kvgate bench: {{.R.ModelID}}</title>
 <style>
-body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222;padding:0 1em}
+body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:{{.PageW}}px;color:#222;padding:0 16px}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
-svg{display:block;margin:1.5em 0;max-width:100%;height:auto}
+svg{display:block;margin:1.5em 0;width:100%;height:auto}
 svg .g{stroke:#e4e4e4}svg .a{font-size:11px;fill:#444}svg .t{font-size:13px;font-weight:600}
 code{background:#f3f3f3;padding:0 3px}
 </style></head><body>
@@ -188,7 +241,7 @@ func (r *Report) WriteHTML(w io.Writer) error {
 	if err := r.WriteMarkdown(&md); err != nil {
 		return err
 	}
-	d := htmlData{R: r, Md: markdownToHTML(md.String())}
+	d := htmlData{PageW: pageW, R: r, Md: markdownToHTML(md.String())}
 
 	// Latency against throughput, one point per load point.
 	pts := sortedByRate(r.LoadPoints)
@@ -254,7 +307,9 @@ func (r *Report) WriteHTML(w io.Writer) error {
 		}
 	}
 	if len(cdfs) > 0 {
-		d.Charts = append(d.Charts, lineChart("Latency CDFs (headline load point)", "ms", "fraction of requests", cdfs, nil, ""))
+		// TTFT and ITL are often tens of ms where E2EL is seconds: a log
+		// axis shows every curve's shape.
+		d.Charts = append(d.Charts, logLineChart("Latency CDFs (headline load point)", "ms (log scale)", "fraction of requests", cdfs))
 	}
 
 	// Time series per scraped endpoint, with the load points' starts.

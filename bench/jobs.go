@@ -8,6 +8,8 @@ import (
 	"io"
 	"net/http"
 	"time"
+
+	"github.com/kvgate/kvgate/store"
 )
 
 // submitJob sends a request as a deferred job (POST /v1/jobs) and follows
@@ -57,10 +59,12 @@ func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item,
 				rec.InputTokens, rec.OutputTokens = res.Usage.PromptTokens, res.Usage.CompletionTokens
 			}
 			return
-		case "FAILED_TERMINAL", "CANCELLED", "REVIEW_REQUIRED":
-			rec.E2EL = time.Since(start)
-			rec.fail(ErrJob, rec.Status, "job ended "+view.State)
-			return
+		default:
+			if jobFinal(view.State) {
+				rec.E2EL = time.Since(start)
+				rec.fail(ErrJob, rec.Status, "job ended "+view.State)
+				return
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -84,13 +88,7 @@ func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item,
 }
 
 // jobFinal reports whether a job state is one a job never leaves.
-func jobFinal(state string) bool {
-	switch state {
-	case "SUCCEEDED", "FAILED_TERMINAL", "CANCELLED", "REVIEW_REQUIRED":
-		return true
-	}
-	return false
-}
+func jobFinal(state string) bool { return store.State(state).Final() }
 
 // followJob reads a job's event stream (GET /v1/jobs/{id}/events) until
 // it shows a final state, and returns that state; "" when the target has

@@ -29,6 +29,7 @@ var scrapedMetrics = map[string]struct {
 	"kvgate_scheduler_queue_depth":               {"queue_depth", false},
 	"kvgate_scheduler_backend_kv_usage_ratio":    {"kv_usage", true},
 	"kvgate_scheduler_backend_inflight_requests": {"inflight", false},
+	"kvgate_scheduler_backend_reserved_tokens":   {"reserved_tokens", false},
 	"kvgate_gpu_utilization_ratio":               {"gpu_utilization", true},
 	"kvgate_gpu_memory_used_bytes":               {"gpu_memory_used_bytes", false},
 	"kvgate_gpu_power_watts":                     {"gpu_power_watts", false},

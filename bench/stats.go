@@ -191,11 +191,13 @@ func JainIndex(x []float64) float64 {
 // findKnee returns the index of the highest-rate load point before
 // latency turns up: its median end-to-end latency at most 1.5 times the
 // lowest-rate point's, at most 10% of its requests failed and, with SLOs,
-// at least 90% of them good. Points are in increasing rate order; -1 when
-// none qualifies. (A throughput test, achieved against offered, misjudges
+// at least 90% of them good, and a point above it that does not qualify.
+// Points are in increasing rate order; -1 when none qualifies, and when
+// the top (finite) point does: a single point, or a sweep that never
+// saturated, has no knee. (A throughput test, achieved against offered, misjudges
 // short points, whose last answers stretch the duration.)
 func findKnee(points []LoadPoint, withSLO bool) int {
-	knee, base := -1, -1.0
+	knee, base, saturated := -1, -1.0, false
 	for i, p := range points {
 		if math.IsInf(float64(p.RequestRate), 1) {
 			continue
@@ -209,8 +211,15 @@ func findKnee(points []LoadPoint, withSLO bool) int {
 			continue
 		}
 		if s.E2EL.Median <= 1.5*base && float64(s.Failed) <= 0.1*float64(total) && (!withSLO || s.GoodFraction >= 0.9) {
-			knee = i
+			knee, saturated = i, false
+		} else {
+			saturated = true
 		}
+	}
+	// A knee is the last point before latency turns up: a run with one
+	// point, or a sweep whose every point qualified, never saw it turn.
+	if !saturated {
+		return -1
 	}
 	return knee
 }

@@ -165,3 +165,28 @@ func TestFindKnee(t *testing.T) {
 		t.Errorf("knee of an unpaced point alone = %d, want -1", k)
 	}
 }
+
+// TestFindKneeNeedsSaturation: the only point of a single-rate run, and
+// the top point of a sweep that never saturated, are not knees.
+func TestFindKneeNeedsSaturation(t *testing.T) {
+	pt := func(i int, rate, median float64) LoadPoint {
+		return LoadPoint{Index: i, RequestRate: Rate(rate), Summary: Summary{Completed: 100, E2EL: Latency{Median: median}}}
+	}
+	for _, tc := range []struct {
+		name string
+		pts  []LoadPoint
+		want int
+	}{
+		{"a single rate", []LoadPoint{pt(0, 5, 100)}, -1},
+		{"a single rate and the full-speed point", []LoadPoint{pt(0, 5, 100), pt(1, math.Inf(1), 900)}, -1},
+		{"a sweep that never saturated", []LoadPoint{pt(0, 1, 100), pt(1, 2, 105), pt(2, 4, 120)}, -1},
+		{"a sweep that saturated at the top", []LoadPoint{pt(0, 1, 100), pt(1, 2, 105), pt(2, 4, 400)}, 1},
+		{"a slow point, then the top recovered", []LoadPoint{pt(0, 1, 100), pt(1, 2, 400), pt(2, 4, 120)}, -1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := findKnee(tc.pts, false); got != tc.want {
+				t.Errorf("findKnee = %d, want %d", got, tc.want)
+			}
+		})
+	}
+}

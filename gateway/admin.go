@@ -21,8 +21,7 @@ func (s *Server) tenantRoutes() {
 		_, path, _ := strings.Cut(route, " ")
 		s.mux.Handle(route, s.api(path, func(w http.ResponseWriter, r *http.Request) int {
 			if !isAdmin(r.Context()) {
-				return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "forbidden",
-					msg: "This endpoint needs an admin key."})
+				return writeError(w, s.log, forbidden("admin_key_required", "This endpoint needs an admin key."))
 			}
 			return h(w, r)
 		}))
@@ -39,8 +38,7 @@ func (s *Server) tenantRoutes() {
 	admin("GET /v1/admin/usage", s.handleUsage)
 	s.mux.Handle("GET /v1/usage", s.api("/v1/usage", func(w http.ResponseWriter, r *http.Request) int {
 		if !isOperator(r.Context()) {
-			return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "forbidden",
-				msg: "Usage is for your tenant's operators: this endpoint needs an operator key."})
+			return writeError(w, s.log, forbidden("operator_key_required", "Usage is for your tenant's operators: this endpoint needs an operator key."))
 		}
 		return s.handleUsage(w, r)
 	}))
@@ -58,28 +56,34 @@ type TenantView struct {
 	MaxPendingTokens int64  `json:"max_pending_tokens"`
 	DailyTokens      int64  `json:"daily_tokens"`
 	MonthlyTokens    int64  `json:"monthly_tokens"`
-	CreatedAt        int64  `json:"created_at"`
-	UpdatedAt        int64  `json:"updated_at"`
+	// Spending budgets, in the configured currency (costs.go).
+	DailySpend   float64 `json:"daily_spend"`
+	MonthlySpend float64 `json:"monthly_spend"`
+	CreatedAt    int64   `json:"created_at"`
+	UpdatedAt    int64   `json:"updated_at"`
 }
 
 func tenantView(t store.Tenant) TenantView {
 	l := t.Limits
 	return TenantView{Object: "tenant", Name: t.Name, Weight: t.Weight, RPM: l.RPM, TPM: l.TPM, MaxConcurrency: l.MaxConcurrency,
 		MaxPendingJobs: l.MaxPendingJobs, MaxPendingTokens: l.MaxPendingTokens, DailyTokens: l.DailyTokens,
-		MonthlyTokens: l.MonthlyTokens, CreatedAt: t.CreatedAt.Unix(), UpdatedAt: t.UpdatedAt.Unix()}
+		MonthlyTokens: l.MonthlyTokens, DailySpend: fromMicros(l.DailySpend), MonthlySpend: fromMicros(l.MonthlySpend),
+		CreatedAt: t.CreatedAt.Unix(), UpdatedAt: t.UpdatedAt.Unix()}
 }
 
 // tenantPatch is a create or update body: fields left out keep their value.
 type tenantPatch struct {
-	Name             string `json:"name"`
-	Weight           *int   `json:"weight"`
-	RPM              *int64 `json:"rpm"`
-	TPM              *int64 `json:"tpm"`
-	MaxConcurrency   *int64 `json:"max_concurrency"`
-	MaxPendingJobs   *int64 `json:"max_pending_jobs"`
-	MaxPendingTokens *int64 `json:"max_pending_tokens"`
-	DailyTokens      *int64 `json:"daily_tokens"`
-	MonthlyTokens    *int64 `json:"monthly_tokens"`
+	Name             string   `json:"name"`
+	Weight           *int     `json:"weight"`
+	RPM              *int64   `json:"rpm"`
+	TPM              *int64   `json:"tpm"`
+	MaxConcurrency   *int64   `json:"max_concurrency"`
+	MaxPendingJobs   *int64   `json:"max_pending_jobs"`
+	MaxPendingTokens *int64   `json:"max_pending_tokens"`
+	DailyTokens      *int64   `json:"daily_tokens"`
+	MonthlyTokens    *int64   `json:"monthly_tokens"`
+	DailySpend       *float64 `json:"daily_spend"`
+	MonthlySpend     *float64 `json:"monthly_spend"`
 }
 
 func (p tenantPatch) apply(t *store.Tenant) error {
@@ -94,6 +98,17 @@ func (p tenantPatch) apply(t *store.Tenant) error {
 				return badRequest("", "Limits are 0 (unlimited) or more.")
 			}
 			*f.dst = *f.v
+		}
+	}
+	for _, f := range []struct {
+		v   *float64
+		dst *int64
+	}{{p.DailySpend, &t.Limits.DailySpend}, {p.MonthlySpend, &t.Limits.MonthlySpend}} {
+		if f.v != nil {
+			if !(*f.v >= 0 && *f.v < 1e12) {
+				return badRequest("", "Spending budgets are 0 (unlimited) or more, in the configured currency.")
+			}
+			*f.dst = toMicros(*f.v)
 		}
 	}
 	if p.Weight != nil {
@@ -350,6 +365,14 @@ type UsageView struct {
 	UncertainRequests int64  `json:"uncertain_requests"`
 	UncertainTokens   int64  `json:"uncertain_tokens"`
 	ChargedTokens     int64  `json:"charged_tokens"` // what budgets count: all of the tokens above
+	// Money, in Currency (costs.go): reported usage's, reserved by
+	// requests in flight, and the uncertain requests'; Charged is what
+	// spending budgets count, all three.
+	Currency      string  `json:"currency"`
+	Cost          float64 `json:"cost"`
+	ReservedCost  float64 `json:"reserved_cost"`
+	UncertainCost float64 `json:"uncertain_cost"`
+	ChargedCost   float64 `json:"charged_cost"`
 }
 
 // handleUsage answers GET /v1/usage (the caller's tenant) and GET
@@ -384,7 +407,8 @@ func (s *Server) handleUsage(w http.ResponseWriter, r *http.Request) int {
 		list.Data = append(list.Data, UsageView{Object: "usage.day", Tenant: u.Tenant, Date: u.Day.Format(time.DateOnly),
 			Requests: u.Requests, Attempts: u.Attempts, PromptTokens: u.PromptTokens, CompletionTokens: u.CompletionTokens,
 			ReservedTokens: u.ReservedTokens, UncertainRequests: u.Uncertain, UncertainTokens: u.UncertainTokens,
-			ChargedTokens: u.Charged()})
+			ChargedTokens: u.Charged(), Currency: s.currency(), Cost: fromMicros(u.Cost), ReservedCost: fromMicros(u.ReservedCost),
+			UncertainCost: fromMicros(u.UncertainCost), ChargedCost: fromMicros(u.ChargedCost())})
 	}
 	writeJSON(w, http.StatusOK, list)
 	return http.StatusOK

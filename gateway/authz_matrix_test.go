@@ -35,6 +35,8 @@ type matrixEnv struct {
 	st    *sqlstore.Store
 	keys  [nRoles]string
 	job   string // a job of acme's that succeeded
+	file  string // a batch input file of acme's
+	batch string // a batch of acme's that completed
 	n     int    // names made so far
 	spare string // the spare tenant or key id expand made last
 }
@@ -60,7 +62,11 @@ func (e *matrixEnv) expand(s string) string {
 		e.spare = k.ID
 		s = strings.ReplaceAll(s, "{spare-key}", k.ID)
 	}
-	return strings.NewReplacer("{job}", e.job, "{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
+	if strings.Contains(s, "{spare-file}") {
+		e.spare = matrixFile(e.t, e, "spare.jsonl")
+		s = strings.ReplaceAll(s, "{spare-file}", e.spare)
+	}
+	return strings.NewReplacer("{job}", e.job, "{file}", e.file, "{batch}", e.batch, "{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
 }
 
 // do sends one request and returns its status and body; an event stream's
@@ -72,8 +78,12 @@ func (e *matrixEnv) do(method, path, key, body string, header ...string) (int, [
 	if body != "" {
 		rd = strings.NewReader(body)
 	}
+	contentType := "application/json"
+	if body == "{upload}" {
+		rd, contentType = multipartUpload("matrix.jsonl", "batch", batchLines(1, nil))
+	}
 	req, _ := http.NewRequestWithContext(ctx, method, e.f.srv.URL+path, rd)
-	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Content-Type", contentType)
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
@@ -124,6 +134,13 @@ func TestRouteRoleMatrix(t *testing.T) {
 		e.job = decode[jobView](t, b).ID
 	}
 	waitJob(t, f, "acme", e.job, store.Succeeded)
+	if status, b := e.do(http.MethodPost, "/v1/jobs", e.keys[roleUser], strings.Replace(chatJob("an entity's job", 2), `"metadata"`,
+		`"entity":{"key":"matrix-entity","version":1},"metadata"`, 1), "Idempotency-Key", "matrix-entity"); status != http.StatusAccepted {
+		t.Fatalf("submit with an entity: %d %s", status, b)
+	}
+	if _, err := st.PutPolicy(context.Background(), store.Policy{Tenant: "acme", Name: "matrix", Document: json.RawMessage(`{"name":"matrix","rules":[{"rule":"json"}]}`), CreatedAt: quotaT0}); err != nil {
+		t.Fatal(err)
+	}
 
 	const (
 		no = http.StatusUnauthorized
@@ -135,6 +152,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 	keyed := [nRoles]int{no, ok, ok, ok, ok}
 	adminOnly := [nRoles]int{no, fb, fb, fb, ok}
 	ownJob := [nRoles]int{no, nf, ok, ok, ok}
+	refusedScoring := [nRoles]int{no, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest}
 	// kept: a refused request left the spare tenant or key as it was.
 	keptTenant := func(e *matrixEnv, role, status int, _ []byte) {
 		if _, err := e.st.GetTenant(context.Background(), e.spare); status >= 300 && err != nil {
@@ -156,6 +174,22 @@ func TestRouteRoleMatrix(t *testing.T) {
 			e.t.Errorf("another tenant sees acme's job: %s", body)
 		}
 	}
+	hidesFile := func(e *matrixEnv, role, status int, body []byte) {
+		if role == roleOther && strings.Contains(string(body), e.file) {
+			e.t.Errorf("another tenant sees acme's file: %s", body)
+		}
+	}
+	hidesBatch := func(e *matrixEnv, role, status int, body []byte) {
+		if role == roleOther && strings.Contains(string(body), e.batch) {
+			e.t.Errorf("another tenant sees acme's batch: %s", body)
+		}
+	}
+	keptFile := func(e *matrixEnv, role, status int, _ []byte) {
+		if _, err := e.st.File(context.Background(), "acme", e.spare, time.Now()); status >= 300 && err != nil {
+			e.t.Errorf("%s was refused (%d) and the file is gone: %v", roleNames[role], status, err)
+		}
+	}
+	e.file, e.batch = matrixBatch(t, e)
 	rows := []matrixRow{
 		{pattern: "POST /v1/chat/completions", body: chatReq(2), want: keyed},
 		{pattern: "POST /v1/completions", body: `{"model":"` + llama + `","prompt":"hi","max_tokens":2}`, want: keyed},
@@ -190,6 +224,50 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /v1/admin/keys/{id}/rotate", path: "/v1/admin/keys/{spare-key}/rotate",
 			want: [nRoles]int{no, fb, fb, fb, http.StatusCreated}, check: keptKey},
 		{pattern: "GET /v1/admin/usage", want: adminOnly},
+		// vLLM's routes (vllmroutes.go, responses.go, pooling.go): /health
+		// and /version need no key, as on vLLM; the chat fleet's backend
+		// refuses scoring, once the caller is let through.
+		{pattern: "GET /health", want: anyone},
+		{pattern: "GET /version", want: anyone},
+		{pattern: "POST /tokenize", body: `{"model":"` + llama + `","prompt":"hi"}`, want: keyed},
+		{pattern: "POST /detokenize", body: `{"model":"` + llama + `","tokens":[104,105]}`, want: keyed},
+		{pattern: "POST /v1/responses", body: `{"model":"` + llama + `","input":"hi","max_output_tokens":2}`, want: keyed},
+		{pattern: "POST /v1/rerank", body: `{"model":"` + llama + `","query":"q","documents":["d"]}`, want: refusedScoring},
+		{pattern: "POST /rerank", body: `{"model":"` + llama + `","query":"q","documents":["d"]}`, want: refusedScoring},
+		{pattern: "POST /v1/score", body: `{"model":"` + llama + `","text_1":"q","text_2":"d"}`, want: refusedScoring},
+		{pattern: "POST /score", body: `{"model":"` + llama + `","text_1":"q","text_2":"d"}`, want: refusedScoring},
+		// Outcomes (outcomes.go): policies are written by operators and
+		// read by any key of their tenant; the rest is operators'. The
+		// matrix's job succeeded: too late to review or replay.
+		{pattern: "POST /v1/validation-policies", body: `{"name":"{unique}","rules":[{"rule":"json"}]}`,
+			want: [nRoles]int{no, http.StatusCreated, fb, http.StatusCreated, http.StatusCreated}},
+		{pattern: "GET /v1/validation-policies", want: keyed, check: func(e *matrixEnv, role, status int, body []byte) {
+			if role == roleOther && strings.Contains(string(body), `"matrix"`) {
+				e.t.Errorf("another tenant sees acme's policies: %s", body)
+			}
+		}},
+		{pattern: "GET /v1/validation-policies/{name}", path: "/v1/validation-policies/matrix", want: ownJob},
+		{pattern: "GET /v1/validation-policies/{name}/versions", path: "/v1/validation-policies/matrix/versions", want: ownJob},
+		{pattern: "GET /v1/reviews", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
+		{pattern: "POST /v1/jobs/{id}/review", path: "/v1/jobs/{job}/review", body: `{"decision":"approve"}`,
+			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/jobs/{id}/audit", path: "/v1/jobs/{job}/audit", want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "POST /v1/jobs/{id}/replay", path: "/v1/jobs/{job}/replay",
+			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/dead-letters", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
+		{pattern: "GET /v1/entities/{key}", path: "/v1/entities/matrix-entity", want: ownJob},
+		// Files and batches (files.go, batches.go): {file} and {batch} are acme's.
+		{pattern: "POST /v1/files", body: "{upload}", want: keyed},
+		{pattern: "GET /v1/files", want: keyed, check: hidesFile},
+		{pattern: "GET /v1/files/{id}", path: "/v1/files/{file}", want: ownJob},
+		{pattern: "GET /v1/files/{id}/content", path: "/v1/files/{file}/content", want: ownJob},
+		{pattern: "DELETE /v1/files/{id}", path: "/v1/files/{spare-file}", want: ownJob, check: keptFile},
+		{pattern: "POST /v1/batches", body: `{"input_file_id":"{file}","endpoint":"/v1/chat/completions","completion_window":"24h"}`,
+			want: [nRoles]int{no, nf, ok, ok, ok}},
+		{pattern: "GET /v1/batches", want: keyed, check: hidesBatch},
+		{pattern: "GET /v1/batches/{id}", path: "/v1/batches/{batch}", want: ownJob},
+		{pattern: "POST /v1/batches/{id}/cancel", path: "/v1/batches/{batch}/cancel", // it completed: too late to cancel
+			want: [nRoles]int{no, nf, http.StatusConflict, http.StatusConflict, http.StatusConflict}},
 		{pattern: "GET /healthz", want: anyone},
 		{pattern: "GET /readyz", want: anyone},
 		{pattern: "GET /metrics", want: anyone},
@@ -217,7 +295,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 				t.Errorf("%s (%s %s) with %s: %d %s, want %d", row.pattern, method, p, roleNames[role], status, b, row.want[role])
 			}
 			var eb errorBody
-			if status >= 400 && strings.HasPrefix(path, "/v1/") && (json.Unmarshal(b, &eb) != nil || eb.Error.Message == "" || eb.Error.Type == "") {
+			if status >= 400 && path != "/health" && (json.Unmarshal(b, &eb) != nil || eb.Error.Message == "" || eb.Error.Type == "") {
 				t.Errorf("%s with %s: %d and not an OpenAI-shaped error: %s", row.pattern, roleNames[role], status, b)
 			}
 			if row.check != nil {

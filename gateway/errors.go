@@ -10,8 +10,6 @@ import (
 	"strings"
 	"time"
 
-	openai "github.com/sashabaranov/go-openai"
-
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
@@ -33,6 +31,14 @@ func badRequest(param, msg string) *apiError {
 	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", param: param, msg: msg}
 }
 
+// forbidden is a 403: the caller is known and may not do this. OpenAI
+// answers a 403 with a type of its own (request_forbidden, as for an
+// unsupported region), not invalid_request_error; the SDKs raise it as
+// PermissionDeniedError.
+func forbidden(code, msg string) *apiError {
+	return &apiError{status: http.StatusForbidden, typ: "request_forbidden", code: code, msg: msg}
+}
+
 // upstreamError is a backend's own error response, passed on to the
 // client with the backend's status and message.
 type upstreamError struct {
@@ -48,7 +54,7 @@ func (e *upstreamError) Error() string { return e.msg }
 func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	e := toAPIError(err)
 	if e.status >= 500 && e.status != http.StatusServiceUnavailable {
-		log.Error("request failed", "status", e.status, "err", err)
+		log.Error("request failed", "status", e.status, "err", err, "request_id", w.Header().Get(RequestIDHeader))
 	}
 	if e.retryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((e.retryAfter+time.Second-1)/time.Second)))
@@ -60,12 +66,25 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	return e.status
 }
 
+// errorResponse is OpenAI's ErrorResponse: all four keys always present,
+// param and code null when empty.
+type errorResponse struct {
+	Error errorInfo `json:"error"`
+}
+
+type errorInfo struct {
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    *string `json:"code"`
+}
+
 // body is the error in OpenAI's shape: the response body, or the data of
 // the error event that ends a stream whose status line has gone out.
-func (e *apiError) body() openai.ErrorResponse {
-	body := openai.ErrorResponse{Error: &openai.APIError{Message: e.msg, Type: e.typ}}
+func (e *apiError) body() errorResponse {
+	body := errorResponse{Error: errorInfo{Message: e.msg, Type: e.typ}}
 	if e.code != "" {
-		body.Error.Code = e.code
+		body.Error.Code = &e.code
 	}
 	if e.param != "" {
 		body.Error.Param = &e.param
@@ -111,6 +130,15 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrConflict):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "idempotency_key_reused",
 			msg: "This Idempotency-Key was used for a different request; use a new key for a new request."}
+	case errors.Is(err, store.ErrPolicyNotFound):
+		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "policy_not_found", param: "validation.policy",
+			msg: "No such validation policy (or version of it) for your tenant."}
+	case errors.Is(err, store.ErrEntityVersionExists):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "entity_version_exists", param: "entity.version",
+			msg: "Another job already has this version of the entity: a version of an entity is one job."}
+	case errors.Is(err, store.ErrWrongState):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_state",
+			msg: "The job's state does not allow this: a review needs REVIEW_REQUIRED, a replay FAILED_TERMINAL or REVIEW_REQUIRED."}
 	case errors.Is(err, store.ErrFinal):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_final", msg: "The job has already ended."}
 	case errors.Is(err, store.ErrUnavailable):
@@ -161,6 +189,12 @@ func quotaError(q *store.QuotaError) *apiError {
 	}[q.Limit]
 	e.msg = fmt.Sprintf("Rate limit reached for your %s on %s: Limit %d, Used %d, Requested %d.", q.Scope, what, q.Max, q.Used, q.Asked)
 	switch {
+	case q.Spend():
+		e.typ, e.code = "insufficient_quota", "insufficient_quota"
+		period := map[string]string{"daily_spend": "spending per day", "monthly_spend": "spending per month"}[q.Limit]
+		e.msg = fmt.Sprintf("You exceeded your current quota of %s: Limit %s, Used %s, Requested %s. It resets in %s.",
+			period, money(q.Max), money(q.Used), money(q.Asked), q.Reset.Round(time.Second))
+		e.header.Set("x-should-retry", "false")
 	case q.Budget():
 		e.typ, e.code = "insufficient_quota", "insufficient_quota"
 		e.msg = fmt.Sprintf("You exceeded your current quota of %s: Limit %d, Used %d, Requested %d. It resets in %s.",

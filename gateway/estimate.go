@@ -79,7 +79,7 @@ func (e *estimator) observe(model string, n, tokens int) {
 // fails), by estimate otherwise. exact tells which.
 func (s *Server) countPrompt(ctx context.Context, c *call) (n int, exact bool) {
 	est := s.est.estimate(c.model, c.promptBytes)
-	if s.cfg.TokenCount != "tokenize" || c.ep == epEmbedding {
+	if s.cfg.TokenCount != "tokenize" || (c.ep != epChat && c.ep != epCompletion) {
 		return est, false
 	}
 	for _, sn := range s.pool.Snapshots() {

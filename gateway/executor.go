@@ -3,13 +3,15 @@ package gateway
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"sync"
 	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
@@ -27,8 +29,8 @@ func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 	if err != nil {
 		return nil, gpu.Model{}, fmt.Errorf("job %s: %w", j.ID, err)
 	}
-	model, ok := s.lookupModel(c.model)
-	if !ok {
+	model, err := s.resolveCall(c, "body.model")
+	if err != nil {
 		model = gpu.Model{ID: c.model}
 	}
 	return c, model, nil
@@ -46,7 +48,26 @@ func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, error) {
 	c, model, err := s.jobCall(j)
 	if err != nil {
+		_, span := startAttempt(ctx, j)
+		endSpan(span, 0, err)
 		return nil, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
+	}
+	// The attempt's span, in the job's trace: the admission wait (quota,
+	// then a backend's KV grant) and the backend call below it.
+	actx, attempt := startAttempt(ctx, j)
+	_, admission := startAdmission(actx, scheduler.Batch.String())
+	var (
+		spanOnce sync.Once
+		runErr   error
+	)
+	var backend string
+	endAttempt := func() {
+		spanOnce.Do(func() {
+			endSpan(admission, 0, nil) // a no-op once Run ended it
+			endSpan(attempt, 0, runErr)
+			s.log.DebugContext(actx, "job attempt ended", "job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt+1,
+				"fence", j.Fence, "backend", backend, "err", runErr)
+		})
 	}
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
 	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant), Prefix: promptPrefix(c, prompt)}
@@ -64,16 +85,20 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 		Ticket: t,
 		Admit: func(ctx context.Context) error {
 			var err error
-			if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt+maxOut); err != nil {
+			if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt, maxOut, s.priceOf(model.ID, c.alias)); err != nil {
 				return jobQuotaError(err)
 			}
 			return nil
 		},
-		Release: func() { release(store.NotSent, 0, nil) },
+		Release: func() { release(store.NotSent, 0, nil); endAttempt() },
 		Run: func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
-			ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+			admission.SetAttributes(attribute.String("kvgate.backend", g.Backend))
+			admission.End()
+			ctx, cancel := context.WithTimeout(trace.ContextWithSpan(ctx, attempt), s.cfg.RequestTimeout)
 			defer cancel()
 			out, sent, err := s.execute(ctx, j, c, g, sending)
+			runErr, backend = err, g.Backend
+			attempt.SetAttributes(attribute.String("kvgate.backend", g.Backend))
 			o, attempts, u := store.NotSent, 0, (*usage)(nil)
 			switch {
 			case sent == sentNothing:
@@ -138,7 +163,7 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	fail := func(sent sendState, class scheduler.ErrorClass, status int, retryAfter time.Duration, err error) (execOutcome, sendState, error) {
 		return execOutcome{}, sent, &scheduler.ExecError{Class: class, Status: status, RetryAfter: retryAfter, Err: err}
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+j.Endpoint, bytes.NewReader(j.Body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.URL+j.Endpoint, bytes.NewReader(c.body))
 	if err != nil {
 		return fail(sentNothing, scheduler.ClassInvalid, 0, 0, err)
 	}
@@ -146,10 +171,18 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	if err := sending(); err != nil {
 		return execOutcome{}, sentNothing, err // the claim lost the job: send nothing
 	}
+	span := startBackendSpan(req, g)
+	var spanStatus int
+	var spanErr error
+	defer func() { endSpan(span, spanStatus, spanErr) }()
 	// One classification of a backend's answer, the interactive path's
 	// (upstream.go). A job's attempt is tried on one backend only, so its
 	// ambiguous failures count against that backend (reportAlone).
 	resp, err := s.client.Do(req)
+	spanErr = err
+	if err == nil {
+		spanStatus = resp.StatusCode
+	}
 	stopped := func() bool { return errors.Is(ctx.Err(), context.Canceled) }
 	if err != nil && stopped() {
 		// kvgate itself stopped the attempt: the backend did nothing wrong.
@@ -175,11 +208,9 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		return fail(sentAnswered, u.class.errorClass(), resp.StatusCode, 0, err)
 	}
 	u := classifyResponse(resp.StatusCode, resp.Header, body)
-	var parsed struct {
-		Usage *usage `json:"usage"`
-	}
+	var answered *usage
 	if u.class == upstreamOK {
-		if err := json.Unmarshal(body, &parsed); err != nil {
+		if body, answered, err = answerOf(c.ep, body); err != nil {
 			u = malformedAnswer(resp.StatusCode, err)
 		}
 	}
@@ -192,12 +223,12 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		if u.status < 400 {
 			sent = sentAnswered // a malformed 2xx: the work was done
 		}
-		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, u.err)
+		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, lineError(j, u.status, body, u.err))
 	}
 	out := execOutcome{Outcome: scheduler.Outcome{Body: body}}
-	if parsed.Usage != nil {
+	if answered != nil {
 		out.reported = true
-		out.PromptTokens, out.CompletionTokens = parsed.Usage.PromptTokens, parsed.Usage.CompletionTokens
+		out.PromptTokens, out.CompletionTokens = answered.PromptTokens, answered.CompletionTokens
 		if c.promptBytes > 0 {
 			s.est.observe(j.Model, c.promptBytes, out.PromptTokens)
 		}

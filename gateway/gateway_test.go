@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -66,6 +67,9 @@ type fleetOpts struct {
 	// keysRequired runs the gateway outside development mode: every
 	// caller needs a key.
 	keysRequired bool
+	// simConfig, when set, adjusts backend i's simulator configuration
+	// (its profile, its served model name).
+	simConfig func(i int, c *vllmsim.Config)
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -84,7 +88,11 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	f := &fleet{}
 	var cfgs []gpu.BackendConfig
 	for i := range max(o.backends, 1) {
-		sim, srv := vllmsim.NewTestServer(t, vllmsim.Config{Profile: o.profile, Speedup: o.speedup, Seed: uint64(i)})
+		sc := vllmsim.Config{Profile: o.profile, Speedup: o.speedup, Seed: uint64(i)}
+		if o.simConfig != nil {
+			o.simConfig(i, &sc)
+		}
+		sim, srv := vllmsim.NewTestServer(t, sc)
 		if o.wrap != nil {
 			srv = httptest.NewServer(o.wrap(i, sim))
 			t.Cleanup(srv.Close)
@@ -150,6 +158,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		wake := o.gateway.Jobs.Wake
 		o.gateway.Jobs.Wake = func() { wake(); sig.relay.Wake() }
 	}
+	o.gateway.Jobs.BatchPoll = cmp.Or(o.gateway.Jobs.BatchPoll, 20*time.Millisecond)
 	o.gateway.Dev = o.gateway.Dev || !o.keysRequired
 	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
 	if err != nil {
@@ -168,6 +177,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	wg.Go(func() { _ = f.sched.Run(ctx) })
 	if runner != nil {
 		wg.Go(func() { _ = runner.Run(ctx) })
+		wg.Go(func() { _ = f.api.RunBatches(ctx) })
 	}
 	if sig != nil {
 		sig.run(ctx, &wg)
@@ -388,17 +398,6 @@ func TestErrors(t *testing.T) {
 				t.Errorf("param %v, want %q", e.Error.Param, tc.param)
 			}
 		})
-	}
-}
-
-func TestTooLargeFailsFast(t *testing.T) {
-	p := llamaProfile(t)
-	p.NumGPUBlocks, p.MaxModelLen = 600, 9500 // 9,584 tokens of KV; 9,120 under the 0.95 target
-	f := startFleet(t, fleetOpts{profile: p})
-	// Within the context, beyond what admission would ever allow.
-	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","max_tokens":9300}`)
-	if resp.StatusCode != 400 || !strings.Contains(string(body), "KV tokens") {
-		t.Fatalf("status %d: %s", resp.StatusCode, body)
 	}
 }
 

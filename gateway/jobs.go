@@ -11,6 +11,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -31,6 +32,9 @@ type jobStore interface {
 	Attempts(ctx context.Context, id string) ([]store.Attempt, error)
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
 	FeedHead(ctx context.Context, tenant string) (int64, error)
+	Stage(ctx context.Context, id, stage string) ([]byte, error)
+	store.Outcomes // policies, reviews, replay, dead letters (outcomes.go)
+	store.Entities // per-entity ordering (outcomes.go)
 }
 
 // feedNotices tells event streams that the published feed may have moved;
@@ -53,6 +57,10 @@ type Jobs struct {
 	// MaxReplay bounds what an event stream replays after a client's
 	// Last-Event-ID; further behind, it starts from a fresh snapshot [10000].
 	MaxReplay int
+	// BatchLease is a replica's lease on the batch it validates or
+	// finalizes [30s]; BatchPoll how often the batch worker looks for
+	// work it was not woken for [1s].
+	BatchLease, BatchPoll time.Duration
 }
 
 // maxJobTokens bounds a job's reservation: what every store's
@@ -61,6 +69,7 @@ const maxJobTokens = math.MaxInt32
 
 var jobEndpoints = map[string]endpoint{
 	"/v1/chat/completions": epChat, "/v1/completions": epCompletion, "/v1/embeddings": epEmbedding,
+	"/v1/responses": epResponses,
 }
 
 type jobRequest struct {
@@ -69,6 +78,14 @@ type jobRequest struct {
 	Deadline        *time.Time      `json:"deadline"`
 	DeadlineSeconds *int            `json:"deadline_seconds"`
 	Metadata        json.RawMessage `json:"metadata"`
+	// Validation names the policy that judges the answer; Source is the
+	// text its evidence must occur in (outcomes.go).
+	Validation *jobValidation `json:"validation"`
+	Source     *string        `json:"source"`
+	// Entity names the entity version the job produces; Ordering is
+	// "latest" (the default) or "serial" (entities.go).
+	Entity   *jobEntity `json:"entity"`
+	Ordering string     `json:"ordering"`
 }
 
 // jobView is a job as its tenant sees it. Retry details (attempts,
@@ -85,6 +102,10 @@ type jobView struct {
 	Deadline     int64           `json:"deadline"`
 	Metadata     json.RawMessage `json:"metadata,omitempty"`
 	ResultURL    string          `json:"result_url,omitempty"`
+	// The pinned policy and the entity version, on a single job's view
+	// (outcomes.go).
+	Validation *jobValidation `json:"validation,omitempty"`
+	Entity     *jobEntity     `json:"entity,omitempty"`
 }
 
 func viewOf(j store.Job) jobView {
@@ -138,7 +159,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err := json.Unmarshal(raw, &req); err != nil {
 		return writeError(w, s.log, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")"))
 	}
-	hash := requestHash(req.Endpoint, req.Body)
+	hash := outcomeHash(requestHash(req.Endpoint, req.Body), req)
 	// A client retrying a lost 202 must get its job back whatever refuses
 	// a new one now (its limits, which the job it retries fills; a model
 	// gone; an absolute deadline since passed): on a refusal, the key's
@@ -154,7 +175,7 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	}
 	ep, ok := jobEndpoints[req.Endpoint]
 	if !ok {
-		return refuse(badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions or /v1/embeddings."))
+		return refuse(badRequest("endpoint", "endpoint must be /v1/chat/completions, /v1/completions, /v1/embeddings or /v1/responses."))
 	}
 	if len(req.Metadata) > 16<<10 {
 		return refuse(badRequest("metadata", "metadata is limited to 16 KiB."))
@@ -170,10 +191,17 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if c.f.Stream {
 		return refuse(badRequest("body.stream", "A job's result is stored, not streamed: leave stream unset."))
 	}
-	model, ok := s.lookupModel(c.model)
-	if !ok {
-		return refuse(&apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
-			param: "body.model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
+	model, err := s.resolveCall(c, "body.model")
+	if err != nil {
+		return refuse(err)
+	}
+	outcome, err := s.outcomeOf(r.Context(), req, ep)
+	if err != nil {
+		return refuse(err)
+	}
+	entity, err := entityOf(req)
+	if err != nil {
+		return refuse(err)
 	}
 	now := time.Now()
 	deadline := now.Add(s.jobs.DefaultDeadline)
@@ -190,10 +218,13 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		return refuse(badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
-	estimate, _ := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
+	estimate, estOut := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))
 	if estimate > maxJobTokens {
 		return refuse(&apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
 			param: "body.max_tokens", msg: fmt.Sprintf("The job would reserve %d tokens (its prompt, and max_tokens for each of its n sequences); a job may reserve at most %d.", estimate, maxJobTokens)})
+	}
+	if err := s.checkJobSpend(r.Context(), tenantOf(r.Context()), s.priceOf(model.ID, c.alias).micros(estimate-estOut, estOut)); err != nil {
+		return refuse(err)
 	}
 	endReservation, err := s.reserveJob(r.Context(), estimate)
 	if err != nil {
@@ -205,9 +236,13 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		Tenant: tenantOf(r.Context()), IdempotencyKey: key, RequestHash: hash,
 		Endpoint: req.Endpoint, Model: model.ID, Body: req.Body, Metadata: req.Metadata,
 		Priority: 0, TokenEstimate: estimate, MaxAttempts: s.jobs.MaxAttempts, Deadline: deadline, Now: now,
+		Outcome: outcome, Entity: entity,
 	})
 	if err != nil {
 		return writeError(w, s.log, err)
+	}
+	if created {
+		s.jobAccepted(r.Context(), job)
 	}
 	if created && s.jobs.Wake != nil {
 		s.jobs.Wake()
@@ -231,7 +266,11 @@ func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	writeJSON(w, http.StatusOK, viewOf(j))
+	v := viewOf(j)
+	if err := s.outcomeView(r.Context(), &v); err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, v)
 	return http.StatusOK
 }
 
@@ -246,12 +285,10 @@ func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
 		f.Limit = n
 	}
 	for _, st := range q["state"] {
-		switch store.State(st) {
-		case store.Ready, store.Running, store.RetryScheduled, store.Succeeded, store.ReviewRequired, store.FailedTerminal, store.Cancelled:
-			f.States = append(f.States, store.State(st))
-		default:
+		if !slices.Contains(store.States, store.State(st)) {
 			return writeError(w, s.log, badRequest("state", fmt.Sprintf("state %q is not a job state.", st)))
 		}
+		f.States = append(f.States, store.State(st))
 	}
 	jobs, next, err := s.jobs.Store.List(r.Context(), tenantOf(r.Context()), f)
 	if err != nil {
@@ -284,6 +321,7 @@ func (s *Server) handleJobResult(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	defer traceDelivery(r.Context(), j, len(res))
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusOK)
 	_, _ = w.Write(res)

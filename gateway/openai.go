@@ -15,6 +15,8 @@ import (
 	"sync"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 )
@@ -31,6 +33,13 @@ type reqFields struct {
 	Messages            json.RawMessage `json:"messages"`
 	Prompt              json.RawMessage `json:"prompt"`
 	Input               json.RawMessage `json:"input"`
+	// The Responses API's and the scoring routes': responses.go, pooling.go.
+	MaxOutputTokens *int            `json:"max_output_tokens"`
+	Instructions    json.RawMessage `json:"instructions"`
+	Query           json.RawMessage `json:"query"`
+	Documents       json.RawMessage `json:"documents"`
+	Text1           json.RawMessage `json:"text_1"`
+	Text2           json.RawMessage `json:"text_2"`
 }
 
 type streamOptions struct {
@@ -47,6 +56,8 @@ func (f *reqFields) decode(body []byte) error {
 		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
 		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
 		{"messages", &f.Messages}, {"prompt", &f.Prompt}, {"input", &f.Input},
+		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
+		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
 	})
 	if err != nil || len(opts) == 0 || string(opts) == "null" {
 		return err
@@ -98,11 +109,19 @@ const (
 	epChat endpoint = iota
 	epCompletion
 	epEmbedding
+	epResponses
+	epRerank
+	epScore
 )
 
 var endpointPath = map[endpoint]string{
 	epChat: "/v1/chat/completions", epCompletion: "/v1/completions", epEmbedding: "/v1/embeddings",
+	epResponses: "/v1/responses", epRerank: "/v1/rerank", epScore: "/v1/score",
 }
+
+// pooling reports whether the endpoint's requests only prefill: they
+// reserve their prompt, and no output.
+func (ep endpoint) pooling() bool { return ep == epEmbedding || ep == epRerank || ep == epScore }
 
 // call is one validated inference request.
 type call struct {
@@ -110,7 +129,8 @@ type call struct {
 	body        []byte
 	f           reqFields
 	model       string
-	promptBytes int // size of the prompt's JSON, for the token estimate
+	alias       string // the alias the client asked for, resolved to model; "" if none
+	promptBytes int    // size of the prompt's JSON, for the token estimate
 	// sequences is how many sequences the backend will run: n times the
 	// number of prompts of a batched completion.
 	sequences int
@@ -180,8 +200,12 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 			return nil, badRequest("input", "'input' must be a non-empty string or array.")
 		}
 		c.promptBytes = len(c.f.Input)
+	case epResponses, epRerank, epScore:
+		if err := c.parseSurface(); err != nil {
+			return nil, err
+		}
 	}
-	for _, v := range []*int{c.f.MaxTokens, c.f.MaxCompletionTokens} {
+	for _, v := range []*int{c.f.MaxTokens, c.f.MaxCompletionTokens, c.f.MaxOutputTokens} {
 		if v != nil && *v < 1 {
 			return nil, badRequest("max_tokens", fmt.Sprintf("max_tokens must be at least 1, got %d.", *v))
 		}
@@ -224,10 +248,9 @@ func (s *Server) handleInference(w http.ResponseWriter, r *http.Request, ep endp
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	model, ok := s.lookupModel(c.model)
-	if !ok {
-		return writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found",
-			param: "model", msg: fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model)})
+	model, err := s.resolveCall(c, "model")
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
 	if sw, ok := w.(*statusWriter); ok {
 		sw.model = model.ID
@@ -269,7 +292,7 @@ func (s *Server) reservation(ctx context.Context, c *call, model gpu.Model) (pro
 // reservationWith returns a call's total reservation and its output part,
 // given its prompt tokens.
 func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, maxOut int) {
-	if c.ep == epEmbedding {
+	if c.ep.pooling() {
 		return prompt, 0
 	}
 	room := model.MaxModelLen - prompt
@@ -277,6 +300,13 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 		room = 1 << 30
 	}
 	switch {
+	case c.ep == epResponses:
+		// The Responses API has max_output_tokens only; vLLM ignores
+		// the others there.
+		maxOut = s.cfg.DefaultMaxTokens
+		if c.f.MaxOutputTokens != nil {
+			maxOut = *c.f.MaxOutputTokens
+		}
 	case c.f.MaxCompletionTokens != nil:
 		maxOut = *c.f.MaxCompletionTokens
 	case c.f.MaxTokens != nil:
@@ -312,7 +342,7 @@ func satMul(a, b int) int {
 func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gpu.Model) int {
 	ctx := r.Context()
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
-	permit, err := s.acquireQuota(ctx, prompt+maxOut)
+	permit, err := s.acquireQuota(ctx, prompt, maxOut, s.priceOf(model.ID, c.alias))
 	if err != nil {
 		if ctx.Err() != nil {
 			return 499
@@ -342,7 +372,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	}
 	body, injected := c.body, false
 	clientUsage := c.f.StreamOptions != nil && c.f.StreamOptions.IncludeUsage != nil && *c.f.StreamOptions.IncludeUsage
-	if c.f.Stream && !clientUsage && (permit != nil || (!exact && s.est.wantSample(model.ID))) {
+	if c.f.Stream && c.ep != epResponses && !clientUsage && (permit != nil || (!exact && s.est.wantSample(model.ID))) {
 		// Ask for usage to settle the estimate, or the tenant's quota; the
 		// client does not see it.
 		if b, err := withStreamUsage(c.body, c.f.StreamOptions != nil || bytes.Contains(c.body, []byte(`"stream_options"`))); err == nil {
@@ -350,7 +380,9 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}
 	}
 	for retries := 0; ; {
-		grant, err := s.sched.Acquire(ctx, ticket)
+		actx, aspan := startAdmission(ctx, scheduler.Interactive.String())
+		grant, err := s.sched.Acquire(actx, ticket)
+		endSpan(aspan, 0, err)
 		if err != nil {
 			if ctx.Err() != nil {
 				return 499 // the client left; nobody to answer
@@ -370,6 +402,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}
 		sameTwice := health.observe(s.pool, grant.Backend, res.up)
 		if res.err == nil {
+			noteAnswer(ctx, grant.Backend, res.usage)
 			if res.usage != nil && c.promptBytes > 0 {
 				s.est.observe(model.ID, c.promptBytes, res.usage.PromptTokens)
 			}
@@ -500,15 +533,21 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if c.f.Stream {
 		req.Header.Set("Accept", "text/event-stream")
 	}
+	span := startBackendSpan(req, g)
 	start := time.Now()
 	resp, err := s.client.Do(req)
 	if err != nil {
+		endSpan(span, 0, err)
 		return failed("connect", err)
 	}
 	defer resp.Body.Close()
+	ctx = trace.ContextWithSpan(ctx, span)
 	if resp.StatusCode >= 400 {
-		return s.upstreamFailure(g, resp)
+		res := s.upstreamFailure(g, resp)
+		endSpan(span, resp.StatusCode, res.err)
+		return res
 	}
+	defer func() { endSpan(span, resp.StatusCode, nil) }()
 	if c.f.Stream && isEventStream(resp.Header.Get("Content-Type")) {
 		return s.relay(ctx, w, g, c, resp, injected, start, watchdog, failed)
 	}
@@ -516,10 +555,8 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if err != nil {
 		return failed("read", err)
 	}
-	var parsed struct {
-		Usage *usage `json:"usage"`
-	}
-	if err := json.Unmarshal(b, &parsed); err != nil {
+	b, answered, err := answerOf(c.ep, b)
+	if err != nil {
 		s.m.upstreamError(g.Backend, "malformed")
 		up := malformedAnswer(resp.StatusCode, err)
 		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, up.err), up: up}
@@ -528,7 +565,7 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(resp.StatusCode)
 	_, _ = w.Write(b)
-	return result{status: resp.StatusCode, usage: parsed.Usage, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
+	return result{status: resp.StatusCode, usage: answered, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
 }
 
 // upstreamFailure reads a backend's error answer. 4xx are the request's
@@ -621,6 +658,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		started bool
 		midLine bool // the last read ended inside a line longer than the buffer
 		readErr error
+		lastPet time.Time // the watchdog's last reset (stream_relay.go)
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -633,7 +671,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			readErr = err
 			break
 		}
-		watchdog.Reset(s.cfg.StreamIdleTimeout)
+		lastPet = petWatchdog(watchdog, s.cfg.StreamIdleTimeout, lastPet)
 		event = append(event, line...)
 		// Only an empty line ends an event, as the client's parser sees
 		// it: one of blanks does not, nor the end of a long line.
@@ -644,6 +682,20 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		data := eventData(event)
 		write := true
 		switch {
+		case c.ep == epResponses && data != nil:
+			// Typed events, no [DONE]: see responses.go.
+			ev := responsesEvent(data)
+			if ev.rewritten != nil {
+				event = append(append(event[:0], "event: "...), ev.typ...)
+				event = append(append(append(event, "\ndata: "...), ev.rewritten...), "\n\n"...)
+			}
+			if ev.usage != nil {
+				u = ev.usage
+			}
+			if ev.delta {
+				chunks++
+			}
+			done = ev.final
 		case data == nil:
 		case bytes.Equal(data, doneData):
 			done = true
@@ -668,6 +720,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			now := time.Now()
 			if last.IsZero() {
 				ttft.Observe(now.Sub(start).Seconds())
+				firstToken(ctx, now.Sub(start))
 			} else {
 				itl.Observe(now.Sub(last).Seconds())
 			}

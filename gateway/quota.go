@@ -143,22 +143,24 @@ func (s *Server) forgetTenant(name string) {
 // permit is an admitted request's hold on its tenant's quotas; nil when
 // the tenant is not limited.
 type permit struct {
-	s *Server
-	p store.Permit
+	s     *Server
+	p     store.Permit
+	price Price // of the request's model: its release charges the usage's price
 }
 
-// acquireQuota admits a request of tokens for the caller: a permit (nil
-// without a tenant store, or admitted fail-open), a *store.QuotaError, or
-// errQuotaUnavailable.
-func (s *Server) acquireQuota(ctx context.Context, tokens int) (*permit, error) {
+// acquireQuota admits a request reserving prompt and maxOut tokens at
+// price for the caller: a permit (nil without a tenant store, or admitted
+// fail-open), a *store.QuotaError, or errQuotaUnavailable.
+func (s *Server) acquireQuota(ctx context.Context, prompt, maxOut int, price Price) (*permit, error) {
 	pr := principalOf(ctx)
-	return s.acquireQuotaFor(ctx, pr.tenant, pr.keyID, pr.keyLimits, tokens)
+	return s.acquireQuotaFor(ctx, pr.tenant, pr.keyID, pr.keyLimits, prompt, maxOut, price)
 }
 
-// acquireQuotaFor admits a request of tokens for a tenant, and for its key
-// when keyID is set ("" for a durable job, which runs under its tenant's
-// quotas only); it returns what acquireQuota does.
-func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyLimits store.Limits, tokens int) (*permit, error) {
+// acquireQuotaFor admits a request for a tenant, and for its key when
+// keyID is set ("" for a durable job, which runs under its tenant's quotas
+// only); it returns what acquireQuota does.
+func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyLimits store.Limits, prompt, maxOut int, price Price) (*permit, error) {
+	tokens := prompt + maxOut
 	if s.cfg.Tenants.Store == nil {
 		return nil, nil
 	}
@@ -168,14 +170,14 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	var p store.Permit
 	if err == nil {
 		p, err = s.cfg.Tenants.Store.Acquire(ctx, store.Acquisition{
-			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, KeyID: keyID, Tokens: int64(tokens),
+			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, KeyID: keyID, Tokens: int64(tokens), Cost: price.micros(prompt, maxOut),
 			Limits: t.Limits, KeyLimits: keyLimits, Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease,
 		})
 	}
 	var qe *store.QuotaError
 	switch {
 	case err == nil:
-		return &permit{s: s, p: p}, nil
+		return &permit{s: s, p: p, price: price}, nil
 	case errors.As(err, &qe):
 		s.quota.rejected.WithLabelValues(qe.Limit).Inc()
 		return nil, qe
@@ -220,6 +222,7 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: p.s.cfg.Tenants.Now()}
 	if u != nil {
 		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
+		r.Cost = p.price.micros(u.PromptTokens, u.CompletionTokens)
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()

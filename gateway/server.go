@@ -62,6 +62,20 @@ type Config struct {
 	// Tenants enables store-backed keys, quotas and usage; without a
 	// store, only the static keys above exist and nothing is limited.
 	Tenants Tenants
+	// Version is what GET /version answers [the build's module version].
+	Version string
+	// Models maps model aliases to the models they stand for, in order:
+	// the first whose backends can take work serves (see aliases.go).
+	Models map[string][]string
+	// Prices are per-model prices, for costs in usage and spending
+	// budgets (see costs.go).
+	Prices map[string]Price
+	// Currency names the prices' and budgets' currency in usage reports
+	// ["USD"].
+	Currency string
+	// AccessLog is the level of the access log's line per request:
+	// "debug", "info" or "off" ["debug"].
+	AccessLog string
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -97,6 +111,11 @@ type Server struct {
 	limits  *tenantCache // nil without Tenants.Store
 	quota   *quotaMetrics
 	drain   *drainState
+	// accessLevel is the access log's level (requestid.go).
+	accessLevel slog.Level
+	accepted    prometheus.Histogram
+	batches     batchStore // nil unless the job store keeps files and batches
+	batchWk     batchWork
 }
 
 // New returns the API server. reg receives the gateway's metrics and is
@@ -113,6 +132,12 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.Jobs.DefaultDeadline = cmp.Or(cfg.Jobs.DefaultDeadline, 24*time.Hour)
 	cfg.Jobs.MaxDeadline = cmp.Or(cfg.Jobs.MaxDeadline, 7*24*time.Hour)
 	cfg.Jobs.MaxReplay = cmp.Or(cfg.Jobs.MaxReplay, 10_000)
+	if err := checkAliases(cfg.Models); err != nil {
+		return nil, err
+	}
+	if err := checkPrices(cfg.Prices); err != nil {
+		return nil, err
+	}
 	if cfg.TokenCount != "estimate" && cfg.TokenCount != "tokenize" {
 		return nil, fmt.Errorf("token count %q is not estimate or tokenize", cfg.TokenCount)
 	}
@@ -142,6 +167,9 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	if err := s.m.register(reg); err != nil {
 		return nil, err
 	}
+	if err := s.initObservability(reg); err != nil {
+		return nil, err
+	}
 	if err := s.initTenants(reg); err != nil {
 		return nil, err
 	}
@@ -157,8 +185,16 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("POST /v1/completions", s.api("/v1/completions", s.handleCompletion))
 	s.mux.Handle("POST /v1/embeddings", s.api("/v1/embeddings", s.handleEmbeddings))
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
+	s.surfaceRoutes()
 	if s.jobs.Store != nil {
 		s.jobRoutes()
+		s.outcomeRoutes(reg) // outcomes.go
+	}
+	if bs, ok := s.jobs.Store.(batchStore); ok {
+		s.batches = bs
+		s.batchWk = batchWork{ch: make(chan struct{}, 1)}
+		s.fileRoutes()
+		s.batchRoutes()
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()
@@ -174,9 +210,6 @@ func (s *Server) routes(reg *prometheus.Registry) {
 			msg: fmt.Sprintf("Unknown request URL: %s %s.", r.Method, r.URL.Path)})
 	})
 }
-
-// ServeHTTP serves the API.
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.mux.ServeHTTP(w, r) }
 
 type tenantKey struct{}
 
@@ -226,6 +259,10 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		r = r.WithContext(ctx)
 		r.Body = http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes)
 		rw := &statusWriter{ResponseWriter: w}
+		if i := infoOf(ctx); i != nil {
+			i.route, i.tenant = route, p.tenant
+			defer func() { i.model = rw.model }()
+		}
 		s.m.inflight.Inc()
 		defer s.m.inflight.Dec()
 		status := h(rw, r)
@@ -265,10 +302,14 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
 		Created     int64  `json:"created"`
 		OwnedBy     string `json:"owned_by"`
 		MaxModelLen int    `json:"max_model_len,omitempty"`
+		Root        string `json:"root,omitempty"` // an alias's model
 	}
 	list := listOf([]model{})
 	for _, m := range s.pool.Models() {
 		list.Data = append(list.Data, model{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
+	}
+	for _, a := range s.aliasModels() {
+		list.Data = append(list.Data, model{ID: a.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: a.MaxModelLen, Root: a.root})
 	}
 	writeJSON(w, http.StatusOK, list)
 	return http.StatusOK

@@ -427,6 +427,9 @@ type attemptView struct {
 	CompletionTokens int    `json:"completion_tokens"`
 	StartedAt        int64  `json:"started_at,omitempty"` // unknown (0) for a lease the reaper took
 	EndedAt          int64  `json:"ended_at"`
+	// The policy version this attempt's validation judged by (outcomes.go).
+	Policy        string `json:"policy,omitempty"`
+	PolicyVersion int    `json:"policy_version,omitempty"`
 }
 
 // handleJobAttempts lists a job's attempts: backends, outcomes and error
@@ -438,8 +441,7 @@ func (s *Server) handleJobAttempts(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, err)
 	}
 	if !isOperator(ctx) {
-		return writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "operator_key_required",
-			msg: "A job's attempts and retry details need an operator key for its tenant."})
+		return writeError(w, s.log, forbidden("operator_key_required", "A job's attempts and retry details need an operator key for its tenant."))
 	}
 	as, err := s.jobs.Store.Attempts(ctx, j.ID)
 	if err != nil {
@@ -461,6 +463,7 @@ func (s *Server) handleJobAttempts(w http.ResponseWriter, r *http.Request) int {
 			out.Data[i].StartedAt = a.StartedAt.Unix()
 		}
 	}
+	s.attemptPolicies(ctx, j.ID, out.Data)
 	writeJSON(w, http.StatusOK, out)
 	return http.StatusOK
 }

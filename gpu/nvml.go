@@ -1,3 +1,5 @@
+//go:build cgo
+
 package gpu
 
 import (
@@ -15,66 +17,6 @@ import (
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 )
 
-// Health is a GPU's fitness for admission.
-type Health int
-
-const (
-	Healthy  Health = iota
-	Degraded        // throttled (thermal/power/HW slowdown), hot, or correctable errors rising: the backend's KV target is lowered
-	Failed          // critical XID, uncorrectable ECC errors, GPU lost or unreadable: the backend is drained
-)
-
-// String returns "healthy", "degraded" or "failed".
-func (h Health) String() string {
-	switch h {
-	case Healthy:
-		return "healthy"
-	case Degraded:
-		return "degraded"
-	case Failed:
-		return "failed"
-	}
-	return "Health(" + strconv.Itoa(int(h)) + ")"
-}
-
-// GPU is one GPU's telemetry at one instant.
-type GPU struct {
-	Index          int
-	UUID           string
-	Name           string
-	MemoryTotal    uint64 // bytes
-	MemoryUsed     uint64 // bytes
-	UtilGPU        uint32 // percent
-	UtilMemory     uint32 // percent
-	TemperatureC   uint32
-	PowerW         float64
-	PowerLimitW    float64
-	Throttle       []string // active throttle/clock-event reasons, e.g. "sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake"; idle and clock-setting reasons are ignored
-	ECCCorrected   uint64   // volatile, total; 0 when the driver does not offer ECC
-	ECCUncorrected uint64
-	XIDs           []uint64 // XID codes seen since start, most recent last, at most the last 16
-	Health         Health
-	Reasons        []string // why Health is not Healthy, human-readable
-	Err            string   // the read errors of the latest refresh, "" if none
-	At             time.Time
-
-	xidTotal uint64 // XID events seen since start, not bounded like XIDs
-}
-
-func (g GPU) clone() GPU {
-	g.Throttle = slices.Clone(g.Throttle)
-	g.XIDs = slices.Clone(g.XIDs)
-	g.Reasons = slices.Clone(g.Reasons)
-	return g
-}
-
-// NVMLConfig tunes the collector. Zero values take defaults.
-type NVMLConfig struct {
-	Interval time.Duration // poll period, default 2s
-	HotC     uint32        // temperature at or above which a GPU is Degraded, default 85
-	Logger   *slog.Logger  // default discards
-}
-
 const (
 	defaultNVMLInterval = 2 * time.Second
 	defaultHotC         = 85
@@ -90,6 +32,18 @@ const (
 
 	clockEventSymbol = "nvmlDeviceGetCurrentClocksEventReasons"
 )
+
+func (g GPU) clone() GPU {
+	g.Throttle = slices.Clone(g.Throttle)
+	g.XIDs = slices.Clone(g.XIDs)
+	g.Reasons = slices.Clone(g.Reasons)
+	return g
+}
+
+// NVMLBuilt reports whether this build can load NVML: true with cgo, where
+// go-nvml opens libnvidia-ml at run time (OpenNVML reports it off when the
+// driver is missing).
+const NVMLBuilt = true
 
 // criticalXID reports whether an XID means the GPU cannot be trusted until
 // it is reset: double-bit ECC (48), page retirement or row remapping (63,

@@ -49,6 +49,11 @@ type PoolConfig struct {
 	Client           *http.Client  // for scrapes and probes [a client with no retries]
 	NVML             *NVML         // GPU health; nil or disabled means unknown
 	Logger           *slog.Logger
+	// MaxDecodeRate bounds the per-sequence decode rate that follows
+	// non-streaming requests on a server without a step counter, in
+	// output tokens per second [DefaultMaxDecodeRate]. A fleet whose
+	// clock runs faster (the simulator's speed-up) scales it.
+	MaxDecodeRate float64
 	// OnChange is called, without locks held, after any snapshot changes;
 	// the scheduler uses it to retry admission.
 	OnChange func()
@@ -83,8 +88,9 @@ type Snapshot struct {
 	CapacityTokens int
 	// PreemptionRate is preemptions per second between the last two scrapes.
 	PreemptionRate float64
-	// DecodeRate is output tokens per second per running sequence,
-	// smoothed over the last scrapes; 0 when unknown.
+	// DecodeRate is output tokens per second per running sequence over
+	// the last seconds of scrapes (at most a step a token, and at most
+	// PoolConfig.MaxDecodeRate); 0 when unknown.
 	DecodeRate float64
 	// StepRate is engine steps per second, smoothed; 0 when unknown.
 	StepRate float64
@@ -178,6 +184,7 @@ type backend struct {
 		at                             time.Time
 		preemptions, generation, steps float64
 	}
+	decode rateSamples // for the decode rate (progress.go)
 }
 
 // NewPool returns a pool for the given backends. Names default to the
@@ -187,6 +194,7 @@ func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
 	pc.StaleAfter = cmp.Or(pc.StaleAfter, time.Second)
 	pc.ProbeInterval = cmp.Or(pc.ProbeInterval, time.Second)
 	pc.DiscoverInterval = cmp.Or(pc.DiscoverInterval, 30*time.Second)
+	pc.MaxDecodeRate = cmp.Or(pc.MaxDecodeRate, DefaultMaxDecodeRate)
 	pc.EjectAfter = cmp.Or(pc.EjectAfter, 3)
 	pc.EjectBase = cmp.Or(pc.EjectBase, 2*time.Second)
 	pc.EjectMax = cmp.Or(pc.EjectMax, time.Minute)
@@ -500,12 +508,15 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 		if !prev.at.IsZero() && m.Preemptions >= prev.preemptions && m.Generation >= prev.generation && m.Steps >= prev.steps && now.After(prev.at) {
 			dt := now.Sub(prev.at).Seconds()
 			s.PreemptionRate = (m.Preemptions - prev.preemptions) / dt
-			if m.Running > 0 && m.Generation > prev.generation {
-				s.DecodeRate = smooth(s.DecodeRate, (m.Generation-prev.generation)/dt/m.Running)
-			}
 			if m.Steps > prev.steps {
 				s.StepRate = smooth(s.StepRate, (m.Steps-prev.steps)/dt)
 			}
+		}
+		// The decode rate spans seconds of scrapes, and is bounded by the
+		// step rate and what is physically possible (progress.go).
+		b.decode.add(now, m.Generation, m.Running)
+		if r := b.decode.rate(s.StepRate, p.cfg.MaxDecodeRate); r > 0 {
+			s.DecodeRate = r
 		}
 		prev.at, prev.preemptions, prev.generation, prev.steps = now, m.Preemptions, m.Generation, m.Steps
 		s.Metrics, s.ScrapedAt, s.ScrapeErr = m, now, ""
@@ -524,13 +535,18 @@ func smooth(old, cur float64) float64 {
 }
 
 // StepsAt extrapolates the backend's engine step counter to t, from the
-// last scrape and the step rate; ok is false when the server does not
-// publish steps.
+// last scrape and the step rate, no further than the staleness bound past
+// the scrape (a backend that stopped stepping must not seem to go on);
+// ok is false when the server does not publish steps.
 func (s *Snapshot) StepsAt(t time.Time) (steps float64, ok bool) {
 	if !s.Metrics.HasSteps || s.ScrapedAt.IsZero() {
 		return 0, false
 	}
-	return s.Metrics.Steps + s.StepRate*max(0, t.Sub(s.ScrapedAt).Seconds()), true
+	ahead := max(0, t.Sub(s.ScrapedAt))
+	if s.StaleAfter > 0 {
+		ahead = min(ahead, s.StaleAfter)
+	}
+	return s.Metrics.Steps + s.StepRate*ahead.Seconds(), true
 }
 
 func (p *Pool) fetchMetrics(ctx context.Context, base string) (EngineMetrics, error) {

@@ -17,6 +17,7 @@ type load struct {
 	routable   bool
 	cooling    bool // the backend asked for a pause (429)
 	stale      bool
+	late       bool // past the staleness bound while a scrape is under way (lateview.go)
 	degraded   bool
 	preempting bool // the backend preempted since its previous scrape
 
@@ -59,6 +60,10 @@ type load struct {
 	// usage already includes those, not these.
 	newSinceScrape   int
 	heldBeforeScrape int
+	// unscheduled counts the flights sent since the scrape that vLLM may
+	// not have scheduled yet (lateview.go): they may sit in its queue,
+	// which the scrape does not show.
+	unscheduled int
 }
 
 // verdict is an admission decision and, when it is no, why.
@@ -68,6 +73,8 @@ type verdict struct {
 	headroom float64 // fraction of capacity left under the target after admission
 	// needExact asks the caller to retry with the exact ledger.
 	needExact bool
+	// gap is the pacing gap in steps the decision applied (0: none).
+	gap float64
 }
 
 // Reasons a backend cannot take a ticket now.
@@ -82,6 +89,7 @@ const (
 	reasonPreempting = "preempting"
 	reasonShare      = "replica_share"
 	reasonCooldown   = "cooldown"
+	reasonAlone      = "needs_backend_alone"
 )
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
@@ -106,6 +114,9 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	target := p.KVTarget
 	if l.degraded {
 		target *= p.DegradedFactor
+	}
+	if l.late {
+		target -= lateMargin
 	}
 	budget := int(target * float64(l.capacity))
 
@@ -136,7 +147,9 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	// vLLM's own queue: beside other replicas, each may add to it
 	// unseen, and a request waiting there makes the progress estimate of
 	// every non-streaming flight run ahead; so each keeps to its share.
-	if l.measuredWaiting > int(l.share*float64(p.MaxBackendWaiting)) {
+	// The scrape shows the queue as it was; what kvgate sent since may
+	// be in it too.
+	if l.measuredWaiting+l.unscheduled > int(l.share*float64(p.MaxBackendWaiting)) {
 		return verdict{reason: reasonWaiting}
 	}
 
@@ -147,16 +160,22 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		external = max(0, l.measuredUsed-l.heldBeforeScrape)
 	}
 	need := prompt + maxOut
+	if alone := need + roundingSlack(1, l.blockSize); alone > budget {
+		return decideAlone(l, external, alone)
+	}
 
-	if l.paced && l.stepsSinceAdmit >= 0 && l.stepsSinceAdmit < pacingGap(l, budget) {
-		return verdict{reason: reasonPacing}
+	gap := 0.0
+	if l.paced && l.stepsSinceAdmit >= 0 {
+		if gap = pacingGap(l, budget); l.stepsSinceAdmit < gap {
+			return verdict{reason: reasonPacing}
+		}
 	}
 
 	// Fast path: every flight at its largest at once still fits.
 	slack := roundingSlack(l.inflight+1, l.blockSize)
 	own := l.reserved + need + slack
 	if worst := external + own; worst <= budget && own <= shareBudget {
-		return verdict{ok: true, headroom: headroom(budget-worst, shareBudget-own, l.capacity)}
+		return verdict{ok: true, headroom: headroom(budget-worst, shareBudget-own, l.capacity), gap: gap}
 	}
 	if !l.exact {
 		return verdict{reason: reasonKV, needExact: true}
@@ -168,7 +187,7 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	case own > shareBudget:
 		return verdict{reason: reasonShare}
 	}
-	return verdict{ok: true, headroom: headroom(budget-external-own, shareBudget-own, l.capacity)}
+	return verdict{ok: true, headroom: headroom(budget-external-own, shareBudget-own, l.capacity), gap: gap}
 }
 
 // headroom is the smaller of the room left under the whole budget and

@@ -74,8 +74,12 @@ func TestDecide(t *testing.T) {
 		{name: "stale metrics count as saturated", mod: func(l *load) { l.stale = true }, prompt: 10, out: 10, reason: reasonStale},
 		{name: "unknown capacity", mod: func(l *load) { l.capacity = 0 }, prompt: 10, out: 10, reason: reasonNoCapacity},
 		{name: "up to the target", prompt: 45_000, out: 45_000, ok: true},
-		{name: "over the target", prompt: 45_000, out: 45_001, reason: reasonKV},
-		{name: "degraded GPUs lower the target", mod: func(l *load) { l.degraded = true }, prompt: 40_000, out: 40_000, reason: reasonKV},
+		{name: "over the target waits to run alone", mod: func(l *load) { l.inflight, l.reserved = 1, 1 }, prompt: 45_000, out: 45_001, reason: reasonAlone},
+		{name: "degraded GPUs lower the target", mod: func(l *load) {
+			l.degraded = true
+			l.flights = []flight{{held: 10_000, remaining: 10_000}}
+			l.reserved, l.inflight = 20_000, 1
+		}, prompt: 35_000, out: 25_000, reason: reasonKV},
 		{name: "degraded still admits under the lowered target", mod: func(l *load) { l.degraded = true }, prompt: 30_000, out: 30_000, ok: true},
 		{
 			name: "max_num_seqs from kvgate's own count",
@@ -209,28 +213,55 @@ func TestProgressBracket(t *testing.T) {
 	g := &Grant{maxOut: 400}
 	// A stream reports exactly; a token may be in the making.
 	g.generated.Store(100)
-	if lo, hi := g.progress(time.Time{}, -1, 0, 0.95); lo != 100 || hi != 101 {
+	if lo, hi := g.progress(time.Time{}, -1, 0, 0, 0.95); lo != 100 || hi != 101 {
 		t.Errorf("reported 100: bracket [%d, %d], want [100, 101]", lo, hi)
 	}
 	g.generated.Store(-1)
 	g.admittedStep = 1000
 	// 201 steps since admission: at most 201 tokens, at least 0.95×200.
-	if lo, hi := g.progress(time.Time{}, 1201, 0, 0.95); lo != 190 || hi != 202 {
+	if lo, hi := g.progress(time.Time{}, 1201, 0, 0, 0.95); lo != 190 || hi != 202 {
 		t.Errorf("201 steps: bracket [%d, %d], want [190, 202]", lo, hi)
 	}
 	// Never past the output budget; never negative.
-	if lo, hi := g.progress(time.Time{}, 9999, 0, 0.95); lo != 399 || hi != 400 {
+	if lo, hi := g.progress(time.Time{}, 9999, 0, 0, 0.95); lo != 399 || hi != 400 {
 		t.Errorf("long past the end: bracket [%d, %d], want [399, 400]", lo, hi)
 	}
-	if lo, hi := g.progress(time.Time{}, 1000, 0, 0.95); lo != 0 || hi != 1 {
+	if lo, hi := g.progress(time.Time{}, 1000, 0, 0, 0.95); lo != 0 || hi != 1 {
 		t.Errorf("just admitted: bracket [%d, %d], want [0, 1]", lo, hi)
 	}
 	// Without a step counter: time × decode rate, bracketed twice as wide.
 	g.admittedStep = -1
 	g.admittedAt = time.Unix(100, 0)
-	lo, hi := g.progress(time.Unix(102, 0), -1, 50, 0.95) // estimate 100
+	lo, hi := g.progress(time.Unix(102, 0), -1, 50, 1e6, 0.95) // estimate 100
 	if lo != 90 || hi != 111 {
 		t.Errorf("time-based 100: bracket [%d, %d], want [90, 111]", lo, hi)
+	}
+}
+
+// TestProgressCounterBound: without a step counter, the low end of the
+// bracket is never more than the output the backend counted since the
+// admission, whatever the decode rate claims (an emulator read 586-1,225
+// tokens/s per sequence where the truth was ~49).
+func TestProgressCounterBound(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		rate, genNow float64
+		lo, hi       int
+	}{
+		{"counter above the estimate", 50, 1e6 + 5000, 90, 111},
+		{"counter below the estimate", 50, 1e6 + 40, 40, 111},
+		{"nothing counted since", 50, 1e6, 0, 111},
+		{"an absurd rate, few tokens counted", 1200, 1e6 + 60, 60, 400},
+		{"counter reset below the admission's", 50, 10, 0, 111},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g := &Grant{maxOut: 400, admittedStep: -1, admittedGen: 1e6, admittedAt: time.Unix(100, 0)}
+			g.generated.Store(-1)
+			lo, hi := g.progress(time.Unix(102, 0), -1, tc.rate, tc.genNow, 0.95)
+			if lo != tc.lo || hi != tc.hi {
+				t.Errorf("bracket [%d, %d], want [%d, %d]", lo, hi, tc.lo, tc.hi)
+			}
+		})
 	}
 }
 

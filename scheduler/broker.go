@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -35,8 +36,15 @@ type BrokerConfig struct {
 	DataDir string
 	// Replicas of the events stream (an external cluster only).
 	Replicas int
+	// Options are more connection options for an external server: TLS
+	// (nats.Secure) and credentials (nats.UserInfo, NkeyOptionFromSeed,
+	// UserCredentials).
+	Options []nats.Option
 	// Wake is called for each event that may mean runnable work.
 	Wake func()
+	// OnEvent, when set, hears every event the inbox records, once
+	// fleet-wide (the completion latency histogram).
+	OnEvent func(Event)
 	// ApplyCooldown applies another replica's 429 pause of a backend;
 	// *gpu.Pool's CooldownURL satisfies it.
 	ApplyCooldown func(url string, until time.Time) bool
@@ -61,6 +69,8 @@ type Broker struct {
 	st  brokerStore
 	sch *Scheduler
 	log *slog.Logger
+	// cons is the inbox consumer once set up: InboxPending reads it.
+	cons atomic.Pointer[jetstream.Consumer]
 }
 
 // StartBroker connects to NATS (or starts the embedded server) and builds
@@ -108,6 +118,7 @@ func StartBroker(st brokerStore, sched *Scheduler, cfg BrokerConfig) (*Broker, e
 		b.url = "in-process"
 	} else {
 		opts = append(opts, nats.RetryOnFailedConnect(true))
+		opts = append(opts, cfg.Options...)
 	}
 	nc, err := nats.Connect(b.url, opts...)
 	if err != nil {
@@ -187,12 +198,16 @@ func (b *Broker) setup(ctx context.Context, g *errgroup.Group, metrics *sync.Onc
 			if b.cfg.Wake != nil && (e.State == store.Ready || e.State == store.RetryScheduled) {
 				b.cfg.Wake()
 			}
+			if b.cfg.OnEvent != nil {
+				b.cfg.OnEvent(e)
+			}
 		},
 	})
 	metrics.Do(func() {
 		b.cfg.Registerer.MustRegister(inbox.Collectors()...)
 		b.cfg.Registerer.MustRegister(mem.Collectors()...)
 	})
+	b.cons.Store(&cons)
 	b.log.Info("signals over nats", "url", b.url, "stream", StreamName)
 	g.Go(func() error { return ignoreCanceled(inbox.Run(ctx)) })
 	g.Go(func() error { return ignoreCanceled(mem.Run(ctx)) })

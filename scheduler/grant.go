@@ -16,6 +16,9 @@ type ledger struct {
 	// lastAdmitStep is the backend's engine step count at kvgate's last
 	// admission to it, for pacing; < 0 when unknown.
 	lastAdmitStep float64
+	// lastPassStep is the backend's step count at the end of the last
+	// admission pass over the backlog, for pacing's credit; < 0 unknown.
+	lastPassStep float64
 	// released are recent releases: the backend's last scrape may still
 	// show their KV, which is kvgate's own and not foreign load.
 	released []release
@@ -54,7 +57,11 @@ type Grant struct {
 	// admittedStep is the backend's engine step count at admission, when
 	// the backend publishes one (else -1).
 	admittedStep float64
-	generated    atomic.Int64 // -1 until reported
+	// admittedGen is the backend's vllm:generation_tokens_total as last
+	// scraped at admission: a request cannot have produced more output
+	// than the backend has since.
+	admittedGen float64
+	generated   atomic.Int64 // -1 until reported
 	// prefix is the prompt's chunks, pinned on the backend while the
 	// grant lives; sharedPart the prompt tokens they stand for, reserved
 	// in the ledger's shared total rather than in the grant's own part;
@@ -74,10 +81,12 @@ func (g *Grant) own() int { return g.prompt - g.sharedPart }
 // admission (hi), and at least ProgressFactor of that less the prefill
 // step (lo), since it may have waited in vLLM's queue. Without a step
 // counter the estimate is the time since admission times the per-sequence
-// decode rate, bracketed twice as wide on both sides. Admission projects a
-// flight from the high end (what it may hold now) to the low end (how long
-// it may still grow), which is safe both ways.
-func (g *Grant) progress(now time.Time, stepsNow, decodeRate, factor float64) (lo, hi int) {
+// decode rate, bracketed twice as wide on both sides, and the low end no
+// more than the output the backend has counted since the admission
+// (genNow, its vllm:generation_tokens_total as last scraped). Admission
+// projects a flight from the high end (what it may hold now) to the low
+// end (how long it may still grow), which is safe both ways.
+func (g *Grant) progress(now time.Time, stepsNow, decodeRate, genNow, factor float64) (lo, hi int) {
 	if n := g.generated.Load(); n >= 0 {
 		n := min(int(n), g.maxOut)
 		return n, min(n+1, g.maxOut) // a token may be in the making
@@ -90,6 +99,8 @@ func (g *Grant) progress(now time.Time, stepsNow, decodeRate, factor float64) (l
 		est := decodeRate * now.Sub(g.admittedAt).Seconds()
 		wide := 2 * (1 - factor)
 		loF, hiF = (1-wide)*est, (1+wide)*est+1
+		// The measured counter bounds what it can have produced.
+		loF = min(loF, max(0, genNow-g.admittedGen))
 	}
 	const eps = 1e-9 // so that 0.9×100 is 90, not 89
 	lo = max(0, min(int(loF+eps), g.maxOut-1))

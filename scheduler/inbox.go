@@ -48,6 +48,7 @@ type Event struct {
 	Type         string
 	State        store.State
 	StateVersion int64
+	CreatedAt    time.Time // when the event was committed
 }
 
 // Inbox consumes the job events from JetStream through the shared durable
@@ -164,8 +165,14 @@ func (in *Inbox) handle(ctx context.Context, msg jetstream.Msg) {
 		return
 	}
 	in.m.recorded.Inc()
+	ev := Event(w)
+	var stored time.Time // when the broker took the event in
+	if md, err := msg.Metadata(); err == nil {
+		stored = md.Timestamp
+	}
+	traceReceived(ev, stored, in.cfg.Now())
 	if in.cfg.OnEvent != nil {
-		in.cfg.OnEvent(Event{ID: w.ID, JobID: w.JobID, Tenant: w.Tenant, Type: w.Type, State: w.State, StateVersion: w.StateVersion})
+		in.cfg.OnEvent(ev)
 	}
 }
 

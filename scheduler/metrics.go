@@ -3,6 +3,7 @@ package scheduler
 import (
 	"time"
 
+	"github.com/kvgate/kvgate/gpu"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -64,6 +65,7 @@ var (
 	descAge      = prometheus.NewDesc("kvgate_scheduler_backend_metrics_age_seconds", "Age of a backend's last metrics scrape (-1: never).", []string{"backend"}, nil)
 	descStale    = prometheus.NewDesc("kvgate_scheduler_backend_stale", "1 when a backend's metrics are past the staleness bound (it counts as saturated).", []string{"backend"}, nil)
 	descRoutable = prometheus.NewDesc("kvgate_scheduler_backend_routable", "1 when a backend may take new work (models known, not ejected, GPUs not failed).", []string{"backend"}, nil)
+	descProgress = prometheus.NewDesc("kvgate_scheduler_backend_progress_source", "1 for the source admission follows a backend's non-streaming requests by: steps (vllm:iteration_tokens_total), decode_rate (generation_tokens_total over running, bounded), none (assumes no progress); 0 for the others.", []string{"backend", "source"}, nil)
 )
 
 // Collectors returns the scheduler's metrics, to register once.
@@ -75,7 +77,7 @@ func (s *Scheduler) Collectors() []prometheus.Collector {
 type stateCollector struct{ s *Scheduler }
 
 func (c stateCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descQueue, descInflight, descReserved, descCapacity, descUsage, descAge, descStale, descRoutable} {
+	for _, d := range []*prometheus.Desc{descQueue, descInflight, descReserved, descCapacity, descUsage, descAge, descStale, descRoutable, descProgress} {
 		ch <- d
 	}
 }
@@ -105,5 +107,9 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descAge, prometheus.GaugeValue, sn.Age(now).Seconds(), sn.Name)
 		ch <- prometheus.MustNewConstMetric(descStale, prometheus.GaugeValue, b2f(sn.Stale(now)), sn.Name)
 		ch <- prometheus.MustNewConstMetric(descRoutable, prometheus.GaugeValue, b2f(sn.Routable()), sn.Name)
+		src := sn.ProgressSource()
+		for _, v := range gpu.ProgressSources {
+			ch <- prometheus.MustNewConstMetric(descProgress, prometheus.GaugeValue, b2f(v == src), sn.Name, v)
+		}
 	}
 }

@@ -113,7 +113,8 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 }
 
 // checkFits fails a ticket that needs more than any backend serving its
-// model could ever give it, whose model nobody serves or may serve, or
+// model could ever give it (its whole KV capacity: a ticket above the
+// kv_target share of it waits to run alone, decideAlone), whose model nobody serves or may serve, or
 // whose model no backend it may use can take now (reach). Too large comes
 // first: it is for good, whatever the backends' state.
 func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot, now time.Time) error {
@@ -124,7 +125,7 @@ func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot, now time.Time) e
 		}
 		if sn.CapacityTokens > 0 {
 			known = true
-			largest = max(largest, int(s.policy.KVTarget*float64(sn.CapacityTokens)))
+			largest = max(largest, sn.CapacityTokens-roundingSlack(1, sn.Metrics.BlockSize))
 		}
 	}
 	if known && t.Need() > largest {
@@ -255,6 +256,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 		clear(q[len(kept):])
 		s.queues[c] = kept
 	}
+	markPass(s.ledgers, snaps, now)
 }
 
 // tick is how often Run re-evaluates the queue: estimated decode progress

@@ -178,6 +178,7 @@ wait:
 		if err != nil {
 			return 0, errors.Join(pubErr, fmt.Errorf("mark %d events published: %w", acked, err))
 		}
+		tracePublished(evs[:acked], r.cfg.Now())
 		r.m.published.Add(float64(acked))
 		r.m.duplicates.Add(float64(dups))
 		if r.cfg.Announce != nil {

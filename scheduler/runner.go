@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -74,8 +75,9 @@ type ExecError struct {
 func (e *ExecError) Error() string { return fmt.Sprintf("%s: %v", e.Class, e.Err) }
 func (e *ExecError) Unwrap() error { return e.Err }
 
-// The stage whose checkpoint spares a retry the model call.
-const stageInference = "inference"
+// The stage whose checkpoint spares a retry the model call (stages.go
+// lists them all).
+const stageInference = store.StageInference
 
 // RunnerConfig tunes a Runner. Zero values take the defaults in brackets.
 type RunnerConfig struct {
@@ -264,15 +266,24 @@ func (r *Runner) Run(ctx context.Context) error {
 			r.inflight.Add(1)
 			r.admitting.Add(1)
 			wg.Go(func() {
-				defer func() {
-					r.inflight.Add(-1)
-					<-slots
+				wake := func() {
 					select {
 					case done <- struct{}{}:
 					default:
 					}
+				}
+				// The slot is the attempt's, not its final write's: it is
+				// freed once the outcome is known, so that the next claim
+				// does not wait for the commit, and the writes of many
+				// workers meet in one batch (group commit in the store).
+				var freeOnce sync.Once
+				free := func() { freeOnce.Do(func() { <-slots; wake() }) }
+				defer func() {
+					r.inflight.Add(-1)
+					free()
+					wake()
 				}()
-				r.work(ctx, j)
+				r.work(ctx, j, free)
 				if r.cfg.OnEvents != nil {
 					r.cfg.OnEvents()
 				}
@@ -283,8 +294,9 @@ func (r *Runner) Run(ctx context.Context) error {
 
 var errLeaseLost = errors.New("lease lost")
 
-// work runs one claimed attempt to its recorded end.
-func (r *Runner) work(parent context.Context, j store.Job) {
+// work runs one claimed attempt to its recorded end; it calls free when
+// the attempt's outcome is known, before the writes that record it.
+func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	ctx, cancel := context.WithCancelCause(parent)
 	log := r.log.With("job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt+1, "fence", j.Fence)
 	var hb sync.WaitGroup
@@ -301,13 +313,18 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
 
+	ent, ok := r.entityGate(ctx, wctx, log, j, a) // stages.go
+	if !ok {
+		return
+	}
 	body, err := r.st.Stage(ctx, j.ID, stageInference)
 	reused := err == nil
 	switch {
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, xerr := r.infer(ctx, j, &a, admitted, sent)
+		out, xerr := r.inferStage(ctx, j, &a, admitted, sent) // embed.go: in batches for many inputs
+		free()
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, a, xerr)
 			return
@@ -322,20 +339,35 @@ func (r *Runner) work(parent context.Context, j store.Job) {
 		}
 	default:
 		// The store did not answer: nothing was sent, nothing is spent.
+		free()
 		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err})
 		return
 	}
 
+	// The next stage (stages.go) never calls the backend.
+	state, err := r.validation(wctx, j, body)
+	if err != nil {
+		if errors.Is(err, store.ErrLeaseLost) || !reused {
+			// This attempt called the backend: as for an end that cannot
+			// be written, the reaper counts it and retries the job from
+			// the inference's checkpoint.
+			r.lost(log, err)
+			return
+		}
+		r.failed(wctx, ctx, log, j, a, &ExecError{Class: ClassStore, Err: err}) // nothing sent: a wait
+		return
+	}
+	free()
 	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
 	err = r.record(wctx, func(now time.Time) error {
-		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: body,
-			Reused: reused, Attempt: a, Now: now})
+		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
+			Reused: reused, Entity: ent, Attempt: a, Now: now})
 	})
 	if err != nil {
 		r.lost(log, err)
 		return
 	}
-	r.m.finished.WithLabelValues("succeeded").Inc()
+	r.m.finished.WithLabelValues(strings.ToLower(string(state))).Inc()
 }
 
 // infer prepares the job's request, waiting in place for a short quota

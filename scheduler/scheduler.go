@@ -107,6 +107,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		bestHit   float64
 		bestHeld  float64
 		bestHead  float64
+		bestGap   float64
 		bestPin   int
 		bestScore = math.Inf(-1)
 		bestBusy  float64 // the best hit+held on a backend only busy for now
@@ -155,7 +156,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		}
 		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
 		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestHeld, bestHead, bestPin = sn, score, hit, held, v.headroom, pinned
+			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin = sn, score, hit, held, v.headroom, v.gap, pinned
 		}
 	}
 	// Waiting for the backend that holds the prefix, rather than for
@@ -171,7 +172,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
-		l = &ledger{lastAdmitStep: -1}
+		l = &ledger{lastAdmitStep: -1, lastPassStep: -1}
 		s.ledgers[best.Name] = l
 	}
 	g := &Grant{
@@ -190,10 +191,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	g.generated.Store(-1)
 	g.admittedStep = -1
+	g.admittedGen = best.Metrics.Generation
 	if st, ok := best.StepsAt(now); ok {
 		g.admittedStep = st
 	}
-	l.lastAdmitStep = g.admittedStep
+	l.lastAdmitStep = pacingMark(l.lastAdmitStep, g.admittedStep, bestGap, l.lastPassStep)
 	l.grants = append(l.grants, g)
 	l.reserved += g.own() + g.maxOut + g.created
 	l.sumOut += t.MaxTokens
@@ -214,7 +216,8 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		preempting:      sn.PreemptionRate > 0,
 		routable:        sn.Routable(),
 		cooling:         sn.Cooling(now),
-		stale:           sn.Stale(now),
+		stale:           sn.Stale(now) && !lateView(sn, now),
+		late:            lateView(sn, now),
 		degraded:        sn.GPUHealth == gpu.Degraded,
 		capacity:        sn.CapacityTokens,
 		maxNumSeqs:      sn.MaxNumSeqs,
@@ -230,14 +233,17 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		return ld
 	}
 	ld.reserved, ld.inflight = l.reserved, len(l.grants)
-	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
-		ld.newSinceScrape++
-	}
 	stepsNow, hasSteps := sn.StepsAt(now)
 	if !hasSteps {
 		stepsNow = -1
 	} else if l.lastAdmitStep >= 0 {
 		ld.stepsSinceAdmit = max(0, stepsNow-l.lastAdmitStep)
+	}
+	for i := len(l.grants) - 1; i >= 0 && l.grants[i].admittedAt.After(sn.ScrapedAt); i-- {
+		ld.newSinceScrape++
+		if g := l.grants[i]; !scheduledSince(g, stepsNow) {
+			ld.unscheduled++
+		}
 	}
 	if n := len(l.grants); n > 0 {
 		// Pacing sees a request's own KV: shared chunks whose bringers
@@ -257,7 +263,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 				g.prompt = p
 			}
 		}
-		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, s.policy.ProgressFactor)
+		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, m.Generation, s.policy.ProgressFactor)
 		ld.flights[i] = flight{held: max(0, g.own()+hi), remaining: g.maxOut - lo}
 		if i < len(l.grants)-ld.newSinceScrape {
 			// The low end: what the measurement surely includes, so that

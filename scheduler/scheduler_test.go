@@ -167,10 +167,10 @@ func TestInteractiveBeforeBatch(t *testing.T) {
 
 func TestFailFast(t *testing.T) {
 	s := newTestScheduler(t, Policy{}, backendSnap("a", 1000), backendSnap("b", 2000))
-	_, err := s.Acquire(context.Background(), &Ticket{Model: model, PromptTokens: 1000, MaxTokens: 1000})
+	_, err := s.Acquire(context.Background(), &Ticket{Model: model, PromptTokens: 1000, MaxTokens: 1001})
 	var tl *TooLargeError
-	if !errors.As(err, &tl) || tl.Need != 2000 || tl.Capacity != 1900 { // 0.95 of the larger backend
-		t.Errorf("err = %v, want TooLargeError{2000, 1900}", err)
+	if !errors.As(err, &tl) || tl.Need != 2001 || tl.Capacity != 2000 { // the larger backend's whole capacity
+		t.Errorf("err = %v, want TooLargeError{2001, 2000}", err)
 	}
 	if _, err := s.Acquire(context.Background(), &Ticket{Model: "other", PromptTokens: 1, MaxTokens: 1}); !errors.Is(err, ErrNoBackend) {
 		t.Errorf("unknown model: err = %v, want ErrNoBackend", err)

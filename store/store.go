@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"slices"
 	"time"
 )
 
@@ -35,19 +36,22 @@ const (
 	Running        State = "RUNNING"
 	RetryScheduled State = "RETRY_SCHEDULED"
 	Succeeded      State = "SUCCEEDED"
-	ReviewRequired State = "REVIEW_REQUIRED"
+	ReviewRequired State = "REVIEW_REQUIRED" // the answer failed its validation policy (outcomes.go)
 	FailedTerminal State = "FAILED_TERMINAL"
 	Cancelled      State = "CANCELLED"
+	Superseded     State = "SUPERSEDED" // a later version of its entity won (entities.go)
 )
 
-// Final reports whether no further transition can happen.
-func (s State) Final() bool {
-	switch s {
-	case Succeeded, ReviewRequired, FailedTerminal, Cancelled:
-		return true
-	}
-	return false
-}
+// States lists every job state, and FinalStates the final ones: the one
+// table that code (and the SQL built from it) enumerates states from.
+var (
+	States      = []State{Ready, Running, RetryScheduled, Succeeded, ReviewRequired, FailedTerminal, Cancelled, Superseded}
+	FinalStates = []State{Succeeded, ReviewRequired, FailedTerminal, Cancelled, Superseded}
+)
+
+// Final reports whether no transition can happen but a review's or a
+// replay's (outcomes.go).
+func (s State) Final() bool { return slices.Contains(FinalStates, s) }
 
 // Job is a durable unit of deferred work.
 type Job struct {
@@ -95,6 +99,11 @@ type NewJob struct {
 	MaxAttempts    int
 	Deadline       time.Time
 	Now            time.Time
+	// Outcome, when set, pins the job's validation policy (outcomes.go).
+	Outcome *NewOutcome
+	// Entity, when set, names the entity and version the job produces
+	// (entities.go).
+	Entity *NewEntity
 }
 
 // Event is an outbox event: committed with the state change it reports,
@@ -141,11 +150,15 @@ type Attempt struct {
 // earlier attempt checkpointed, and that attempt was counted when it was
 // made.
 type Completion struct {
-	JobID   string
-	Fence   int64
-	State   State // Succeeded or ReviewRequired
-	Result  json.RawMessage
-	Reused  bool
+	JobID  string
+	Fence  int64
+	State  State // Succeeded or ReviewRequired
+	Result json.RawMessage
+	Reused bool
+	// Entity, for a job that names one, makes the completion decide the
+	// entity's winner in its transaction (entities.go): a version lower
+	// than one that SUCCEEDED ends SUPERSEDED whatever State asks.
+	Entity  *JobEntity
 	Attempt Attempt
 	EventID string
 	Now     time.Time
@@ -284,4 +297,8 @@ type Store interface {
 	Close() error
 	// Tenants, keys, quotas and usage (tenants.go).
 	Tenants
+	// Policies, reviews, audit, dead letters and replay (outcomes.go).
+	Outcomes
+	// Per-entity ordering (entities.go).
+	Entities
 }

@@ -69,6 +69,10 @@ type Limits struct {
 	MaxPendingTokens int64 // their token estimates
 	DailyTokens      int64 // token budget per UTC day
 	MonthlyTokens    int64 // token budget per UTC month
+	// Spending budgets per UTC day and month, in micro-units of the
+	// configured currency (1_000_000 is one dollar, say).
+	DailySpend   int64
+	MonthlySpend int64
 }
 
 // Tenant is a customer of the gateway with its quotas.
@@ -99,6 +103,7 @@ type Acquisition struct {
 	Tenant   string
 	KeyID    string // "" for a key not in the store
 	Tokens   int64  // reserved: prompt plus output budget
+	Cost     int64  // the reservation's price, micro-units; 0 without prices
 	Limits   Limits // the tenant's
 	// KeyLimits are the key's own; only RPM, TPM and MaxConcurrency count.
 	KeyLimits Limits
@@ -121,7 +126,8 @@ type Permit struct {
 	Tenant      string
 	KeyID       string
 	Tokens      int64
-	Day         int // yyyymmdd, UTC: the usage ledger row charged
+	Cost        int64 // the reservation's price, micro-units
+	Day         int   // yyyymmdd, UTC: the usage ledger row charged
 	WindowStart time.Time
 	Window      Window // the tenant's (or the key's, when tighter)
 }
@@ -147,6 +153,7 @@ type Release struct {
 	Attempts         int // backend attempts made (retries included)
 	PromptTokens     int64
 	CompletionTokens int64
+	Cost             int64 // the reported usage's price, micro-units
 	Now              time.Time
 }
 
@@ -161,7 +168,13 @@ type UsageDay struct {
 	ReservedTokens   int64     // held by requests in flight
 	Uncertain        int64     // requests whose usage never came back
 	UncertainTokens  int64     // their reservations, still charged
+	// Money, in micro-units: reported usage's, held by requests in flight,
+	// and that of the uncertain requests' reservations.
+	Cost, ReservedCost, UncertainCost int64
 }
+
+// ChargedCost is what the day counts against spending budgets.
+func (u UsageDay) ChargedCost() int64 { return u.Cost + u.ReservedCost + u.UncertainCost }
 
 // Charged is what the day counts against token budgets.
 func (u UsageDay) Charged() int64 {
@@ -171,7 +184,8 @@ func (u UsageDay) Charged() int64 {
 // QuotaError is an Acquire or ReserveJob refused by a quota.
 type QuotaError struct {
 	// Limit names it: requests, tokens, concurrency, daily_tokens,
-	// monthly_tokens, pending_jobs or pending_tokens.
+	// monthly_tokens, daily_spend, monthly_spend (micro-units), pending_jobs
+	// or pending_tokens.
 	Limit string
 	Scope string // "tenant" or "key"
 	Max   int64
@@ -184,7 +198,13 @@ type QuotaError struct {
 
 // Budget reports whether a spent budget refused it (insufficient_quota),
 // rather than a rate (rate_limit_exceeded).
-func (e *QuotaError) Budget() bool { return e.Limit == "daily_tokens" || e.Limit == "monthly_tokens" }
+func (e *QuotaError) Budget() bool {
+	return e.Limit == "daily_tokens" || e.Limit == "monthly_tokens" || e.Spend()
+}
+
+// Spend reports whether a spending budget refused it: Max, Used and Asked
+// are then micro-units of money.
+func (e *QuotaError) Spend() bool { return e.Limit == "daily_spend" || e.Limit == "monthly_spend" }
 
 func (e *QuotaError) Error() string {
 	return fmt.Sprintf("%s quota %s: limit %d, used %d, requested %d", e.Scope, e.Limit, e.Max, e.Used, e.Asked)

@@ -35,6 +35,7 @@ type batch struct {
 	n         int
 	maxTokens int
 	bearer    string // the API key [staticKey]
+	base      string // the kvgate to post to [e.gw's]
 }
 
 // submitted is a batch's outcome: the job id of each key, and what could
@@ -81,9 +82,13 @@ func (e *env) submit(ctx context.Context, b batch) submitted {
 
 func (e *env) submitOne(ctx context.Context, b batch, key string) (string, error) {
 	body := jobBody(key, b.maxTokens)
+	base := b.base
+	if base == "" {
+		base = e.gw.base()
+	}
 	var last string
 	for {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.gw.base()+"/v1/jobs", bytes.NewReader(body))
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/jobs", bytes.NewReader(body))
 		if err != nil {
 			return "", err
 		}

@@ -296,7 +296,8 @@ type gatewayConfig struct {
 	Backends []backendConfig `yaml:"backends"`
 	APIKeys  []apiKeyConfig  `yaml:"api_keys"`
 	NATS     struct {
-		URL string `yaml:"url"`
+		URL      string `yaml:"url"`
+		Replicas int    `yaml:"replicas,omitempty"`
 	} `yaml:"nats"`
 	NVML struct {
 		Disabled bool `yaml:"disabled"`

@@ -110,7 +110,10 @@ var registry = []Scenario{
 	{Name: "overload", About: "twice the fleet's capacity of 600-in/400-out streamed requests: throughput, preemptions, TTFT, errors", plan: planOverload},
 	{Name: "mixed", About: "interactive chat streaming at a moderate rate plus batch jobs filling the rest: interactive TTFT and total throughput", plan: planMixed},
 	{Name: "burst", About: "tenant A submits 10,000 jobs at once while tenant B chats: B's TTFT and latency", plan: planBurst},
+	{Name: "batch-api", About: "interactive chat beside one Batch API batch that keeps the fleet busy: interactive TTFT against the batch's requests sent as plain ones", plan: planBatchAPI},
+	{Name: "interactive-alone", About: "batch-api's interactive chat without the batch: the unloaded reference of its TTFT", plan: planInteractiveAlone},
 	{Name: "backend-failure", About: "one of three backends dies a third of the way in: errors and throughput", plan: planBackendFailure},
+	{Name: "closed-overload", About: "64 closed-loop clients of 1,000-in/500-out streamed requests on two backends: the output tok/s kept", plan: planClosedOverload},
 	{Name: "shared-prefix", About: "tenants with ~6k-token system prompts, users asking ~1,200-token questions, Poisson arrivals rising in steps past saturation: throughput, TTFT, prefix hit rate", plan: planSharedPrefix},
 	{Name: "multi-turn", About: "chat sessions whose every turn resends the growing history, arrivals rising in steps past saturation: throughput, TTFT, prefix hit rate", plan: planMultiTurn},
 }
@@ -243,6 +246,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		for i := range cfg.Tenants {
 			// No job API: batch goes as plain requests.
 			cfg.Tenants[i].Deferred, simCfg.Tenants[i].Deferred = false, false
+			cfg.Tenants[i].Batch, simCfg.Tenants[i].Batch = false, false
 		}
 	}
 

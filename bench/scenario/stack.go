@@ -177,7 +177,9 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 		ScrapeInterval: wall(100*time.Millisecond, spec.speedup, 10*time.Millisecond),
 		// Staleness bounds keep their wall-clock defaults: scaled down,
 		// a busy host's scheduling jitter would read as dead metrics.
-		StaleAfter:    time.Second,
+		StaleAfter: time.Second,
+		// A fleet sped up decodes that much faster per wall second.
+		MaxDecodeRate: gpu.DefaultMaxDecodeRate * max(1, spec.speedup),
 		ProbeInterval: wall(time.Second, spec.speedup, 20*time.Millisecond),
 		EjectBase:     wall(2*time.Second, spec.speedup, 50*time.Millisecond),
 		EjectMax:      wall(time.Minute, spec.speedup, time.Second),
@@ -244,6 +246,7 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 	s.run("pool", pool.Run)
 	s.run("scheduler", sched.Run)
 	s.run("runner", runner.Run)
+	s.run("batches", api.RunBatches)
 	return api, nil
 }
 

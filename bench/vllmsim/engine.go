@@ -49,6 +49,9 @@ type Options struct {
 	// (vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_*,
 	// vllm:time_per_output_token_seconds) without the engine label.
 	LegacyMetrics bool
+
+	// Quirks make the metrics page unlike vLLM's (quirks.go).
+	Quirks Quirks
 }
 
 // Engine is a simulated vLLM V1 engine: a scheduler, a paged KV cache and a
@@ -117,7 +120,7 @@ func NewEngine(opts Options) (*Engine, error) {
 		prof:    p,
 		speedup: opts.Speedup,
 		seed:    opts.Seed,
-		m:       newEngineMetrics(p, cmp.Or(opts.ModelName, p.Model), opts.LegacyMetrics),
+		m:       newEngineMetrics(p, cmp.Or(opts.ModelName, p.Model), opts.LegacyMetrics, opts.Quirks),
 		wake:    make(chan struct{}, 1),
 		pool:    newBlockPool(p.NumGPUBlocks, p.PrefixCaching && !p.Embedding),
 	}

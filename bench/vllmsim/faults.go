@@ -35,6 +35,9 @@ type Faults struct {
 	// (simulated) before it reaches the engine, so its first token is late.
 	SlowFirstTokenRate    float64 `json:"slow_first_token_rate"`
 	SlowFirstTokenSeconds float64 `json:"slow_first_token_seconds"`
+	// InvalidJSONRate makes a structured answer (response_format,
+	// guided_json) break its schema (structured.go).
+	InvalidJSONRate float64 `json:"invalid_json_rate"`
 	// Dead kills the engine: /health answers 503 and every request fails
 	// until Dead is set back to false.
 	Dead bool `json:"dead"`
@@ -51,6 +54,7 @@ func (f Faults) Validate() error {
 		"rate_limit_rate": f.RateLimitRate, "server_error_rate": f.ServerErrorRate,
 		"unavailable_rate": f.UnavailableRate, "drop_rate": f.DropRate, "hang_rate": f.HangRate,
 		"malformed_rate": f.MalformedRate, "slow_first_token_rate": f.SlowFirstTokenRate,
+		"invalid_json_rate": f.InvalidJSONRate,
 	} {
 		if !(v >= 0 && v <= 1) {
 			return fmt.Errorf("%s %g is not a probability in [0, 1]", name, v)

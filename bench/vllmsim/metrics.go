@@ -44,9 +44,10 @@ type engineMetrics struct {
 	promptLen, genLen, maxTokens, iterTokens                prometheus.Observer
 
 	embedding bool
+	quirks    Quirks // quirks.go
 }
 
-func newEngineMetrics(p Profile, model string, legacy bool) *engineMetrics {
+func newEngineMetrics(p Profile, model string, legacy bool, q Quirks) *engineMetrics {
 	reg := prometheus.NewRegistry()
 	labels := prometheus.Labels{"model_name": model, "engine": "0"}
 	if legacy {
@@ -137,6 +138,7 @@ func newEngineMetrics(p Profile, model string, legacy bool) *engineMetrics {
 	m.genLen = hist("vllm:request_generation_tokens", "Number of generation tokens processed.", tokenBuckets)
 	m.maxTokens = hist("vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", tokenBuckets)
 	m.iterTokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", iterBuckets)
+	m.applyQuirks(q)
 	return m
 }
 
@@ -163,7 +165,7 @@ func (m *engineMetrics) iteration(tokens int)       { m.iterTokens.Observe(float
 func (m *engineMetrics) interToken(d time.Duration) { m.itl.Observe(d.Seconds()) }
 
 func (m *engineMetrics) generated(n int) {
-	if n > 0 {
+	if n > 0 && !m.quirks.OutputAtFinish {
 		m.genTokens.Add(float64(n))
 	}
 }
@@ -180,6 +182,9 @@ func (m *engineMetrics) finished(r *Request, reason string, now time.Duration) {
 		return
 	}
 	gen := r.generated()
+	if m.quirks.OutputAtFinish && !m.embedding {
+		m.genTokens.Add(float64(gen))
+	}
 	if m.embedding {
 		m.promptTokens.Add(float64(len(r.prompt)))
 	}

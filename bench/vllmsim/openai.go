@@ -49,6 +49,8 @@ type samplingFields struct {
 	N                   *int           `json:"n"`
 	Stream              bool           `json:"stream"`
 	StreamOptions       *streamOptions `json:"stream_options"`
+	responses           *responsesMeta // a Responses API call: responses.go
+	structuredFields                   // response_format, guided_json (structured.go)
 }
 
 type chatMessageIn struct {
@@ -132,6 +134,7 @@ type genKind uint8
 const (
 	kindChat genKind = iota
 	kindCompletion
+	kindResponses
 )
 
 // genCall is a validated generation request.
@@ -145,6 +148,11 @@ type genCall struct {
 	contUsage bool // continuous_usage_stats
 	ignoreEOS bool
 	minTokens int
+	responses *responsesMeta
+	// structured is the JSON the request asked for (nil: free text);
+	// invalidJSON breaks it on purpose (structured.go).
+	structured  *structuredSpec
+	invalidJSON bool
 }
 
 func (s *Sim) handleChat(w http.ResponseWriter, r *http.Request) {
@@ -238,7 +246,7 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		writeError(w, http.StatusBadRequest, msg)
 		return
 	}
-	c := genCall{kind: kind, prompt: prompt, stream: f.Stream, ignoreEOS: f.IgnoreEOS, minTokens: f.MinTokens}
+	c := genCall{kind: kind, prompt: prompt, stream: f.Stream, ignoreEOS: f.IgnoreEOS, minTokens: f.MinTokens, responses: f.responses}
 	c.maxTokens = p.MaxModelLen - len(prompt) // vLLM's default when max_tokens is absent
 	if maxTokens != nil {
 		c.maxTokens = *maxTokens
@@ -252,10 +260,16 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		c.contUsage = c.usage && f.StreamOptions.ContinuousUsageStats
 	}
 	c.id = s.newID("cmpl-")
-	if kind == kindChat {
+	switch kind {
+	case kindChat:
 		c.id = s.newID("chatcmpl-")
+	case kindResponses:
+		c.id = s.newID("resp_")
 	}
 
+	if !s.structuredCall(w, r, &c, f.structuredFields) {
+		return
+	}
 	flt, delay, _ := s.faults.draw(r)
 	if !s.injectEarly(w, r, flt) {
 		return
@@ -268,6 +282,10 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 	req, err := s.eng.Submit(SubmitParams{Prompt: prompt, MaxTokens: c.maxTokens, IgnoreEOS: c.ignoreEOS, MinTokens: c.minTokens, Arrival: &arrival})
 	if err != nil {
 		s.submitError(w, err)
+		return
+	}
+	if c.kind == kindResponses {
+		s.serveResponse(w, r, c, req, flt == faultDrop)
 		return
 	}
 	if c.stream {
@@ -355,6 +373,9 @@ func (s *Sim) respond(w http.ResponseWriter, r *http.Request, c genCall, req *Re
 		dropConnection()
 	}
 	text, _ := Detokenize(out, true)
+	if c.structured != nil {
+		text = s.structuredText(c.structured, c.prompt, c.invalidJSON)
+	}
 	usage := usageInfo{PromptTokens: len(c.prompt), CompletionTokens: len(out), TotalTokens: len(c.prompt) + len(out)}
 	created := time.Now().Unix()
 	if c.kind == kindChat {
@@ -580,7 +601,7 @@ func (s *Sim) handleEmbeddings(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	p := s.cfg.Profile
-	if !p.Embedding {
+	if !p.Embedding || p.Reranker {
 		writeError(w, http.StatusBadRequest, "The model does not support Embeddings API")
 		return
 	}

@@ -28,6 +28,9 @@ type Profile struct {
 
 	Embedding    bool // a pooling model: /v1/embeddings only, no decode
 	EmbeddingDim int
+	// Reranker is a pooling model that scores pairs (a cross-encoder):
+	// /score and /rerank, not /v1/embeddings. Embedding is set too.
+	Reranker bool
 
 	// Engine limits, as vLLM would report them.
 	BlockSize           int
@@ -115,6 +118,17 @@ var profiles = []Profile{
 		HBMBytesPerSec: h100HBM, BandwidthEff: 0.9, WeightBytes: 1.14e9, KVBytesPerToken: 2 * 24 * 16 * 64 * 2,
 		Overhead: 500 * time.Microsecond, PerSeq: 20 * time.Microsecond, PrefillPerToken: 3 * time.Microsecond,
 	},
+	{
+		Name:        "h100-bge-reranker-v2-m3",
+		Description: "BAAI/bge-reranker-v2-m3 cross-encoder reranker (/score, /rerank) on one H100 SXM 80GB",
+		Model:       "BAAI/bge-reranker-v2-m3", GPU: "H100-SXM-80GB", TP: 1,
+		// The same XLM-RoBERTa-large encoder as bge-m3, with a scoring head.
+		Embedding: true, Reranker: true,
+		BlockSize: 16, NumGPUBlocks: 32768, MaxNumSeqs: 256, MaxNumBatchedTokens: 16384,
+		MaxModelLen: 8192, PrefixCaching: false,
+		HBMBytesPerSec: h100HBM, BandwidthEff: 0.9, WeightBytes: 1.14e9, KVBytesPerToken: 2 * 24 * 16 * 64 * 2,
+		Overhead: 500 * time.Microsecond, PerSeq: 20 * time.Microsecond, PrefillPerToken: 3 * time.Microsecond,
+	},
 }
 
 // Profiles returns the built-in profiles, in a stable order.
@@ -153,7 +167,9 @@ func (p Profile) Validate() error {
 		// vLLM runs pooling models without chunked prefill: a whole prompt per step.
 		return fmt.Errorf("profile %s: an embedding model needs max_num_batched_tokens (%d) >= max_model_len (%d)",
 			p.Name, p.MaxNumBatchedTokens, p.MaxModelLen)
-	case p.Embedding && p.EmbeddingDim <= 0:
+	case p.Reranker && !p.Embedding:
+		return fmt.Errorf("profile %s: a reranker is a pooling model: set Embedding too", p.Name)
+	case p.Embedding && !p.Reranker && p.EmbeddingDim <= 0:
 		return fmt.Errorf("profile %s: embedding dimension must be positive", p.Name)
 	case p.HBMBytesPerSec <= 0 || p.BandwidthEff <= 0 || p.BandwidthEff > 1:
 		return fmt.Errorf("profile %s: bandwidth %g at efficiency %g is not usable", p.Name, p.HBMBytesPerSec, p.BandwidthEff)

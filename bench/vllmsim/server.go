@@ -26,6 +26,7 @@ type Config struct {
 	Speedup         float64 // see Options.Speedup
 	Seed            uint64
 	LegacyMetrics   bool
+	Quirks          Quirks // quirks.go
 	Faults          Faults
 	// MaxBodyBytes caps request bodies; 32 MiB by default.
 	MaxBodyBytes int64
@@ -53,7 +54,7 @@ func New(cfg Config) (*Sim, error) {
 	if err := cfg.Faults.Validate(); err != nil {
 		return nil, err
 	}
-	eng, err := NewEngine(Options{Profile: cfg.Profile, ModelName: cfg.ServedModelName, Speedup: cfg.Speedup, Seed: cfg.Seed, LegacyMetrics: cfg.LegacyMetrics})
+	eng, err := NewEngine(Options{Profile: cfg.Profile, ModelName: cfg.ServedModelName, Speedup: cfg.Speedup, Seed: cfg.Seed, LegacyMetrics: cfg.LegacyMetrics, Quirks: cfg.Quirks})
 	if err != nil {
 		return nil, err
 	}
@@ -107,13 +108,15 @@ func (s *Sim) routes() {
 	s.mux.HandleFunc("POST /ping", s.handleHealth)
 	s.mux.HandleFunc("GET /version", s.handleVersion)
 	s.mux.HandleFunc("GET /load", s.handleLoad)
+	s.poolingRoutes()
 	s.mux.Handle("GET /metrics", promhttp.HandlerFor(s.eng.m.reg, promhttp.HandlerOpts{}))
 	s.mux.HandleFunc("GET /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("PUT /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("POST /admin/faults", s.handleFaults)
 	known := map[string]bool{}
 	for _, p := range []string{"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
-		"/tokenize", "/detokenize", "/health", "/ping", "/version", "/load", "/metrics", "/admin/faults"} {
+		"/tokenize", "/detokenize", "/health", "/ping", "/version", "/load", "/metrics", "/admin/faults",
+		"/v1/responses", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"} {
 		known[p] = true
 	}
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {

@@ -1,35 +1,49 @@
 package main
 
+//go:generate env KVGATE_UPDATE_DOCS=1 go test -count=1 -run ^TestConfigReference$ .
+
 import (
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
-	"os"
+	"reflect"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
 
-	"go.yaml.in/yaml/v3"
-
+	"github.com/kvgate/kvgate/gateway"
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 )
 
 // config is kvgate serve's configuration: defaults, then the YAML file,
-// then KVGATE_* environment variables, then flags.
+// then KVGATE_* environment variables, then flags. docs/configuration.md's
+// reference is generated from it (TestConfigReference, make docs): a
+// field's doc or line comment is its description, a default in [brackets]
+// names what the code applies when the field is left zero, and a row in
+// settings below gives it an environment variable and a flag.
 type config struct {
-	Addr      string              `yaml:"addr"`
-	Store     string              `yaml:"store"`    // postgres://... or sqlite://PATH; SQLite under DataDir by default
-	DataDir   string              `yaml:"data_dir"` // the embedded store and NATS server keep their files here
-	NoMigrate bool                `yaml:"no_migrate"`
-	Backends  []gpu.BackendConfig `yaml:"backends"`
-	APIKeys   []apiKey            `yaml:"api_keys"`
-	LogLevel  string              `yaml:"log_level"`
+	Addr      string              `yaml:"addr"`       // address to serve the API on
+	Store     string              `yaml:"store"`      // job store: postgres://... (pgx's sslmode, sslrootcert, sslcert, sslkey apply) or sqlite://PATH [SQLite at data_dir/kvgate.db]
+	DataDir   string              `yaml:"data_dir"`   // the embedded store and NATS server keep their files here; one kvgate serve at a time
+	NoMigrate bool                `yaml:"no_migrate"` // do not apply the store's migrations on start (kvgate migrate does)
+	Backends  []gpu.BackendConfig `yaml:"backends"`   // vLLM servers [none: simulated ones, see sim]
+	APIKeys   []apiKey            `yaml:"api_keys"`   // static bearer keys; with none (static or in the store) every /v1/ call gets 401 outside dev
+	LogLevel  string              `yaml:"log_level"`  // debug, info, warn or error
+	LogFormat string              `yaml:"log_format"` // text, or json: slog's JSON handler, one object a line
+	AccessLog string              `yaml:"access_log"` // the level of the access log's line per request: debug, info or off
+	Tracing   struct {
+		OTLPEndpoint string   `yaml:"otlp_endpoint"` // OTLP/HTTP collector URL, e.g. http://collector:4318 (/v1/traces is added); empty: tracing off
+		SampleRatio  *float64 `yaml:"sample_ratio"`  // share of new traces kept; a caller's traceparent decides for its own [1]
+		ServiceName  string   `yaml:"service_name"`  // the spans' service.name
+	} `yaml:"tracing"`
 	// DrainTimeout bounds the drain at shutdown: how long requests,
 	// streams and jobs in flight may take to finish once kvgate stops
-	// taking new ones [60s].
+	// taking new ones; positive.
 	DrainTimeout time.Duration `yaml:"drain_timeout"`
 	// DrainUnreadyDelay is how long /readyz fails, at shutdown, before
 	// new requests are refused: a load balancer's time to see it and move
@@ -38,113 +52,216 @@ type config struct {
 	DrainUnreadyDelay *time.Duration `yaml:"drain_unready_delay"`
 
 	// Dev is development mode: a caller without a key is tenant
-	// "default"'s admin until the first key exists.
+	// "default"'s admin until the first key exists. Never in production.
 	Dev bool `yaml:"dev"`
 	// AdminKey is a bootstrap administrator's bearer token (tenant
 	// "admin"): it manages tenants and keys over /v1/admin/.
 	AdminKey string `yaml:"admin_key"`
 	// Quotas: store-backed tenants' limits.
 	Quotas struct {
-		FailOpen bool          `yaml:"fail_open"` // admit when the limiter state is unreachable (default: 503)
+		FailOpen bool          `yaml:"fail_open"` // admit when the limiter state is unreachable [false: answer 503]
 		CacheTTL time.Duration `yaml:"cache_ttl"` // key and limit cache: how fast revocations spread [5s]
 	} `yaml:"quotas"`
 
-	Admission scheduler.Policy `yaml:"admission"`
+	Admission scheduler.Policy `yaml:"admission"` // admission thresholds (docs/admission.md)
 	Gateway   struct {
-		MaxBodyBytes      int64         `yaml:"max_body_bytes"`
-		DefaultMaxTokens  int           `yaml:"default_max_tokens"`
-		TokenCount        string        `yaml:"token_count"`
-		Retries           *int          `yaml:"retries"`
-		StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"`
-		RequestTimeout    time.Duration `yaml:"request_timeout"`
+		MaxBodyBytes      int64         `yaml:"max_body_bytes"`      // request bodies larger get 413, in bytes [8 MiB]
+		DefaultMaxTokens  int           `yaml:"default_max_tokens"`  // output reserved for a chat request without max_tokens, in tokens [1024]
+		TokenCount        string        `yaml:"token_count"`         // estimate (bytes times a learned ratio) or tokenize (ask the backend: exact, one more round trip) [estimate]
+		Retries           *int          `yaml:"retries"`             // other backends a request may be retried on before its first byte [1]
+		StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"` // a stream whose backend sends nothing this long is cut [2m]
+		RequestTimeout    time.Duration `yaml:"request_timeout"`     // a non-streaming request whose backend has not answered in this long fails [10m]
 	} `yaml:"gateway"`
 	Metrics struct {
-		ScrapeInterval time.Duration `yaml:"scrape_interval"`
-		StaleAfter     time.Duration `yaml:"stale_after"`
-		ProbeInterval  time.Duration `yaml:"probe_interval"`
+		ScrapeInterval  time.Duration `yaml:"scrape_interval"`  // backends' /metrics period [100ms]
+		StaleAfter      time.Duration `yaml:"stale_after"`      // a backend's metrics older than this count as saturated [1s]
+		ProbeInterval   time.Duration `yaml:"probe_interval"`   // backends' /health period [1s]
+		BacklogInterval time.Duration `yaml:"backlog_interval"` // how often the durable backlog, outbox age and broker lag are read for /metrics [5s]
 	} `yaml:"metrics"`
 	NVML struct {
-		Disabled bool          `yaml:"disabled"`
-		Interval time.Duration `yaml:"interval"`
+		Disabled bool          `yaml:"disabled"` // do not read GPUs through NVML
+		Interval time.Duration `yaml:"interval"` // GPU health period [2s]
 	} `yaml:"nvml"`
 	NATS struct {
-		URL      string `yaml:"url"`      // external server or cluster; empty: embedded in-process
+		URL      string `yaml:"url"`      // external server or cluster (nats:// or tls://); empty: embedded in-process, files under data_dir
 		Replicas int    `yaml:"replicas"` // stream replicas on a cluster [1]
+		// Credentials, one kind at most: user and password (or in the
+		// URL), a token, an NKey seed file or a .creds file (JWT and seed).
+		User         string `yaml:"user"`           // with password
+		Password     string `yaml:"password"`       // of user
+		Token        string `yaml:"token"`          // an authorization token
+		NKeySeedFile string `yaml:"nkey_seed_file"` // file holding a user NKey's seed (SU...)
+		CredsFile    string `yaml:"creds_file"`     // a .creds file: the user's JWT and NKey seed (decentralised auth)
+		TLS          struct {
+			CAFile     string `yaml:"ca_file"`     // PEM CA that signed the servers' certificates [the system's roots]
+			CertFile   string `yaml:"cert_file"`   // PEM client certificate, for servers that verify clients
+			KeyFile    string `yaml:"key_file"`    // its key
+			ServerName string `yaml:"server_name"` // name to verify in the server's certificate [the URL's host]
+		} `yaml:"tls"`
 	} `yaml:"nats"`
+	// TLS serves the API over HTTPS (HTTP/2 included): a PEM certificate
+	// (chain) and key, loaded again on SIGHUP and when either file changes.
+	TLS struct {
+		CertFile string `yaml:"cert_file"` // PEM certificate chain, the server's first
+		KeyFile  string `yaml:"key_file"`  // PEM private key
+	} `yaml:"tls"`
 	Jobs struct {
-		Concurrency     int           `yaml:"concurrency"`
-		Lease           time.Duration `yaml:"lease"`
-		MaxAttempts     int           `yaml:"max_attempts"`
-		DefaultDeadline time.Duration `yaml:"default_deadline"`
+		Concurrency     int           `yaml:"concurrency"`      // jobs run at once by this process [64]
+		Lease           time.Duration `yaml:"lease"`            // claim lease, renewed every third of it [1m]
+		MaxAttempts     int           `yaml:"max_attempts"`     // attempts a job may spend [5]
+		DefaultDeadline time.Duration `yaml:"default_deadline"` // deadline of a job that sets none [24h]
+		Retention       time.Duration `yaml:"retention"`        // final jobs, their results, attempts and audit records are pruned this long after they ended [720h]
 	} `yaml:"jobs"`
+	// Models maps model aliases to a model or an ordered list of models
+	// (fallbacks); Prices are per model (and alias), per million tokens,
+	// in Currency: see docs/api.md.
+	Models   map[string]modelList     `yaml:"models"`
+	Prices   map[string]gateway.Price `yaml:"prices"`
+	Currency string                   `yaml:"currency"`
 	// Sim is the development fleet started when no backend is configured.
 	Sim struct {
-		Profile string  `yaml:"profile"`
-		Count   int     `yaml:"count"`
-		Speedup float64 `yaml:"speedup"`
+		Profile string  `yaml:"profile"` // simulator profile (kvgate sim profiles)
+		Count   int     `yaml:"count"`   // simulated backends
+		Speedup float64 `yaml:"speedup"` // speed-up of simulated time; 0: as fast as it goes
 	} `yaml:"sim"`
 }
 
-type apiKey struct {
-	Key    string `yaml:"key"`
-	Tenant string `yaml:"tenant"`
-	Role   string `yaml:"role"` // user (default) or operator: sees retry details
+// defaultConfig is the configuration before the file, the environment and
+// the flags.
+func defaultConfig() *config {
+	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", LogFormat: "text", AccessLog: "debug", DataDir: "data", DrainTimeout: 60 * time.Second}
+	cfg.Tracing.ServiceName = "kvgate"
+	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
+	return cfg
 }
 
-// repeated is a flag that may be given many times.
-type repeated []string
+type apiKey struct {
+	Key    string `yaml:"key"`    // the bearer token
+	Tenant string `yaml:"tenant"` // whose key it is
+	Role   string `yaml:"role"`   // user, or operator: also sees retry details [user]
+}
 
-func (r *repeated) String() string     { return strings.Join(*r, ",") }
-func (r *repeated) Set(v string) error { *r = append(*r, v); return nil }
+// setting gives a YAML key an environment variable and a flag of kvgate
+// serve (and gpus); either may be empty. Values are parsed by the field's
+// type (a duration, a number, true or false, text), or by parse.
+type setting struct {
+	path  string // the YAML key, e.g. "nats.url"
+	env   string
+	flag  string
+	usage string // the flag's help; the default is added
+	// parse, when set, sets the value from the environment's text or the
+	// flag's (list holds a repeated flag's values).
+	parse func(c *config, list []string) error
+	// list marks a repeatable flag (and a comma-separated variable).
+	list bool
+}
+
+// settings are the environment variables and flags, one row each.
+var settings = []setting{
+	{path: "addr", env: "KVGATE_ADDR", flag: "addr", usage: "address to serve the API on"},
+	{path: "backends", env: "KVGATE_BACKENDS", flag: "backend", list: true, parse: parseBackendURLs,
+		usage: "vLLM server base URL, repeatable (env: comma-separated); replaces the file's backends"},
+	{path: "api_keys", env: "KVGATE_API_KEYS", flag: "api-key", list: true, parse: parseKeysSetting,
+		usage: "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env: comma-separated)"},
+	{path: "log_level", env: "KVGATE_LOG_LEVEL", flag: "log-level", usage: "debug, info, warn or error"},
+	{path: "log_format", env: "KVGATE_LOG_FORMAT", flag: "log-format", usage: "text or json (slog's JSON handler, one object a line)"},
+	{path: "access_log", env: "KVGATE_ACCESS_LOG", flag: "access-log", usage: "level of the access log's line per request: debug, info or off"},
+	{path: "tracing.otlp_endpoint", env: "KVGATE_OTLP_ENDPOINT", flag: "otlp-endpoint", usage: "OTLP/HTTP collector URL for traces, e.g. http://127.0.0.1:4318; empty: tracing off"},
+	{path: "admission.kv_target", env: "KVGATE_KV_TARGET", flag: "kv-target", usage: "share of each backend's KV cache admitted work may fill (0.95)"},
+	{path: "sim.count", flag: "sim-count", usage: "simulated backends to start when none is configured"},
+	{path: "sim.profile", flag: "sim-profile", usage: "profile of the simulated backends"},
+	{path: "sim.speedup", flag: "sim-speedup", usage: "speed-up of the simulated backends"},
+	{path: "nvml.disabled", flag: "no-nvml", usage: "do not read GPUs through NVML"},
+	{path: "store", env: "KVGATE_STORE", flag: "store", usage: "job store: postgres://... or sqlite://PATH (default: SQLite under --data-dir)"},
+	{path: "data_dir", env: "KVGATE_DATA_DIR", flag: "data-dir", usage: "directory of the embedded store and NATS server"},
+	{path: "no_migrate", flag: "no-migrate", usage: "do not apply the store's migrations on start (run kvgate migrate)"},
+	{path: "admin_key", env: "KVGATE_ADMIN_KEY", flag: "admin-key", usage: "bootstrap administrator's bearer token, for /v1/admin/"},
+	{path: "quotas.fail_open", env: "KVGATE_QUOTA_FAIL_OPEN", flag: "quota-fail-open", usage: "admit requests unlimited when the quota store is unreachable (default: answer 503)"},
+	{path: "dev", env: "KVGATE_DEV", flag: "dev", usage: "development mode: a caller without a key is tenant default's admin until the first key exists (never in production)"},
+	{path: "drain_timeout", env: "KVGATE_DRAIN_TIMEOUT", flag: "drain-timeout", usage: "at shutdown, how long requests, streams and jobs in flight may take to finish"},
+	{path: "drain_unready_delay", env: "KVGATE_DRAIN_UNREADY_DELAY"},
+	{path: "nats.url", env: "KVGATE_NATS_URL", flag: "nats-url", usage: "NATS server or cluster for job events, e.g. nats://host:4222 (default: embedded in-process)"},
+	{path: "nats.password", env: "KVGATE_NATS_PASSWORD"},
+	{path: "tls.cert_file", env: "KVGATE_TLS_CERT_FILE", flag: "tls-cert", usage: "PEM certificate (chain) to serve HTTPS with, reloaded on SIGHUP or change"},
+	{path: "tls.key_file", env: "KVGATE_TLS_KEY_FILE", flag: "tls-key", usage: "PEM private key of --tls-cert"},
+}
+
+func parseBackendURLs(c *config, list []string) error {
+	c.Backends = nil
+	for _, u := range list {
+		c.Backends = append(c.Backends, gpu.BackendConfig{URL: u})
+	}
+	return nil
+}
+
+func parseKeysSetting(c *config, list []string) error {
+	keys, err := parseKeys(list)
+	if err != nil {
+		return err
+	}
+	c.APIKeys = keys
+	return nil
+}
+
+// rawFlag keeps a flag's text (every value, for a repeatable one) until
+// load applies it.
+type rawFlag struct {
+	vals   []string
+	isBool bool
+	list   bool
+}
+
+func (f *rawFlag) String() string { return strings.Join(f.vals, ",") }
+func (f *rawFlag) Set(v string) error {
+	if f.isBool {
+		if _, err := strconv.ParseBool(v); err != nil {
+			return errors.New("write true or false")
+		}
+	}
+	if f.list {
+		f.vals = append(f.vals, v)
+	} else {
+		f.vals = []string{v}
+	}
+	return nil
+}
+func (f *rawFlag) IsBoolFlag() bool { return f.isBool }
 
 // configFlags are the flags serve and gpus share.
 type configFlags struct {
-	file     string
-	addr     string
-	backends repeated
-	keys     repeated
-	logLevel string
-	kvTarget float64
-	simCount int
-	simProf  string
-	speedup  float64
-	noNVML   bool
-	store    string
-	dataDir  string
-	noMig    bool
-	natsURL  string
-	adminKey string
-	failOpen bool
-	dev      bool
-	drain    time.Duration
+	file  string
+	flags map[string]*rawFlag // by flag name
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.file, "config", "", "YAML configuration file (env KVGATE_CONFIG)")
-	fs.StringVar(&c.addr, "addr", "", "address to serve the API on (env KVGATE_ADDR; default 127.0.0.1:8080)")
-	fs.Var(&c.backends, "backend", "vLLM server base URL, repeatable (env KVGATE_BACKENDS, comma-separated)")
-	fs.Var(&c.keys, "api-key", "TOKEN=TENANT, or TOKEN=TENANT:operator for a key that also sees retry details; repeatable (env KVGATE_API_KEYS, comma-separated); none (and no store key) means 401 for everyone, outside --dev")
-	fs.StringVar(&c.logLevel, "log-level", "", "debug, info, warn or error (env KVGATE_LOG_LEVEL; default info)")
-	fs.Float64Var(&c.kvTarget, "kv-target", 0, "share of each backend's KV cache admitted work may fill (env KVGATE_KV_TARGET; default 0.95)")
-	fs.IntVar(&c.simCount, "sim-count", 0, "simulated backends to start when none is configured (default 2)")
-	fs.StringVar(&c.simProf, "sim-profile", "", "profile of the simulated backends (default h100-llama-3.1-8b)")
-	fs.Float64Var(&c.speedup, "sim-speedup", 0, "speed-up of the simulated backends (default 1)")
-	fs.BoolVar(&c.noNVML, "no-nvml", false, "do not read GPUs through NVML")
-	fs.StringVar(&c.store, "store", "", "job store: postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
-	fs.StringVar(&c.dataDir, "data-dir", "", "directory of the embedded store (env KVGATE_DATA_DIR; default ./data)")
-	fs.BoolVar(&c.noMig, "no-migrate", false, "do not apply the store's migrations on start (run kvgate migrate)")
-	fs.StringVar(&c.adminKey, "admin-key", "", "bootstrap administrator's bearer token, for /v1/admin/ (env KVGATE_ADMIN_KEY)")
-	fs.BoolVar(&c.failOpen, "quota-fail-open", false, "admit requests unlimited when the quota store is unreachable (env KVGATE_QUOTA_FAIL_OPEN; default: answer 503)")
-	fs.BoolVar(&c.dev, "dev", false, "development mode: a caller without a key is tenant default's admin until the first key exists (env KVGATE_DEV; never in production)")
-	fs.DurationVar(&c.drain, "drain-timeout", 0, "at shutdown, how long requests, streams and jobs in flight may take to finish (env KVGATE_DRAIN_TIMEOUT; default 60s)")
-	fs.StringVar(&c.natsURL, "nats-url", "", "NATS server or cluster for job events, e.g. nats://host:4222 (env KVGATE_NATS_URL; default: embedded in-process, files under --data-dir)")
+	c.flags = map[string]*rawFlag{}
+	def := defaultConfig()
+	for _, s := range settings {
+		if s.flag == "" {
+			continue
+		}
+		v, _, err := fieldByPath(reflect.ValueOf(def).Elem(), s.path)
+		if err != nil {
+			panic(fmt.Sprintf("setting %s: %v", s.path, err)) // a row naming no field: TestSettingsNameFields
+		}
+		f := &rawFlag{isBool: v.Kind() == reflect.Bool, list: s.list}
+		c.flags[s.flag] = f
+		usage := s.usage
+		if s.env != "" {
+			usage += " (env " + s.env + ")"
+		}
+		if d := defaultText(v); d != "" && !f.isBool {
+			usage += " [" + d + "]"
+		}
+		fs.Var(f, s.flag, usage)
+	}
 }
 
 // load builds the configuration from the file, the environment and the
 // flags that were set on fs.
 func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*config, error) {
-	cfg := &config{Addr: "127.0.0.1:8080", LogLevel: "info", DataDir: "data", DrainTimeout: 60 * time.Second}
-	cfg.Sim.Profile, cfg.Sim.Count, cfg.Sim.Speedup = "h100-llama-3.1-8b", 2, 1
+	cfg := defaultConfig()
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 
@@ -153,163 +270,35 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		file = getenv("KVGATE_CONFIG")
 	}
 	if file != "" {
-		b, err := os.ReadFile(file)
-		if err != nil {
-			return nil, fmt.Errorf("read config: %w", err)
+		if err := loadYAMLFile(file, cfg); err != nil {
+			return nil, err
 		}
-		dec := yaml.NewDecoder(strings.NewReader(string(b)))
-		dec.KnownFields(true)
-		if err := dec.Decode(cfg); err != nil && !errors.Is(err, io.EOF) { // EOF: an empty file
-			return nil, fmt.Errorf("config %s: %w", file, err)
+	}
+	root := reflect.ValueOf(cfg).Elem()
+	for _, s := range settings {
+		if s.env == "" {
+			continue
 		}
-		// Decode reads one document; what a second one sets (api_keys
-		// after a "---") would be dropped without a word.
-		for {
-			var more yaml.Node
-			err := dec.Decode(&more)
-			if errors.Is(err, io.EOF) {
-				break
+		if v := getenv(s.env); v != "" {
+			vals := []string{v}
+			if s.list {
+				vals = splitList(v)
 			}
-			if err != nil {
-				return nil, fmt.Errorf("config %s: %w", file, err)
-			}
-			if len(more.Content) > 0 && more.Content[0].Tag != "!!null" {
-				return nil, fmt.Errorf("config %s holds more than one YAML document; kvgate reads one", file)
+			if err := applySetting(cfg, root, s, vals); err != nil {
+				return nil, fmt.Errorf("%s: %w", s.env, err)
 			}
 		}
 	}
-
-	env := func(name string) (string, bool) {
-		v := getenv(name)
-		return v, v != ""
-	}
-	if v, ok := env("KVGATE_ADDR"); ok {
-		cfg.Addr = v
-	}
-	if v, ok := env("KVGATE_LOG_LEVEL"); ok {
-		cfg.LogLevel = v
-	}
-	if v, ok := env("KVGATE_STORE"); ok {
-		cfg.Store = v
-	}
-	if v, ok := env("KVGATE_DATA_DIR"); ok {
-		cfg.DataDir = v
-	}
-	if v, ok := env("KVGATE_ADMIN_KEY"); ok {
-		cfg.AdminKey = v
-	}
-	if v, ok := env("KVGATE_QUOTA_FAIL_OPEN"); ok {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			return nil, fmt.Errorf("KVGATE_QUOTA_FAIL_OPEN: %w", err)
+	for _, s := range settings {
+		if s.flag == "" || !set[s.flag] {
+			continue
 		}
-		cfg.Quotas.FailOpen = b
-	}
-	if v, ok := env("KVGATE_DEV"); ok {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			return nil, fmt.Errorf("KVGATE_DEV: %w", err)
+		if err := applySetting(cfg, root, s, c.flags[s.flag].vals); err != nil {
+			return nil, fmt.Errorf("--%s: %w", s.flag, err)
 		}
-		cfg.Dev = b
-	}
-	if v, ok := env("KVGATE_NATS_URL"); ok {
-		cfg.NATS.URL = v
-	}
-	if v, ok := env("KVGATE_DRAIN_UNREADY_DELAY"); ok {
-		d, err := time.ParseDuration(v)
-		if err != nil {
-			return nil, fmt.Errorf("KVGATE_DRAIN_UNREADY_DELAY: %w", err)
-		}
-		cfg.DrainUnreadyDelay = &d
-	}
-	if v, ok := env("KVGATE_DRAIN_TIMEOUT"); ok {
-		d, err := time.ParseDuration(v)
-		if err != nil {
-			return nil, fmt.Errorf("KVGATE_DRAIN_TIMEOUT: %w", err)
-		}
-		cfg.DrainTimeout = d
-	}
-	if v, ok := env("KVGATE_BACKENDS"); ok {
-		cfg.Backends = nil
-		for _, u := range splitList(v) {
-			cfg.Backends = append(cfg.Backends, gpu.BackendConfig{URL: u})
-		}
-	}
-	if v, ok := env("KVGATE_API_KEYS"); ok {
-		keys, err := parseKeys(splitList(v))
-		if err != nil {
-			return nil, fmt.Errorf("KVGATE_API_KEYS: %w", err)
-		}
-		cfg.APIKeys = keys
-	}
-	if v, ok := env("KVGATE_KV_TARGET"); ok {
-		f, err := strconv.ParseFloat(v, 64)
-		if err != nil {
-			return nil, fmt.Errorf("KVGATE_KV_TARGET: %w", err)
-		}
-		cfg.Admission.KVTarget = f
-	}
-
-	if set["addr"] {
-		cfg.Addr = c.addr
-	}
-	if set["log-level"] {
-		cfg.LogLevel = c.logLevel
-	}
-	if set["store"] {
-		cfg.Store = c.store
-	}
-	if set["data-dir"] {
-		cfg.DataDir = c.dataDir
-	}
-	if set["no-migrate"] {
-		cfg.NoMigrate = c.noMig
-	}
-	if set["admin-key"] {
-		cfg.AdminKey = c.adminKey
-	}
-	if set["quota-fail-open"] {
-		cfg.Quotas.FailOpen = c.failOpen
-	}
-	if set["dev"] {
-		cfg.Dev = c.dev
-	}
-	if set["nats-url"] {
-		cfg.NATS.URL = c.natsURL
-	}
-	if set["drain-timeout"] {
-		cfg.DrainTimeout = c.drain
-	}
-	if set["backend"] {
-		cfg.Backends = nil
-		for _, u := range c.backends {
-			cfg.Backends = append(cfg.Backends, gpu.BackendConfig{URL: u})
-		}
-	}
-	if set["api-key"] {
-		keys, err := parseKeys(c.keys)
-		if err != nil {
-			return nil, fmt.Errorf("--api-key: %w", err)
-		}
-		cfg.APIKeys = keys
-	}
-	if set["kv-target"] {
-		cfg.Admission.KVTarget = c.kvTarget
-	}
-	if set["sim-count"] {
-		cfg.Sim.Count = c.simCount
-	}
-	if set["sim-profile"] {
-		cfg.Sim.Profile = c.simProf
-	}
-	if set["sim-speedup"] {
-		cfg.Sim.Speedup = c.speedup
-	}
-	if set["no-nvml"] {
-		cfg.NVML.Disabled = c.noNVML
 	}
 	if cfg.DrainTimeout <= 0 {
-		return nil, fmt.Errorf("drain timeout %s: it must be positive", cfg.DrainTimeout)
+		return nil, fmt.Errorf("drain_timeout %s: write a positive duration such as 60s", cfg.DrainTimeout)
 	}
 	if cfg.DrainUnreadyDelay == nil {
 		d := min(time.Second, cfg.DrainTimeout/4)
@@ -352,7 +341,8 @@ func (c *config) validate() error {
 		{"gateway.request_timeout", int64(c.Gateway.RequestTimeout), true}, {"metrics.scrape_interval", int64(c.Metrics.ScrapeInterval), true},
 		{"metrics.stale_after", int64(c.Metrics.StaleAfter), true}, {"metrics.probe_interval", int64(c.Metrics.ProbeInterval), true},
 		{"nvml.interval", int64(c.NVML.Interval), true}, {"jobs.lease", int64(c.Jobs.Lease), true},
-		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true},
+		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true}, {"jobs.retention", int64(c.Jobs.Retention), true},
+		{"metrics.backlog_interval", int64(c.Metrics.BacklogInterval), true},
 		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
 		{"nats.replicas", int64(c.NATS.Replicas), false}, {"jobs.concurrency", int64(c.Jobs.Concurrency), false},
 		{"jobs.max_attempts", int64(c.Jobs.MaxAttempts), false}, {"sim.count", int64(c.Sim.Count), false},
@@ -387,8 +377,16 @@ func (c *config) validate() error {
 	if tc := c.Gateway.TokenCount; tc != "" && tc != "estimate" && tc != "tokenize" {
 		return fmt.Errorf("gateway: token_count %q is not estimate or tokenize", tc)
 	}
-	if _, err := newLogger(io.Discard, c.LogLevel); err != nil {
+	if _, err := newLogger(io.Discard, c.LogLevel, c.LogFormat); err != nil {
 		return err
+	}
+	switch c.AccessLog {
+	case "", "debug", "info", "off":
+	default:
+		return fmt.Errorf("access_log %q: write debug, info or off", c.AccessLog)
+	}
+	if r := c.Tracing.SampleRatio; r != nil && !(*r >= 0 && *r <= 1) {
+		return fmt.Errorf("tracing.sample_ratio %g: write a number from 0 to 1", *r)
 	}
 	return nil
 }
@@ -447,4 +445,17 @@ func (c *config) adminKeys() map[string]string {
 		return nil
 	}
 	return map[string]string{c.AdminKey: "admin"}
+}
+
+// tenants are the tenants the configuration names: the static keys'
+// (and "default" in development mode), sorted, once each.
+func (c *config) tenants() []string {
+	seen := map[string]bool{}
+	if c.Dev {
+		seen["default"] = true
+	}
+	for _, k := range c.APIKeys {
+		seen[k.Tenant] = true
+	}
+	return slices.Sorted(maps.Keys(seen))
 }

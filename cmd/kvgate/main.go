@@ -27,7 +27,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"runtime/debug"
 	"syscall"
 )
 
@@ -115,8 +114,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	case "bench":
 		return runBench(ctx, args[1:], getenv, stdout, stderr)
 	case "version", "--version":
-		fmt.Fprintln(stdout, "kvgate", version())
-		return nil
+		return runVersion(args[1:], stdout)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
@@ -125,25 +123,30 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	return fmt.Errorf("unknown command %q", args[0])
 }
 
-func version() string {
-	info, ok := debug.ReadBuildInfo()
-	if !ok {
-		return "unknown"
-	}
-	rev, dirty := "", false
-	for _, s := range info.Settings {
-		switch s.Key {
-		case "vcs.revision":
-			rev = s.Value
-		case "vcs.modified":
-			dirty = s.Value == "true"
+// parseFlags parses a command's flags. An unknown or malformed flag is an
+// error of two lines, the problem and where the flags are listed, not the
+// whole usage (which scrolls the error away); -h and --help print the
+// usage (fs.Usage, to fs's output) and return flag.ErrHelp.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	usage, out := fs.Usage, fs.Output()
+	fs.Usage = func() {}
+	fs.SetOutput(io.Discard)
+	err := fs.Parse(args)
+	fs.Usage = usage
+	fs.SetOutput(out)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		if usage != nil {
+			usage()
+		} else {
+			fs.PrintDefaults()
 		}
+		return err
+	case err != nil:
+		return fmt.Errorf("%w\n  (%s --help lists the flags)", err, fs.Name())
 	}
-	if rev == "" {
-		return info.Main.Version
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected argument %q\n  (%s --help lists the flags)", fs.Arg(0), fs.Name())
 	}
-	if dirty {
-		rev += "-dirty"
-	}
-	return rev
+	return nil
 }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
@@ -49,6 +50,17 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		}
 		defer lock.Close()
 	}
+	// The certificate's reloader lives as long as serve, drain included.
+	reloadCtx, stopReload := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopReload()
+	tlsConf, err := listenerTLS(reloadCtx, cfg, log)
+	if err != nil {
+		return err
+	}
+	natsOpts, err := natsOptions(cfg)
+	if err != nil {
+		return err
+	}
 	ln, err := net.Listen("tcp", cfg.Addr)
 	if err != nil {
 		return err
@@ -66,7 +78,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		_ = g.Wait()
 		return err
 	}
-	if len(cfg.Backends) == 0 {
+	simulated := len(cfg.Backends) == 0
+	if simulated {
 		urls, err := startSimFleet(gctx, g, cfg, log)
 		if err != nil {
 			return fail(err)
@@ -76,8 +89,21 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		}
 	}
 
+	stopTracing, err := setupTracing(cfg, log)
+	if err != nil {
+		return fail(err)
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := stopTracing(sctx); err != nil {
+			log.Warn("tracing: spans not flushed at shutdown", "err", err)
+		}
+	}()
+
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(buildInfoCollector())
 	nv := openNVML(cfg, log)
 	if nv != nil {
 		reg.MustRegister(nv.Collector())
@@ -116,7 +142,15 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 			r.Wake()
 		}
 	}
-	sig, err := scheduler.StartBroker(st, sched, scheduler.BrokerConfig{
+	// The durable path's gauges, read on a period (never per scrape),
+	// and the completion histogram, fed by the inbox.
+	var sig *scheduler.Broker
+	durable := scheduler.NewDurableMetrics(scheduler.DurableMetricsConfig{
+		Store: st, Every: cfg.Metrics.BacklogInterval, Logger: log, Tenants: cfg.tenants(),
+		Pending: func(ctx context.Context) (uint64, bool, error) { return sig.InboxPending(ctx) },
+	})
+	sig, err = scheduler.StartBroker(st, sched, scheduler.BrokerConfig{
+		OnEvent: durable.ObserveEvent, Options: natsOpts,
 		URL: cfg.NATS.URL, DataDir: cfg.DataDir, Replicas: cfg.NATS.Replicas,
 		Wake: wakeRunner, ApplyCooldown: pool.CooldownURL, Registerer: reg, Logger: log,
 	})
@@ -124,13 +158,16 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		return fail(fmt.Errorf("signals: %w", err))
 	}
 	g.Go(func() error { return sig.Run(gctx) })
+	reg.MustRegister(durable.Collectors()...)
+	g.Go(func() error { return ignoreCanceled(durable.Run(gctx)) })
 	api, err := gateway.New(gateway.Config{
 		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
-		AdminKeys: cfg.adminKeys(),
-		Dev:       cfg.Dev,
-		Tenants:   gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
+		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog,
+		Dev:    cfg.Dev,
+		Models: cfg.aliases(), Prices: cfg.Prices, Currency: cfg.Currency,
+		Tenants: gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
 		Jobs: gateway.Jobs{
 			Store: st, MaxAttempts: cfg.Jobs.MaxAttempts, DefaultDeadline: cfg.Jobs.DefaultDeadline,
 			Feed: sig.Feed,
@@ -146,9 +183,12 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	})
 	runnerPtr.Store(runner)
 	reg.MustRegister(runner.Collectors()...)
+	pruner := scheduler.NewPruner(st, scheduler.RetentionConfig{Retention: cfg.Jobs.Retention, Logger: log})
+	reg.MustRegister(pruner.Collectors()...)
 
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })
 	g.Go(func() error { return ignoreCanceled(sched.Run(gctx)) })
+	g.Go(func() error { return ignoreCanceled(pruner.Run(gctx)) })
 	// The runner's context is its own: the drain ends it, not the signal.
 	jobsCtx, stopJobs := context.WithCancel(gctx)
 	defer stopJobs()
@@ -157,9 +197,12 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		defer close(jobsDone)
 		return ignoreCanceled(runner.Run(jobsCtx))
 	})
+	// The batch worker (validation, finalization) is leased work too.
+	g.Go(func() error { return ignoreCanceled(api.RunBatches(jobsCtx)) })
 	g.Go(func() error {
 		err := serveAPI(ctx, gctx, ln, api, drainConfig{
 			timeout: cfg.DrainTimeout, unready: *cfg.DrainUnreadyDelay, jobs: runner, stopJobs: stopJobs, jobsDone: jobsDone, log: log,
+			tls: tlsConf,
 		})
 		cancel() // the rest goes with the API
 		return err
@@ -168,16 +211,52 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	addr := ln.Addr().String()
 	log.Info("kvgate serving", "addr", addr, "backends", len(cfg.Backends), "auth", len(keys)+len(operators) > 0,
 		"admin_key", cfg.AdminKey != "", "quota_fail_open", cfg.Quotas.FailOpen)
-	model := "meta-llama/Llama-3.1-8B-Instruct"
-	if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
-		model = p.Model
-	}
 	auth := ""
 	if !api.DevOpen(ctx) {
 		auth = " -H 'Authorization: Bearer YOUR_KEY'"
 	}
-	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on http://%s/v1\ntry: curl -s http://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
-		"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", addr, addr, auth, model)
+	scheme, insecure := "http", ""
+	if tlsConf != nil {
+		scheme, insecure = "https", " --cacert CA.pem"
+	}
+	fmt.Fprintf(stdout, "kvgate is serving the OpenAI API on %s://%s/v1\n", scheme, addr)
+	try := func(model string) {
+		if model == "" {
+			fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/models%s (no backend has listed a model yet)\n", insecure, scheme, addr, auth)
+			return
+		}
+		if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); simulated && err == nil && p.Embedding {
+			fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/embeddings%s -H 'Content-Type: application/json' "+
+				"-d '{\"model\":\"%s\",\"input\":\"Hello\"}'\n", insecure, scheme, addr, auth, model)
+			return
+		}
+		fmt.Fprintf(stdout, "try: curl -s%s %s://%s/v1/chat/completions%s -H 'Content-Type: application/json' "+
+			"-d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}'\n", insecure, scheme, addr, auth, model)
+	}
+	// The example names a model the backends serve: the simulator's, a
+	// backend's configured one, or the first the fleet lists once a
+	// backend answers.
+	if model := tryModel(cfg, simulated); model != "" {
+		try(model)
+	} else {
+		g.Go(func() error {
+			t := time.NewTicker(100 * time.Millisecond)
+			defer t.Stop()
+			for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); {
+				if ms := pool.Models(); len(ms) > 0 {
+					try(ms[0].ID)
+					return nil
+				}
+				select {
+				case <-gctx.Done():
+					return nil
+				case <-t.C:
+				}
+			}
+			try("")
+			return nil
+		})
+	}
 	return g.Wait()
 }
 
@@ -192,14 +271,14 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 		fmt.Fprintf(stderr, "Usage: kvgate %s [flags]\n\n%s\n\nFlags:\n", cmd, about)
 		fs.PrintDefaults()
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return nil, nil, err
 	}
 	cfg, err := cf.load(fs, getenv)
 	if err != nil {
 		return nil, nil, err
 	}
-	log, err := newLogger(stderr, cfg.LogLevel)
+	log, err := newLogger(stderr, cfg.LogLevel, cfg.LogFormat)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -214,6 +293,7 @@ type drainConfig struct {
 	stopJobs func()               // ends the runner's context
 	jobsDone <-chan struct{}      // closed once the runner has returned
 	log      *slog.Logger
+	tls      *tls.Config // HTTPS when set
 }
 
 // serveAPI serves the API on ln until ctx ends (the first signal), then
@@ -226,9 +306,17 @@ type drainConfig struct {
 // attempt) and serveAPI returns once the runner has. When life ends first
 // (a component failed), it stops at once.
 func serveAPI(ctx, life context.Context, ln net.Listener, api *gateway.Server, d drainConfig) error {
-	srv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second, TLSConfig: d.tls,
+		// Failed handshakes and the like: the client's trouble, at debug.
+		ErrorLog: slog.NewLogLogger(d.log.Handler(), slog.LevelDebug)}
 	served := make(chan error, 1)
-	go func() { served <- srv.Serve(ln) }()
+	go func() {
+		if d.tls != nil {
+			served <- srv.ServeTLS(ln, "", "") // the certificate comes from TLSConfig.GetCertificate
+			return
+		}
+		served <- srv.Serve(ln)
+	}()
 	select {
 	case err := <-served:
 		d.stopJobs()
@@ -283,14 +371,6 @@ func ignoreCanceled(err error) error {
 	return err
 }
 
-func newLogger(w io.Writer, level string) (*slog.Logger, error) {
-	var l slog.Level
-	if err := l.UnmarshalText([]byte(level)); err != nil {
-		return nil, fmt.Errorf("log level %q: %w", level, err)
-	}
-	return slog.New(slog.NewTextHandler(w, &slog.HandlerOptions{Level: l})), nil
-}
-
 // openNVML opens NVML unless configured off (nil then). Without the
 // library it comes back disabled, having said so once in the log.
 func openNVML(cfg *config, log *slog.Logger) *gpu.NVML {
@@ -340,9 +420,12 @@ func runGPUs(ctx context.Context, args []string, getenv func(string) string, std
 	if nv != nil {
 		nv.Refresh()
 	}
-	if nv == nil || !nv.Enabled() {
+	switch {
+	case !gpu.NVMLBuilt:
+		fmt.Fprintln(tw, "GPUs: NVML is not available: this kvgate was built without cgo (make build has it)")
+	case nv == nil || !nv.Enabled():
 		fmt.Fprintln(tw, "GPUs: NVML is not available on this machine")
-	} else {
+	default:
 		fmt.Fprintf(tw, "GPUs (driver %s)\n", nv.Driver())
 		fmt.Fprintln(tw, "INDEX\tNAME\tUUID\tMEMORY USED/TOTAL\tUTIL\tTEMP\tPOWER/LIMIT\tTHROTTLE\tECC (CORR/UNCORR)\tHEALTH")
 		for _, g := range nv.GPUs() {
@@ -401,3 +484,21 @@ func (c *config) backendGPUs(name string) []string {
 }
 
 var _ http.Handler = (*gateway.Server)(nil)
+
+// tryModel is the model of start-up's example request when it is known
+// before any backend answers: the simulator profile's, or the first a
+// configured backend lists.
+func tryModel(cfg *config, simulated bool) string {
+	if simulated {
+		if p, err := vllmsim.LookupProfile(cfg.Sim.Profile); err == nil {
+			return p.Model
+		}
+		return ""
+	}
+	for _, b := range cfg.Backends {
+		if len(b.Models) > 0 {
+			return b.Models[0]
+		}
+	}
+	return ""
+}

@@ -46,7 +46,10 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 		modelLen  = fs.Int("max-model-len", 0, "override the context length")
 		noPrefix  = fs.Bool("no-enable-prefix-caching", false, "disable prefix caching")
 		faults    vllmsim.Faults
+		quirks    vllmsim.Quirks
 	)
+	fs.BoolVar(&quirks.NoStepCounter, "no-step-counter", false, "leave vllm:iteration_tokens_total out of /metrics, as older vLLM and some emulators do")
+	fs.BoolVar(&quirks.OutputAtFinish, "output-at-finish", false, "count a request's output in vllm:generation_tokens_total when it ends, as some emulators do")
 	fs.Float64Var(&faults.RateLimitRate, "fault-429-rate", 0, "fraction of requests answered 429")
 	fs.IntVar(&faults.RetryAfterSeconds, "fault-retry-after", 1, "Retry-After seconds on injected 429s")
 	fs.Float64Var(&faults.ServerErrorRate, "fault-500-rate", 0, "fraction of requests answered 500")
@@ -56,6 +59,7 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 	fs.Float64Var(&faults.MalformedRate, "fault-malformed-rate", 0, "fraction of requests answered with truncated JSON")
 	fs.Float64Var(&faults.SlowFirstTokenRate, "fault-slow-first-token-rate", 0, "fraction of requests whose first token is delayed")
 	fs.Float64Var(&faults.SlowFirstTokenSeconds, "fault-slow-first-token", 5, "delay of a slow first token, in simulated seconds")
+	fs.Float64Var(&faults.InvalidJSONRate, "fault-invalid-json-rate", 0, "fraction of structured answers (response_format, guided_json) that break their schema")
 	fs.BoolVar(&faults.Dead, "fault-dead", false, "start with a dead engine (/health 503, requests fail)")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: kvgate sim [flags]\n       kvgate sim calibrate [--profile NAME] [--seed N]\n       kvgate sim profiles\n\n"+
@@ -64,7 +68,7 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 		fmt.Fprintln(stderr, "\nProfiles:")
 		writeProfiles(stderr)
 	}
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
@@ -88,7 +92,7 @@ func runSim(ctx context.Context, args []string, getenv func(string) string, stdo
 	log := slog.New(slog.NewTextHandler(stderr, nil))
 	sim, err := vllmsim.New(vllmsim.Config{
 		Profile: p, ServedModelName: *served, Speedup: *speedup, Seed: *seed,
-		LegacyMetrics: *legacy, Faults: faults, Logger: log,
+		LegacyMetrics: *legacy, Quirks: quirks, Faults: faults, Logger: log,
 	})
 	if err != nil {
 		return err
@@ -156,7 +160,10 @@ func writeProfiles(w io.Writer) {
 	fmt.Fprintln(tw, "  PROFILE\tMODEL\tGPUS\tKV BLOCKS\tKV TOKENS\tMAX SEQS\tBATCH TOKENS\tMAX LEN")
 	for _, p := range vllmsim.Profiles() {
 		kind := "generate"
-		if p.Embedding {
+		switch {
+		case p.Reranker:
+			kind = "score, rerank"
+		case p.Embedding:
 			kind = fmt.Sprintf("embed, %d dims", p.EmbeddingDim)
 		}
 		fmt.Fprintf(tw, "  %s\t%s (%s)\t%dx %s\t%d\t%d\t%d\t%d\t%d\n", p.Name, p.Model, kind, p.TP, p.GPU,
@@ -171,7 +178,7 @@ func runCalibrate(args []string, stdout, stderr io.Writer) error {
 	profile := fs.String("profile", vllmsim.CalibrationProfile, "profile to replay the published experiments on")
 	seed := fs.Uint64("seed", 1, "seed for prompts and lengths")
 	tol := fs.Float64("tolerance", 0.15, "largest relative error accepted")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	p, err := vllmsim.LookupProfile(*profile)

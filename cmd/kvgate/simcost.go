@@ -33,7 +33,7 @@ func runSimCost(ctx context.Context, args []string, stdout, stderr io.Writer) er
 	window := fs.Duration("window", 15*time.Second, "measuring window of each scenario")
 	seqs := fs.Int("seqs", 256, "concurrent sequences at full load")
 	profile := fs.String("profile", "h100-llama-3.1-8b", "simulated deployment")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	p, err := vllmsim.LookupProfile(*profile)

@@ -51,7 +51,7 @@ func runMigrate(ctx context.Context, args []string, getenv func(string) string, 
 	fs.SetOutput(stderr)
 	url := fs.String("store", getenv("KVGATE_STORE"), "postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
 	dataDir := fs.String("data-dir", envOr(getenv, "KVGATE_DATA_DIR", "data"), "directory for the embedded store and broker (env KVGATE_DATA_DIR)")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	s, loc, applied, err := openStore(ctx, *url, *dataDir, true)

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"strconv"
 	"text/tabwriter"
 	"time"
@@ -69,6 +70,7 @@ func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
 type limitFlags struct {
 	weight                                                           int
 	rpm, tpm, conc, pendingJobs, pendingTokens, dailyTok, monthlyTok int64
+	dailySpend, monthlySpend                                         float64
 }
 
 func (l *limitFlags) register(fs *flag.FlagSet) {
@@ -80,6 +82,8 @@ func (l *limitFlags) register(fs *flag.FlagSet) {
 	fs.Int64Var(&l.pendingTokens, "max-pending-tokens", 0, "token estimates of the pending jobs (0: unlimited)")
 	fs.Int64Var(&l.dailyTok, "daily-tokens", 0, "token budget per UTC day (0: unlimited)")
 	fs.Int64Var(&l.monthlyTok, "monthly-tokens", 0, "token budget per UTC month (0: unlimited)")
+	fs.Float64Var(&l.dailySpend, "daily-spend", 0, "spending budget per UTC day, in the configured currency (0: unlimited)")
+	fs.Float64Var(&l.monthlySpend, "monthly-spend", 0, "spending budget per UTC month, in the configured currency (0: unlimited)")
 }
 
 // apply sets the limits whose flags were given.
@@ -103,10 +107,15 @@ func (l *limitFlags) apply(fs *flag.FlagSet, t *store.Tenant) error {
 			t.Limits.DailyTokens = l.dailyTok
 		case "monthly-tokens":
 			t.Limits.MonthlyTokens = l.monthlyTok
+		case "daily-spend":
+			t.Limits.DailySpend = int64(math.Round(l.dailySpend * 1e6))
+		case "monthly-spend":
+			t.Limits.MonthlySpend = int64(math.Round(l.monthlySpend * 1e6))
 		}
 	})
 	lm := t.Limits
-	for _, v := range []int64{lm.RPM, lm.TPM, lm.MaxConcurrency, lm.MaxPendingJobs, lm.MaxPendingTokens, lm.DailyTokens, lm.MonthlyTokens} {
+	for _, v := range []int64{lm.RPM, lm.TPM, lm.MaxConcurrency, lm.MaxPendingJobs, lm.MaxPendingTokens, lm.DailyTokens, lm.MonthlyTokens,
+		lm.DailySpend, lm.MonthlySpend} {
 		if v < 0 {
 			err = errors.New("limits are 0 (unlimited) or more")
 		}
@@ -216,6 +225,14 @@ func runTenants(ctx context.Context, args []string, getenv func(string) string, 
 	return printTenants(stdout, ts)
 }
 
+// spend writes a spending budget (micro-units) in the currency.
+func spend(v int64) string {
+	if v == 0 {
+		return "-"
+	}
+	return strconv.FormatFloat(float64(v)/1e6, 'f', -1, 64)
+}
+
 func limit(v int64) string {
 	if v == 0 {
 		return "-"
@@ -225,11 +242,11 @@ func limit(v int64) string {
 
 func printTenants(w io.Writer, ts []store.Tenant) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tWEIGHT\tRPM\tTPM\tCONCURRENCY\tPENDING JOBS\tPENDING TOKENS\tDAILY TOKENS\tMONTHLY TOKENS")
+	fmt.Fprintln(tw, "NAME\tWEIGHT\tRPM\tTPM\tCONCURRENCY\tPENDING JOBS\tPENDING TOKENS\tDAILY TOKENS\tMONTHLY TOKENS\tDAILY SPEND\tMONTHLY SPEND")
 	for _, t := range ts {
 		l := t.Limits
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Name, t.Weight, limit(l.RPM), limit(l.TPM), limit(l.MaxConcurrency),
-			limit(l.MaxPendingJobs), limit(l.MaxPendingTokens), limit(l.DailyTokens), limit(l.MonthlyTokens))
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Name, t.Weight, limit(l.RPM), limit(l.TPM), limit(l.MaxConcurrency),
+			limit(l.MaxPendingJobs), limit(l.MaxPendingTokens), limit(l.DailyTokens), limit(l.MonthlyTokens), spend(l.DailySpend), spend(l.MonthlySpend))
 	}
 	return tw.Flush()
 }

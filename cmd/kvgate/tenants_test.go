@@ -50,15 +50,20 @@ func testTenantsAndKeys(t *testing.T, url string) {
 	}
 	// Flags after the name, as people type them.
 	out := must("tenants", "create", "acme", "--rpm", "60", "--tpm", "10000", "--max-concurrency", "4", "--daily-tokens", "1000000")
-	if !regexp.MustCompile(`(?m)^acme\s+1\s+60\s+10000\s+4\s+-\s+-\s+1000000\s+-\s*$`).MatchString(out) {
+	if !regexp.MustCompile(`(?m)^acme\s+1\s+60\s+10000\s+4\s+-\s+-\s+1000000\s+-\s+-\s+-\s*$`).MatchString(out) {
 		t.Errorf("tenants create printed:\n%s", out)
 	}
 	must("tenants", "create", "--weight", "3", "globex")
 	fails("already exists", "tenants", "create", "acme")
 	out = must("tenants", "update", "acme", "--rpm", "120", "--max-pending-jobs", "50")
-	if !regexp.MustCompile(`(?m)^acme\s+1\s+120\s+10000\s+4\s+50\s+-\s+1000000\s+-\s*$`).MatchString(out) {
+	if !regexp.MustCompile(`(?m)^acme\s+1\s+120\s+10000\s+4\s+50\s+-\s+1000000\s+-\s+-\s+-\s*$`).MatchString(out) {
 		t.Errorf("tenants update kept the other limits? printed:\n%s", out)
 	}
+	out = must("tenants", "update", "acme", "--daily-spend", "2.5", "--monthly-spend", "40")
+	if !regexp.MustCompile(`(?m)^acme\s+1\s+120\s+10000\s+4\s+50\s+-\s+1000000\s+-\s+2\.5\s+40\s*$`).MatchString(out) {
+		t.Errorf("tenants update with spending budgets printed:\n%s", out)
+	}
+	fails("0 (unlimited) or more", "tenants", "update", "acme", "--daily-spend", "-1")
 	fails("no tenant", "tenants", "update", "nobody", "--rpm", "1")
 	fails("0 (unlimited) or more", "tenants", "update", "acme", "--rpm", "-1")
 	out = must("tenants", "list")

@@ -3,6 +3,7 @@ package sqlstore
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/kvgate/kvgate/store"
 )
@@ -196,6 +197,145 @@ func (s *Store) finishGroup(ctx context.Context, cs []*end) {
 		for _, c := range cs {
 			if err := run([]*end{c}); err != nil {
 				c.err = s.err(c.op, err)
+			}
+		}
+	}
+}
+
+// renewCall is one Heartbeat or MarkSent (mark) in a batch.
+type renewCall struct {
+	op, id     string
+	fence      int64
+	now, until time.Time
+	mark       bool
+	err        error
+}
+
+// renewGroup runs a batch of lease renewals (ownership.go's renewBatch),
+// each under its own fence: a call whose claim no longer owns its job
+// gets ErrLeaseLost and changes nothing, the others land.
+func (s *Store) renewGroup(ctx context.Context, cs []*renewCall) {
+	run := func(cs []*renewCall) error {
+		ids, fences, nows, untils, marks := make([]string, len(cs)), make([]int64, len(cs)), make([]int64, len(cs)),
+			make([]int64, len(cs)), make([]bool, len(cs))
+		for i, c := range cs {
+			ids[i], fences[i], nows[i], untils[i], marks[i] = c.id, c.fence, micros(c.now), micros(c.until), c.mark
+		}
+		ok, err := s.batchOrds(ctx, s.q.renewBatch, len(cs), ids, fences, nows, untils, marks, ids)
+		if err != nil {
+			return err
+		}
+		for i, c := range cs {
+			if !ok[i] {
+				c.err = store.ErrLeaseLost
+			}
+		}
+		return nil
+	}
+	// A job's row is updated once per statement: a second call for the
+	// same job goes in a batch of its own.
+	seen := map[string]bool{}
+	var first, again []*renewCall
+	for _, c := range cs {
+		if seen[c.id] {
+			again = append(again, c)
+			continue
+		}
+		seen[c.id] = true
+		first = append(first, c)
+	}
+	runEach(s, first, run, func(c *renewCall, err error) { c.err = s.err(c.op, err) })
+	for _, c := range again {
+		runEach(s, []*renewCall{c}, run, func(c *renewCall, err error) { c.err = s.err(c.op, err) })
+	}
+}
+
+// stageCall is one SaveStage in a batch; saved says its row was written
+// (else the stage existed, or the claim lost its job: SaveStage asks).
+type stageCall struct {
+	op, id, stage string
+	fence         int64
+	data          []byte
+	now           time.Time
+	saved         bool
+	err           error
+}
+
+// stageGroup runs a batch of stage checkpoints (ownership.go's
+// saveStageBatch), each written only while its claim owns the job.
+func (s *Store) stageGroup(ctx context.Context, cs []*stageCall) {
+	run := func(cs []*stageCall) error {
+		ids, fences, stages, data, nows := make([]string, len(cs)), make([]int64, len(cs)), make([]string, len(cs)),
+			make([][]byte, len(cs)), make([]int64, len(cs))
+		for i, c := range cs {
+			ids[i], fences[i], stages[i], data[i], nows[i] = c.id, c.fence, c.stage, c.data, micros(c.now)
+		}
+		rows, err := s.query(ctx, nil, s.q.saveStageBatch, ids, fences, stages, data, nows, ids)
+		if err != nil {
+			return err
+		}
+		defer rows.Close()
+		saved := map[[2]string]bool{}
+		for rows.Next() {
+			var k [2]string
+			if err := rows.Scan(&k[0], &k[1]); err != nil {
+				return err
+			}
+			saved[k] = true
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		for _, c := range cs {
+			// The first call for a stage wrote it; a second finds it.
+			k := [2]string{c.id, c.stage}
+			c.saved, saved[k] = saved[k], false
+		}
+		return nil
+	}
+	runEach(s, cs, run, func(c *stageCall, err error) { c.err = s.err(c.op, err) })
+}
+
+// batchOrds runs a batch statement that returns the 1-based places (ord)
+// of the calls it wrote, and says which those are.
+func (s *Store) batchOrds(ctx context.Context, q string, n int, args ...any) ([]bool, error) {
+	rows, err := s.query(ctx, nil, q, args...)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	ok := make([]bool, n)
+	for rows.Next() {
+		var ord int
+		if err := rows.Scan(&ord); err != nil {
+			return nil, err
+		}
+		if ord < 1 || ord > n {
+			return nil, errors.New("batch: row out of range")
+		}
+		ok[ord-1] = true
+	}
+	return ok, rows.Err()
+}
+
+// runEach runs a batch; when its statement fails, which writes nothing,
+// each call is run on its own, so that one call's error stays its own,
+// unless the error concerns every call alike (lostTouch).
+func runEach[C any](s *Store, cs []*C, run func([]*C) error, fail func(*C, error)) {
+	if len(cs) == 0 {
+		return
+	}
+	err := run(cs)
+	switch {
+	case err == nil:
+	case len(cs) == 1 || s.lostTouch(err):
+		for _, c := range cs {
+			fail(c, err)
+		}
+	default:
+		for _, c := range cs {
+			if err := run([]*C{c}); err != nil {
+				fail(c, err)
 			}
 		}
 	}

@@ -17,25 +17,28 @@ import (
 //
 // A claim serves tenants, not the queue's head: it considers the tenants
 // least recently served (job_tenants, kept by triggers as jobs become
-// runnable), takes the head of each one's queue through the index
-// jobs_runnable_tenant, and fills its batch in weighted round-robin: a
+// runnable) and splits its batch among them in weighted round-robin: a
 // tenant's k-th job takes turn k/weight (its weight from the tenants
 // table, 1 for a tenant not there), least recently served first among
-// equal turns. The tenants it considered then go to the back. One
+// equal turns, and the first limit turns are the shares. Each tenant's
+// share is then taken from the head of its queue through the index
+// jobs_runnable_tenant; the considered tenants then go to the back. One
 // tenant's backlog of any size thus costs another tenant's first job at
-// most one claim, and saturated tenants are served in turn. A claim reads
-// the small job_tenants table and at most limit jobs of at most
-// fairTenants(limit) tenants: its cost does not grow with the backlog.
+// most one claim, and saturated tenants are served in turn. What the
+// shares could not fill (a tenant had fewer runnable jobs than its share,
+// or none available yet) is filled oldest-first from every tenant, so a
+// batch is short only when the queue is. A claim reads the small
+// job_tenants table and only the jobs it takes: its cost does not grow
+// with the backlog, nor with the number of tenants beyond
+// fairTenants(limit).
 //
-// A claim also takes the oldest runnable job of all: after the fair
-// candidates, to fill a batch that the considered tenants could not (their
-// work is not available yet), and first when its tenant is missing from
-// job_tenants. The reaper drops tenants with nothing runnable left, which
-// can race with an acceptance (the row is dropped as the tenant's new job
-// commits); the reaper's next pass lists every tenant with runnable work
-// again (fairRelist), and a claim that meets such a tenant's job as the
-// oldest puts it back at once: a lost row costs that tenant at most one
-// reaper period, never its jobs.
+// The oldest runnable job of all also comes first when its tenant is
+// missing from job_tenants. The reaper drops tenants with nothing
+// runnable left, which can race with an acceptance (the row is dropped as
+// the tenant's new job commits); the reaper's next pass lists every
+// tenant with runnable work again (fairRelist), and a claim that meets
+// such a tenant's job as the oldest puts it back at once: a lost row
+// costs that tenant at most one reaper period, never its jobs.
 
 // fairTenants is how many tenants one claim of limit jobs considers.
 func fairTenants(limit int) int { return max(limit, 1) }
@@ -73,33 +76,71 @@ var (
 		ORDER BY priority, available_at, id LIMIT ?`
 	fairOldest = `SELECT id, tenant FROM jobs WHERE ` + runnable("jobs", "?") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT 1`
+	fairFill = `SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND %s
+		ORDER BY priority, available_at, id LIMIT ?`
 	fairClaimOne = `UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = ?, state_version = state_version + 1, updated_at = ?
 		WHERE id = ? AND ` + runnable("jobs", "?") + `
 		RETURNING ` + jobColumns
 )
+
+// fairShares is each considered tenant's share of a batch of limit jobs
+// (all of it when stray is false; one less, for the stray job, when
+// true): the first limit turns of the weighted round-robin, a tenant's
+// k-th job taking turn k/weight, least recently served first among equal
+// turns. claimCTE's turns and shares are the same rule in SQL.
+func fairShares(considered []fairTenant, limit int) map[string]int {
+	type turn struct {
+		t    float64
+		at   int64
+		name string
+	}
+	var sum float64
+	for _, t := range considered {
+		sum += max(t.weight, 1)
+	}
+	var turns []turn
+	for _, t := range considered {
+		w := max(t.weight, 1)
+		for k := range min(limit, int(math.Ceil(float64(limit)*w/sum))+1) {
+			turns = append(turns, turn{float64(k) / w, t.served, t.name})
+		}
+	}
+	slices.SortFunc(turns, func(a, b turn) int {
+		return cmp.Or(cmp.Compare(a.t, b.t), cmp.Compare(a.at, b.at), cmp.Compare(a.name, b.name))
+	})
+	shares := map[string]int{}
+	for _, t := range turns[:min(len(turns), limit)] {
+		shares[t.name]++
+	}
+	return shares
+}
+
+type fairTenant struct {
+	name   string
+	served int64
+	weight float64
+}
 
 // claimFairTx is the fair claim as several statements in tx, for a
 // database that serialises writers (SQLite): the same choice as the
 // PostgreSQL statement in claimCTE. m is the dialect's models argument.
 func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any) ([]store.Job, error) {
 	head, oldestQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairOldest, s.d.ModelIn("jobs.model"))
-	type cand struct {
-		id, tenant string
-		turn       float64 // (rank-1)/weight: weighted round-robin
-		served     int64
+	fillQ := fmt.Sprintf(fairFill, s.d.ModelIn("jobs.model"))
+	var oldest struct{ id, tenant string }
+	switch err := s.queryRow(ctx, tx, rebind(s.d, oldestQ), micros(now), micros(now), m, m).Scan(&oldest.id, &oldest.tenant); {
+	case errors.Is(err, sql.ErrNoRows):
+		return nil, nil // nothing runnable anywhere: write nothing
+	case err != nil:
+		return nil, err
 	}
 	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), fairTenants(limit))
 	if err != nil {
 		return nil, err
 	}
-	type tenant struct {
-		name   string
-		served int64
-		weight float64
-	}
-	var considered []tenant
+	var considered []fairTenant
 	for rows.Next() {
-		var t tenant
+		var t fairTenant
 		if err := rows.Scan(&t.name, &t.served, &t.weight); err != nil {
 			rows.Close()
 			return nil, err
@@ -110,50 +151,61 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	if err := rows.Err(); err != nil {
 		return nil, err
 	}
-	var cands []cand
+	var ids []string
+	var listed int
+	if err := s.queryRow(ctx, tx, rebind(s.d, fairListed), oldest.tenant).Scan(&listed); err != nil {
+		return nil, err
+	}
+	if listed == 0 {
+		ids = append(ids, oldest.id) // a lost row: first, and its tenant is put back
+	}
+	shares := fairShares(considered, limit-len(ids))
 	for _, t := range considered {
-		rows, err := s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, limit)
+		if shares[t.name] == 0 {
+			continue
+		}
+		rows, err := s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, shares[t.name])
 		if err != nil {
 			return nil, err
 		}
-		for rank := 0; rows.Next(); rank++ {
-			c := cand{tenant: t.name, turn: float64(rank) / max(t.weight, 1), served: t.served}
-			if err := rows.Scan(&c.id); err != nil {
+		for rows.Next() {
+			var id string
+			if err := rows.Scan(&id); err != nil {
 				rows.Close()
 				return nil, err
 			}
-			cands = append(cands, c)
+			ids = append(ids, id)
 		}
 		rows.Close()
 		if err := rows.Err(); err != nil {
 			return nil, err
 		}
 	}
-	var oldest cand
-	switch err := s.queryRow(ctx, tx, rebind(s.d, oldestQ), micros(now), micros(now), m, m).Scan(&oldest.id, &oldest.tenant); {
-	case errors.Is(err, sql.ErrNoRows):
-		return nil, nil // nothing runnable anywhere: write nothing
-	case err != nil:
-		return nil, err
+	// What the shares could not fill, oldest-first.
+	if len(ids) < limit {
+		rows, err := s.query(ctx, tx, rebind(s.d, fillQ), micros(now), micros(now), m, m, limit)
+		if err != nil {
+			return nil, err
+		}
+		for rows.Next() && len(ids) < limit {
+			var id string
+			if err := rows.Scan(&id); err != nil {
+				rows.Close()
+				return nil, err
+			}
+			if !slices.Contains(ids, id) {
+				ids = append(ids, id)
+			}
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return nil, err
+		}
 	}
-	var listed int
-	if err := s.queryRow(ctx, tx, rebind(s.d, fairListed), oldest.tenant).Scan(&listed); err != nil {
-		return nil, err
-	}
-	oldest.turn, oldest.served = math.MaxInt32, -1 // after every fair candidate: it only fills
-	if listed == 0 {
-		oldest.turn = 0 // a lost row: first, and its tenant is put back
-	}
-	if !slices.ContainsFunc(cands, func(c cand) bool { return c.id == oldest.id }) {
-		cands = append(cands, oldest)
-	}
-	slices.SortFunc(cands, func(a, b cand) int {
-		return cmp.Or(cmp.Compare(a.turn, b.turn), cmp.Compare(a.served, b.served), cmp.Compare(a.tenant, b.tenant))
-	})
 	var out []store.Job
 	tenants := map[string]bool{}
-	for _, c := range cands[:min(len(cands), limit)] {
-		j, err := scanJob(s.queryRow(ctx, tx, rebind(s.d, fairClaimOne), micros(now.Add(lease)), micros(now), c.id, micros(now), micros(now)))
+	for _, id := range ids {
+		j, err := scanJob(s.queryRow(ctx, tx, rebind(s.d, fairClaimOne), micros(now.Add(lease)), micros(now), id, micros(now), micros(now)))
 		if errors.Is(err, sql.ErrNoRows) {
 			continue // another claimer's; SQLite serialises them, so only in theory
 		}

@@ -113,6 +113,19 @@ func ownershipQueries(d Dialect, q *queries) {
 		ON CONFLICT (job_id, stage) DO NOTHING`)
 	if d.WritableCTE {
 		q.claimCTE, q.finishBatch = r(claimCTE(d)), r(finishBatch)
+		q.renewBatch = r(`UPDATE jobs SET lease_until = input.lease_until,
+				sent_fence = CASE WHEN input.mark THEN jobs.fence ELSE jobs.sent_fence END
+			FROM unnest(?::text[], ?::bigint[], ?::bigint[], ?::bigint[], ?::boolean[])
+				WITH ORDINALITY AS input(id, fence, now, lease_until, mark, ord)
+			WHERE jobs.id = ANY(?::text[]) AND jobs.id = input.id AND ` + owned("jobs", "input.fence", "input.now") + `
+			RETURNING input.ord`)
+		q.saveStageBatch = r(`INSERT INTO stages (job_id, stage, fence, data, created_at)
+			SELECT jobs.id, input.stage, jobs.fence, input.data, input.now
+			FROM unnest(?::text[], ?::bigint[], ?::text[], ?::bytea[], ?::bigint[]) WITH ORDINALITY AS input(id, fence, stage, data, now, ord)
+			JOIN jobs ON jobs.id = input.id
+			WHERE jobs.id = ANY(?::text[]) AND ` + owned("jobs", "input.fence", "input.now") + ` ` + d.LockShared + ` OF jobs
+			ON CONFLICT (job_id, stage) DO NOTHING
+			RETURNING job_id, stage`)
 	} else {
 		q.finish = r(finishOne)
 	}
@@ -140,45 +153,62 @@ func ownershipQueries(d Dialect, q *queries) {
 // their weights (see fair.go), and writes a job.running event for each,
 // in claim order, with ids from the array parameter.
 //
-// The candidates are read without locks, twice the batch spread over the
-// considered tenants and at least 16 of each; the batch locks them in
-// fair order, skipping any that a concurrent claimer holds and taking the
-// next (LIMIT above FOR UPDATE SKIP LOCKED), so that claimers racing for
-// the same tenants' heads each get their own jobs instead of none.
+// Each considered tenant's share of the batch is worked out first, from
+// the weights alone (shares); each tenant's head is then locked through
+// jobs_runnable_tenant, exactly its share (LIMIT above FOR UPDATE SKIP
+// LOCKED: claimers racing for the same heads each get their own jobs),
+// and what the shares could not fill is filled oldest-first (fill),
+// skipping the locked. No job is read that the claim does not take, so
+// a claim costs what an oldest-first claim of the same size costs, plus
+// one index probe and one job_tenants row per considered tenant.
 func claimCTE(d Dialect) string {
+	run := runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model")
 	return `WITH considered AS (
-		SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) AS weight
+		SELECT jt.tenant, jt.served_at, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
 		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
 		LEFT JOIN tenants tn ON tn.name = jt.tenant),
 	oldest AS (
-		SELECT id, tenant FROM jobs
-		WHERE ` + runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model") + `
+		SELECT id, tenant FROM jobs WHERE ` + run + `
 		ORDER BY priority, available_at, id LIMIT 1),
-	cand AS MATERIALIZED (
-		SELECT c.id, (c.rn - 1)::float8 / GREATEST(t.weight, 1) AS turn, t.served_at, t.tenant FROM considered t CROSS JOIN LATERAL (
-			SELECT id, row_number() OVER (ORDER BY priority, available_at, id) AS rn FROM jobs
-			WHERE jobs.tenant = t.tenant AND ` + runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model") + `
-			ORDER BY priority, available_at, id
-			LIMIT (SELECT GREATEST(16, CEIL(2.0 * ?::int / GREATEST(count(*), 1)))::int FROM considered)) c
-		UNION ALL
-		SELECT h.id, CASE WHEN EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) THEN 2147483647 ELSE 0 END,
-			-1, h.tenant FROM oldest h),
+	stray AS MATERIALIZED (
+		SELECT jobs.id FROM jobs JOIN oldest h ON jobs.id = h.id
+		WHERE NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) AND ` + runnable("jobs", "?") + `
+		FOR UPDATE OF jobs SKIP LOCKED),
+	turns AS (
+		SELECT t.tenant, t.served_at, g / t.weight AS turn
+		FROM considered t CROSS JOIN LATERAL generate_series(0,
+			LEAST(?::int, CEIL(?::int * t.weight / (SELECT sum(weight) FROM considered))::int + 1) - 1) g),
+	shares AS (
+		SELECT tenant, count(*)::int AS n FROM (
+			SELECT tenant FROM turns ORDER BY turn, served_at, tenant LIMIT GREATEST(?::int - (SELECT count(*) FROM stray), 0)) s
+		GROUP BY tenant),
+	fair AS MATERIALIZED (
+		SELECT f.id FROM shares s CROSS JOIN LATERAL (
+			SELECT id FROM jobs WHERE jobs.tenant = s.tenant AND ` + run + `
+			ORDER BY priority, available_at, id LIMIT s.n FOR UPDATE SKIP LOCKED) f),
+	fill AS MATERIALIZED (
+		SELECT id FROM jobs WHERE ` + run + `
+			AND id NOT IN (SELECT id FROM fair) AND id NOT IN (SELECT id FROM stray)
+		ORDER BY priority, available_at, id
+		LIMIT GREATEST(?::int - (SELECT count(*) FROM fair) - (SELECT count(*) FROM stray), 0)
+		FOR UPDATE SKIP LOCKED),
 	picked AS (
-		SELECT j.id FROM cand c JOIN jobs j ON j.id = c.id
-		WHERE ` + runnable("j", "?") + `
-		ORDER BY c.turn, c.served_at, c.tenant LIMIT ? FOR UPDATE OF j SKIP LOCKED),
+		SELECT id FROM stray UNION ALL SELECT id FROM fair UNION ALL SELECT id FROM fill),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', fence = fence + 1,
 			lease_until = ?, state_version = state_version + 1, updated_at = ?
-		FROM picked WHERE jobs.id = picked.id
-		RETURNING ` + qualified("jobs", jobColumns) + `),
+		WHERE jobs.id = ANY(ARRAY(SELECT id FROM picked))
+		RETURNING ` + jobColumns + `),
 	served AS (
 		UPDATE job_tenants SET served_at = GREATEST(?, (SELECT max(served_at) FROM job_tenants) + 1)
 		WHERE EXISTS (SELECT 1 FROM oldest) AND tenant IN (
 			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered)
 			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
 	healed AS (
-		INSERT INTO job_tenants (tenant) SELECT DISTINCT tenant FROM claimed ON CONFLICT DO NOTHING),
+		-- Only a tenant missing from the table: ON CONFLICT would wait
+		-- for every claim in flight that updates a listed one.
+		INSERT INTO job_tenants (tenant) SELECT DISTINCT tenant FROM claimed
+		WHERE NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = claimed.tenant) ON CONFLICT DO NOTHING),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT (?::text[])[row_number() OVER (ORDER BY priority, available_at, id)],
@@ -290,8 +320,11 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	t := micros(now)
 	rows, err := s.query(ctx, nil, s.q.claimCTE, fairTenants(limit),
 		t, t, m, m, // oldest
-		t, t, m, m, limit, // cand
-		t, t, limit, // picked
+		t, t, // stray
+		limit, limit, // turns
+		limit,      // shares
+		t, t, m, m, // fair
+		t, t, m, m, limit, // fill
 		micros(now.Add(lease)), t, t, ids, t)
 	if err != nil {
 		return nil, s.err("claim jobs", err)
@@ -323,6 +356,13 @@ func (s *Store) MarkSent(ctx context.Context, id string, fence int64, now time.T
 }
 
 func (s *Store) renew(ctx context.Context, op, q, id string, fence int64, now time.Time, lease time.Duration) error {
+	if s.renews != nil {
+		c := &renewCall{op: op, id: id, fence: fence, now: now, until: now.Add(lease), mark: q == s.q.markSent}
+		if err := s.renews.do(ctx, c); err != nil {
+			return err
+		}
+		return c.err
+	}
 	res, err := s.exec(ctx, nil, q, micros(now.Add(lease)), id, fence, micros(now))
 	if err != nil {
 		return s.err(op, err)
@@ -350,7 +390,7 @@ type end struct {
 
 // Complete implements store.Store.
 func (s *Store) Complete(ctx context.Context, c store.Completion) error {
-	if c.State != store.Succeeded && c.State != store.ReviewRequired {
+	if c.State != store.Succeeded && c.State != store.ReviewRequired && (c.State != store.Superseded || c.Entity == nil) {
 		return fmt.Errorf("complete job %s: state %s is not a completion", c.JobID, c.State)
 	}
 	result := []byte(c.Result)
@@ -359,8 +399,12 @@ func (s *Store) Complete(ctx context.Context, c store.Completion) error {
 	}
 	a := c.Attempt
 	a.Spent, a.Sent = !c.Reused, !c.Reused
-	return s.finish(ctx, &end{op: "complete job " + c.JobID, id: c.JobID, fence: c.Fence, state: c.State, avail: c.Now,
-		result: result, a: a, eventID: c.EventID, now: c.Now})
+	e := &end{op: "complete job " + c.JobID, id: c.JobID, fence: c.Fence, state: c.State, avail: c.Now,
+		result: result, a: a, eventID: c.EventID, now: c.Now}
+	if c.Entity != nil {
+		return s.completeEntity(ctx, *c.Entity, e) // outcomes_entities.go
+	}
+	return s.finish(ctx, e)
 }
 
 // Fail implements store.Store; where the job goes is nextState's rule.
@@ -486,14 +530,24 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 // existed (the first is kept) or the claim had lost the job.
 func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
 	op := "save stage " + stage
-	res, err := s.exec(ctx, nil, s.q.saveStage, stage, data, micros(now), id, fence, micros(now))
-	if err != nil {
-		return s.err(op, err)
-	}
-	if n, err := res.RowsAffected(); err != nil {
-		return s.err(op, err)
-	} else if n == 1 {
-		return nil
+	if s.stages != nil {
+		c := &stageCall{op: op, id: id, fence: fence, stage: stage, data: data, now: now}
+		if err := s.stages.do(ctx, c); err != nil {
+			return err
+		}
+		if c.err != nil || c.saved {
+			return c.err
+		}
+	} else {
+		res, err := s.exec(ctx, nil, s.q.saveStage, stage, data, micros(now), id, fence, micros(now))
+		if err != nil {
+			return s.err(op, err)
+		}
+		if n, err := res.RowsAffected(); err != nil {
+			return s.err(op, err)
+		} else if n == 1 {
+			return nil
+		}
 	}
 	var one int
 	switch err := s.queryRow(ctx, nil, s.q.ownedBy, id, fence, micros(now)).Scan(&one); {
@@ -503,4 +557,34 @@ func (s *Store) SaveStage(ctx context.Context, id string, fence int64, stage str
 		return s.err(op, err)
 	}
 	return nil
+}
+
+// finishEntity ends an attempt of an entity job with a completion (its
+// state decided by the entity's check, outcomes_entities.go), under the
+// claim's ownership, as one statement of the transaction that decides.
+var finishEntity = `UPDATE jobs SET state = ?, attempt = ` + spentAttempts("jobs", "?") + `, state_version = state_version + 1,
+		updated_at = ?, lease_until = 0, available_at = ?, result = COALESCE(?, result), error_class = '', last_error = ''
+	WHERE id = ? AND ` + owned("jobs", "?", "?") + ` RETURNING tenant, state, state_version`
+
+// finishEntityTx is finish for an entity job, in tx: the job's new state,
+// its attempt record and its event, or ErrLeaseLost and nothing.
+func (s *Store) finishEntityTx(ctx context.Context, tx *sql.Tx, e *end) error {
+	var tenant, st string
+	var version int64
+	var res any
+	if e.result != nil {
+		res = e.result
+	}
+	err := tx.QueryRowContext(ctx, rebind(s.d, finishEntity), string(e.state), e.a.Spent, micros(e.now), micros(e.avail), res,
+		e.id, e.fence, micros(e.now)).Scan(&tenant, &st, &version)
+	if errors.Is(err, sql.ErrNoRows) {
+		return store.ErrLeaseLost
+	}
+	if err != nil {
+		return err
+	}
+	if err := s.insertAttempt(ctx, tx, e.id, e.fence, e.a); err != nil {
+		return err
+	}
+	return s.addEvent(ctx, tx, e.eventID, e.id, tenant, store.State(st), version, e.now)
 }

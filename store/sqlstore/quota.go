@@ -71,12 +71,13 @@ func tighter(a, b store.Window) store.Window {
 
 const ledgerDelta = `UPDATE usage_days SET requests = requests + ?, attempts = attempts + ?, prompt_tokens = prompt_tokens + ?,
 	completion_tokens = completion_tokens + ?, reserved_tokens = reserved_tokens + ?, uncertain = uncertain + ?,
-	uncertain_tokens = uncertain_tokens + ? WHERE tenant = ? AND day = ?`
+	uncertain_tokens = uncertain_tokens + ?, cost = cost + ?, reserved_cost = reserved_cost + ?,
+	uncertain_cost = uncertain_cost + ? WHERE tenant = ? AND day = ?`
 
 // Acquire implements store.Store.
 func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
 	start := a.Now.Truncate(time.Minute)
-	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Day: store.DayOf(a.Now)}
+	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Cost: a.Cost, Day: store.DayOf(a.Now)}
 	keyScoped := a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
 	err := s.tx(ctx, "acquire quota", func(tx *sql.Tx) error {
 		ws, req, tok, err := s.lockWindow(ctx, tx, "t:"+a.Tenant, start, 1, a.Tokens)
@@ -102,7 +103,8 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 		// Expired permits matter at once to concurrency and budgets;
 		// elsewhere only to the ledger, swept now and then.
 		l := a.Limits
-		if l.MaxConcurrency > 0 || l.DailyTokens > 0 || l.MonthlyTokens > 0 || a.KeyLimits.MaxConcurrency > 0 || rand.IntN(64) == 0 {
+		if l.MaxConcurrency > 0 || l.DailyTokens > 0 || l.MonthlyTokens > 0 || l.DailySpend > 0 || l.MonthlySpend > 0 ||
+			a.KeyLimits.MaxConcurrency > 0 || rand.IntN(64) == 0 {
 			if err := s.sweepPermits(ctx, tx, a.Tenant, a.Now); err != nil {
 				return err
 			}
@@ -120,13 +122,14 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 		}
 		// Room everywhere: the windows took theirs already.
 		if _, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
-			reserved_tokens, uncertain, uncertain_tokens) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0)
+			reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0, 0, ?, 0)
 			ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + 1,
-				reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens`), a.Tenant, p.Day, a.Tokens); err != nil {
+				reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens,
+				reserved_cost = usage_days.reserved_cost + excluded.reserved_cost`), a.Tenant, p.Day, a.Tokens, a.Cost); err != nil {
 			return err
 		}
-		_, err = tx.ExecContext(ctx, s.rb(`INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, expires_at, swept)
-			VALUES (?, ?, ?, ?, ?, ?, ?, 0)`), p.ID, a.Tenant, a.KeyID, p.Day, micros(p.WindowStart), a.Tokens, micros(a.Now.Add(a.Lease)))
+		_, err = tx.ExecContext(ctx, s.rb(`INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)`), p.ID, a.Tenant, a.KeyID, p.Day, micros(p.WindowStart), a.Tokens, a.Cost, micros(a.Now.Add(a.Lease)))
 		return err
 	})
 	if err != nil {
@@ -141,15 +144,15 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 // their lease are forgotten.
 func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now time.Time) error {
 	rows, err := tx.QueryContext(ctx, s.rb(`UPDATE quota_permits SET swept = 1 WHERE tenant = ? AND swept = 0 AND expires_at <= ?
-		RETURNING day, tokens`), tenant, micros(now))
+		RETURNING day, tokens, cost`), tenant, micros(now))
 	if err != nil {
 		return err
 	}
-	type expired struct{ day, tokens int64 }
+	type expired struct{ day, tokens, cost int64 }
 	var ex []expired
 	for rows.Next() {
 		var e expired
-		if err := rows.Scan(&e.day, &e.tokens); err != nil {
+		if err := rows.Scan(&e.day, &e.tokens, &e.cost); err != nil {
 			rows.Close()
 			return err
 		}
@@ -163,7 +166,7 @@ func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now
 		return nil
 	}
 	for _, e := range ex {
-		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), 0, 0, 0, 0, -e.tokens, 1, e.tokens, tenant, e.day); err != nil {
+		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), 0, 0, 0, 0, -e.tokens, 1, e.tokens, 0, -e.cost, e.cost, tenant, e.day); err != nil {
 			return err
 		}
 	}
@@ -213,6 +216,38 @@ func (s *Store) checkBudgets(ctx context.Context, tx *sql.Tx, a store.Acquisitio
 				Reset: b.reset.Sub(a.Now), Window: w}
 		}
 	}
+	return s.checkSpend(ctx, tx, a, w)
+}
+
+// checkSpend refuses a reservation whose price the day's or the month's
+// spending budget cannot hold: reported, reserved and uncertain money all
+// count. A request without a price (its model has none) costs nothing,
+// and passes while the budget is not overspent.
+func (s *Store) checkSpend(ctx context.Context, tx *sql.Tx, a store.Acquisition, w store.Window) error {
+	day := store.DayOf(a.Now)
+	now := a.Now.UTC()
+	for _, b := range []struct {
+		limit    int64
+		name     string
+		from, to int
+		reset    time.Time
+	}{
+		{a.Limits.DailySpend, "daily_spend", day, day, time.Date(now.Year(), now.Month(), now.Day()+1, 0, 0, 0, 0, time.UTC)},
+		{a.Limits.MonthlySpend, "monthly_spend", day/100*100 + 1, day/100*100 + 31, time.Date(now.Year(), now.Month()+1, 1, 0, 0, 0, 0, time.UTC)},
+	} {
+		if b.limit <= 0 {
+			continue
+		}
+		var used int64
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT CAST(COALESCE(SUM(cost + reserved_cost + uncertain_cost), 0) AS BIGINT)
+			FROM usage_days WHERE tenant = ? AND day >= ? AND day <= ?`), a.Tenant, b.from, b.to).Scan(&used); err != nil {
+			return err
+		}
+		if used+a.Cost > b.limit || (a.Cost == 0 && used >= b.limit) {
+			return &store.QuotaError{Limit: b.name, Scope: "tenant", Max: b.limit, Used: used, Asked: a.Cost,
+				Reset: b.reset.Sub(a.Now), Window: w}
+		}
+	}
 	return nil
 }
 
@@ -254,29 +289,33 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 			return err
 		}
 		// Ledger deltas: requests, attempts, prompt, completion, reserved,
-		// uncertain, uncertain tokens. A swept permit's reservation is
-		// already uncertain usage: take it back from there.
-		var d [7]int64
-		held, heldCount := 4, int64(0) // where the reservation sits: reserved_tokens
+		// uncertain, uncertain tokens; cost, reserved and uncertain cost.
+		// A swept permit's reservation is already uncertain usage: take it
+		// back from there.
+		var d [10]int64
+		held, heldCount, heldCost := 4, int64(0), 8 // where the reservation sits: reserved_tokens, reserved_cost
 		if swept == 1 {
-			held, heldCount = 6, 1 // uncertain_tokens, one uncertain request
+			held, heldCount, heldCost = 6, 1, 9 // uncertain_tokens and cost, one uncertain request
 		}
 		d[1] = int64(r.Attempts)
 		switch r.Outcome {
 		case store.NotSent:
 			d[0] = -1
 			d[held] -= p.Tokens
+			d[heldCost] -= p.Cost
 			d[5] -= heldCount
 		case store.Reported:
-			d[2], d[3] = r.PromptTokens, r.CompletionTokens
+			d[2], d[3], d[7] = r.PromptTokens, r.CompletionTokens, r.Cost
 			d[held] -= p.Tokens
+			d[heldCost] -= p.Cost
 			d[5] -= heldCount
 		case store.Uncertain:
 			if swept == 0 {
 				d[4], d[5], d[6] = -p.Tokens, 1, p.Tokens
+				d[8], d[9] = -p.Cost, p.Cost
 			}
 		}
-		_, err = tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], p.Tenant, p.Day)
+		_, err = tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], p.Tenant, p.Day)
 		return err
 	})
 }

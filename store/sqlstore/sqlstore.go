@@ -73,6 +73,8 @@ type Store struct {
 	// Group commit, where the dialect has writable CTEs (else nil).
 	accepts  *group[acceptCall]
 	finishes *group[end]
+	renews   *group[renewCall]
+	stages   *group[stageCall]
 }
 
 // New returns a store over db, whose schema is already migrated.
@@ -82,6 +84,8 @@ func New(db *sql.DB, d Dialect) *Store {
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
 		s.finishes = newGroup(groupSlots, groupMax, s.finishGroup)
+		s.renews = newGroup(groupSlots, groupMax, s.renewGroup)
+		s.stages = newGroup(groupSlots, groupMax, s.stageGroup)
 	}
 	return s
 }
@@ -216,7 +220,7 @@ type queries struct {
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, acceptBatch, finishBatch string
+	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -236,7 +240,7 @@ func buildQueries(d Dialect) queries {
 		insertEvent: r(`INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 			VALUES (?, ?, ?, ?, ?, ?, ?)`),
 		cancel: r(`UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
-			WHERE tenant = ? AND id = ? AND state NOT IN ('SUCCEEDED', 'REVIEW_REQUIRED', 'FAILED_TERMINAL', 'CANCELLED')
+			WHERE tenant = ? AND id = ? AND state NOT IN ` + finalStatesSQL() + `
 			RETURNING ` + jobColumns),
 		result:        r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
 		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, spent, sent, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY fence, attempt`),
@@ -342,9 +346,11 @@ func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant stri
 	return err
 }
 
-// Accept implements store.Store.
+// Accept implements store.Store. A job that pins a policy or names an
+// entity is accepted in a transaction of its own, which writes its
+// outcome and entity rows too (outcomes.go, outcomes_entities.go).
 func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
-	if s.accepts != nil {
+	if s.accepts != nil && n.Outcome == nil && n.Entity == nil {
 		c := &acceptCall{n: n}
 		if err := s.accepts.do(ctx, c); err != nil {
 			return store.Job{}, false, err
@@ -354,32 +360,49 @@ func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, er
 	var job store.Job
 	created := false
 	err := s.tx(ctx, "accept job", func(tx *sql.Tx) error {
-		now := micros(n.Now)
-		meta := []byte(n.Metadata)
-		res, err := s.exec(ctx, tx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
-			[]byte(n.Body), meta, n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
-			0, now, micros(n.Deadline), now, now, "", "")
-		if err != nil {
-			return err
-		}
-		rows, err := res.RowsAffected()
-		if err != nil {
-			return err
-		}
-		job, err = scanJob(s.queryRow(ctx, tx, s.q.selectByKey, n.Tenant, n.IdempotencyKey))
-		if err != nil {
-			return err
-		}
-		if rows == 0 {
-			if job.RequestHash != n.RequestHash {
-				return store.ErrConflict
-			}
-			return nil
-		}
-		created = true
-		return s.addEvent(ctx, tx, n.EventID, job.ID, job.Tenant, store.Ready, job.StateVersion, n.Now)
+		var err error
+		job, created, err = s.acceptTx(ctx, tx, n)
+		return err
 	})
 	return job, created, err
+}
+
+// acceptTx is Accept in a transaction.
+func (s *Store) acceptTx(ctx context.Context, tx *sql.Tx, n store.NewJob) (store.Job, bool, error) {
+	var job store.Job
+	now := micros(n.Now)
+	meta := []byte(n.Metadata)
+	res, err := s.exec(ctx, tx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
+		[]byte(n.Body), meta, n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
+		0, now, micros(n.Deadline), now, now, "", "")
+	if err != nil {
+		return job, false, err
+	}
+	rows, err := res.RowsAffected()
+	if err != nil {
+		return job, false, err
+	}
+	job, err = scanJob(s.queryRow(ctx, tx, s.q.selectByKey, n.Tenant, n.IdempotencyKey))
+	if err != nil {
+		return job, false, err
+	}
+	if rows == 0 {
+		if job.RequestHash != n.RequestHash {
+			return job, false, store.ErrConflict
+		}
+		return job, false, nil
+	}
+	if n.Outcome != nil {
+		if err := s.pinOutcome(ctx, tx, job, n.Outcome); err != nil {
+			return job, false, err
+		}
+	}
+	if n.Entity != nil {
+		if err := s.pinEntity(ctx, tx, job, n.Entity); err != nil {
+			return job, false, err
+		}
+	}
+	return job, true, s.addEvent(ctx, tx, n.EventID, job.ID, job.Tenant, store.Ready, job.StateVersion, n.Now)
 }
 
 // Get implements store.Store.

@@ -16,14 +16,14 @@ import (
 func (s *Store) rb(q string) string { return rebind(s.d, q) }
 
 const tenantColumns = `name, weight, rpm, tpm, max_concurrency, max_pending_jobs, max_pending_tokens, daily_tokens, monthly_tokens,
-	created_at, updated_at`
+	daily_spend, monthly_spend, created_at, updated_at`
 
 func scanTenant(r scanner) (store.Tenant, error) {
 	var t store.Tenant
 	var created, updated int64
 	l := &t.Limits
 	err := r.Scan(&t.Name, &t.Weight, &l.RPM, &l.TPM, &l.MaxConcurrency, &l.MaxPendingJobs, &l.MaxPendingTokens,
-		&l.DailyTokens, &l.MonthlyTokens, &created, &updated)
+		&l.DailyTokens, &l.MonthlyTokens, &l.DailySpend, &l.MonthlySpend, &created, &updated)
 	t.CreatedAt, t.UpdatedAt = fromMicros(created), fromMicros(updated)
 	return t, err
 }
@@ -32,9 +32,9 @@ func scanTenant(r scanner) (store.Tenant, error) {
 func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
 	l := t.Limits
 	now := micros(t.CreatedAt)
-	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO tenants (`+tenantColumns+`) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO tenants (`+tenantColumns+`) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 		ON CONFLICT (name) DO NOTHING`), t.Name, max(t.Weight, 1), l.RPM, l.TPM, l.MaxConcurrency, l.MaxPendingJobs,
-		l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens, now, now)
+		l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens, l.DailySpend, l.MonthlySpend, now, now)
 	if err != nil {
 		return s.err("create tenant", err)
 	}
@@ -50,9 +50,10 @@ func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
 func (s *Store) UpdateTenant(ctx context.Context, t store.Tenant) error {
 	l := t.Limits
 	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE tenants SET weight = ?, rpm = ?, tpm = ?, max_concurrency = ?,
-		max_pending_jobs = ?, max_pending_tokens = ?, daily_tokens = ?, monthly_tokens = ?, updated_at = ? WHERE name = ?`),
+		max_pending_jobs = ?, max_pending_tokens = ?, daily_tokens = ?, monthly_tokens = ?, daily_spend = ?, monthly_spend = ?,
+		updated_at = ? WHERE name = ?`),
 		max(t.Weight, 1), l.RPM, l.TPM, l.MaxConcurrency, l.MaxPendingJobs, l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens,
-		micros(t.UpdatedAt), t.Name)
+		l.DailySpend, l.MonthlySpend, micros(t.UpdatedAt), t.Name)
 	return s.affected("update tenant", res, err)
 }
 
@@ -169,7 +170,7 @@ func (s *Store) ActiveKeys(ctx context.Context) (int, error) {
 // Usage implements store.Store.
 func (s *Store) Usage(ctx context.Context, tenant string, from, to time.Time) ([]store.UsageDay, error) {
 	rows, err := s.db.QueryContext(ctx, s.rb(`SELECT tenant, day, requests, attempts, prompt_tokens, completion_tokens,
-		reserved_tokens, uncertain, uncertain_tokens FROM usage_days WHERE (tenant = ? OR ? = '') AND day >= ? AND day <= ?
+		reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost FROM usage_days WHERE (tenant = ? OR ? = '') AND day >= ? AND day <= ?
 		ORDER BY tenant, day`), tenant, tenant, store.DayOf(from), store.DayOf(to))
 	if err != nil {
 		return nil, s.err("read usage", err)
@@ -180,7 +181,7 @@ func (s *Store) Usage(ctx context.Context, tenant string, from, to time.Time) ([
 		var u store.UsageDay
 		var day int
 		if err := rows.Scan(&u.Tenant, &day, &u.Requests, &u.Attempts, &u.PromptTokens, &u.CompletionTokens,
-			&u.ReservedTokens, &u.Uncertain, &u.UncertainTokens); err != nil {
+			&u.ReservedTokens, &u.Uncertain, &u.UncertainTokens, &u.Cost, &u.ReservedCost, &u.UncertainCost); err != nil {
 			return nil, s.err("read usage", err)
 		}
 		u.Day = time.Date(day/10000, time.Month(day/100%100), day%100, 0, 0, 0, 0, time.UTC)

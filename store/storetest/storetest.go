@@ -38,6 +38,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"ClaimBatchEvents", testClaimBatchEvents},
 		{"ManyWriters", testManyWriters},
 		{"ConcurrentCompletesApart", testConcurrentCompletesApart},
+		{"ConcurrentRenewsApart", testConcurrentRenewsApart},
 		{"Heartbeat", testHeartbeat},
 		{"Complete", testComplete},
 		{"Fail", testFail},
@@ -56,9 +57,13 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaWindow", testQuotaWindow},
 		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},
 		{"QuotaBudgets", testQuotaBudgets},
+		{"SpendBudgets", testSpendBudgets},
 		{"QuotaRace", testQuotaRace},
 		{"JobReservations", testJobReservations},
+		{"Stats", testStats},
 	}
+	tests = append(tests, outcomeTests...) // outcomes.go
+	tests = append(tests, entityTests...)  // entities.go
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newStore(t)
@@ -396,6 +401,68 @@ func testConcurrentCompletesApart(t *testing.T, s store.Store) {
 	}
 	if succeeded != jobs*3/4 {
 		t.Errorf("%d job.succeeded events, want %d", succeeded, jobs*3/4)
+	}
+}
+
+// testConcurrentRenewsApart: sent marks, heartbeats and stage checkpoints
+// of many workers at once (which a store may write together in one
+// statement) each land only under their own fence: a stale worker's
+// changes nothing and gets ErrLeaseLost, the others' land.
+func testConcurrentRenewsApart(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const jobs = 40
+	for i := range jobs {
+		accept(t, s, newJob("acme", fmt.Sprint("k", i)))
+	}
+	js, err := s.Claim(ctx, t0, time.Minute, jobs)
+	if err != nil || len(js) != jobs {
+		t.Fatalf("claim: %d jobs, %v", len(js), err)
+	}
+	stale := func(i int) bool { return i%4 == 3 }
+	marks, beats, stages := make([]error, jobs), make([]error, jobs), make([]error, jobs)
+	var wg sync.WaitGroup
+	for i, j := range js {
+		fence := j.Fence
+		if stale(i) {
+			fence--
+		}
+		wg.Go(func() { marks[i] = s.MarkSent(ctx, j.ID, fence, t0.Add(time.Second), 2*time.Minute) })
+		wg.Go(func() { beats[i] = s.Heartbeat(ctx, j.ID, fence, t0.Add(time.Second), 2*time.Minute) })
+		wg.Go(func() {
+			stages[i] = s.SaveStage(ctx, j.ID, fence, "inference", []byte(fmt.Sprintf(`{"n":%d}`, i)), t0.Add(time.Second))
+		})
+	}
+	wg.Wait()
+	for i, j := range js {
+		got, _ := s.Get(ctx, "acme", j.ID)
+		data, serr := s.Stage(ctx, j.ID, "inference")
+		if stale(i) {
+			if !errors.Is(marks[i], store.ErrLeaseLost) || !errors.Is(beats[i], store.ErrLeaseLost) ||
+				!errors.Is(stages[i], store.ErrLeaseLost) || !got.LeaseUntil.Equal(j.LeaseUntil) || !errors.Is(serr, store.ErrNotFound) {
+				t.Errorf("job %d, stale fence: mark %v, beat %v, stage %v, lease %v (was %v), stage read %v; want ErrLeaseLost and no change",
+					i, marks[i], beats[i], stages[i], got.LeaseUntil, j.LeaseUntil, serr)
+			}
+			continue
+		}
+		if marks[i] != nil || beats[i] != nil || stages[i] != nil || !got.LeaseUntil.Equal(t0.Add(time.Second+2*time.Minute)) ||
+			string(data) != fmt.Sprintf(`{"n":%d}`, i) {
+			t.Errorf("job %d: mark %v, beat %v, stage %v, lease %v, stage %s", i, marks[i], beats[i], stages[i], got.LeaseUntil, data)
+		}
+	}
+	// The marks counted: a lease lost now spends the attempt of each
+	// marked job, and of no stale one's.
+	if _, err := s.Reap(ctx, t0.Add(time.Hour), 100); err != nil {
+		t.Fatal(err)
+	}
+	for i, j := range js {
+		got, _ := s.Get(ctx, "acme", j.ID)
+		want := 1
+		if stale(i) {
+			want = 0
+		}
+		if got.Attempt != want {
+			t.Errorf("job %d after its lease was lost: attempt %d, want %d", i, got.Attempt, want)
+		}
 	}
 }
 

@@ -452,3 +452,202 @@ describe('authentication', () => {
     assertUsage(res.usage, 2);
   });
 });
+
+// Field checks for the Responses API: every field the SDK's types declare
+// (openai/resources/responses/responses.d.ts), required ones present with
+// their type, optional ones absent or of their type.
+const is = {
+  string: (v) => typeof v === 'string',
+  number: (v) => typeof v === 'number' && Number.isFinite(v),
+  integer: (v) => Number.isInteger(v),
+  boolean: (v) => typeof v === 'boolean',
+  object: (v) => v !== null && typeof v === 'object' && !Array.isArray(v),
+  array: (v) => Array.isArray(v),
+  null: (v) => v === null,
+  literal: (x) => (v) => v === x,
+};
+const or = (...fs) => (v) => fs.some((f) => f(v));
+
+function checkFields(what, obj, required, optional = {}) {
+  assert.ok(is.object(obj), `${what} is not an object: ${JSON.stringify(obj)}`);
+  for (const [k, ok] of Object.entries(required)) {
+    assert.ok(k in obj, `${what}.${k} is missing: ${JSON.stringify(obj)}`);
+    assert.ok(ok(obj[k]), `${what}.${k} has the wrong type: ${JSON.stringify(obj[k])}`);
+  }
+  for (const [k, ok] of Object.entries(optional)) {
+    if (k in obj) {
+      assert.ok(ok(obj[k]), `${what}.${k} (optional) has the wrong type: ${JSON.stringify(obj[k])}`);
+    }
+  }
+}
+
+function checkOutputText(what, part) {
+  checkFields(what, part, { annotations: is.array, text: is.string, type: is.literal('output_text') }, { logprobs: is.array });
+}
+
+function checkMessage(what, item, { complete }) {
+  checkFields(what, item, {
+    id: is.string, content: is.array, role: is.literal('assistant'),
+    status: or(is.literal('in_progress'), is.literal('completed'), is.literal('incomplete')), type: is.literal('message'),
+  }, { phase: or(is.null, is.string) });
+  item.content.forEach((p, i) => checkOutputText(`${what}.content[${i}]`, p));
+  if (complete) {
+    assert.equal(item.content.length, 1);
+  }
+}
+
+function checkUsage(what, u, output) {
+  checkFields(what, u, {
+    input_tokens: is.integer, input_tokens_details: is.object, output_tokens: is.integer,
+    output_tokens_details: is.object, total_tokens: is.integer,
+  });
+  assert.ok(u.input_tokens > 0);
+  assert.equal(u.output_tokens, output);
+  assert.equal(u.total_tokens, u.input_tokens + u.output_tokens);
+  assert.ok(is.integer(u.input_tokens_details.cached_tokens));
+  assert.ok(is.integer(u.output_tokens_details.reasoning_tokens));
+}
+
+// checkResponse checks a Response; withText: the SDK's output_text too
+// (it adds it to what responses.create returns, not to stream events).
+function checkResponse(what, r, { withText, complete }) {
+  const required = {
+    id: is.string, created_at: is.integer, error: or(is.null, is.object), incomplete_details: or(is.null, is.object),
+    instructions: or(is.string, is.array, is.null), metadata: or(is.object, is.null), model: is.string,
+    object: is.literal('response'), output: is.array, parallel_tool_calls: is.boolean,
+    temperature: or(is.number, is.null), tool_choice: or(is.string, is.object), tools: is.array, top_p: or(is.number, is.null),
+  };
+  if (withText) {
+    required.output_text = is.string;
+  }
+  checkFields(what, r, required, {
+    background: or(is.boolean, is.null), completed_at: or(is.integer, is.null), conversation: or(is.object, is.null),
+    max_output_tokens: or(is.integer, is.null), moderation: or(is.object, is.null),
+    previous_response_id: or(is.string, is.null), prompt: or(is.object, is.null), prompt_cache_key: or(is.string, is.null),
+    prompt_cache_options: is.object, prompt_cache_retention: or(is.literal('in_memory'), is.literal('24h'), is.null),
+    reasoning: or(is.object, is.null), safety_identifier: or(is.string, is.null),
+    service_tier: or(...['auto', 'default', 'flex', 'scale', 'priority'].map(is.literal), is.null),
+    status: or(...['completed', 'failed', 'in_progress', 'cancelled', 'queued', 'incomplete'].map(is.literal)),
+    text: is.object, top_logprobs: or(is.integer, is.null), truncation: or(is.literal('auto'), is.literal('disabled'), is.null),
+    usage: is.object, user: is.string,
+  });
+  assert.equal(r.error, null);
+  r.output.forEach((item, i) => checkMessage(`${what}.output[${i}]`, item, { complete }));
+}
+
+describe('responses', () => {
+  const input = [{ role: 'user', content: [{ type: 'input_text', text: 'Say hello to kvgate.' }] }];
+
+  test('responses.create, not streaming: every declared field, with its type', async () => {
+    const { data: res, response } = await client.responses
+      .create({ model, input, instructions: 'You are terse.', max_output_tokens: N, ignore_eos: true, metadata: { run: 'sdk' } })
+      .withResponse();
+    assert.equal(response.status, 200);
+    checkResponse('response', res, { withText: true, complete: true });
+    assert.equal(res.model, model);
+    assert.equal(res.instructions, 'You are terse.');
+    assert.deepEqual(res.metadata, { run: 'sdk' });
+    assert.equal(res.output.length, 1);
+    assert.equal(res.output_text, res.output[0].content[0].text);
+    assert.ok(res.output_text.length > 0);
+    // ignore_eos runs to max_output_tokens: vLLM says incomplete.
+    assert.equal(res.status, 'incomplete');
+    assert.deepEqual(res.incomplete_details, { reason: 'max_output_tokens' });
+    checkUsage('response.usage', res.usage, N);
+  });
+
+  test('responses.create with a string input', async () => {
+    const res = await client.responses.create({ model, input: 'Say hello.', max_output_tokens: 3, ignore_eos: true });
+    checkResponse('response', res, { withText: true, complete: true });
+    checkUsage('response.usage', res.usage, 3);
+  });
+
+  test('responses.create streaming: typed events in order, each with its declared fields', async () => {
+    const stream = await client.responses.create({ model, input, max_output_tokens: N, ignore_eos: true, stream: true });
+    const events = await collect(stream);
+    const types = events.map((e) => e.type);
+    assert.deepEqual(types.slice(0, 4), ['response.created', 'response.in_progress', 'response.output_item.added', 'response.content_part.added']);
+    assert.deepEqual(types.slice(-4), ['response.output_text.done', 'response.content_part.done', 'response.output_item.done', 'response.completed']);
+    assert.equal(types.filter((t) => t === 'response.output_text.delta').length, N);
+    let text = '';
+    events.forEach((e, i) => {
+      const what = `event ${i} (${e.type})`;
+      assert.equal(e.sequence_number, i, `${what}: sequence_number`);
+      switch (e.type) {
+        case 'response.created':
+        case 'response.in_progress':
+        case 'response.completed':
+          checkFields(what, e, { response: is.object, sequence_number: is.integer, type: is.string });
+          checkResponse(`${what}.response`, e.response, { withText: false, complete: e.type === 'response.completed' });
+          break;
+        case 'response.output_item.added':
+        case 'response.output_item.done':
+          checkFields(what, e, { item: is.object, output_index: is.integer, sequence_number: is.integer, type: is.string });
+          checkMessage(`${what}.item`, e.item, { complete: e.type === 'response.output_item.done' });
+          break;
+        case 'response.content_part.added':
+        case 'response.content_part.done':
+          checkFields(what, e, {
+            content_index: is.integer, item_id: is.string, output_index: is.integer, part: is.object,
+            sequence_number: is.integer, type: is.string,
+          });
+          checkOutputText(`${what}.part`, e.part);
+          break;
+        case 'response.output_text.delta':
+          checkFields(what, e, {
+            content_index: is.integer, delta: is.string, item_id: is.string, logprobs: is.array,
+            output_index: is.integer, sequence_number: is.integer, type: is.string,
+          });
+          text += e.delta;
+          break;
+        case 'response.output_text.done':
+          checkFields(what, e, {
+            content_index: is.integer, item_id: is.string, logprobs: is.array, output_index: is.integer,
+            sequence_number: is.integer, text: is.string, type: is.string,
+          });
+          assert.equal(e.text, text);
+          break;
+        default:
+          assert.fail(`${what}: an event type the test does not expect`);
+      }
+    });
+    const done = events.at(-1).response;
+    assert.equal(done.output[0].content[0].text, text);
+    checkUsage('response.completed usage', done.usage, N);
+  });
+
+  test('the SDK stream helper assembles the same response', async () => {
+    const runner = client.responses.stream({ model, input, max_output_tokens: N, ignore_eos: true });
+    let deltas = '';
+    runner.on('response.output_text.delta', (e) => {
+      deltas += e.delta;
+    });
+    const final = await runner.finalResponse();
+    checkResponse('final response', final, { withText: true, complete: true });
+    assert.equal(final.output_text, deltas);
+    checkUsage('final usage', final.usage, N);
+  });
+
+  test('an unknown model is a NotFoundError; an empty input a BadRequestError', async () => {
+    const nf = await expectError(() => client.responses.create({ model: 'no-such-model', input: 'x' }), NotFoundError, 404);
+    assert.equal(nf.code, 'model_not_found');
+    const bad = await expectError(() => client.responses.create({ model, input: '' }), BadRequestError, 400);
+    assert.equal(bad.param, 'input');
+  });
+});
+
+describe('model aliases', () => {
+  test('models.list() lists the configured alias, and the alias serves chat and responses', async () => {
+    const page = await client.models.list();
+    const alias = page.data.find((m) => m.id === 'gpt-4o-mini');
+    assert.ok(alias, `gpt-4o-mini not listed: ${JSON.stringify(page.data.map((m) => m.id))}`);
+    assert.equal(alias.object, 'model');
+    assert.equal(alias.root, model);
+    const chat = await client.chat.completions.create({ model: 'gpt-4o-mini', messages, max_tokens: 2, ignore_eos: true });
+    assert.equal(chat.model, model);
+    assertUsage(chat.usage, 2);
+    const res = await client.responses.create({ model: 'gpt-4o-mini', input: 'hi', max_output_tokens: 2, ignore_eos: true });
+    checkResponse('response', res, { withText: true, complete: true });
+    assert.equal(res.model, model);
+  });
+});

@@ -1,0 +1,429 @@
+// Command river measures kvgate's durable job path beside River
+// (github.com/riverqueue/river), the Go and PostgreSQL job queue, on the
+// same PostgreSQL server in one run: fresh databases for each, the same
+// number of worker slots, work that takes no time, rounds interleaved so
+// that a noisy neighbour weighs on both alike, and the median of the
+// rounds printed with the ratio. It is a module of its own so that River
+// never becomes a dependency of kvgate.
+//
+//	make bench-peers                       # from the repository root
+//	cd bench/peers/river && go run . -rounds 5 -jobs 20000
+//
+// Measured, each round:
+//
+//   - claim → complete: jobs/s draining a backlog of -jobs jobs with
+//     -slots slots. kvgate: its store's fair claim into free slots and
+//     Complete under each claim's fence (the state, result, attempt record
+//     and event in one transaction; concurrent completions share a
+//     statement by group commit), as scheduler.Runner drives it, from two
+//     runners of half the slots each. River: a client with -slots workers,
+//     a worker that returns nil, and River's shortest fetch cooldown (its
+//     default, 100 ms, would cap it at ten fetches a second).
+//   - the same for kvgate with a plain oldest-first claim (the same writes,
+//     no fairness), the fair claim's cost;
+//   - kvgate's full attempt as the runner records it: claim, the sent mark,
+//     the inference checkpoint, complete;
+//   - single inserts, one after another: kvgate's Accept (job row and
+//     job.accepted event) against River's Insert.
+package main
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log"
+	"math/rand/v2"
+	"net/url"
+	"os"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivermigrate"
+
+	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/postgres"
+	"github.com/kvgate/kvgate/store/sqlstore"
+)
+
+func main() {
+	admin := flag.String("url", cmp.Or(os.Getenv("KVGATE_TEST_POSTGRES_URL"), "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"),
+		"PostgreSQL server to create the databases on")
+	jobs := flag.Int("jobs", 20000, "backlog drained per round")
+	rounds := flag.Int("rounds", 5, "rounds, interleaved")
+	slots := flag.Int("slots", 64, "worker slots, for both")
+	inserts := flag.Int("inserts", 1000, "sequential single inserts per round")
+	flag.Parse()
+	ctx := context.Background()
+	b, err := newBench(ctx, *admin)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.close()
+
+	rates := map[string][]float64{}
+	for r := range *rounds {
+		runs := []struct {
+			name string
+			fn   func() (float64, error)
+		}{
+			{"kvgate", func() (float64, error) { return b.kvgate(ctx, b.fair, *jobs, *slots, false, false) }},
+			{"kvgate-plain", func() (float64, error) { return b.kvgate(ctx, b.plain, *jobs, *slots, true, false) }},
+			{"kvgate-runner", func() (float64, error) { return b.kvgate(ctx, b.runner, *jobs, *slots, false, true) }},
+			{"river", func() (float64, error) { return b.river(ctx, *jobs, *slots) }},
+			{"kvgate-insert", func() (float64, error) { return b.kvgateInserts(ctx, *inserts) }},
+			{"river-insert", func() (float64, error) { return b.riverInserts(ctx, *inserts) }},
+		}
+		// Rotate the order so that no system always goes first.
+		for i := range runs {
+			run := runs[(i+r)%len(runs)]
+			v, err := run.fn()
+			if err != nil {
+				log.Fatalf("round %d, %s: %v", r+1, run.name, err)
+			}
+			rates[run.name] = append(rates[run.name], v)
+			fmt.Fprintf(os.Stderr, "round %d: %-14s %8.0f jobs/s\n", r+1, run.name, v)
+		}
+	}
+	med := func(k string) float64 {
+		v := slices.Clone(rates[k])
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	span := func(k string) string {
+		v := slices.Clone(rates[k])
+		slices.Sort(v)
+		return fmt.Sprintf("%.0f-%.0f", v[0], v[len(v)-1])
+	}
+	ratio := func(a, b string) float64 { return med(a) / med(b) }
+	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog, %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, *slots)
+	fmt.Println("| path | kvgate | River | kvgate / River |")
+	fmt.Println("|---|---|---|---|")
+	fmt.Printf("| claim → complete (fair claim) | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate"), span("kvgate"), med("river"), span("river"), ratio("kvgate", "river"))
+	fmt.Printf("| claim → complete (plain oldest-first claim) | %.0f (%s) | | %.2f× |\n", med("kvgate-plain"), span("kvgate-plain"), ratio("kvgate-plain", "river"))
+	fmt.Printf("| claim → sent mark → checkpoint → complete (the runner's writes) | %.0f (%s) | | %.2f× |\n", med("kvgate-runner"), span("kvgate-runner"), ratio("kvgate-runner", "river"))
+	fmt.Printf("| single inserts, sequential | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate-insert"), span("kvgate-insert"), med("river-insert"), span("river-insert"), ratio("kvgate-insert", "river-insert"))
+	fmt.Printf("\nThe fair claim costs %.1f%% against the plain oldest-first claim (medians).\n", 100*(1-ratio("kvgate", "kvgate-plain")))
+}
+
+type bench struct {
+	adminURL string
+	admin    *pgx.Conn
+	dbs      []string
+	fair     *sqlstore.Store // a database each, so that no run inherits another's dead rows
+	plain    *sqlstore.Store
+	runner   *sqlstore.Store
+	inserts  *sqlstore.Store
+	pool     *pgxpool.Pool // River's
+	workers  *river.Workers
+	insertC  *river.Client[pgx.Tx] // inserts only
+}
+
+func newBench(ctx context.Context, adminURL string) (*bench, error) {
+	admin, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return nil, err
+	}
+	b := &bench{adminURL: adminURL, admin: admin}
+	for _, s := range []**sqlstore.Store{&b.fair, &b.plain, &b.runner, &b.inserts} {
+		u, err := b.createDB(ctx)
+		if err != nil {
+			return nil, err
+		}
+		if *s, err = postgres.Open(ctx, u); err != nil {
+			return nil, err
+		}
+		if _, err := postgres.Migrate(ctx, *s); err != nil {
+			return nil, err
+		}
+	}
+	u, err := b.createDB(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if b.pool, err = pgxpool.New(ctx, u); err != nil {
+		return nil, err
+	}
+	m, err := rivermigrate.New(riverpgxv5.New(b.pool), nil)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := m.Migrate(ctx, rivermigrate.DirectionUp, nil); err != nil {
+		return nil, err
+	}
+	b.workers = river.NewWorkers()
+	river.AddWorker(b.workers, river.WorkFunc(func(context.Context, *river.Job[noop]) error { return nil }))
+	if b.insertC, err = river.NewClient(riverpgxv5.New(b.pool), &river.Config{}); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+func (b *bench) createDB(ctx context.Context) (string, error) {
+	name := fmt.Sprintf("kvgate_peers_%d_%x", time.Now().Unix(), rand.Uint32())
+	if _, err := b.admin.Exec(ctx, "CREATE DATABASE "+name); err != nil {
+		return "", err
+	}
+	b.dbs = append(b.dbs, name)
+	u, err := url.Parse(b.adminURL)
+	if err != nil {
+		return "", err
+	}
+	u.Path = "/" + name
+	return u.String(), nil
+}
+
+func (b *bench) close() {
+	for _, s := range []*sqlstore.Store{b.fair, b.plain, b.runner, b.inserts} {
+		if s != nil {
+			s.Close()
+		}
+	}
+	if b.pool != nil {
+		b.pool.Close()
+	}
+	ctx := context.Background()
+	for _, n := range b.dbs {
+		if _, err := b.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+n+" WITH (FORCE)"); err != nil {
+			log.Printf("drop %s: %v", n, err)
+		}
+	}
+	b.admin.Close(ctx)
+}
+
+type noop struct{}
+
+func (noop) Kind() string { return "noop" }
+
+var seq atomic.Int64
+
+func newJob() store.NewJob {
+	i := seq.Add(1)
+	return store.NewJob{
+		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+		Tenant: fmt.Sprint("t", i%100), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h",
+		Endpoint: "/v1/chat/completions", Model: "m",
+		Body:        json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"Extract the line items of this invoice."}],"max_tokens":256}`),
+		MaxAttempts: 5, TokenEstimate: 300, Deadline: time.Now().Add(time.Hour), Now: time.Now(),
+	}
+}
+
+// preload accepts n jobs from 32 goroutines (not measured).
+func preload(ctx context.Context, s store.Store, n int) error {
+	var left atomic.Int64
+	left.Store(int64(n))
+	var wg sync.WaitGroup
+	errs := make(chan error, 32)
+	for range 32 {
+		wg.Go(func() {
+			for left.Add(-1) >= 0 {
+				if _, _, err := s.Accept(ctx, newJob()); err != nil {
+					errs <- err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	return <-errs
+}
+
+// plainClaim is an oldest-first claim with the same writes as kvgate's
+// fair one (the lease, the fence, a job.running event per job in claim
+// order) and no fairness: what the fair claim is measured against.
+const plainClaim = `WITH picked AS (
+		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
+		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED),
+	claimed AS (
+		UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
+		WHERE id = ANY(ARRAY(SELECT id FROM picked))
+		RETURNING id, tenant, fence, attempt, state, state_version, priority, available_at),
+	ev AS (
+		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT ($4::text[])[row_number() OVER (ORDER BY priority, available_at, id)], id, tenant, 'job.running', state, state_version, $1
+		FROM claimed)
+	SELECT id, fence, attempt FROM claimed`
+
+func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
+	ids := make([]string, limit)
+	for i := range ids {
+		ids[i] = uuid.Must(uuid.NewV7()).String()
+	}
+	rows, err := s.DB().QueryContext(ctx, plainClaim, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), ids)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var js []store.Job
+	for rows.Next() {
+		var j store.Job
+		if err := rows.Scan(&j.ID, &j.Fence, &j.Attempt); err != nil {
+			return nil, err
+		}
+		js = append(js, j)
+	}
+	return js, rows.Err()
+}
+
+// kvgate drains a backlog of n jobs as scheduler.Runner would: two
+// runners of slots/2 slots each claim as many jobs as they have free
+// slots, and each job ends in its own goroutine under its fence (with the
+// runner's sent mark and checkpoint first when full is set).
+func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, plain, full bool) (float64, error) {
+	if err := preload(ctx, s, n); err != nil {
+		return 0, err
+	}
+	var done atomic.Int64
+	var failed atomic.Value
+	fail := func(err error) { failed.CompareAndSwap(nil, err) }
+	start := time.Now()
+	var runners sync.WaitGroup
+	for range 2 {
+		runners.Go(func() {
+			busy := make(chan struct{}, slots/2)
+			freed := make(chan struct{}, slots/2)
+			var work sync.WaitGroup
+			defer work.Wait()
+			for failed.Load() == nil && done.Load()+int64(len(busy)) < int64(n) {
+				free := cap(busy) - len(busy)
+				if free == 0 {
+					<-freed
+					continue
+				}
+				var js []store.Job
+				var err error
+				if plain {
+					js, err = claimPlain(ctx, s, time.Now(), time.Minute, free)
+				} else {
+					js, err = s.Claim(ctx, time.Now(), time.Minute, free)
+				}
+				if err != nil {
+					fail(err)
+					return
+				}
+				if len(js) == 0 {
+					if len(busy) == 0 {
+						return // nothing left to claim, nothing running
+					}
+					<-freed
+					continue
+				}
+				for _, j := range js {
+					busy <- struct{}{}
+					work.Go(func() {
+						// The slot is freed when the work is done, before its
+						// end is written, as scheduler.Runner does.
+						var once sync.Once
+						free := func() {
+							once.Do(func() {
+								<-busy
+								select {
+								case freed <- struct{}{}:
+								default:
+								}
+							})
+						}
+						defer free()
+						result := json.RawMessage(`{"ok":true}`)
+						if full {
+							if err := s.MarkSent(ctx, j.ID, j.Fence, time.Now(), time.Minute); err != nil {
+								fail(err)
+								return
+							}
+							if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", result, time.Now()); err != nil {
+								fail(err)
+								return
+							}
+						}
+						free()
+						if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded,
+							Result: result, Attempt: store.Attempt{Attempt: j.Attempt + 1}, Now: time.Now()}); err != nil {
+							fail(err)
+							return
+						}
+						done.Add(1)
+					})
+				}
+			}
+		})
+	}
+	runners.Wait()
+	el := time.Since(start)
+	if err, _ := failed.Load().(error); err != nil {
+		return 0, err
+	}
+	if done.Load() != int64(n) {
+		return 0, fmt.Errorf("completed %d of %d jobs", done.Load(), n)
+	}
+	return float64(n) / el.Seconds(), nil
+}
+
+// river drains a backlog of n jobs with a River client of slots workers.
+func (b *bench) river(ctx context.Context, n, slots int) (float64, error) {
+	params := make([]river.InsertManyParams, 0, 1000)
+	for left := n; left > 0; left -= len(params) {
+		params = params[:0]
+		for range min(left, cap(params)) {
+			params = append(params, river.InsertManyParams{Args: noop{}})
+		}
+		if _, err := b.insertC.InsertManyFast(ctx, params); err != nil {
+			return 0, err
+		}
+	}
+	c, err := river.NewClient(riverpgxv5.New(b.pool), &river.Config{
+		Queues:  map[string]river.QueueConfig{river.QueueDefault: {MaxWorkers: slots}},
+		Workers: b.workers,
+		// River's default cooldown (100 ms) allows ten fetches a second,
+		// slots×10 jobs/s at most; its minimum gives it its best rate.
+		FetchCooldown: river.FetchCooldownMin,
+	})
+	if err != nil {
+		return 0, err
+	}
+	events, cancel := c.SubscribeConfig(&river.SubscribeConfig{ChanSize: n, Kinds: []river.EventKind{river.EventKindJobCompleted, river.EventKindJobFailed}})
+	defer cancel()
+	start := time.Now()
+	if err := c.Start(ctx); err != nil {
+		return 0, err
+	}
+	for range n {
+		e := <-events
+		if e.Kind != river.EventKindJobCompleted {
+			return 0, fmt.Errorf("river job %d: %s", e.Job.ID, e.Kind)
+		}
+	}
+	el := time.Since(start)
+	if err := c.Stop(ctx); err != nil {
+		return 0, err
+	}
+	return float64(n) / el.Seconds(), nil
+}
+
+func (b *bench) kvgateInserts(ctx context.Context, n int) (float64, error) {
+	start := time.Now()
+	for range n {
+		if _, _, err := b.inserts.Accept(ctx, newJob()); err != nil {
+			return 0, err
+		}
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+func (b *bench) riverInserts(ctx context.Context, n int) (float64, error) {
+	start := time.Now()
+	for range n {
+		if _, err := b.insertC.Insert(ctx, noop{}, nil); err != nil {
+			return 0, err
+		}
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}

@@ -1,0 +1,119 @@
+package gateway
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// errorKeys decodes an error body and checks that it holds exactly
+// OpenAI's four keys, with message and type strings and param and code a
+// string or null.
+func errorKeys(t *testing.T, what string, b []byte) map[string]any {
+	t.Helper()
+	var outer map[string]map[string]any
+	if err := json.Unmarshal(b, &outer); err != nil || len(outer) != 1 || outer["error"] == nil {
+		t.Fatalf("%s: not {\"error\":{...}}: %s", what, b)
+	}
+	e := outer["error"]
+	if len(e) != 4 {
+		t.Errorf("%s: error has %d keys, want message, type, param, code: %s", what, len(e), b)
+	}
+	for _, k := range []string{"message", "type", "param", "code"} {
+		v, ok := e[k]
+		if !ok {
+			t.Errorf("%s: no %q key: %s", what, k, b)
+			continue
+		}
+		switch k {
+		case "message", "type":
+			if s, ok := v.(string); !ok || s == "" {
+				t.Errorf("%s: %s = %v, want a non-empty string", what, k, v)
+			}
+		default:
+			if _, ok := v.(string); v != nil && !ok {
+				t.Errorf("%s: %s = %v, want a string or null", what, k, v)
+			}
+		}
+	}
+	return e
+}
+
+// TestErrorBodyShape: every error kvgate answers itself carries all four
+// keys of OpenAI's ErrorResponse, param and code null when they have no
+// value (never left out); a 403 has OpenAI's request_forbidden type.
+func TestErrorBodyShape(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	user := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+
+	cases := []struct {
+		name, method, path, key, body string
+		status                        int
+		typ                           string
+		param, code                   any // nil: JSON null
+	}{
+		{"no key", http.MethodPost, "/v1/chat/completions", "", chatReq(2), http.StatusUnauthorized, "invalid_request_error", nil, nil},
+		{"bad key", http.MethodPost, "/v1/chat/completions", "sk-nope", chatReq(2), http.StatusUnauthorized, "invalid_request_error", nil, "invalid_api_key"},
+		{"no model", http.MethodPost, "/v1/chat/completions", user, `{"messages":[{"role":"user","content":"x"}]}`, http.StatusBadRequest, "invalid_request_error", "model", nil},
+		{"unknown model", http.MethodPost, "/v1/chat/completions", user, `{"model":"nope","messages":[{"role":"user","content":"x"}]}`,
+			http.StatusNotFound, "invalid_request_error", "model", "model_not_found"},
+		{"bad json", http.MethodPost, "/v1/chat/completions", user, `{`, http.StatusBadRequest, "invalid_request_error", nil, nil},
+		{"unknown route", http.MethodGet, "/v1/nothing", user, "", http.StatusNotFound, "invalid_request_error", nil, nil},
+		{"admin only", http.MethodGet, "/v1/admin/tenants", user, "", http.StatusForbidden, "request_forbidden", nil, "admin_key_required"},
+		{"operators only", http.MethodGet, "/v1/usage", user, "", http.StatusForbidden, "request_forbidden", nil, "operator_key_required"},
+		// The backend's own 400 (a chat model asked for embeddings) passes
+		// on in OpenAI's shape too.
+		{"backend 400", http.MethodPost, "/v1/embeddings", user, `{"model":"` + llama + `","input":"hi"}`, http.StatusBadRequest, "invalid_request_error", nil, nil},
+	}
+	for _, c := range cases {
+		resp, b := send(t, f.srv.URL, c.method, c.path, c.key, c.body)
+		if resp.StatusCode != c.status {
+			t.Errorf("%s: %d %s, want %d", c.name, resp.StatusCode, b, c.status)
+			continue
+		}
+		if ct := resp.Header.Get("Content-Type"); !strings.HasPrefix(ct, "application/json") {
+			t.Errorf("%s: Content-Type %q", c.name, ct)
+		}
+		e := errorKeys(t, c.name, b)
+		if e["type"] != c.typ || e["param"] != c.param || e["code"] != c.code {
+			t.Errorf("%s: type %v param %v code %v, want %v %v %v: %s", c.name, e["type"], e["param"], e["code"], c.typ, c.param, c.code, b)
+		}
+	}
+}
+
+// TestStaticKeyRateLimitHeaders: a static key (--api-key) of a tenant the
+// store holds limits for is limited as the tenant's stored keys are, and
+// carries the same x-ratelimit-* headers, admitted and refused.
+func TestStaticKeyRateLimitHeaders(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0} // 10 s into a minute
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true,
+		gateway: Config{APIKeys: map[string]string{"sk-static": "acme"}, Tenants: Tenants{Store: st, Now: clock.Now}}})
+	newTenant(t, st, "acme", store.Limits{RPM: 2, TPM: 5000}, store.RoleUser)
+
+	for i, want := range []string{"1", "0"} {
+		resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", "sk-static", chatReq(4))
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, b)
+		}
+		for h, v := range map[string]string{"x-ratelimit-limit-requests": "2", "x-ratelimit-remaining-requests": want,
+			"x-ratelimit-reset-requests": "50s", "x-ratelimit-limit-tokens": "5000", "x-ratelimit-reset-tokens": "50s"} {
+			if got := resp.Header.Get(h); got != v {
+				t.Errorf("request %d: %s = %q, want %q", i, h, got, v)
+			}
+		}
+		if resp.Header.Get("x-ratelimit-remaining-tokens") == "" {
+			t.Errorf("request %d: no x-ratelimit-remaining-tokens", i)
+		}
+	}
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", "sk-static", chatReq(4))
+	e := errorKeys(t, "over RPM", b)
+	if resp.StatusCode != http.StatusTooManyRequests || e["code"] != "rate_limit_exceeded" ||
+		resp.Header.Get("x-ratelimit-remaining-requests") != "0" || resp.Header.Get("Retry-After") != "50" {
+		t.Errorf("over RPM: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+}

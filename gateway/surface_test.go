@@ -1,0 +1,481 @@
+package gateway
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/store"
+)
+
+func rerankerProfile(t testing.TB) vllmsim.Profile {
+	p, err := vllmsim.LookupProfile("h100-bge-reranker-v2-m3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+const reranker = "BAAI/bge-reranker-v2-m3"
+
+// ledgerOf returns a tenant's ledger for today, summed.
+func ledgerOf(t *testing.T, st store.Tenants, tenant string) store.UsageDay {
+	t.Helper()
+	now := time.Now().UTC()
+	days, err := st.Usage(context.Background(), tenant, now.AddDate(0, 0, -1), now.AddDate(0, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum store.UsageDay
+	for _, d := range days {
+		sum.Requests += d.Requests
+		sum.PromptTokens += d.PromptTokens
+		sum.CompletionTokens += d.CompletionTokens
+		sum.ReservedTokens += d.ReservedTokens
+		sum.UncertainTokens += d.UncertainTokens
+	}
+	return sum
+}
+
+// TestHealthVersionTokenize: /health and /version answer as vLLM's do,
+// without a key; /tokenize and /detokenize need one and pass through to a
+// backend of the model, in vLLM's shapes, the model defaulting to the only
+// one served; a model nothing serves is a 404.
+func TestHealthVersionTokenize(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 50, keysRequired: true, gateway: Config{APIKeys: map[string]string{"sk-a": "acme"}, Version: "1.2.3"}})
+	resp, b := send(t, f.srv.URL, http.MethodGet, "/health", "", "")
+	if resp.StatusCode != http.StatusOK || len(b) != 0 {
+		t.Errorf("/health: %d %q", resp.StatusCode, b)
+	}
+	resp, b = send(t, f.srv.URL, http.MethodGet, "/version", "", "")
+	if resp.StatusCode != http.StatusOK || strings.TrimSpace(string(b)) != `{"version":"1.2.3"}` {
+		t.Errorf("/version: %d %s", resp.StatusCode, b)
+	}
+
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/tokenize", "", `{"prompt":"hi"}`); resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("/tokenize without a key: %d %s", resp.StatusCode, b)
+	}
+	var tok struct {
+		Count       int   `json:"count"`
+		MaxModelLen int   `json:"max_model_len"`
+		Tokens      []int `json:"tokens"`
+	}
+	for _, body := range []string{`{"model":"` + llama + `","prompt":"hello there"}`, `{"prompt":"hello there"}`} {
+		resp, b = send(t, f.srv.URL, http.MethodPost, "/tokenize", "sk-a", body)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("/tokenize %s: %d %s", body, resp.StatusCode, b)
+		}
+		tok = decode[struct {
+			Count       int   `json:"count"`
+			MaxModelLen int   `json:"max_model_len"`
+			Tokens      []int `json:"tokens"`
+		}](t, b)
+		if want := vllmsim.Tokenize("hello there", true); tok.Count != len(want) || len(tok.Tokens) != len(want) || tok.MaxModelLen != f.sims[0].Engine().Profile().MaxModelLen {
+			t.Errorf("/tokenize %s: %s", body, b)
+		}
+	}
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/tokenize", "sk-a", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != http.StatusOK || decode[struct{ Count int }](t, b).Count < 3 {
+		t.Errorf("/tokenize messages: %d %s", resp.StatusCode, b)
+	}
+	ids, _ := json.Marshal(tok.Tokens[1:]) // without begin_of_text
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/detokenize", "sk-a", `{"model":"`+llama+`","tokens":`+string(ids)+`}`)
+	if resp.StatusCode != http.StatusOK || decode[struct{ Prompt string }](t, b).Prompt != "hello there" {
+		t.Errorf("/detokenize: %d %s", resp.StatusCode, b)
+	}
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/tokenize", "sk-a", `{"model":"nope","prompt":"x"}`)
+	if e := errorKeys(t, "unknown model", b); resp.StatusCode != http.StatusNotFound || e["code"] != "model_not_found" {
+		t.Errorf("/tokenize unknown model: %d %s", resp.StatusCode, b)
+	}
+	// The backend's own refusal passes on, in OpenAI's shape.
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/detokenize", "sk-a", `{"tokens":[999999999]}`)
+	if e := errorKeys(t, "bad token", b); resp.StatusCode != http.StatusBadRequest || e["type"] != "invalid_request_error" {
+		t.Errorf("/detokenize out of vocabulary: %d %s", resp.StatusCode, b)
+	}
+
+	// Every backend dead: /health says 503, with an empty body.
+	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
+	eventually.True(t, "/health answers 503 once the only backend is dead", func() bool {
+		resp, b := send(t, f.srv.URL, http.MethodGet, "/health", "", "")
+		return resp.StatusCode == http.StatusServiceUnavailable && len(b) == 0
+	})
+}
+
+// TestResponsesOverHTTP: /v1/responses passes through to the simulator,
+// unknown fields included, with the "error": null that vLLM leaves out;
+// its usage lands in the tenant's ledger; a stream relays vLLM's typed
+// events in order, ends with response.completed (no [DONE]), and charges
+// the tenant what response.completed reports.
+func TestResponsesOverHTTP(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	key := newTenant(t, st, "acme", store.Limits{TPM: 100_000}, store.RoleUser)
+	body := `{"model":"` + llama + `","input":[{"role":"user","content":[{"type":"input_text","text":"Say hi."}]}],` +
+		`"instructions":"Be terse.","max_output_tokens":6,"ignore_eos":true,"metadata":{"k":"v"}}`
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/responses", key, body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("responses: %d %s", resp.StatusCode, b)
+	}
+	var r map[string]json.RawMessage
+	if err := json.Unmarshal(b, &r); err != nil {
+		t.Fatal(err)
+	}
+	if string(r["error"]) != "null" || string(r["object"]) != `"response"` || string(r["metadata"]) != `{"k":"v"}` {
+		t.Errorf("response: %s", b)
+	}
+	// vLLM's nulls for what the SDKs declare optional, not nullable, are
+	// left out; the rest passes as the backend sent it.
+	for _, k := range []string{"user", "text"} {
+		if v, ok := r[k]; ok {
+			t.Errorf("%s: %s, want it left out", k, v)
+		}
+	}
+	if string(r["max_tool_calls"]) != "null" || strings.Contains(string(r["output"]), `"logprobs"`) {
+		t.Errorf("response: %s", b)
+	}
+	if resp.Header.Get("x-ratelimit-limit-tokens") != "100000" {
+		t.Errorf("x-ratelimit-limit-tokens = %q", resp.Header.Get("x-ratelimit-limit-tokens"))
+	}
+	var u struct{ InputTokens, OutputTokens int }
+	u2 := decode[struct {
+		Usage struct {
+			InputTokens  int `json:"input_tokens"`
+			OutputTokens int `json:"output_tokens"`
+		} `json:"usage"`
+	}](t, b).Usage
+	u.InputTokens, u.OutputTokens = u2.InputTokens, u2.OutputTokens
+	if u.OutputTokens != 6 || u.InputTokens < 5 {
+		t.Errorf("usage: %+v", u)
+	}
+	// The permit is released after the answer went out.
+	eventually.True(t, "the response's usage lands in the ledger", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.PromptTokens == int64(u.InputTokens) && got.CompletionTokens == 6 && got.ReservedTokens == 0
+	})
+
+	// Streaming.
+	req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/responses", strings.NewReader(strings.Replace(body, `"ignore_eos":true`, `"ignore_eos":true,"stream":true`, 1)))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	hr, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hr.Body.Close()
+	if hr.StatusCode != http.StatusOK || !strings.HasPrefix(hr.Header.Get("Content-Type"), "text/event-stream") {
+		b, _ := io.ReadAll(hr.Body)
+		t.Fatalf("stream: %d %s", hr.StatusCode, b)
+	}
+	var types []string
+	sc := bufio.NewScanner(hr.Body)
+	event := ""
+	var completed map[string]json.RawMessage
+	for sc.Scan() {
+		line := sc.Text()
+		if rest, ok := strings.CutPrefix(line, "event: "); ok {
+			event = rest
+			continue
+		}
+		rest, ok := strings.CutPrefix(line, "data: ")
+		if !ok {
+			continue
+		}
+		var ev struct {
+			Type     string                     `json:"type"`
+			Seq      int                        `json:"sequence_number"`
+			Response map[string]json.RawMessage `json:"response"`
+		}
+		if err := json.Unmarshal([]byte(rest), &ev); err != nil {
+			t.Fatalf("event %q: %v", rest, err)
+		}
+		if ev.Type != event || ev.Seq != len(types) {
+			t.Errorf("event %q: type %q, sequence %d", event, ev.Type, ev.Seq)
+		}
+		if ev.Response != nil && (string(ev.Response["error"]) != "null" || ev.Response["user"] != nil || ev.Response["usage"] != nil && string(ev.Response["usage"]) == "null") {
+			t.Errorf("%s: the response is not normalized: %s", ev.Type, rest)
+		}
+		if strings.Contains(rest, `"logprobs":null`) {
+			t.Errorf("%s: null logprobs: %s", ev.Type, rest)
+		}
+		types = append(types, ev.Type)
+		if ev.Type == "response.completed" {
+			completed = ev.Response
+		}
+	}
+	if len(types) != 4+6+4 || types[0] != "response.created" || types[len(types)-1] != "response.completed" || completed == nil {
+		t.Fatalf("events: %v", types)
+	}
+	eventually.True(t, "the stream's usage lands in the ledger", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.CompletionTokens == 12 && got.ReservedTokens == 0 && got.UncertainTokens == 0
+	})
+
+	// Bad input: OpenAI-shaped 400s, before anything is charged.
+	for _, bad := range []string{`{"model":"` + llama + `"}`, `{"model":"` + llama + `","input":""}`, `{"model":"` + llama + `","input":"x","max_output_tokens":0}`} {
+		resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/responses", key, bad)
+		if e := errorKeys(t, bad, b); resp.StatusCode != http.StatusBadRequest || e["param"] == nil {
+			t.Errorf("%s: %d %s", bad, resp.StatusCode, b)
+		}
+	}
+	if got := ledgerOf(t, st, "acme"); got.Requests != 2 {
+		t.Errorf("requests in the ledger: %d, want 2 (bad input is not admitted)", got.Requests)
+	}
+}
+
+// TestResponsesJob: a durable job may post to /v1/responses (batch lines
+// use it): the executor runs it, its result is the Response with its error
+// key, and its usage lands in the tenant's ledger.
+func TestResponsesJob(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 50, gateway: Config{Tenants: Tenants{Store: st}}})
+	body := `{"endpoint":"/v1/responses","body":{"model":"` + llama + `","input":"Say hi.","max_output_tokens":4,"ignore_eos":true}}`
+	resp, b := f.post(t, "/v1/jobs", body, "Idempotency-Key", "resp-job")
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d %s", resp.StatusCode, b)
+	}
+	id := decode[jobView](t, b).ID
+	waitJob(t, f, "default", id, store.Succeeded)
+	resp, b = send(t, f.srv.URL, http.MethodGet, "/v1/jobs/"+id+"/result", "", "")
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("result: %d %s", resp.StatusCode, b)
+	}
+	var out map[string]json.RawMessage
+	if err := json.Unmarshal(b, &out); err != nil {
+		t.Fatal(err)
+	}
+	if string(out["object"]) != `"response"` || string(out["error"]) != "null" {
+		t.Errorf("result: %s", b)
+	}
+	eventually.True(t, "the job's usage lands in the ledger", func() bool {
+		got := ledgerOf(t, st, "default")
+		return got.CompletionTokens == 4 && got.PromptTokens > 0 && got.ReservedTokens == 0
+	})
+}
+
+// TestRerankAndScoreOverHTTP: /v1/rerank, /rerank, /v1/score and /score
+// pass through to a reranker backend in vLLM's shapes; admission reserves
+// the prompt only (a tenant whose TPM is below the default output budget
+// is admitted), and the ledger charges the prompt tokens the backend
+// reports, no completion tokens.
+func TestRerankAndScoreOverHTTP(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, profile: rerankerProfile(t),
+		gateway: Config{Tenants: Tenants{Store: st}, DefaultMaxTokens: 4096}})
+	key := newTenant(t, st, "acme", store.Limits{TPM: 1000}, store.RoleUser)
+	docs := `["Cats are small carnivores.","vLLM is a fast inference engine.","Paris is in France."]`
+	var prompt int64
+	for _, path := range []string{"/v1/rerank", "/rerank"} {
+		resp, b := send(t, f.srv.URL, http.MethodPost, path, key, `{"model":"`+reranker+`","query":"what is vLLM","documents":`+docs+`,"top_n":2,"extra":"passes"}`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %d %s", path, resp.StatusCode, b)
+		}
+		out := decode[struct {
+			Results []struct {
+				Index          int     `json:"index"`
+				RelevanceScore float64 `json:"relevance_score"`
+			} `json:"results"`
+			Usage struct {
+				PromptTokens int64 `json:"prompt_tokens"`
+			} `json:"usage"`
+		}](t, b)
+		if len(out.Results) != 2 || out.Results[0].Index != 1 || out.Usage.PromptTokens == 0 {
+			t.Errorf("%s: %s", path, b)
+		}
+		prompt += out.Usage.PromptTokens
+	}
+	for _, path := range []string{"/v1/score", "/score"} {
+		resp, b := send(t, f.srv.URL, http.MethodPost, path, key, `{"model":"`+reranker+`","text_1":"what is vLLM","text_2":`+docs+`}`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %d %s", path, resp.StatusCode, b)
+		}
+		out := decode[struct {
+			Data []struct {
+				Score float64 `json:"score"`
+			} `json:"data"`
+			Usage struct {
+				PromptTokens int64 `json:"prompt_tokens"`
+			} `json:"usage"`
+		}](t, b)
+		if len(out.Data) != 3 || out.Data[1].Score <= out.Data[0].Score {
+			t.Errorf("%s: %s", path, b)
+		}
+		prompt += out.Usage.PromptTokens
+	}
+	eventually.True(t, "the ledger charges the prompt tokens only", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.PromptTokens == prompt && got.CompletionTokens == 0 && got.Requests == 4 && got.ReservedTokens == 0
+	})
+	for _, c := range []struct{ path, body, param string }{
+		{"/v1/rerank", `{"model":"` + reranker + `","documents":["a"]}`, "query"},
+		{"/v1/rerank", `{"model":"` + reranker + `","query":"q","documents":[]}`, "documents"},
+		{"/v1/score", `{"model":"` + reranker + `","text_1":"q"}`, "text_2"},
+		{"/score", `{"model":"` + reranker + `","text_1":[],"text_2":"d"}`, "text_1"},
+	} {
+		resp, b := send(t, f.srv.URL, http.MethodPost, c.path, key, c.body)
+		if e := errorKeys(t, c.path, b); resp.StatusCode != http.StatusBadRequest || e["param"] != c.param {
+			t.Errorf("%s %s: %d %s", c.path, c.body, resp.StatusCode, b)
+		}
+	}
+	// The metrics count the routes by their own names.
+	resp, b := send(t, f.srv.URL, http.MethodGet, "/metrics", "", "")
+	for _, route := range []string{`route="/v1/rerank"`, `route="/rerank"`, `route="/v1/score"`, `route="/score"`} {
+		if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), route) {
+			t.Errorf("/metrics has no %s", route)
+		}
+	}
+}
+
+// TestModelAliases: an alias is listed by /v1/models with the model it
+// resolves to, serves requests (the backend sees the model's name), and
+// falls back, in order, to the next model when no backend of the first
+// is routable; with none routable it is 503 backend_unavailable, and a
+// configuration whose alias names an alias is refused.
+func TestModelAliases(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 50, backends: 2,
+		simConfig: func(i int, c *vllmsim.Config) { c.ServedModelName = []string{"primary", "fallback"}[i] },
+		gateway:   Config{Models: map[string][]string{"gpt-4o-mini": {"primary", "fallback"}}}})
+	chat := `{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	served := func() string {
+		resp, b := f.post(t, "/v1/chat/completions", chat)
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Sprintf("%d %s", resp.StatusCode, b)
+		}
+		return decode[struct{ Model string }](t, b).Model
+	}
+	resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/models", "", "")
+	models := decode[list[struct {
+		ID   string `json:"id"`
+		Root string `json:"root"`
+	}]](t, b)
+	found := false
+	for _, m := range models.Data {
+		found = found || (m.ID == "gpt-4o-mini" && m.Root == "primary")
+	}
+	if resp.StatusCode != http.StatusOK || !found {
+		t.Errorf("/v1/models: %s", b)
+	}
+	if got := served(); got != "primary" {
+		t.Errorf("alias served by %q, want primary", got)
+	}
+	// /tokenize resolves it too: the backend, which knows no alias, answers.
+	if resp, b := f.post(t, "/tokenize", `{"model":"gpt-4o-mini","prompt":"hi"}`); resp.StatusCode != http.StatusOK ||
+		decode[struct{ Count int }](t, b).Count != len(vllmsim.Tokenize("hi", true)) {
+		t.Errorf("/tokenize of the alias: %d %s", resp.StatusCode, b)
+	}
+	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
+	eventually.True(t, "the alias falls back to its second model", func() bool { return served() == "fallback" })
+	f.sims[1].SetFaults(vllmsim.Faults{Dead: true})
+	eventually.True(t, "with no model of the alias routable, 503 backend_unavailable", func() bool {
+		resp, b := f.post(t, "/v1/chat/completions", chat)
+		return resp.StatusCode == http.StatusServiceUnavailable && strings.Contains(string(b), "backend_unavailable")
+	})
+	f.sims[0].SetFaults(vllmsim.Faults{})
+	eventually.True(t, "back to the first model once it is routable again", func() bool { return served() == "primary" })
+
+	if err := checkAliases(map[string][]string{"a": {"b"}, "b": {"c"}}); err == nil {
+		t.Error("an alias of an alias was accepted")
+	}
+	if err := checkAliases(map[string][]string{"a": {}}); err == nil {
+		t.Error("an alias without models was accepted")
+	}
+}
+
+// TestAliasJob: a job may name an alias; it is accepted for the model the
+// alias resolves to, and its body reaches the backend with that model.
+func TestAliasJob(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 50,
+		gateway: Config{Models: map[string][]string{"gpt-4o-mini": {llama}}}})
+	resp, b := f.post(t, "/v1/jobs", `{"endpoint":"/v1/chat/completions","body":{"model":"gpt-4o-mini","messages":[{"role":"user","content":"hi"}],"max_tokens":2}}`,
+		"Idempotency-Key", "alias-job")
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d %s", resp.StatusCode, b)
+	}
+	j := decode[jobView](t, b)
+	if j.Model != llama {
+		t.Errorf("the job is for %q, want %q", j.Model, llama)
+	}
+	waitJob(t, f, "default", j.ID, store.Succeeded)
+	resp, b = send(t, f.srv.URL, http.MethodGet, "/v1/jobs/"+j.ID+"/result", "", "")
+	if resp.StatusCode != http.StatusOK || decode[struct{ Model string }](t, b).Model != llama {
+		t.Errorf("result: %d %s", resp.StatusCode, b)
+	}
+	resp, b = f.post(t, "/v1/jobs", `{"endpoint":"/v1/chat/completions","body":{"model":"no-such-alias","messages":[{"role":"user","content":"hi"}]}}`,
+		"Idempotency-Key", "alias-job-2")
+	if e := errorKeys(t, "unknown model", b); resp.StatusCode != http.StatusNotFound || e["param"] != "body.model" {
+		t.Errorf("unknown model: %d %s", resp.StatusCode, b)
+	}
+}
+
+// TestResponsesStreamCut: a backend that cuts a Responses stream after
+// its first events ends the client's stream with an OpenAI error event
+// (no response.completed), and the tenant stays charged the reservation
+// as uncertain usage; a non-streaming call the backend cuts is a 502,
+// charged the same way.
+func TestResponsesStreamCut(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	key := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	f.sims[0].SetFaults(vllmsim.Faults{DropRate: 1})
+	body := `{"model":"` + llama + `","input":"Say hi.","max_output_tokens":20,"ignore_eos":true,"stream":true}`
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/responses", key, body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	out := string(b)
+	if !strings.Contains(out, "event: response.created") || strings.Contains(out, "response.completed") ||
+		!strings.Contains(out, `data: {"error":{"message":"The model backend failed mid-stream`) {
+		t.Errorf("cut stream:\n%s", out)
+	}
+	eventually.True(t, "the cut stream stays charged as uncertain", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.ReservedTokens == 0 && got.UncertainTokens > 0 && got.CompletionTokens == 0
+	})
+	before := ledgerOf(t, st, "acme").UncertainTokens
+	resp, b = send(t, f.srv.URL, http.MethodPost, "/v1/responses", key, strings.Replace(body, `"stream":true`, `"stream":false`, 1))
+	if e := errorKeys(t, "cut answer", b); resp.StatusCode != http.StatusBadGateway || e["type"] != "server_error" {
+		t.Errorf("cut answer: %d %s", resp.StatusCode, b)
+	}
+	eventually.True(t, "the cut answer stays charged as uncertain", func() bool {
+		got := ledgerOf(t, st, "acme")
+		return got.ReservedTokens == 0 && got.UncertainTokens > before
+	})
+}
+
+// TestSurfaceReservations: a Responses call reserves its prompt and
+// max_output_tokens (never max_tokens, which the API does not have), or
+// the default output; rerank and score reserve their prompt only, sized
+// by every pair they make.
+func TestSurfaceReservations(t *testing.T) {
+	s := &Server{cfg: Config{DefaultMaxTokens: 1024}}
+	m := gpu.Model{ID: "m", MaxModelLen: 4096}
+	for _, c := range []struct {
+		ep          endpoint
+		body        string
+		total, out  int
+		promptBytes int
+	}{
+		{epResponses, `{"model":"m","input":"hi","max_output_tokens":4,"max_tokens":100000}`, 14, 4, len(`"hi"`)},
+		{epResponses, `{"model":"m","input":"hi","instructions":"be brief"}`, 1034, 1024, len(`"hi"`) + len(`"be brief"`)},
+		{epRerank, `{"model":"m","query":"qq","documents":["a","b","c"],"max_tokens":50}`, 10, 0, 3*len(`"qq"`) + len(`["a","b","c"]`)},
+		{epScore, `{"model":"m","text_1":"qq","text_2":["a","b"]}`, 10, 0, 2*len(`"qq"`) + len(`["a","b"]`)},
+		{epScore, `{"model":"m","text_1":["q1","q2"],"text_2":["a","b"]}`, 10, 0, len(`["q1","q2"]`) + len(`["a","b"]`)},
+	} {
+		call, err := parseCall([]byte(c.body), c.ep)
+		if err != nil {
+			t.Fatalf("%s: %v", c.body, err)
+		}
+		total, out := s.reservationWith(call, m, 10)
+		if total != c.total || out != c.out || call.promptBytes != c.promptBytes {
+			t.Errorf("%s: reserves %d (output %d), prompt bytes %d; want %d (%d), %d", c.body, total, out, call.promptBytes, c.total, c.out, c.promptBytes)
+		}
+	}
+}

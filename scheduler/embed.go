@@ -1,0 +1,165 @@
+package scheduler
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// Resumable multi-input embeddings. An embeddings job whose input is a
+// list of many chunks runs its inference stage as batches: each batch is
+// its own request, admitted like any job request (its own quota permit
+// and KV grant, sized to what it holds), and each batch's answer is
+// checkpointed under the fence as the stage "inference/batch/NNNNN"
+// before the next one is sent. A retry after a failure at chunk 7,000
+// finds the checkpoints of the batches before it and embeds only what is
+// missing. The stage's output, checkpointed as "inference" like any
+// job's answer, lists the embeddings in input order, with usage summed
+// over every batch.
+
+const (
+	// EmbedBatchInputs and EmbedBatchBytes bound one batch: at most this
+	// many inputs, and at most this many bytes of them (about a
+	// quarter of that in tokens), whichever comes first.
+	EmbedBatchInputs = 256
+	EmbedBatchBytes  = 64 << 10
+	// MaxEmbedInputs bounds a job's input list.
+	MaxEmbedInputs = 10_000
+)
+
+type embedBatch struct{ lo, hi int }
+
+// embedBatches splits inputs into batches.
+func embedBatches(inputs []json.RawMessage) []embedBatch {
+	var out []embedBatch
+	lo, bytes := 0, 0
+	for i, in := range inputs {
+		if i > lo && (i-lo >= EmbedBatchInputs || bytes+len(in) > EmbedBatchBytes) {
+			out = append(out, embedBatch{lo, i})
+			lo, bytes = i, 0
+		}
+		bytes += len(in)
+	}
+	if lo < len(inputs) {
+		out = append(out, embedBatch{lo, len(inputs)})
+	}
+	return out
+}
+
+// splitEmbeddings reads an embeddings body whose input is a list of
+// chunks (strings or token lists); ok is false for any other input.
+func splitEmbeddings(body []byte) (map[string]json.RawMessage, []json.RawMessage, bool) {
+	var req map[string]json.RawMessage
+	if json.Unmarshal(body, &req) != nil {
+		return nil, nil, false
+	}
+	var inputs []json.RawMessage
+	if json.Unmarshal(req["input"], &inputs) != nil || len(inputs) == 0 {
+		return nil, nil, false
+	}
+	// A list of token ids is one input, not many.
+	var ids []int
+	if json.Unmarshal(req["input"], &ids) == nil {
+		return nil, nil, false
+	}
+	return req, inputs, true
+}
+
+func batchStage(i int) string { return fmt.Sprintf("%s/batch/%05d", store.StageInference, i) }
+
+// inferStage runs the inference stage: one request, or an embeddings
+// job's batches, resuming after the checkpointed ones. It returns the
+// stage's output with the tokens this attempt spent.
+func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func()) (Outcome, error) {
+	if j.Endpoint != "/v1/embeddings" {
+		return r.infer(ctx, j, a, admitted, sent)
+	}
+	req, inputs, ok := splitEmbeddings(j.Body)
+	if !ok {
+		return r.infer(ctx, j, a, admitted, sent)
+	}
+	batches := embedBatches(inputs)
+	if len(batches) == 1 {
+		return r.infer(ctx, j, a, admitted, sent)
+	}
+	wctx := context.WithoutCancel(ctx)
+	parts := make([][]byte, len(batches))
+	var spent Outcome
+	for i, b := range batches {
+		data, err := r.st.Stage(ctx, j.ID, batchStage(i))
+		if err == nil {
+			parts[i] = data
+			r.m.stageReused.Inc()
+			continue
+		}
+		if !errors.Is(err, store.ErrNotFound) {
+			return Outcome{}, &ExecError{Class: ClassStore, Err: err}
+		}
+		sub := j
+		req["input"], _ = json.Marshal(inputs[b.lo:b.hi])
+		sub.Body, _ = json.Marshal(req)
+		out, err := r.infer(ctx, sub, a, admitted, sent)
+		if err != nil {
+			return Outcome{}, err
+		}
+		spent.PromptTokens += out.PromptTokens
+		spent.CompletionTokens += out.CompletionTokens
+		if err := r.record(wctx, func(now time.Time) error {
+			return r.st.SaveStage(wctx, j.ID, j.Fence, batchStage(i), out.Body, now)
+		}); err != nil {
+			if errors.Is(err, store.ErrLeaseLost) {
+				return Outcome{}, err
+			}
+			return Outcome{}, &ExecError{Class: ClassStore, Err: err}
+		}
+		parts[i] = out.Body
+	}
+	body, err := mergeEmbeddings(parts, batches)
+	if err != nil {
+		return Outcome{}, &ExecError{Class: ClassBackend, Err: err}
+	}
+	spent.Body = body
+	return spent, nil
+}
+
+// mergeEmbeddings joins the batches' answers into one, in input order.
+func mergeEmbeddings(parts [][]byte, batches []embedBatch) ([]byte, error) {
+	type answer struct {
+		Object string                       `json:"object"`
+		Data   []map[string]json.RawMessage `json:"data"`
+		Model  string                       `json:"model"`
+		Usage  struct {
+			PromptTokens int `json:"prompt_tokens"`
+			TotalTokens  int `json:"total_tokens"`
+		} `json:"usage"`
+	}
+	var out answer
+	out.Object = "list"
+	for i, p := range parts {
+		var a answer
+		if err := json.Unmarshal(p, &a); err != nil {
+			return nil, fmt.Errorf("batch %d's answer: %w", i, err)
+		}
+		if len(a.Data) != batches[i].hi-batches[i].lo {
+			return nil, fmt.Errorf("batch %d's answer has %d embeddings for %d inputs", i, len(a.Data), batches[i].hi-batches[i].lo)
+		}
+		ordered := make([]map[string]json.RawMessage, len(a.Data))
+		for k, d := range a.Data {
+			var idx int
+			if err := json.Unmarshal(d["index"], &idx); err != nil || idx < 0 || idx >= len(a.Data) || ordered[idx] != nil {
+				return nil, fmt.Errorf("batch %d's embedding %d has a bad index", i, k)
+			}
+			d["index"], _ = json.Marshal(batches[i].lo + idx)
+			ordered[idx] = d
+		}
+		out.Data = append(out.Data, ordered...)
+		out.Model = a.Model
+		out.Usage.PromptTokens += a.Usage.PromptTokens
+		out.Usage.TotalTokens += a.Usage.TotalTokens
+	}
+	return json.Marshal(out)
+}
