@@ -371,10 +371,13 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, pla
 						defer free()
 						result := json.RawMessage(`{"ok":true}`)
 						if full {
+							// The sent mark is the work's (before its request
+							// leaves); the checkpoint and the end are its record.
 							if err := s.MarkSent(ctx, j.ID, j.Fence, time.Now(), time.Minute); err != nil {
 								fail(err)
 								return
 							}
+							free()
 							if err := s.SaveStage(ctx, j.ID, j.Fence, "inference", result, time.Now()); err != nil {
 								fail(err)
 								return
