@@ -263,7 +263,7 @@ func buildQueries(d Dialect) queries {
 				SELECT DISTINCT ON (id) id, ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) ORDER BY id, ord),
 			todo AS (
 				SELECT o.seq, row_number() OVER (ORDER BY input.ord) AS n
-				FROM input JOIN outbox o ON o.id = input.id WHERE o.published_at = 0)
+				FROM input JOIN outbox o ON o.id = input.id WHERE o.id = ANY(?::text[]) AND o.published_at = 0)
 			UPDATE outbox SET published_at = ?, feed_seq = ?::bigint + todo.n FROM todo WHERE outbox.seq = todo.seq`)
 		// RecordInbox in one statement: the record, or the digest of the
 		// one there (a record inserted by a transaction that commits while
@@ -559,7 +559,7 @@ func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) e
 			return err
 		}
 		if s.q.markPublishedBatch != "" {
-			_, err := s.exec(ctx, tx, s.q.markPublishedBatch, ids, micros(at), head)
+			_, err := s.exec(ctx, tx, s.q.markPublishedBatch, ids, ids, micros(at), head)
 			return err
 		}
 		for _, id := range ids {
