@@ -27,7 +27,8 @@ import (
 // climbs rates until acceptance p99 passes 25 ms, and logs each rate's
 // figures and the highest rate that held. Every accepted job must then
 // run exactly once and succeed; the figures are logged, never asserted.
-// The experiment runs with KVGATE_EXPERIMENTS=1 (make experiments); a
+// The experiment runs with KVGATE_EXPERIMENTS=1 (alone: see
+// docs/benchmarks.md, "The durable path beside River"); a
 // plain go test runs one short step at 200 jobs/s as a check.
 // KVGATE_ACCEPT_RATES (e.g. "1000,2000") and KVGATE_ACCEPT_SECONDS
 // choose the steps.
