@@ -45,6 +45,15 @@ test: node-deps
 experiments:
 	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^(TestOverloadNoPreemption|TestJobBurst|TestThreeReplicasOneFleet|TestFairnessBurst)$$' ./gateway/
 
+# The Files and Batch APIs' figures (docs/batches.md): the peak RSS growth
+# of kvgate serve over a 200 MiB upload and download (goal: under 64 MiB)
+# and its 50,000-line batch's acceptance, and a 50,000-line batch's
+# acceptance on PostgreSQL in process. Both need the local PostgreSQL.
+.PHONY: files-rss
+files-rss:
+	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^TestFileRSS$$' ./cmd/kvgate/
+	KVGATE_EXPERIMENTS=1 $(GO) test -count=1 -v -run '^TestBatchAcceptance50k$$' ./gateway/
+
 # The OpenAI Node SDK for cmd/kvgate's TestOpenAINodeSDK, installed from the
 # lockfile when it changed. Without node and npm the test skips (with
 # CI=true it fails); an npm failure is fatal only with CI=true.
@@ -106,9 +115,10 @@ docs:
 
 # Go benchmarks, the gateway's overhead and throughput, the simulator's
 # calibration table and CPU cost, then the named scenarios at a quarter of
-# their size (about three minutes): kvgate, round-robin and an EPP-style
-# threshold router, each in front of a fresh simulated fleet, on the same
-# arrivals; reports in bin/bench/<scenario>/.
+# their size: kvgate, round-robin, an EPP-style threshold router and an
+# llm-d-style prefix router, each in front of a fresh simulated fleet, on
+# the same arrivals (shared-prefix and multi-turn included); reports in
+# bin/bench/<scenario>/.
 bench: build
 	$(GO) test -run '^$$' -bench . -benchmem -count 5 ./bench/... ./gpu/ | tee bin/bench.txt
 	$(GO) test -run '^$$' -bench 'GatewayOverhead' -benchtime 1x ./cmd/kvgate/ | tee -a bin/bench.txt

@@ -11,11 +11,12 @@ type gaps struct {
 	kind       string
 	rate       float64
 	burstiness float64
+	steps      int
 	rng        *rand.Rand
 }
 
 func newGaps(a Arrival, rng *rand.Rand) *gaps {
-	return &gaps{kind: a.Kind, rate: a.Rate, burstiness: a.Burstiness, rng: rng}
+	return &gaps{kind: a.Kind, rate: a.Rate, burstiness: a.Burstiness, steps: a.Steps, rng: rng}
 }
 
 // next returns the next gap in seconds: 0 at an infinite rate, 1/rate for
@@ -37,6 +38,9 @@ func (g *gaps) next() float64 {
 // so that the last request lands at n/rate: the load point's mean rate is the
 // one asked for, not one drawn.
 func (g *gaps) schedule(n int) []time.Duration {
+	if g.steps > 1 && !math.IsInf(g.rate, 1) {
+		return g.stepped(n)
+	}
 	at := make([]float64, n)
 	t := 0.0
 	for i := range at {

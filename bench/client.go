@@ -175,9 +175,12 @@ type reqBody struct {
 
 func (r *requester) body(it item, ignoreEOS, stream bool) []byte {
 	b := reqBody{Model: r.model, MaxTokens: it.outputLen, IgnoreEOS: ignoreEOS, Stream: stream}
-	if r.chat {
+	switch {
+	case r.chat && it.messages != nil:
+		b.Messages = it.messages
+	case r.chat:
 		b.Messages = []chatMsg{{Role: "user", Content: it.prompt}}
-	} else {
+	default:
 		b.Prompt = it.prompt
 	}
 	if stream {

@@ -40,6 +40,14 @@ const (
 	DatasetShareGPT = "sharegpt" // conversations from a ShareGPT-format JSON file
 	DatasetPrefix   = "prefix"   // synthetic prompts that share one of PrefixGroups prefixes of PrefixLen tokens
 	DatasetTrace    = "trace"    // a JSONL trace replayed with its timestamps
+	// DatasetSystemPrompt is chat whose every request carries one of
+	// PrefixGroups system prompts of PrefixLen tokens (a tenant's) and a
+	// user question drawn from Input (sessions.go).
+	DatasetSystemPrompt = "system-prompt"
+	// DatasetMultiTurn is PrefixGroups chat sessions, each a system
+	// prompt of PrefixLen tokens, whose every turn resends the whole
+	// history: earlier questions (Input) and answers (Output) (sessions.go).
+	DatasetMultiTurn = "multi-turn"
 )
 
 // Length distribution kinds.
@@ -152,6 +160,11 @@ type Tenant struct {
 	// Deferred submits each request as a job (POST /v1/jobs) and follows it
 	// by polling until it ends; its latency is submission to completion.
 	Deferred bool `json:"deferred,omitempty"`
+	// Batch submits the tenant's NumPrompts requests as one batch of the
+	// Batch API (POST /v1/files and /v1/batches, kvgate only) at the
+	// start, and follows it by polling; each request's latency is the
+	// batch's. Its arrival is ignored.
+	Batch bool `json:"batch,omitempty"`
 }
 
 // Arrival says when requests are sent.
@@ -169,6 +182,10 @@ type Arrival struct {
 	Concurrency int `json:"concurrency,omitempty"`
 	// TimeScale stretches a trace's timestamps (2 = half as fast); default 1.
 	TimeScale float64 `json:"time_scale,omitempty"`
+	// Steps, above 1, makes an open-loop rate rise in that many equal
+	// steps, from Rate/Steps to Rate, over a load point's NumPrompts
+	// (sessions.go).
+	Steps int `json:"steps,omitempty"`
 }
 
 // Workload says what requests contain.
@@ -186,6 +203,9 @@ type Workload struct {
 	// groups (prefix workload; default 1 group).
 	PrefixLen    int `json:"prefix_len,omitempty"`
 	PrefixGroups int `json:"prefix_groups,omitempty"`
+	// Turns is how many turns a multi-turn session has before it starts
+	// over as a new conversation (default 8).
+	Turns int `json:"turns,omitempty"`
 	// IgnoreEOS asks the server for exactly max_tokens (vLLM's ignore_eos);
 	// always on for random and prefix workloads, as vllm bench serve does.
 	IgnoreEOS bool `json:"ignore_eos,omitempty"`
@@ -299,7 +319,7 @@ func (c Config) Validate() (Config, error) {
 		}
 		if t.Class == "" {
 			t.Class = "interactive"
-			if t.Deferred {
+			if t.Deferred || t.Batch {
 				t.Class = "batch"
 			}
 		}
@@ -384,6 +404,9 @@ func (a Arrival) withDefaults(w Workload) (Arrival, error) {
 	if a.Burstiness < 0 {
 		return a, fmt.Errorf("bench: burstiness %v is negative", a.Burstiness)
 	}
+	if a.Steps < 0 {
+		return a, fmt.Errorf("bench: steps %d is negative", a.Steps)
+	}
 	if a.TimeScale == 0 {
 		a.TimeScale = 1
 	}
@@ -442,13 +465,16 @@ func (w Workload) withDefaults() (Workload, error) {
 	switch w.Kind {
 	case DatasetRandom:
 		w.IgnoreEOS = true
-	case DatasetPrefix:
+	case DatasetPrefix, DatasetSystemPrompt, DatasetMultiTurn:
 		w.IgnoreEOS = true
 		if w.PrefixGroups <= 0 {
 			w.PrefixGroups = 1
 		}
+		if w.Turns <= 0 {
+			w.Turns = 8
+		}
 		if w.PrefixLen <= 0 {
-			return w, errors.New("bench: a prefix workload needs prefix_len")
+			return w, fmt.Errorf("bench: a %s workload needs prefix_len", w.Kind)
 		}
 	case DatasetShareGPT, DatasetTrace:
 		if w.Path == "" {

@@ -280,6 +280,10 @@ func (p *point) tenant(ctx context.Context, t Tenant) {
 	if t.Arrival.Kind == ArrivalTrace && (n == 0 || n > src.len()) {
 		n = src.len() // a trace is replayed once
 	}
+	if t.Batch {
+		p.batch(ctx, t, src, n)
+		return
+	}
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	if t.Arrival.Kind == ArrivalConcurrency {

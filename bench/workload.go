@@ -31,6 +31,9 @@ type item struct {
 	inputLen  int           // intended prompt tokens (the server's usage is what counts)
 	outputLen int           // max_tokens
 	at        time.Duration // a trace's send offset
+	// messages, when set, is the chat to send instead of one user
+	// message of prompt (sessions.go).
+	messages []chatMsg
 }
 
 // source draws a workload's requests.
@@ -40,6 +43,7 @@ type source struct {
 	pool     []item // sharegpt and trace items, in order of use
 	next     int
 	prefixes []string
+	sessions []session // multi-turn
 }
 
 func newSource(w Workload, rng *rand.Rand) (*source, error) {
@@ -58,7 +62,7 @@ func newSource(w Workload, rng *rand.Rand) (*source, error) {
 			return nil, err
 		}
 		s.pool = items
-	case DatasetPrefix:
+	case DatasetPrefix, DatasetSystemPrompt, DatasetMultiTurn:
 		for g := range w.PrefixGroups {
 			grng := rand.New(rand.NewPCG(rng.Uint64(), uint64(g)))
 			s.prefixes = append(s.prefixes, wordText(grng, w.PrefixLen))
@@ -90,6 +94,12 @@ func (s *source) draw() item {
 		return it
 	}
 	in, out := s.w.Input.draw(s.rng), s.w.Output.draw(s.rng)
+	switch s.w.Kind {
+	case DatasetSystemPrompt:
+		return s.systemPrompt(in, out)
+	case DatasetMultiTurn:
+		return s.turn(in, out)
+	}
 	if s.w.Kind == DatasetPrefix {
 		p := s.prefixes[s.rng.IntN(len(s.prefixes))]
 		return item{prompt: p + wordText(s.rng, in), inputLen: s.w.PrefixLen + in, outputLen: out}

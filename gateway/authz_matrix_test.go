@@ -35,6 +35,8 @@ type matrixEnv struct {
 	st    *sqlstore.Store
 	keys  [nRoles]string
 	job   string // a job of acme's that succeeded
+	file  string // a batch input file of acme's
+	batch string // a batch of acme's that completed
 	n     int    // names made so far
 	spare string // the spare tenant or key id expand made last
 }
@@ -60,7 +62,11 @@ func (e *matrixEnv) expand(s string) string {
 		e.spare = k.ID
 		s = strings.ReplaceAll(s, "{spare-key}", k.ID)
 	}
-	return strings.NewReplacer("{job}", e.job, "{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
+	if strings.Contains(s, "{spare-file}") {
+		e.spare = matrixFile(e.t, e, "spare.jsonl")
+		s = strings.ReplaceAll(s, "{spare-file}", e.spare)
+	}
+	return strings.NewReplacer("{job}", e.job, "{file}", e.file, "{batch}", e.batch, "{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
 }
 
 // do sends one request and returns its status and body; an event stream's
@@ -72,8 +78,12 @@ func (e *matrixEnv) do(method, path, key, body string, header ...string) (int, [
 	if body != "" {
 		rd = strings.NewReader(body)
 	}
+	contentType := "application/json"
+	if body == "{upload}" {
+		rd, contentType = multipartUpload("matrix.jsonl", "batch", batchLines(1, nil))
+	}
 	req, _ := http.NewRequestWithContext(ctx, method, e.f.srv.URL+path, rd)
-	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Content-Type", contentType)
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
@@ -170,6 +180,22 @@ func TestRouteRoleMatrix(t *testing.T) {
 			e.t.Errorf("another tenant sees acme's job: %s", body)
 		}
 	}
+	hidesFile := func(e *matrixEnv, role, status int, body []byte) {
+		if role == roleOther && strings.Contains(string(body), e.file) {
+			e.t.Errorf("another tenant sees acme's file: %s", body)
+		}
+	}
+	hidesBatch := func(e *matrixEnv, role, status int, body []byte) {
+		if role == roleOther && strings.Contains(string(body), e.batch) {
+			e.t.Errorf("another tenant sees acme's batch: %s", body)
+		}
+	}
+	keptFile := func(e *matrixEnv, role, status int, _ []byte) {
+		if _, err := e.st.File(context.Background(), "acme", e.spare, time.Now()); status >= 300 && err != nil {
+			e.t.Errorf("%s was refused (%d) and the file is gone: %v", roleNames[role], status, err)
+		}
+	}
+	e.file, e.batch = matrixBatch(t, e)
 	rows := []matrixRow{
 		{pattern: "POST /v1/chat/completions", body: chatReq(2), want: keyed},
 		{pattern: "POST /v1/completions", body: `{"model":"` + llama + `","prompt":"hi","max_tokens":2}`, want: keyed},
@@ -236,6 +262,18 @@ func TestRouteRoleMatrix(t *testing.T) {
 			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
 		{pattern: "GET /v1/dead-letters", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
 		{pattern: "GET /v1/entities/{key}", path: "/v1/entities/matrix-entity", want: ownJob},
+		// Files and batches (files.go, batches.go): {file} and {batch} are acme's.
+		{pattern: "POST /v1/files", body: "{upload}", want: keyed},
+		{pattern: "GET /v1/files", want: keyed, check: hidesFile},
+		{pattern: "GET /v1/files/{id}", path: "/v1/files/{file}", want: ownJob},
+		{pattern: "GET /v1/files/{id}/content", path: "/v1/files/{file}/content", want: ownJob},
+		{pattern: "DELETE /v1/files/{id}", path: "/v1/files/{spare-file}", want: ownJob, check: keptFile},
+		{pattern: "POST /v1/batches", body: `{"input_file_id":"{file}","endpoint":"/v1/chat/completions","completion_window":"24h"}`,
+			want: [nRoles]int{no, nf, ok, ok, ok}},
+		{pattern: "GET /v1/batches", want: keyed, check: hidesBatch},
+		{pattern: "GET /v1/batches/{id}", path: "/v1/batches/{batch}", want: ownJob},
+		{pattern: "POST /v1/batches/{id}/cancel", path: "/v1/batches/{batch}/cancel", // it completed: too late to cancel
+			want: [nRoles]int{no, nf, http.StatusConflict, http.StatusConflict, http.StatusConflict}},
 		// The fleet (fleet.go): operators', every tenant's (backends are shared).
 		{pattern: "GET /v1/fleet", want: [nRoles]int{no, ok, fb, ok, ok}},
 		{pattern: "GET /v1/fleet/events", want: [nRoles]int{no, ok, fb, ok, ok}},

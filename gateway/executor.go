@@ -70,7 +70,7 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 		})
 	}
 	prompt, maxOut, exact := s.reservation(ctx, c, model)
-	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant)}
+	t := &scheduler.Ticket{Model: model.ID, PromptTokens: prompt, MaxTokens: maxOut, Weight: s.weight(ctx, j.Tenant), Prefix: promptPrefix(c, prompt)}
 	if !exact {
 		t.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}
@@ -223,7 +223,7 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		if u.status < 400 {
 			sent = sentAnswered // a malformed 2xx: the work was done
 		}
-		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, u.err)
+		return fail(sent, u.class.errorClass(), u.status, u.retryAfter, lineError(j, u.status, body, u.err))
 	}
 	out := execOutcome{Outcome: scheduler.Outcome{Body: body}}
 	if answered != nil {

@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -157,6 +158,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		wake := o.gateway.Jobs.Wake
 		o.gateway.Jobs.Wake = func() { wake(); sig.relay.Wake() }
 	}
+	o.gateway.Jobs.BatchPoll = cmp.Or(o.gateway.Jobs.BatchPoll, 20*time.Millisecond)
 	o.gateway.Dev = o.gateway.Dev || !o.keysRequired
 	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
 	if err != nil {
@@ -175,6 +177,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	wg.Go(func() { _ = f.sched.Run(ctx) })
 	if runner != nil {
 		wg.Go(func() { _ = runner.Run(ctx) })
+		wg.Go(func() { _ = f.api.RunBatches(ctx) })
 	}
 	if sig != nil {
 		sig.run(ctx, &wg)

@@ -57,6 +57,10 @@ type Jobs struct {
 	// MaxReplay bounds what an event stream replays after a client's
 	// Last-Event-ID; further behind, it starts from a fresh snapshot [10000].
 	MaxReplay int
+	// BatchLease is a replica's lease on the batch it validates or
+	// finalizes [30s]; BatchPoll how often the batch worker looks for
+	// work it was not woken for [1s].
+	BatchLease, BatchPoll time.Duration
 }
 
 // maxJobTokens bounds a job's reservation: what every store's

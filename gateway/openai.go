@@ -365,7 +365,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	}()
 	ticket := &scheduler.Ticket{
 		Tenant: tenantOf(ctx), Weight: s.weight(ctx, tenantOf(ctx)), Class: scheduler.Interactive, Model: model.ID,
-		PromptTokens: prompt, MaxTokens: maxOut,
+		PromptTokens: prompt, MaxTokens: maxOut, Prefix: promptPrefix(c, prompt),
 	}
 	if !exact {
 		ticket.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }

@@ -635,6 +635,20 @@ func (c *outcomeCollector) Collect(ch chan<- prometheus.Metric) {
 	for class, v := range n.DeadLetters {
 		ch <- prometheus.MustNewConstMetric(deadLettersDesc, prometheus.GaugeValue, float64(v), class)
 	}
+	// The classes a job can end with are reported at 0 too, so that a
+	// rule's increase() sees the first dead letter of a class.
+	for _, class := range terminalClasses {
+		if _, ok := n.DeadLetters[class]; !ok {
+			ch <- prometheus.MustNewConstMetric(deadLettersDesc, prometheus.GaugeValue, 0, class)
+		}
+	}
+}
+
+// terminalClasses are the classes a FAILED_TERMINAL job can carry: the
+// spending ones, a review's rejection and a passed deadline.
+var terminalClasses = []string{
+	string(scheduler.ClassBackend), string(scheduler.ClassTimeout), string(scheduler.ClassInvalid),
+	store.ClassRejected, "deadline_exceeded",
 }
 
 // outcomeView adds a job's pinned policy and entity version to its view.

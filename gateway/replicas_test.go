@@ -96,6 +96,7 @@ func startReplicas(t *testing.T, n int, urls []string, st *sqlstore.Store, share
 			r.runner = scheduler.NewRunner(st, r.sched, r.api, scheduler.RunnerConfig{Concurrency: 64, Lease: 30 * time.Second,
 				Poll: 20 * time.Millisecond, ReapEvery: time.Second})
 			wg.Go(func() { _ = r.runner.Run(ctx) })
+			wg.Go(func() { _ = r.api.RunBatches(ctx) })
 		}
 		if shared {
 			m, err := scheduler.NewMembership(ctx, js, r.sched, scheduler.MembershipConfig{ID: fmt.Sprintf("replica-%d", i),

@@ -120,6 +120,8 @@ type Server struct {
 	// accessLevel is the access log's level (requestid.go).
 	accessLevel slog.Level
 	accepted    prometheus.Histogram
+	batches     batchStore // nil unless the job store keeps files and batches
+	batchWk     batchWork
 	consoleSeal *consoleSealer      // console.go
 	gatherer    prometheus.Gatherer // the registry, for the fleet's refusal counts (fleet.go)
 }
@@ -197,6 +199,12 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	if s.jobs.Store != nil {
 		s.jobRoutes()
 		s.outcomeRoutes(reg) // outcomes.go
+	}
+	if bs, ok := s.jobs.Store.(batchStore); ok {
+		s.batches = bs
+		s.batchWk = batchWork{ch: make(chan struct{}, 1)}
+		s.fileRoutes()
+		s.batchRoutes()
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()

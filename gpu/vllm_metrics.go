@@ -39,7 +39,12 @@ type EngineMetrics struct {
 	// when the server does not publish it.
 	Steps    float64
 	HasSteps bool
-	Legacy   bool // the older metric names were found
+	// PrefixQueries and PrefixHits are vllm:prefix_cache_queries_total and
+	// _hits_total (or the older gpu_prefix_cache_*), cumulative, in
+	// tokens; HasPrefix is false when the server publishes neither.
+	PrefixQueries, PrefixHits float64
+	HasPrefix                 bool
+	Legacy                    bool // the older metric names were found
 }
 
 // CapacityTokens is the KV cache size in tokens, or 0 when unknown.
@@ -49,18 +54,26 @@ func (m EngineMetrics) CapacityTokens() int { return m.BlockSize * m.NumGPUBlock
 // other line of the page is skipped before parsing, so a large /metrics
 // page costs little (llm-d saw OOMs from parsing whole pages often).
 var wantedFamilies = map[string]bool{
-	"vllm:num_requests_running":    true,
-	"vllm:num_requests_waiting":    true,
-	"vllm:kv_cache_usage_perc":     true,
-	"vllm:gpu_cache_usage_perc":    true,
-	"vllm:cache_config_info":       true,
-	"vllm:num_preemptions_total":   true,
-	"vllm:num_preemptions":         true, // counter family name as some exporters print it
-	"vllm:generation_tokens_total": true,
-	"vllm:generation_tokens":       true,
-	"vllm:prompt_tokens_total":     true,
-	"vllm:prompt_tokens":           true,
-	"vllm:iteration_tokens_total":  true, // engine steps: its sample count
+	"vllm:num_requests_running":           true,
+	"vllm:num_requests_waiting":           true,
+	"vllm:kv_cache_usage_perc":            true,
+	"vllm:gpu_cache_usage_perc":           true,
+	"vllm:cache_config_info":              true,
+	"vllm:num_preemptions_total":          true,
+	"vllm:num_preemptions":                true, // counter family name as some exporters print it
+	"vllm:generation_tokens_total":        true,
+	"vllm:generation_tokens":              true,
+	"vllm:prompt_tokens_total":            true,
+	"vllm:prompt_tokens":                  true,
+	"vllm:iteration_tokens_total":         true, // engine steps: its sample count
+	"vllm:prefix_cache_queries_total":     true, // prefix-cache counters, in tokens
+	"vllm:prefix_cache_queries":           true,
+	"vllm:prefix_cache_hits_total":        true,
+	"vllm:prefix_cache_hits":              true,
+	"vllm:gpu_prefix_cache_queries_total": true,
+	"vllm:gpu_prefix_cache_queries":       true,
+	"vllm:gpu_prefix_cache_hits_total":    true,
+	"vllm:gpu_prefix_cache_hits":          true,
 }
 
 // ErrNoEngineMetrics is returned for a page without vLLM's engine gauges.
@@ -132,6 +145,13 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 	m.Preemptions = sumFirst(fams, "vllm:num_preemptions_total", "vllm:num_preemptions")
 	m.Generation = sumFirst(fams, "vllm:generation_tokens_total", "vllm:generation_tokens")
 	m.Prompt = sumFirst(fams, "vllm:prompt_tokens_total", "vllm:prompt_tokens")
+	queries := []string{"vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries"}
+	m.PrefixQueries = sumFirst(fams, queries...)
+	m.PrefixHits = sumFirst(fams, "vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits")
+	for _, n := range queries {
+		_, ok := fams[n]
+		m.HasPrefix = m.HasPrefix || ok
+	}
 	if it, ok := fams["vllm:iteration_tokens_total"]; ok {
 		for _, s := range it.GetMetric() {
 			if h := s.GetHistogram(); h != nil {

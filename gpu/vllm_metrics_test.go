@@ -149,6 +149,7 @@ func TestParseEngineMetricsSimulator(t *testing.T) {
 			m.Steps, m.HasSteps = 0, false // not this test's subject
 			want := EngineMetrics{
 				HasKVUsage: true, BlockSize: p.BlockSize, NumGPUBlocks: p.NumGPUBlocks, Legacy: legacy,
+				HasPrefix: true, // both namings publish the prefix-cache counters
 			}
 			if m != want {
 				t.Errorf("idle simulator: got %+v, want %+v", m, want)
@@ -194,6 +195,10 @@ func TestParseEngineMetricsSimulator(t *testing.T) {
 			if after.Running != 0 || after.Waiting != 0 || after.KVUsage != 0 || after.Preemptions != 0 {
 				t.Errorf("after completions: Running %v Waiting %v KVUsage %v Preemptions %v, want all 0",
 					after.Running, after.Waiting, after.KVUsage, after.Preemptions)
+			}
+			// Distinct prompts: every prompt token queried, none a hit.
+			if after.PrefixQueries != float64(sumPrompt) || after.PrefixHits != 0 {
+				t.Errorf("after completions: prefix queries %v, hits %v; want %d and 0", after.PrefixQueries, after.PrefixHits, sumPrompt)
 			}
 			if after.Legacy != legacy || !after.HasKVUsage || after.CapacityTokens() != p.CapacityTokens() {
 				t.Errorf("after completions: %+v", after)

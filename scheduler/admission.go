@@ -41,6 +41,11 @@ type load struct {
 	reserved int
 	inflight int
 	exact    bool
+	// shared is the KV of prompt chunks the flights share (prefix.go),
+	// counted once: part of reserved, not of any flight's held;
+	// sharedBase the part no flight in flight brought, which pacing
+	// takes as a base load.
+	shared, sharedBase int
 	// Pacing applies when paced is set (tickets come from a backlog) and
 	// the backend publishes a step counter: engine steps since kvgate
 	// last admitted to it, and the flights' mean output budget and mean
@@ -89,7 +94,8 @@ const (
 
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
 // backend with load l under the policy p. It is pure: the table tests
-// drive it directly.
+// drive it directly. prompt is the KV the request adds: its prompt less
+// the chunks flights on the backend already hold (prefix.go).
 func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	switch {
 	case !l.routable:
@@ -174,7 +180,7 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	if !l.exact {
 		return verdict{reason: reasonKV, needExact: true}
 	}
-	own = slack + projectPeak(l.flights, flight{held: prompt, remaining: maxOut})
+	own = slack + l.shared + projectPeak(l.flights, flight{held: prompt, remaining: maxOut})
 	switch {
 	case external+own > budget:
 		return verdict{reason: reasonKV}
@@ -206,7 +212,7 @@ func pacingGap(l *load, budget int) float64 {
 	if occupancy <= 0 || l.meanOut <= 0 {
 		return 0
 	}
-	concurrency := float64(budget) / occupancy
+	concurrency := float64(max(budget-l.sharedBase, 1)) / occupancy
 	return 0.8 * l.meanOut / concurrency
 }
 

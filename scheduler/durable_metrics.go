@@ -50,7 +50,9 @@ type DurableMetrics struct {
 	statsAt   time.Time // of the last successful collection
 	pending   float64
 	pendingOK bool
-	seen      map[[2]string]bool // class, tenant pairs reported before: 0 once empty
+	// noConsumer: the broker's consumer did not exist yet at the last read.
+	noConsumer bool
+	seen       map[[2]string]bool // class, tenant pairs reported before: 0 once empty
 }
 
 var (
@@ -90,18 +92,39 @@ func (d *DurableMetrics) Collectors() []prometheus.Collector {
 	return []prometheus.Collector{d, d.errors, d.completion}
 }
 
-// Run collects every period until ctx ends; it returns ctx's error.
+// Run collects every period until ctx ends; it returns ctx's error. Until
+// the broker's consumer exists (it connects after the first collection),
+// the broker lag is read again every quarter second, so that it is not
+// missing from /metrics for a whole period after start.
 func (d *DurableMetrics) Run(ctx context.Context) error {
 	t := time.NewTicker(d.cfg.Every)
 	defer t.Stop()
 	for {
 		d.Refresh(ctx)
+		for d.awaitingPending() {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-t.C:
+				d.Refresh(ctx)
+			case <-time.After(min(d.cfg.Every, 250*time.Millisecond)):
+				d.refreshPending(ctx)
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-t.C:
 		}
 	}
+}
+
+// awaitingPending reports whether the broker's consumer does not exist yet
+// (an error reading it waits for the next period instead).
+func (d *DurableMetrics) awaitingPending() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.noConsumer
 }
 
 // Refresh collects once.
@@ -120,17 +143,25 @@ func (d *DurableMetrics) Refresh(ctx context.Context) {
 			d.mu.Unlock()
 		}
 	}
-	if d.cfg.Pending != nil {
-		n, ok, err := d.cfg.Pending(ctx)
-		if err != nil {
-			d.errors.Inc()
-			d.log.Debug("inbox pending failed", "err", err)
-			ok = false
-		}
-		d.mu.Lock()
-		d.pending, d.pendingOK = float64(n), ok
-		d.mu.Unlock()
+	d.refreshPending(ctx)
+}
+
+// refreshPending reads the broker lag.
+func (d *DurableMetrics) refreshPending(ctx context.Context) {
+	if d.cfg.Pending == nil {
+		return
 	}
+	ctx, cancel := context.WithTimeout(ctx, max(d.cfg.Every, time.Second))
+	defer cancel()
+	n, ok, err := d.cfg.Pending(ctx)
+	if err != nil {
+		d.errors.Inc()
+		d.log.Debug("inbox pending failed", "err", err)
+	}
+	d.mu.Lock()
+	d.pending, d.pendingOK = float64(n), ok && err == nil
+	d.noConsumer = !ok && err == nil
+	d.mu.Unlock()
 }
 
 // ObserveEvent feeds the completion histogram from the inbox: a job's

@@ -22,6 +22,14 @@ type ledger struct {
 	// released are recent releases: the backend's last scrape may still
 	// show their KV, which is kvgate's own and not foreign load.
 	released []release
+	// pins are the prompt chunks the grants hold (prefix.go), shared
+	// the KV tokens they take, once each; reserved includes shared.
+	pins   map[uint64]*pin
+	shared int
+	// created is Σ of the grants' created: the shared tokens that came
+	// with a request still in flight. shared - created is a base load of
+	// chunks whose bringers have ended.
+	created int
 }
 
 type release struct {
@@ -54,8 +62,18 @@ type Grant struct {
 	// than the backend has since.
 	admittedGen float64
 	generated   atomic.Int64 // -1 until reported
-	released    bool         // guarded by s.mu
+	// prefix is the prompt's chunks, pinned on the backend while the
+	// grant lives; sharedPart the prompt tokens they stand for, reserved
+	// in the ledger's shared total rather than in the grant's own part;
+	// created the shared tokens this grant's chunks added.
+	prefix     *Prefix
+	sharedPart int
+	created    int
+	released   bool // guarded by s.mu
 }
+
+// own is the grant's prompt tokens outside its shared chunks.
+func (g *Grant) own() int { return g.prompt - g.sharedPart }
 
 // progress brackets the output a grant has produced: lo and hi tokens.
 // A stream reports it exactly. Otherwise, with the backend's engine step
@@ -106,16 +124,21 @@ func (g *Grant) Release() {
 	g.released = true
 	l := g.l
 	l.grants = slices.DeleteFunc(l.grants, func(x *Grant) bool { return x == g })
-	l.reserved -= g.prompt + g.maxOut
+	freed := l.unpin(g.prefix)
+	l.created -= g.created
+	l.reserved -= g.own() + g.maxOut + freed
 	l.sumOut -= g.maxOut
 	now := s.now()
 	// What the backend's last scrape surely showed of it: its prompt and
 	// the output a stream reported, not its whole budget, which would
-	// hide other load.
-	held := g.prompt
+	// hide other load. Shared chunks others still hold stay theirs.
+	held := g.own() + freed
+	out := g.maxOut
 	if n := g.generated.Load(); n >= 0 {
-		held += min(int(n), g.maxOut)
+		out = min(int(n), g.maxOut)
+		held += out
 	}
+	s.prefixSent(g.Backend, nil, float64(out), 0, l.isPinned)
 	// In time order; loadOf drops those the next scrape no longer shows.
 	if len(l.released) >= maxReleases {
 		l.released = append(l.released[:0], l.released[len(l.released)/2:]...)

@@ -70,7 +70,7 @@ var (
 
 // Collectors returns the scheduler's metrics, to register once.
 func (s *Scheduler) Collectors() []prometheus.Collector {
-	return []prometheus.Collector{s.m.outcomes, s.m.wait, s.m.blocks, s.m.share, stateCollector{s}}
+	return []prometheus.Collector{s.m.outcomes, s.m.wait, s.m.blocks, s.m.share, stateCollector{s}, prefixCollector{s}}
 }
 
 // stateCollector reads queue and backend state at scrape time.

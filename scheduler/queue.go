@@ -192,6 +192,10 @@ func (s *Scheduler) Wake() {
 // many tickets in a row fit nowhere, the rest wait for the next event.
 const maxScanMisses = 32
 
+// maxPrefixWaits bounds the tickets one pump passes over because they
+// wait for the backend that holds their prefix (prefix.go).
+const maxPrefixWaits = 512
+
 // pumpLocked admits queued tickets in priority order, each class in its
 // weighted fair order, while they fit. A
 // ticket that does not fit is passed over by later ones of its model until
@@ -203,7 +207,8 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
 	exact := map[string]*load{}
-	misses := 0
+	misses, prefixWaits := 0, 0
+	defer s.releaseHolds()
 	for c := range s.queues {
 		q := s.queues[c]
 		kept := q[:0]
@@ -227,8 +232,20 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				misses = 0
 				continue
 			}
-			misses++
 			kept = append(kept, t)
+			// A ticket waiting for the backend that holds its prefix
+			// says nothing of the room for the next one: it costs a
+			// scan, not a miss (bounded apart), and once it has waited
+			// the starvation guard it keeps that backend's next room
+			// for itself, not the whole model's (prefix.go).
+			if t.waitsOn != "" && prefixWaits < maxPrefixWaits {
+				prefixWaits++
+				if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
+					s.holdLocked(t.waitsOn)
+				}
+				continue
+			}
+			misses++
 			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
 				if blocked == nil {
 					blocked = map[string]bool{}

@@ -367,6 +367,17 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 		r.lost(log, err)
 		return
 	}
+	if ent != nil {
+		// The entity's rule decides in the completing transaction: the
+		// store may have ended the job SUPERSEDED instead.
+		if g, ok := r.st.(interface {
+			Get(ctx context.Context, tenant, id string) (store.Job, error)
+		}); ok {
+			if got, err := g.Get(wctx, j.Tenant, j.ID); err == nil {
+				state = got.State
+			}
+		}
+	}
 	r.m.finished.WithLabelValues(strings.ToLower(string(state))).Inc()
 }
 

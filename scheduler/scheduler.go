@@ -31,6 +31,8 @@ type Scheduler struct {
 	queued   int
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
+	prefixes map[string]*prefixIndex // per backend (prefix.go)
+	hold     map[string]bool         // backends kept for older tickets during a pump (prefix.go)
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
@@ -62,10 +64,11 @@ func New(src snapshotSource, opts Options) (*Scheduler, error) {
 	}
 	s := &Scheduler{
 		src: src, policy: opts.Policy, now: opts.Now,
-		log:     opts.Logger.With("component", "scheduler"),
-		byModel: map[string]*[numClasses]int{},
-		ledgers: map[string]*ledger{},
-		share:   1,
+		log:      opts.Logger.With("component", "scheduler"),
+		byModel:  map[string]*[numClasses]int{},
+		ledgers:  map[string]*ledger{},
+		prefixes: map[string]*prefixIndex{},
+		share:    1,
 	}
 	s.m = newMetrics(s)
 	s.m.share.Set(1)
@@ -99,8 +102,17 @@ func (s *Scheduler) Share() float64 {
 func (s *Scheduler) Policy() Policy { return s.policy }
 
 func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
-	var best *gpu.Snapshot
-	bestHead, bestGap := math.Inf(-1), 0.0
+	var (
+		best      *gpu.Snapshot
+		bestHit   float64
+		bestHeld  float64
+		bestHead  float64
+		bestGap   float64
+		bestPin   int
+		bestScore = math.Inf(-1)
+		bestBusy  float64 // the best hit+held on a backend only busy for now
+		waitsOn   string  // that backend
+	)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
 			continue
@@ -109,9 +121,20 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			continue
 		}
 		l := s.ledgers[sn.Name]
+		// Only the chunks requests in flight there hold are shared at
+		// once; the rest of the prompt takes new KV (prefix.go).
+		pinned := l.pinnedLeading(t.Prefix)
+		prompt := t.PromptTokens - t.Prefix.tokens(pinned)
+		if s.hold[sn.Name] {
+			// An older ticket waits for this backend's next room.
+			if t.Prefix != nil {
+				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+			}
+			continue
+		}
 		ld := s.loadOf(sn, l, now, false)
 		ld.paced = paced
-		v := decide(&ld, t.PromptTokens, t.MaxTokens, &s.policy)
+		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
 		if v.needExact {
 			ex := exact[sn.Name]
 			if ex == nil {
@@ -122,17 +145,28 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 				}
 			}
 			ex.paced = paced
-			v = decide(ex, t.PromptTokens, t.MaxTokens, &s.policy)
+			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
+			if busy(v.reason) && t.Prefix != nil {
+				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+			}
 			continue
 		}
-		if v.headroom > bestHead {
-			best, bestHead, bestGap = sn, v.headroom, v.gap
+		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
+		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
+			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin = sn, score, hit, held, v.headroom, v.gap, pinned
 		}
 	}
-	if best == nil {
+	// Waiting for the backend that holds the prefix, rather than for
+	// room anywhere: no backend can take it, or only one that would
+	// have to copy the prefix with little room left after it.
+	t.waitsOn = ""
+	if bestBusy >= spillHit && (best == nil || !s.spills(t, bestBusy-bestHit-bestHeld, bestHead)) {
+		t.waitsOn = waitsOn
+	}
+	if best == nil || t.waitsOn != "" {
 		return nil
 	}
 	delete(exact, best.Name)
@@ -145,6 +179,16 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		Backend: best.Name, URL: best.URL, Waited: now.Sub(t.enqueued),
 		s: s, l: l, estimate: t.PromptEstimate, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
 	}
+	if t.Prefix != nil {
+		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
+		g.created = l.pin(t.Prefix)
+		l.created += g.created
+		// The prompt tokens the backend should find cached skip their KV
+		// allocation; the rest turn its cache over.
+		cached := bestHit * float64(t.PromptTokens)
+		s.prefixSent(best.Name, t.Prefix.Hashes, float64(t.PromptTokens)-max(cached, float64(t.Prefix.tokens(bestPin))), best.CapacityTokens, l.isPinned)
+		s.prefixes[best.Name].predicted(cached, float64(t.PromptTokens))
+	}
 	g.generated.Store(-1)
 	g.admittedStep = -1
 	g.admittedGen = best.Metrics.Generation
@@ -153,7 +197,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	l.lastAdmitStep = pacingMark(l.lastAdmitStep, g.admittedStep, bestGap, l.lastPassStep)
 	l.grants = append(l.grants, g)
-	l.reserved += t.Need()
+	l.reserved += g.own() + g.maxOut + g.created
 	l.sumOut += t.MaxTokens
 	// Admissions per second, smoothed over about a second.
 	if dt := now.Sub(s.lastAdm).Seconds(); dt > 0 {
@@ -202,12 +246,16 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		}
 	}
 	if n := len(l.grants); n > 0 {
-		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved)/float64(n)
+		// Pacing sees a request's own KV: shared chunks whose bringers
+		// ended are a base load (sharedBase), not any request's.
+		ld.sharedBase = max(0, l.shared-l.created)
+		ld.meanOut, ld.meanFinal = float64(l.sumOut)/float64(n), float64(l.reserved-ld.sharedBase)/float64(n)
 	}
 	if !exact {
 		return ld
 	}
 	ld.flights = make([]flight, len(l.grants))
+	sharedSince := 0 // shared tokens pinned by grants admitted since the scrape
 	for i, g := range l.grants {
 		if g.estimate != nil {
 			if p := g.estimate(); p != g.prompt {
@@ -216,13 +264,19 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 			}
 		}
 		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, m.Generation, s.policy.ProgressFactor)
-		ld.flights[i] = flight{held: g.prompt + hi, remaining: g.maxOut - lo}
+		ld.flights[i] = flight{held: max(0, g.own()+hi), remaining: g.maxOut - lo}
 		if i < len(l.grants)-ld.newSinceScrape {
 			// The low end: what the measurement surely includes, so that
 			// the load kvgate did not send is not underestimated.
-			ld.heldBeforeScrape += g.prompt + lo
+			ld.heldBeforeScrape += max(0, g.own()+lo)
+		} else {
+			sharedSince += g.created
 		}
 	}
+	// Shared chunks count once, held until their last holder ends; those
+	// pinned before the scrape are in the measurement.
+	ld.shared = l.shared
+	ld.heldBeforeScrape += max(0, l.shared-sharedSince)
 	sortFlights(ld.flights)
 	ld.reserved = l.reserved // prompts may have been re-estimated
 	// Releases before the scrape are out of the measurement; after it,

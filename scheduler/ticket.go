@@ -25,6 +25,11 @@ type Ticket struct {
 	// estimate that improves as backends report usage, and a ticket that
 	// waits, or a request that runs, should not keep a cold guess.
 	PromptEstimate func() int
+	// Prefix, when set, names the prompt's cacheable chunks (prefix.go):
+	// admission then reserves only what the chosen backend does not
+	// already hold for requests in flight, and routing prefers a backend
+	// likely to have the prompt cached.
+	Prefix *Prefix
 
 	enqueued time.Time
 	vstart   float64 // fair-queueing tags
@@ -33,6 +38,10 @@ type Ticket struct {
 	grant    *Grant
 	state    ticketState
 	err      error // why a queued ticket was failed (models.go)
+	// waitsOn names the backend holding the ticket's prefix that its
+	// last admission attempt waited for (prefix.go), rather than for room
+	// anywhere; "" when it did not.
+	waitsOn string
 }
 
 type ticketState uint8

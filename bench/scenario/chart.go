@@ -13,7 +13,7 @@ import (
 // and its cumulative preemptions over simulated time, as the backends'
 // /metrics showed them during the run, and the focus tenants' TTFT.
 
-var chartColors = map[string]string{TargetKVGate: "#1f77b4", TargetRoundRobin: "#d62728", TargetThreshold: "#ff7f0e"}
+var chartColors = map[string]string{TargetKVGate: "#1f77b4", TargetRoundRobin: "#d62728", TargetThreshold: "#ff7f0e", TargetPrefix: "#2ca02c"}
 
 const (
 	svgW            = 720.0

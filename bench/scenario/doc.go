@@ -1,6 +1,6 @@
 // Package scenario runs kvgate's named benchmark scenarios: each starts a
-// simulated vLLM fleet and, in turn, kvgate and the two baselines of
-// package baseline in front of it, all in-process on loopback HTTP, sends
+// simulated vLLM fleet and, in turn, kvgate and the three baselines of
+// package baseline (round-robin, threshold, prefix) in front of it, all in-process on loopback HTTP, sends
 // every target the same seeded arrivals through the bench harness, and
 // compares them in a short verdict table of ratios.
 //

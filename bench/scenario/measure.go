@@ -16,6 +16,9 @@ type fleetCounters struct {
 	sim         []time.Duration // each engine's simulated clock
 	generation  float64         // vllm:generation_tokens_total, summed
 	preemptions float64         // vllm:num_preemptions_total, summed
+	// prefixHits and prefixQueries are vllm:prefix_cache_hits_total and
+	// _queries_total, summed, in tokens.
+	prefixHits, prefixQueries float64
 }
 
 // readFleet reads every backend's /metrics, as a monitoring system would,
@@ -39,6 +42,8 @@ func readFleet(ctx context.Context, s *stack) (fleetCounters, error) {
 		}
 		c.generation += m.Generation
 		c.preemptions += m.Preemptions
+		c.prefixHits += m.PrefixHits
+		c.prefixQueries += m.PrefixQueries
 	}
 	return c, nil
 }
@@ -134,4 +139,13 @@ func toSimTime(rep *bench.Report, k float64, cfg bench.Config) {
 			rep.ITLs[i][j] *= k
 		}
 	}
+}
+
+// hitRate is the fleet's measured prefix-cache hit rate since from: hit
+// tokens over queried tokens, or -1 when nothing was queried.
+func (c fleetCounters) hitRate(from fleetCounters) float64 {
+	if q := c.prefixQueries - from.prefixQueries; q > 0 {
+		return (c.prefixHits - from.prefixHits) / q
+	}
+	return -1
 }

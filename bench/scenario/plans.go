@@ -167,3 +167,49 @@ func planBackendFailure(o Options) (plan, error) {
 			"%v simulated at %g× speed-up", f.backends, rate, d/3, d, o.Speedup),
 	}, nil
 }
+
+// planBatchAPI runs interactive chat at a fifth of capacity beside one
+// batch of the Batch API, submitted at the start, whose lines would keep
+// the whole fleet busy for the run: kvgate runs the lines as jobs below
+// the interactive traffic; the baselines get them as plain requests, all
+// at once. Interactive TTFT is the measure (docs/batches.md).
+func planBatchAPI(o Options) (plan, error) {
+	f, err := fleet(o, 2)
+	if err != nil {
+		return plan{}, err
+	}
+	d := sized(60*time.Second, o)
+	capacity := perBackendRate * float64(f.backends)
+	interactive := 0.2 * capacity / 0.4
+	lines := count(1.3*(capacity-0.4*interactive), d)
+	cfg := baseConfig(o, 2*d+time.Minute)
+	cfg.JobPollInterval = 2 * time.Second
+	cfg.Tenants = []bench.Tenant{
+		{Name: "interactive", APIKey: "sk-bench-interactive", Arrival: bench.Arrival{Kind: bench.ArrivalPoisson, Rate: interactive},
+			Workload: chatWorkload, NumPrompts: count(interactive, d)},
+		{Name: "batch", APIKey: "sk-bench-batch", Class: "batch", Deferred: true, Batch: true,
+			Arrival: bench.Arrival{Rate: math.Inf(1)}, Workload: fixedWorkload(600, 400), NumPrompts: lines},
+	}
+	return plan{
+		fleet: f, cfg: cfg, sending: d, measureFrom: d / 3,
+		keys:  map[string]string{"sk-bench-interactive": "interactive", "sk-bench-batch": "batch"},
+		focus: []string{"interactive"},
+		describe: fmt.Sprintf("%d simulated H100s; interactive chat at %.0f req/s (streamed) beside one Batch API batch of %d lines of 600 in / 400 out "+
+			"submitted at the start (a batch through kvgate, plain requests all at once to the baselines), for %v simulated at %g× speed-up",
+			f.backends, interactive, lines, d, o.Speedup),
+	}, nil
+}
+
+// planInteractiveAlone is planBatchAPI's interactive traffic without the
+// batch: the unloaded reference for its TTFT.
+func planInteractiveAlone(o Options) (plan, error) {
+	p, err := planBatchAPI(o)
+	if err != nil {
+		return p, err
+	}
+	p.cfg.Tenants = p.cfg.Tenants[:1]
+	delete(p.keys, "sk-bench-batch")
+	p.describe = fmt.Sprintf("batch-api's interactive chat alone: %d simulated H100s, %.0f req/s (streamed), for %v simulated at %g× speed-up",
+		p.fleet.backends, p.cfg.Tenants[0].Arrival.Rate, p.sending, o.Speedup)
+	return p, nil
+}

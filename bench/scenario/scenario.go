@@ -110,8 +110,12 @@ var registry = []Scenario{
 	{Name: "overload", About: "twice the fleet's capacity of 600-in/400-out streamed requests: throughput, preemptions, TTFT, errors", plan: planOverload},
 	{Name: "mixed", About: "interactive chat streaming at a moderate rate plus batch jobs filling the rest: interactive TTFT and total throughput", plan: planMixed},
 	{Name: "burst", About: "tenant A submits 10,000 jobs at once while tenant B chats: B's TTFT and latency", plan: planBurst},
+	{Name: "batch-api", About: "interactive chat beside one Batch API batch that keeps the fleet busy: interactive TTFT against the batch's requests sent as plain ones", plan: planBatchAPI},
+	{Name: "interactive-alone", About: "batch-api's interactive chat without the batch: the unloaded reference of its TTFT", plan: planInteractiveAlone},
 	{Name: "backend-failure", About: "one of three backends dies a third of the way in: errors and throughput", plan: planBackendFailure},
 	{Name: "closed-overload", About: "64 closed-loop clients of 1,000-in/500-out streamed requests on two backends: the output tok/s kept", plan: planClosedOverload},
+	{Name: "shared-prefix", About: "tenants with ~6k-token system prompts, users asking ~1,200-token questions, Poisson arrivals rising in steps past saturation: throughput, TTFT, prefix hit rate", plan: planSharedPrefix},
+	{Name: "multi-turn", About: "chat sessions whose every turn resends the growing history, arrivals rising in steps past saturation: throughput, TTFT, prefix hit rate", plan: planMultiTurn},
 }
 
 // List returns the scenarios in a stable order.
@@ -140,6 +144,11 @@ type TargetResult struct {
 	FleetTokPerSec float64
 	// Preemptions is the fleet's vllm:num_preemptions_total over the run.
 	Preemptions float64
+	// PrefixHitRate is the fleet's prefix-cache hit rate over the run,
+	// from the simulators' counters (vllm:prefix_cache_hits_total over
+	// _queries_total); PredictedHitRate is what kvgate's index predicted
+	// for the requests it sent (-1 for the baselines, or without data).
+	PrefixHitRate, PredictedHitRate float64
 	// Speedup is how much faster than wall time the fleet's clock ran.
 	Speedup float64
 	// Focus is the summary of the focus tenants (all, when none is named).
@@ -237,6 +246,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		for i := range cfg.Tenants {
 			// No job API: batch goes as plain requests.
 			cfg.Tenants[i].Deferred, simCfg.Tenants[i].Deferred = false, false
+			cfg.Tenants[i].Batch, simCfg.Tenants[i].Batch = false, false
 		}
 	}
 
@@ -319,9 +329,20 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 	k := c3.speedup(c0)
 	tr := &TargetResult{
 		Target: target, Report: r.rep, Speedup: k, Events: fired,
-		gatewayMetrics: st.gatewayMetrics,
-		FleetTokPerSec: c2.tokPerSec(c1),
-		Preemptions:    c3.preemptions - c0.preemptions,
+		gatewayMetrics:   st.gatewayMetrics,
+		FleetTokPerSec:   c2.tokPerSec(c1),
+		Preemptions:      c3.preemptions - c0.preemptions,
+		PrefixHitRate:    c3.hitRate(c0),
+		PredictedHitRate: -1,
+	}
+	if st.sched != nil {
+		var hit, query float64
+		for _, ps := range st.sched.PrefixStats() {
+			hit, query = hit+ps.PredictedHitTokens, query+ps.QueryTokens
+		}
+		if query > 0 {
+			tr.PredictedHitRate = hit / query
+		}
 	}
 	toSimTime(tr.Report, k, simCfg)
 	tr.Report.Metadata["effective_speedup"] = fmt.Sprintf("%.3f", k)

@@ -51,7 +51,7 @@ func TestRegistry(t *testing.T) {
 			}
 		}
 	}
-	for _, want := range []string{"overload", "mixed", "burst", "backend-failure"} {
+	for _, want := range []string{"overload", "mixed", "burst", "backend-failure", "shared-prefix", "multi-turn"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("no %s scenario in %v", want, names)
 		}
@@ -121,17 +121,28 @@ func TestVerdictRatios(t *testing.T) {
 			t.Errorf("%s: ratio %v (%v), want %v (%v)", c.row, got, ok, c.want, c.ok)
 		}
 	}
+	// The prefix baseline gets its ratios too; hit rates are ratios of
+	// measured rates, and a rate not measured (-1) has none.
+	res.Targets[0].PrefixHitRate, res.Targets[1].PrefixHitRate = 0.8, 0.4
+	res.Targets = append(res.Targets, TargetResult{Target: TargetPrefix, Report: &bench.Report{}, FleetTokPerSec: 50, PrefixHitRate: -1})
+	v = newVerdict(res)
+	if r, _ := v.Row(RowFleetTokPerSec); r.Ratios[TargetPrefix] != 2 {
+		t.Errorf("kvgate/prefix fleet tok/s %v, want 2", r.Ratios[TargetPrefix])
+	}
+	if r, _ := v.Row(RowHitRate); r.Ratios[TargetRoundRobin] != 2 || len(r.Ratios) != 1 {
+		t.Errorf("hit rate ratios %v, want 2 against round-robin only", r.Ratios)
+	}
 	var sb strings.Builder
 	if err := v.WriteText(&sb); err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(sb.String(), "kvgate/round-robin") || strings.Contains(sb.String(), "kvgate/threshold") || !strings.Contains(sb.String(), "n/a") {
+	if !strings.Contains(sb.String(), "kvgate/round-robin") || !strings.Contains(sb.String(), "kvgate/prefix") || strings.Contains(sb.String(), "kvgate/threshold") || !strings.Contains(sb.String(), "n/a") {
 		t.Errorf("verdict text:\n%s", sb.String())
 	}
 }
 
 // TestScenarioEndToEnd runs the smallest backend-failure scenario against all
-// three targets on real HTTP and checks that it wrote the reports and a
+// the targets on real HTTP and checks that it wrote the reports and a
 // verdict with every row. It asserts what happened, never how fast.
 func TestScenarioEndToEnd(t *testing.T) {
 	if testing.Short() {
@@ -148,8 +159,8 @@ func TestScenarioEndToEnd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(res.Targets) != 3 {
-		t.Fatalf("%d targets ran, want 3", len(res.Targets))
+	if len(res.Targets) != len(Targets) {
+		t.Fatalf("%d targets ran, want %d", len(res.Targets), len(Targets))
 	}
 	for _, tr := range res.Targets {
 		s := tr.Report.Summary
@@ -251,5 +262,34 @@ func TestBurstJobsComplete(t *testing.T) {
 	}
 	if res.Verdict.Focus != "tenant-b" {
 		t.Errorf("verdict focus %q, want tenant-b", res.Verdict.Focus)
+	}
+}
+
+// TestPrefixPlansShape checks the prefix scenarios' shape: llm-d's
+// b2b-saas proportions (the tenants' prefixes more than one backend's
+// cache, less than the fleet's), arrivals rising in steps, chat with
+// system prompts or growing histories.
+func TestPrefixPlansShape(t *testing.T) {
+	for _, name := range []string{"shared-prefix", "multi-turn"} {
+		sc, err := Lookup(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := sc.plan(Options{Scale: 1, Speedup: 4, Seed: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.fleet.backends != 4 || !p.fleet.profile.PrefixCaching {
+			t.Errorf("%s: %d backends, prefix caching %v", name, p.fleet.backends, p.fleet.profile.PrefixCaching)
+		}
+		tn := p.cfg.Tenants[0]
+		if tn.Arrival.Steps < 2 || tn.Arrival.Kind != bench.ArrivalPoisson || p.cfg.Endpoint != bench.EndpointChat {
+			t.Errorf("%s: arrivals %+v on %s, want Poisson rising in steps, chat", name, tn.Arrival, p.cfg.Endpoint)
+		}
+		perBackend := p.fleet.profile.NumGPUBlocks * p.fleet.profile.BlockSize
+		prefixes := tn.Workload.PrefixLen * tn.Workload.PrefixGroups
+		if name == "shared-prefix" && (prefixes <= perBackend || prefixes >= p.fleet.backends*perBackend) {
+			t.Errorf("%s: %d tokens of prefixes against %d per backend, %d in the fleet", name, prefixes, perBackend, p.fleet.backends*perBackend)
+		}
 	}
 }

@@ -28,10 +28,16 @@ const (
 	TargetKVGate     = "kvgate"
 	TargetRoundRobin = "round-robin"
 	TargetThreshold  = "threshold"
+	// TargetPrefix is the llm-d-style router: approximate prefix scorer
+	// plus load scorers, max-score pick, no queueing (baseline.Prefix).
+	TargetPrefix = "prefix"
 )
 
 // Targets are the names of the compared targets.
-var Targets = []string{TargetKVGate, TargetRoundRobin, TargetThreshold}
+var Targets = []string{TargetKVGate, TargetRoundRobin, TargetThreshold, TargetPrefix}
+
+// baselines are the targets kvgate's ratios are taken against.
+var baselines = []string{TargetRoundRobin, TargetThreshold, TargetPrefix}
 
 // fleetSpec is the simulated fleet a scenario runs on.
 type fleetSpec struct {
@@ -53,7 +59,8 @@ type stack struct {
 	gatewayMetrics string
 	backends       []string // the simulated servers' base URLs
 	sims           []*vllmsim.Sim
-	jobs           bool // the target serves POST /v1/jobs
+	jobs           bool                 // the target serves POST /v1/jobs
+	sched          *scheduler.Scheduler // kvgate's, or nil
 
 	// isReady reports whether the target can route to every backend.
 	isReady func(ctx context.Context) bool
@@ -123,6 +130,19 @@ func startStack(ctx context.Context, target string, spec fleetSpec, keys map[str
 			}
 		}
 		h = th
+	case TargetPrefix:
+		var pr *baseline.Prefix
+		pr, err = baseline.NewPrefix(s.backends, baseline.PrefixConfig{Threshold: baseline.ThresholdConfig{
+			ScrapeInterval: wall(50*time.Millisecond, spec.speedup, 5*time.Millisecond),
+			Staleness:      200 * time.Millisecond,
+			HealthInterval: wall(time.Second, spec.speedup, 20*time.Millisecond),
+		}})
+		if err == nil {
+			if err = pr.Refresh(ctx); err == nil {
+				s.run("prefix", pr.Run)
+			}
+		}
+		h = pr
 	default:
 		err = fmt.Errorf("unknown target %q (have %v)", target, Targets)
 	}
@@ -180,6 +200,7 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 	if err != nil {
 		return nil, err
 	}
+	s.sched = sched
 	if err := os.MkdirAll(dataDir, 0o750); err != nil {
 		return nil, err
 	}
@@ -225,6 +246,7 @@ func (s *stack) startKVGate(ctx context.Context, spec fleetSpec, keys map[string
 	s.run("pool", pool.Run)
 	s.run("scheduler", sched.Run)
 	s.run("runner", runner.Run)
+	s.run("batches", api.RunBatches)
 	return api, nil
 }
 

@@ -17,15 +17,20 @@ const (
 	RowFleetTokPerSec = "fleet output tok/s"
 	RowDoneTokPerSec  = "completed output tok/s"
 	RowTTFTp50        = "TTFT p50 ms"
+	RowTTFTp90        = "TTFT p90 ms"
 	RowTTFTp99        = "TTFT p99 ms"
 	RowE2Ep99         = "latency p99 ms"
 	RowPreemptions    = "preemptions"
 	RowErrors         = "errors"
 	RowCompleted      = "completed requests"
+	// RowHitRate is the fleet's measured prefix-cache hit rate, from the
+	// simulators' counters; RowPredicted what kvgate's index predicted.
+	RowHitRate   = "prefix hit rate"
+	RowPredicted = "predicted hit rate"
 )
 
 // Rows are the verdict's rows, in order.
-var Rows = []string{RowFleetTokPerSec, RowDoneTokPerSec, RowTTFTp50, RowTTFTp99, RowE2Ep99, RowPreemptions, RowErrors, RowCompleted}
+var Rows = []string{RowFleetTokPerSec, RowDoneTokPerSec, RowTTFTp50, RowTTFTp90, RowTTFTp99, RowE2Ep99, RowPreemptions, RowErrors, RowCompleted, RowHitRate, RowPredicted}
 
 // Verdict is a scenario's comparison: each row's value per target, and
 // kvgate's value divided by each baseline's.
@@ -63,8 +68,14 @@ func newVerdict(res *Result) Verdict {
 				x = t.Report.Summary.OutputThroughput
 			case RowTTFTp50:
 				x = s.TTFT.Median
+			case RowTTFTp90:
+				x = s.TTFT.Percentiles[90]
 			case RowTTFTp99:
 				x = s.TTFT.Percentiles[99]
+			case RowHitRate:
+				x = t.PrefixHitRate
+			case RowPredicted:
+				x = t.PredictedHitRate
 			case RowE2Ep99:
 				x = s.E2EL.Percentiles[99]
 			case RowPreemptions:
@@ -77,8 +88,8 @@ func newVerdict(res *Result) Verdict {
 			row.Values[t.Target] = x
 		}
 		if k, ok := row.Values[TargetKVGate]; ok {
-			for _, b := range []string{TargetRoundRobin, TargetThreshold} {
-				if x, ok := row.Values[b]; ok && x != 0 {
+			for _, b := range baselines {
+				if x, ok := row.Values[b]; ok && x > 0 && row.Name != RowPredicted {
 					if row.Ratios == nil {
 						row.Ratios = map[string]float64{}
 					}
@@ -141,7 +152,7 @@ func (v Verdict) columns() (targets, ratios []string) {
 		has[t] = true
 	}
 	if has[TargetKVGate] {
-		for _, b := range []string{TargetRoundRobin, TargetThreshold} {
+		for _, b := range baselines {
 			if has[b] {
 				ratios = append(ratios, "kvgate/"+b)
 			}
@@ -169,6 +180,10 @@ func (v Verdict) cells(r Row) []string {
 
 func formatValue(x float64) string {
 	switch {
+	case x < 0:
+		return "n/a" // not measured
+	case x < 1 && x > 0:
+		return strconv.FormatFloat(x, 'f', 3, 64) // rates
 	case x == math.Trunc(x) || math.Abs(x) >= 100:
 		return strconv.FormatFloat(math.Round(x), 'f', -1, 64)
 	default:

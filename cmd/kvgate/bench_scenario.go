@@ -14,8 +14,8 @@ import (
 )
 
 const benchScenarioAbout = `Runs a named benchmark scenario: it starts a simulated vLLM fleet and, in
-turn, kvgate, round-robin and an endpoint-picker-style threshold router in
-front of a fresh copy of it, all in-process, sends each the same seeded
+turn, kvgate, round-robin, an endpoint-picker-style threshold router and an
+llm-d-style prefix router in front of a fresh copy of it, all in-process, sends each the same seeded
 arrivals, writes each target's reports under DIR/<scenario>/<target>/ and
 prints a verdict table of kvgate's figures against the baselines'. Figures
 are in simulated time.

@@ -28,32 +28,7 @@ func TestOpenAINodeSDK(t *testing.T) {
 	if testing.Short() {
 		t.Skip("end-to-end test: skipped with -short")
 	}
-	ci := os.Getenv("CI") == "true"
-	need := func(tool string) string {
-		p, err := exec.LookPath(tool)
-		if err == nil {
-			return p
-		}
-		if ci {
-			t.Fatalf("%s is not on PATH; CI=true requires Node.js (>= 20) and npm for the OpenAI Node SDK test", tool)
-		}
-		t.Skipf("%s is not on PATH: skipping the OpenAI Node SDK end-to-end test (install Node.js >= 20 and npm to run it; with CI=true this fails)", tool)
-		return ""
-	}
-	node := need("node")
-	if err := checkNodeVersion(node); err != nil {
-		if ci {
-			t.Fatalf("%v; CI=true requires Node.js >= 20 for the OpenAI Node SDK test", err)
-		}
-		t.Skipf("%v: skipping the OpenAI Node SDK end-to-end test (with CI=true this fails)", err)
-	}
-
-	root, err := moduleRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := filepath.Join(root, "gateway", "testdata", "node")
-	installNodeDeps(t, dir, need, ci)
+	node, dir := nodeSDK(t)
 
 	const key = "sk-test"
 	// The chat gateway's configuration gives the model an alias (as an app
@@ -99,6 +74,40 @@ func TestOpenAINodeSDK(t *testing.T) {
 		logLines(t, "node --test output", string(out))
 		t.Fatal("node --test exited 0 but did not report `fail 0`")
 	}
+}
+
+// nodeSDK finds node (skipping the test without it, unless CI is "true")
+// and installs the pinned OpenAI SDK in gateway/testdata/node, whose path
+// it returns.
+func nodeSDK(t *testing.T) (node, dir string) {
+	t.Helper()
+	ci := os.Getenv("CI") == "true"
+	need := func(tool string) string {
+		p, err := exec.LookPath(tool)
+		if err == nil {
+			return p
+		}
+		if ci {
+			t.Fatalf("%s is not on PATH; CI=true requires Node.js (>= 20) and npm for the OpenAI Node SDK test", tool)
+		}
+		t.Skipf("%s is not on PATH: skipping the OpenAI Node SDK end-to-end test (install Node.js >= 20 and npm to run it; with CI=true this fails)", tool)
+		return ""
+	}
+	node = need("node")
+	if err := checkNodeVersion(node); err != nil {
+		if ci {
+			t.Fatalf("%v; CI=true requires Node.js >= 20 for the OpenAI Node SDK test", err)
+		}
+		t.Skipf("%v: skipping the OpenAI Node SDK end-to-end test (with CI=true this fails)", err)
+	}
+
+	root, err := moduleRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir = filepath.Join(root, "gateway", "testdata", "node")
+	installNodeDeps(t, dir, need, ci)
+	return node, dir
 }
 
 // minNodeMajor is the oldest Node.js the OpenAI SDK supports.

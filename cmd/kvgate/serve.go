@@ -198,6 +198,8 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		defer close(jobsDone)
 		return ignoreCanceled(runner.Run(jobsCtx))
 	})
+	// The batch worker (validation, finalization) is leased work too.
+	g.Go(func() error { return ignoreCanceled(api.RunBatches(jobsCtx)) })
 	g.Go(func() error {
 		err := serveAPI(ctx, gctx, ln, api, drainConfig{
 			timeout: cfg.DrainTimeout, unready: *cfg.DrainUnreadyDelay, jobs: runner, stopJobs: stopJobs, jobsDone: jobsDone, log: log,

@@ -40,7 +40,11 @@ import (
 // such a tenant's job as the oldest puts it back at once: a lost row
 // costs that tenant at most one reaper period, never its jobs.
 
-// fairTenants is how many tenants one claim of limit jobs considers.
+// fairTenants is how many tenants one claim of limit jobs considers: as
+// many as it takes jobs, so that with tenants interleaved in the queue a
+// batch takes about the queue's oldest jobs, on as few pages as an
+// oldest-first claim would (8 at most was measured slower: its shares
+// came from rows further apart).
 func fairTenants(limit int) int { return max(limit, 1) }
 
 const (

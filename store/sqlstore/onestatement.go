@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"strings"
 
 	"github.com/google/uuid"
 
@@ -40,15 +39,6 @@ var acceptCTE = `WITH ins AS (
 	UNION ALL
 	SELECT ` + jobColumns + `, FALSE FROM jobs
 	WHERE tenant = ? AND idempotency_key = ? AND NOT EXISTS (SELECT 1 FROM ins)`
-
-// qualified prefixes each column of a comma-separated list with table.
-func qualified(table, cols string) string {
-	parts := strings.Split(cols, ",")
-	for i, p := range parts {
-		parts[i] = table + "." + strings.TrimSpace(p)
-	}
-	return strings.Join(parts, ", ")
-}
 
 func eventID(id string) string {
 	if id == "" {

@@ -215,6 +215,27 @@ func (s *Store) Decide(ctx context.Context, r store.Review) (store.Job, error) {
 		if !r.Approve {
 			st, class, lastErr, action = store.FailedTerminal, store.ClassRejected, r.Reason, store.AuditReject
 		}
+		// An approval is a success like the runner's: for a job of an
+		// entity it is judged under the entity's lock, so a version lower
+		// than one that already succeeded ends SUPERSEDED (the audit
+		// record keeps the approval), and a winning one supersedes the
+		// lower versions not yet started.
+		je, hasEntity, err := s.txJobEntity(ctx, tx, r.JobID)
+		if err != nil {
+			return err
+		}
+		wins := false
+		if r.Approve && hasEntity {
+			won, err := s.lockEntity(ctx, tx, je)
+			if err != nil {
+				return err
+			}
+			if won > je.Version {
+				st, lastErr = store.Superseded, "a later version of its entity succeeded first"
+			} else {
+				wins = true
+			}
+		}
 		var res any
 		if r.Result != nil {
 			res = []byte(r.Result)
@@ -233,6 +254,11 @@ func (s *Store) Decide(ctx context.Context, r store.Review) (store.Job, error) {
 		}
 		if err := s.addAudit(ctx, tx, a); err != nil {
 			return err
+		}
+		if wins {
+			if err := s.winEntity(ctx, tx, je, r.Now); err != nil {
+				return err
+			}
 		}
 		return s.addEvent(ctx, tx, r.EventID, out.ID, out.Tenant, out.State, out.StateVersion, r.Now)
 	})

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"strings"
+	"time"
 
 	"github.com/kvgate/kvgate/store"
 )
@@ -84,13 +85,8 @@ func (s *Store) EntityTurn(ctx context.Context, e store.JobEntity) (store.Turn, 
 // replicas, so two versions finishing at once cannot both win.
 func (s *Store) completeEntity(ctx context.Context, je store.JobEntity, e *end) error {
 	return s.tx(ctx, e.op, func(tx *sql.Tx) error {
-		lock := ""
-		if s.d.LockShared != "" {
-			lock = " FOR UPDATE"
-		}
-		var won int64
-		if err := tx.QueryRowContext(ctx, rebind(s.d, `SELECT won_version FROM entities WHERE tenant = ? AND entity_key = ?`+lock),
-			je.Tenant, je.Key).Scan(&won); err != nil {
+		won, err := s.lockEntity(ctx, tx, je)
+		if err != nil {
 			return err
 		}
 		wins := false
@@ -106,42 +102,76 @@ func (s *Store) completeEntity(ctx context.Context, je store.JobEntity, e *end) 
 		if !wins {
 			return nil
 		}
-		if _, err := tx.ExecContext(ctx, rebind(s.d, `UPDATE entities SET won_version = ? WHERE tenant = ? AND entity_key = ?`),
-			je.Version, je.Tenant, je.Key); err != nil {
-			return err
-		}
-		rows, err := tx.QueryContext(ctx, rebind(s.d, `UPDATE jobs SET state = 'SUPERSEDED', state_version = state_version + 1,
-			updated_at = ?, error_class = '', last_error = 'a later version of its entity succeeded first'
-			WHERE id IN (SELECT job_id FROM job_entities WHERE tenant = ? AND entity_key = ? AND entity_version < ?)
-				AND state IN ('READY', 'RETRY_SCHEDULED')
-			RETURNING id, tenant, state_version`), micros(e.now), je.Tenant, je.Key, je.Version)
-		if err != nil {
-			return err
-		}
-		type sup struct {
-			id, tenant string
-			version    int64
-		}
-		var sups []sup
-		for rows.Next() {
-			var x sup
-			if err := rows.Scan(&x.id, &x.tenant, &x.version); err != nil {
-				rows.Close()
-				return err
-			}
-			sups = append(sups, x)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return err
-		}
-		for _, x := range sups {
-			if err := s.addEvent(ctx, tx, "", x.id, x.tenant, store.Superseded, x.version, e.now); err != nil {
-				return err
-			}
-		}
-		return nil
+		return s.winEntity(ctx, tx, je, e.now)
 	})
+}
+
+// lockEntity locks the entity's row for the rest of tx (SQLite's write
+// transaction holds the whole database) and returns its winning version.
+// Every decision that a version succeeded goes through it: the runner's
+// completion and an operator's approval.
+func (s *Store) lockEntity(ctx context.Context, tx *sql.Tx, je store.JobEntity) (int64, error) {
+	lock := ""
+	if s.d.LockShared != "" {
+		lock = " FOR UPDATE"
+	}
+	var won int64
+	err := tx.QueryRowContext(ctx, rebind(s.d, `SELECT won_version FROM entities WHERE tenant = ? AND entity_key = ?`+lock),
+		je.Tenant, je.Key).Scan(&won)
+	return won, err
+}
+
+// txJobEntity is the entity a job names, read inside tx; ok is false for
+// a job that names none.
+func (s *Store) txJobEntity(ctx context.Context, tx *sql.Tx, jobID string) (store.JobEntity, bool, error) {
+	var e store.JobEntity
+	err := tx.QueryRowContext(ctx, rebind(s.d, `SELECT job_id, tenant, entity_key, entity_version, ordering FROM job_entities
+		WHERE job_id = ?`), jobID).Scan(&e.JobID, &e.Tenant, &e.Key, &e.Version, &e.Ordering)
+	if errors.Is(err, sql.ErrNoRows) {
+		return e, false, nil
+	}
+	return e, err == nil, err
+}
+
+// winEntity records that je's version succeeded, under the lock that
+// lockEntity took: it becomes the entity's winner, and its lower versions
+// not yet started end SUPERSEDED without running.
+func (s *Store) winEntity(ctx context.Context, tx *sql.Tx, je store.JobEntity, now time.Time) error {
+	if _, err := tx.ExecContext(ctx, rebind(s.d, `UPDATE entities SET won_version = ? WHERE tenant = ? AND entity_key = ?`),
+		je.Version, je.Tenant, je.Key); err != nil {
+		return err
+	}
+	rows, err := tx.QueryContext(ctx, rebind(s.d, `UPDATE jobs SET state = 'SUPERSEDED', state_version = state_version + 1,
+		updated_at = ?, error_class = '', last_error = 'a later version of its entity succeeded first'
+		WHERE id IN (SELECT job_id FROM job_entities WHERE tenant = ? AND entity_key = ? AND entity_version < ?)
+			AND state IN ('READY', 'RETRY_SCHEDULED')
+		RETURNING id, tenant, state_version`), micros(now), je.Tenant, je.Key, je.Version)
+	if err != nil {
+		return err
+	}
+	type sup struct {
+		id, tenant string
+		version    int64
+	}
+	var sups []sup
+	for rows.Next() {
+		var x sup
+		if err := rows.Scan(&x.id, &x.tenant, &x.version); err != nil {
+			rows.Close()
+			return err
+		}
+		sups = append(sups, x)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, x := range sups {
+		if err := s.addEvent(ctx, tx, "", x.id, x.tenant, store.Superseded, x.version, now); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // Entity implements store.Entities.

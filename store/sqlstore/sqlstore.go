@@ -220,7 +220,7 @@ type queries struct {
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch string
+	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -256,6 +256,23 @@ func buildQueries(d Dialect) queries {
 	ownershipQueries(d, &q)
 	if d.WritableCTE {
 		q.acceptCTE, q.acceptBatch = r(acceptCTE), r(acceptBatch)
+		// MarkPublished in one statement: the events not yet published
+		// take the places after head in the order given (the first
+		// mention of an id counts), under the feed's lock.
+		q.markPublishedBatch = r(`WITH input AS (
+				SELECT DISTINCT ON (id) id, ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) ORDER BY id, ord),
+			todo AS (
+				SELECT o.seq, row_number() OVER (ORDER BY input.ord) AS n
+				FROM input JOIN outbox o ON o.id = input.id WHERE o.id = ANY(?::text[]) AND o.published_at = 0)
+			UPDATE outbox SET published_at = ?, feed_seq = ?::bigint + todo.n FROM todo WHERE outbox.seq = todo.seq`)
+		// RecordInbox in one statement: the record, or the digest of the
+		// one there (a record inserted by a transaction that commits while
+		// this one waits is not seen: RecordInbox reads again).
+		q.recordInbox = r(`WITH ins AS (
+				INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING RETURNING digest)
+			SELECT digest, FALSE FROM ins
+			UNION ALL
+			SELECT digest, TRUE FROM inbox WHERE event_id = ? AND NOT EXISTS (SELECT 1 FROM ins)`)
 	}
 	return q
 }
@@ -560,6 +577,10 @@ func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) e
 		if err := s.queryRow(ctx, tx, s.q.feedHead).Scan(&head); err != nil {
 			return err
 		}
+		if s.q.markPublishedBatch != "" {
+			_, err := s.exec(ctx, tx, s.q.markPublishedBatch, ids, ids, micros(at), head)
+			return err
+		}
 		for _, id := range ids {
 			res, err := s.exec(ctx, tx, s.q.markPublished, micros(at), head+1, id)
 			if err != nil {
@@ -593,6 +614,22 @@ func (s *Store) Events(ctx context.Context, tenant, jobID string, after int64, l
 
 // RecordInbox implements store.Store.
 func (s *Store) RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (bool, error) {
+	if s.q.recordInbox != "" {
+		var have string
+		var dup bool
+		err := s.queryRow(ctx, nil, s.q.recordInbox, eventID, digest, micros(now), eventID).Scan(&have, &dup)
+		if errors.Is(err, sql.ErrNoRows) {
+			dup = true
+			err = s.queryRow(ctx, nil, s.q.selectInbox, eventID).Scan(&have)
+		}
+		switch {
+		case err != nil:
+			return false, s.err("record inbox event", err)
+		case dup && have != digest:
+			return true, store.ErrDigestMismatch
+		}
+		return dup, nil
+	}
 	dup := false
 	err := s.tx(ctx, "record inbox event", func(tx *sql.Tx) error {
 		res, err := s.exec(ctx, tx, s.q.insertInbox, eventID, digest, micros(now))

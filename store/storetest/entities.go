@@ -21,6 +21,7 @@ var entityTests = []struct {
 	{"EntityLatestWins", testEntityLatestWins},
 	{"EntitySerial", testEntitySerial},
 	{"EntityConcurrentFinish", testEntityConcurrentFinish},
+	{"EntityReviewDecides", testEntityReviewDecides},
 }
 
 func withEntity(key string, version int64, ordering string) func(*store.NewJob) {
@@ -198,5 +199,57 @@ func testEntityConcurrentFinish(t *testing.T, s store.Store) {
 		default:
 			t.Errorf("entity %d: v1 %s", i, v1.State)
 		}
+	}
+}
+
+// testEntityReviewDecides: an operator's approval is a success under the
+// same rule as the runner's. A version approved after a later one
+// succeeded ends SUPERSEDED; an approved version that wins supersedes the
+// lower versions not yet started.
+func testEntityReviewDecides(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	a1 := accept(t, s, newJob("acme", "a1", withEntity("order-1", 1, "")))
+	a2 := accept(t, s, newJob("acme", "a2", withEntity("order-1", 2, "")))
+	js, err := s.Claim(ctx, t0, time.Minute, 2)
+	if err != nil || len(js) != 2 {
+		t.Fatalf("claim: %v, %v", js, err)
+	}
+	claimed := map[string]store.Job{js[0].ID: js[0], js[1].ID: js[1]}
+	if err := completeAs(t, s, claimed[a1.ID], store.ReviewRequired, t0); err != nil {
+		t.Fatal(err)
+	}
+	if err := completeAs(t, s, claimed[a2.ID], store.Succeeded, t0); err != nil {
+		t.Fatal(err)
+	}
+	j, err := s.Decide(ctx, store.Review{Tenant: "acme", JobID: a1.ID, Approve: true, EventID: "ev-approve-a1", Now: t0})
+	if err != nil || j.State != store.Superseded {
+		t.Fatalf("approving version 1 after version 2 succeeded: %s, %v; want SUPERSEDED", j.State, err)
+	}
+	if au, err := s.Audit(ctx, "acme", a1.ID); err != nil || len(au) != 1 || au[0].Action != store.AuditApprove || au[0].State != store.Superseded {
+		t.Errorf("audit of the late approval: %+v, %v", au, err)
+	}
+	if ent, err := s.Entity(ctx, "acme", "order-1", 10); err != nil || ent.WonVersion != 2 {
+		t.Errorf("entity after the late approval: %+v, %v", ent, err)
+	}
+
+	// Version 2 runs while version 1, accepted later, waits unstarted.
+	b2 := accept(t, s, newJob("acme", "b2", withEntity("order-2", 2, "")))
+	js, err = s.Claim(ctx, t0, time.Minute, 10)
+	if err != nil || len(js) != 1 || js[0].ID != b2.ID {
+		t.Fatalf("claim of version 2: %v, %v", js, err)
+	}
+	c2 := js[0]
+	b1 := accept(t, s, newJob("acme", "b1", withEntity("order-2", 1, "")))
+	if err := completeAs(t, s, c2, store.ReviewRequired, t0); err != nil {
+		t.Fatal(err)
+	}
+	if j, err := s.Decide(ctx, store.Review{Tenant: "acme", JobID: b2.ID, Approve: true, EventID: "ev-approve-b2", Now: t0}); err != nil || j.State != store.Succeeded {
+		t.Fatalf("approving version 2: %s, %v", j.State, err)
+	}
+	if st := stateOf(t, s, b1.ID); st != store.Superseded {
+		t.Errorf("version 1, not started, after version 2's approval: %s, want SUPERSEDED", st)
+	}
+	if ent, err := s.Entity(ctx, "acme", "order-2", 10); err != nil || ent.WonVersion != 2 {
+		t.Errorf("entity after the approval: %+v, %v", ent, err)
 	}
 }

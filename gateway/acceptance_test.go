@@ -1,0 +1,135 @@
+package gateway
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/store"
+)
+
+// TestAcceptanceOpenLoop: durable acceptance through POST /v1/jobs under
+// an open-loop load, with the runner executing the jobs on simulators
+// meanwhile (PostgreSQL, NATS JetStream, the runner kvgate serve runs).
+// Each request is sent at its own time whether or not earlier ones have
+// answered, with a unique Idempotency-Key, and its latency is taken from
+// when it was due, so that a stall counts against every request it
+// delays (no coordinated omission). It measures 1,000 jobs/s, then
+// climbs rates until acceptance p99 passes 25 ms, and logs each rate's
+// figures and the highest rate that held. Every accepted job must then
+// run exactly once and succeed; the figures are logged, never asserted.
+// The experiment runs with KVGATE_EXPERIMENTS=1 (alone: see
+// docs/benchmarks.md, "The durable path beside River"); a
+// plain go test runs one short step at 200 jobs/s as a check.
+// KVGATE_ACCEPT_RATES (e.g. "1000,2000") and KVGATE_ACCEPT_SECONDS
+// choose the steps.
+func TestAcceptanceOpenLoop(t *testing.T) {
+	rates, secs := []int{200}, 1.0
+	if experiments() {
+		rates, secs = []int{1000, 1500, 2000, 2500, 3000, 4000, 5000}, 5
+	}
+	if v := os.Getenv("KVGATE_ACCEPT_RATES"); v != "" {
+		rates = nil
+		for _, f := range strings.Split(v, ",") {
+			r, err := strconv.Atoi(strings.TrimSpace(f))
+			if err != nil || r <= 0 {
+				t.Fatalf("KVGATE_ACCEPT_RATES: %q", v)
+			}
+			rates = append(rates, r)
+		}
+	}
+	if v, err := strconv.ParseFloat(os.Getenv("KVGATE_ACCEPT_SECONDS"), 64); err == nil && v > 0 {
+		secs = v
+	}
+	f := startFleet(t, fleetOpts{backends: 2, jobs: true, pg: true, signals: true, speedup: 100})
+	exec := &countingExec{Server: f.api}
+	runRunner(t, f, f.store, exec, 30*time.Second, 256)
+	// As a load generator keeps its connections: a fresh TCP connection
+	// per request would be measured instead of kvgate.
+	client := &http.Client{Transport: &http.Transport{MaxIdleConns: 1024, MaxIdleConnsPerHost: 1024, IdleConnTimeout: time.Minute}}
+	t.Cleanup(client.CloseIdleConnections)
+
+	var sent atomic.Int64
+	step := func(rate, n int) (lat []time.Duration, failed int) {
+		interval := time.Second / time.Duration(rate)
+		lat = make([]time.Duration, n)
+		var bad atomic.Int64
+		var wg sync.WaitGroup
+		start := time.Now()
+		for i := range n {
+			due := start.Add(time.Duration(i) * interval)
+			if d := time.Until(due); d > 0 {
+				time.Sleep(d)
+			}
+			key := fmt.Sprintf("open-%d", sent.Add(1))
+			wg.Go(func() {
+				req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/jobs", strings.NewReader(chatJob("summarise "+key, 8)))
+				req.Header.Set("Content-Type", "application/json")
+				req.Header.Set("Idempotency-Key", key)
+				resp, err := client.Do(req)
+				if err == nil {
+					_, _ = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+				lat[i] = time.Since(due)
+				if err != nil || resp.StatusCode != http.StatusAccepted {
+					bad.Add(1)
+				}
+			})
+		}
+		wg.Wait()
+		return lat, int(bad.Load())
+	}
+	pct := func(d []time.Duration, p float64) time.Duration {
+		return d[min(len(d)-1, int(p*float64(len(d))))].Round(10 * time.Microsecond)
+	}
+	// Half a second of load first, unmeasured: connections, prepared
+	// statements, the relay's and runner's first rounds.
+	if _, bad := step(rates[0], rates[0]/2); bad > 0 {
+		t.Fatalf("warm-up: %d requests not accepted", bad)
+	}
+	held := 0
+	for _, rate := range rates {
+		n := int(float64(rate) * secs)
+		lat, bad := step(rate, n)
+		if bad > 0 {
+			t.Errorf("%d jobs/s: %d of %d requests not accepted", rate, bad, n)
+			break
+		}
+		slices.Sort(lat)
+		p99 := pct(lat, 0.99)
+		t.Logf("acceptance at %d jobs/s for %.0f s, runner executing on simulators: p50 %s p90 %s p99 %s max %s",
+			rate, secs, pct(lat, 0.5), pct(lat, 0.9), p99, lat[len(lat)-1].Round(10*time.Microsecond))
+		if p99 > 25*time.Millisecond {
+			break
+		}
+		held = rate
+	}
+	t.Logf("highest open-loop acceptance rate with p99 ≤ 25 ms: %d jobs/s (of %v)", held, rates)
+
+	total := int(sent.Load())
+	eventually.Within(t, 5*time.Minute, fmt.Sprintf("%d jobs to finish", total), func() bool {
+		c, err := countStates(f, store.Succeeded, store.FailedTerminal, store.ReviewRequired, store.Cancelled)
+		return err == nil && c == total
+	})
+	var runs, succeeded, jobs int
+	if err := f.store.DB().QueryRow(`SELECT count(*), count(*) FILTER (WHERE outcome = 'succeeded') FROM attempts`).Scan(&runs, &succeeded); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.store.DB().QueryRow(`SELECT count(*) FROM jobs WHERE state = 'SUCCEEDED'`).Scan(&jobs); err != nil {
+		t.Fatal(err)
+	}
+	if calls := exec.calls.Load(); calls != int64(total) || succeeded != total || jobs != total {
+		t.Errorf("%d jobs accepted: %d succeeded, %d backend calls, %d successful attempts (%d in all); want each run exactly once",
+			total, jobs, calls, succeeded, runs)
+	}
+}

@@ -1,0 +1,396 @@
+package gateway
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"mime/multipart"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// The Files API (OpenAI's): uploads go to the job store in chunks of
+// fileChunk bytes, each its own short write, so that an upload of the
+// largest file holds neither its content in memory nor a transaction
+// open; downloads read one chunk at a time.
+
+// Limits, as OpenAI's.
+const (
+	fileChunk         = 1 << 20
+	maxBatchFileBytes = 200 << 20 // purpose batch
+	maxFileBytes      = 512 << 20 // any other purpose
+	maxBatchFileLines = 50_000
+	// multipartSlack is room for a multipart body's other parts and
+	// boundaries beside its file.
+	multipartSlack = 1 << 20
+)
+
+var filePurposes = map[string]bool{"assistants": true, "batch": true, "fine-tune": true, "vision": true, "user_data": true, "evals": true}
+
+// batchStore is what the Files and Batch APIs need of the job store.
+type batchStore = store.Batches
+
+// fileView is OpenAI's FileObject.
+type fileView struct {
+	ID            string  `json:"id"`
+	Object        string  `json:"object"`
+	Bytes         int64   `json:"bytes"`
+	CreatedAt     int64   `json:"created_at"`
+	ExpiresAt     *int64  `json:"expires_at"`
+	Filename      string  `json:"filename"`
+	Purpose       string  `json:"purpose"`
+	Status        string  `json:"status"`
+	StatusDetails *string `json:"status_details"`
+}
+
+func fileViewOf(f store.File) fileView {
+	v := fileView{ID: f.ID, Object: "file", Bytes: f.Bytes, CreatedAt: f.CreatedAt.Unix(), Filename: f.Filename,
+		Purpose: f.Purpose, Status: "processed"}
+	if !f.ExpiresAt.IsZero() {
+		v.ExpiresAt = unixPtr(f.ExpiresAt)
+	}
+	return v
+}
+
+func unixPtr(t time.Time) *int64 {
+	if t.IsZero() {
+		return nil
+	}
+	u := t.Unix()
+	return &u
+}
+
+// newObjectID is an OpenAI-style id: prefix and a UUIDv7 in hex, so that
+// ids sort by creation.
+func newObjectID(prefix string) string {
+	u := uuid.Must(uuid.NewV7())
+	return prefix + strings.ReplaceAll(u.String(), "-", "")
+}
+
+type rawBodyKey struct{}
+
+// fullBody lets an upload route read past MaxBodyBytes: api caps every
+// body, and the upload applies its own, larger, cap instead.
+func fullBody(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), rawBodyKey{}, r.Body)))
+	})
+}
+
+func (s *Server) fileRoutes() {
+	s.mux.Handle("POST /v1/files", fullBody(s.api("/v1/files", s.handleUploadFile)))
+	s.mux.Handle("GET /v1/files", s.api("/v1/files", s.handleListFiles))
+	s.mux.Handle("GET /v1/files/{id}", s.api("/v1/files/{id}", s.handleGetFile))
+	s.mux.Handle("GET /v1/files/{id}/content", s.api("/v1/files/{id}/content", s.handleFileContent))
+	s.mux.Handle("DELETE /v1/files/{id}", s.api("/v1/files/{id}", s.handleDeleteFile))
+}
+
+func fileNotFound(id string) error {
+	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", param: "id",
+		msg: fmt.Sprintf("No such File object: %s", id)}
+}
+
+func tooLargeFile(limit int64) error {
+	return &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error", code: "file_too_large", param: "file",
+		msg: fmt.Sprintf("The file is larger than the %d MB allowed for its purpose.", limit>>20)}
+}
+
+// fileCounter counts a file's bytes and its lines that hold more than
+// white space, as the bytes stream past.
+type fileCounter struct {
+	bytes, lines int64
+	inLine       bool // the current line has a non-space byte
+}
+
+func (c *fileCounter) Write(p []byte) {
+	c.bytes += int64(len(p))
+	for _, b := range p {
+		switch b {
+		case '\n':
+			if c.inLine {
+				c.lines++
+			}
+			c.inLine = false
+		case ' ', '\t', '\r':
+		default:
+			c.inLine = true
+		}
+	}
+}
+
+func (c *fileCounter) end() int64 {
+	if c.inLine {
+		return c.lines + 1
+	}
+	return c.lines
+}
+
+func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
+	tenant := tenantOf(r.Context())
+	if raw, ok := r.Context().Value(rawBodyKey{}).(io.ReadCloser); ok {
+		r.Body = http.MaxBytesReader(w, raw, maxFileBytes+multipartSlack)
+	}
+	mr, err := r.MultipartReader()
+	if err != nil {
+		return writeError(w, s.log, badRequest("", "POST /v1/files takes a multipart/form-data body with the fields file and purpose."))
+	}
+	var (
+		purpose, anchor, seconds string
+		file                     *store.File
+		counted                  fileCounter
+	)
+	// An upload that fails leaves no file behind, whatever cut it short.
+	cleanup := context.WithoutCancel(r.Context())
+	abandon := func(err error) int {
+		if file != nil {
+			_ = s.batches.DeleteFile(cleanup, tenant, file.ID)
+		}
+		return writeError(w, s.log, err)
+	}
+	for {
+		part, err := mr.NextPart()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return abandon(s.uploadError(err))
+		}
+		switch part.FormName() {
+		case "purpose":
+			purpose, err = formValue(part)
+		case "expires_after[anchor]":
+			anchor, err = formValue(part)
+		case "expires_after[seconds]":
+			seconds, err = formValue(part)
+		case "file":
+			if file != nil {
+				err = badRequest("file", "Send one file per upload.")
+				break
+			}
+			file = &store.File{ID: newObjectID("file-"), Tenant: tenant, Filename: part.FileName(), Purpose: purpose, CreatedAt: time.Now()}
+			if file.Filename == "" {
+				file.Filename = "upload"
+			}
+			if len(file.Filename) > 255 {
+				err = badRequest("file", "The file's name is longer than 255 bytes.")
+				file = nil
+				break
+			}
+			if err = s.batches.CreateFile(r.Context(), *file); err != nil {
+				file = nil
+				break
+			}
+			err = s.storeChunks(r.Context(), file.ID, part, &counted)
+		default:
+			_, err = io.Copy(io.Discard, io.LimitReader(part, multipartSlack))
+		}
+		part.Close()
+		if err != nil {
+			return abandon(s.uploadError(err))
+		}
+	}
+	switch {
+	case file == nil:
+		return abandon(badRequest("file", "Missing required parameter: 'file'."))
+	case purpose == "":
+		return abandon(badRequest("purpose", "Missing required parameter: 'purpose'."))
+	case !filePurposes[purpose]:
+		return abandon(badRequest("purpose", fmt.Sprintf("'%s' is not one of ['assistants', 'batch', 'fine-tune', 'vision', 'user_data', 'evals'] - 'purpose'.", purpose)))
+	}
+	file.Purpose = purpose
+	lines := counted.end()
+	if purpose == "batch" {
+		switch {
+		case !strings.HasSuffix(strings.ToLower(file.Filename), ".jsonl"):
+			return abandon(badRequest("file", "Invalid file format for Batch API. Must be .jsonl"))
+		case counted.bytes > maxBatchFileBytes:
+			return abandon(tooLargeFile(maxBatchFileBytes))
+		case lines > maxBatchFileLines:
+			return abandon(badRequest("file", fmt.Sprintf("The file has %d requests; a batch holds at most %d.", lines, maxBatchFileLines)))
+		case counted.bytes == 0:
+			return abandon(badRequest("file", "The file is empty."))
+		}
+	}
+	if anchor != "" || seconds != "" {
+		n, err := strconv.Atoi(seconds)
+		if anchor != "created_at" || err != nil || n < 3600 || n > 2592000 {
+			return abandon(badRequest("expires_after", "expires_after takes anchor 'created_at' and seconds from 3600 to 2592000."))
+		}
+		file.ExpiresAt = file.CreatedAt.Add(time.Duration(n) * time.Second)
+	}
+	// The purpose and expiry may come after the file's part: recorded
+	// with its completion.
+	file.Bytes, file.Lines, file.Complete = counted.bytes, lines, true
+	if err := s.batches.CompleteFile(r.Context(), *file); err != nil {
+		return abandon(err)
+	}
+	writeJSON(w, http.StatusOK, fileViewOf(*file))
+	return http.StatusOK
+}
+
+// storeChunks writes a file part to the store chunk by chunk, one buffer
+// reused, counting it; it stops at the largest file any purpose allows.
+func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *fileCounter) error {
+	buf := make([]byte, fileChunk)
+	for seq := 0; ; seq++ {
+		n, err := io.ReadFull(part, buf)
+		if n > 0 {
+			c.Write(buf[:n])
+			if c.bytes > maxFileBytes {
+				return tooLargeFile(maxFileBytes)
+			}
+			if werr := s.batches.PutFileChunk(ctx, id, seq, buf[:n]); werr != nil {
+				return werr
+			}
+		}
+		switch {
+		case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+			return nil
+		case err != nil:
+			return err
+		}
+	}
+}
+
+// uploadError names what went wrong with an upload's body.
+func (s *Server) uploadError(err error) error {
+	var maxBytes *http.MaxBytesError
+	var api *apiError
+	switch {
+	case errors.As(err, &maxBytes):
+		return tooLargeFile(maxFileBytes)
+	case errors.As(err, &api), errors.Is(err, store.ErrUnavailable), errors.Is(err, context.Canceled):
+		return err
+	}
+	return badRequest("file", "The multipart body could not be read: "+err.Error())
+}
+
+func formValue(p *multipart.Part) (string, error) {
+	b, err := io.ReadAll(io.LimitReader(p, 1024))
+	return string(bytes.TrimSpace(b)), err
+}
+
+func (s *Server) handleGetFile(w http.ResponseWriter, r *http.Request) int {
+	f, err := s.batches.File(r.Context(), tenantOf(r.Context()), r.PathValue("id"), time.Now())
+	if errors.Is(err, store.ErrNotFound) {
+		err = fileNotFound(r.PathValue("id"))
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, fileViewOf(f))
+	return http.StatusOK
+}
+
+func (s *Server) handleDeleteFile(w http.ResponseWriter, r *http.Request) int {
+	tenant, id := tenantOf(r.Context()), r.PathValue("id")
+	if _, err := s.batches.File(r.Context(), tenant, id, time.Now()); err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fileNotFound(id)
+		}
+		return writeError(w, s.log, err)
+	}
+	if err := s.batches.DeleteFile(r.Context(), tenant, id); err != nil {
+		if errors.Is(err, store.ErrNotFound) {
+			err = fileNotFound(id)
+		}
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, struct {
+		ID      string `json:"id"`
+		Object  string `json:"object"`
+		Deleted bool   `json:"deleted"`
+	}{id, "file", true})
+	return http.StatusOK
+}
+
+// cursorPage is OpenAI's cursor-paged list.
+type cursorPage[T any] struct {
+	Object  string  `json:"object"`
+	Data    []T     `json:"data"`
+	FirstID *string `json:"first_id"`
+	LastID  *string `json:"last_id"`
+	HasMore bool    `json:"has_more"`
+}
+
+func pageOf[T any](data []T, id func(T) string, more bool) cursorPage[T] {
+	p := cursorPage[T]{Object: "list", Data: data, HasMore: more}
+	if p.Data == nil {
+		p.Data = []T{}
+	}
+	if len(data) > 0 {
+		first, last := id(data[0]), id(data[len(data)-1])
+		p.FirstID, p.LastID = &first, &last
+	}
+	return p
+}
+
+func (s *Server) handleListFiles(w http.ResponseWriter, r *http.Request) int {
+	q := r.URL.Query()
+	f := store.FileFilter{Purpose: q.Get("purpose"), After: q.Get("after"), Limit: 10000}
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n < 1 || n > 10000 {
+			return writeError(w, s.log, badRequest("limit", "limit must be a number from 1 to 10000."))
+		}
+		f.Limit = n
+	}
+	switch q.Get("order") {
+	case "", "desc":
+	case "asc":
+		f.Asc = true
+	default:
+		return writeError(w, s.log, badRequest("order", "order must be asc or desc."))
+	}
+	files, more, err := s.batches.ListFiles(r.Context(), tenantOf(r.Context()), f, time.Now())
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	views := make([]fileView, len(files))
+	for i, fl := range files {
+		views[i] = fileViewOf(fl)
+	}
+	writeJSON(w, http.StatusOK, pageOf(views, func(v fileView) string { return v.ID }, more))
+	return http.StatusOK
+}
+
+func (s *Server) handleFileContent(w http.ResponseWriter, r *http.Request) int {
+	id := r.PathValue("id")
+	f, err := s.batches.File(r.Context(), tenantOf(r.Context()), id, time.Now())
+	if errors.Is(err, store.ErrNotFound) {
+		err = fileNotFound(id)
+	}
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	first, err := s.batches.FileChunk(r.Context(), f.ID, 0)
+	if err != nil && !errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, err)
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Length", strconv.FormatInt(f.Bytes, 10))
+	w.Header().Set("Content-Disposition", fmt.Sprintf("attachment; filename=%q", f.Filename))
+	w.WriteHeader(http.StatusOK)
+	chunk := first
+	for seq := 1; len(chunk) > 0; seq++ {
+		if _, err := w.Write(chunk); err != nil {
+			return http.StatusOK // the client went away
+		}
+		chunk, err = s.batches.FileChunk(r.Context(), f.ID, seq)
+		if err != nil && !errors.Is(err, store.ErrNotFound) {
+			// The status line is out: cut the body short of its length,
+			// which the client sees as an error.
+			s.log.Warn("file download cut", "file", f.ID, "err", err)
+			panic(http.ErrAbortHandler)
+		}
+	}
+	return http.StatusOK
+}

@@ -1,0 +1,542 @@
+package scheduler
+
+import (
+	"container/list"
+	"math"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// Prefix-aware KV accounting.
+//
+// vLLM caches a prompt's KV in blocks of block_size tokens, each named by a
+// hash chained over the block's tokens and its parent's hash, so that two
+// prompts share a block only when everything before it is the same. A
+// request whose first blocks are cached skips their prefill, and blocks
+// that running requests share take memory once.
+//
+// kvgate does not tokenize, so it chains hashes over fixed-size chunks of
+// the rendered prompt's bytes instead (PrefixChunkBytes, about one vLLM
+// block of English text): the same prefix relation, block for block. Each
+// chunk stands for the prompt's tokens in proportion to its bytes.
+//
+// Two structures use the hashes, per backend:
+//
+//   - the index (prefixIndex) remembers the chunks kvgate recently sent
+//     there, in LRU order, and forgets them as the backend's cache turns
+//     over: once kvgate has sent more new KV (prompt tokens not found
+//     cached, plus output) than the cache holds, num_gpu_blocks ×
+//     block_size, since a chunk was last sent, vLLM has had to hand its
+//     block out again. The bound is scaled down when the backend's
+//     measured hits (vllm:prefix_cache_hits_total) fall short of the
+//     index's predictions (load kvgate did not send turns the cache over
+//     faster). It predicts how much of a prompt the backend will find
+//     cached, which routing weighs against load.
+//   - the pins (ledger.pins) are the chunks that requests kvgate has in
+//     flight there hold right now: shared, they take KV once, so
+//     admission reserves for a request only the chunks not pinned yet.
+//
+// Both are soft state. Each replica keeps its own index, learnt from what
+// it routes; a replica that starts (or restarts) empty predicts no hits
+// and routes by load alone until its own traffic has filled the index
+// again, which costs hit rate for about one cache turnover and never
+// correctness: admission still sees the measured KV usage. Nothing is
+// shared between replicas.
+
+// PrefixChunkBytes is the size of the prompt chunks kvgate hashes: about
+// one vLLM block (16 tokens) of English text at four bytes a token.
+const PrefixChunkBytes = 64
+
+// Prefix is what kvgate knows of a prompt's cacheable blocks: the chained
+// hashes of its full chunks, in order, and how many tokens each stands for.
+type Prefix struct {
+	Hashes      []uint64
+	ChunkTokens float64
+}
+
+// NewPrefix hashes a rendered prompt (the text the backend will tokenize,
+// chat template applied) of promptTokens tokens. It returns nil for a
+// prompt shorter than one chunk.
+func NewPrefix(rendered string, promptTokens int) *Prefix {
+	hs := HashChunks(rendered, PrefixChunkBytes)
+	if len(hs) == 0 || promptTokens <= 0 {
+		return nil
+	}
+	return &Prefix{Hashes: hs, ChunkTokens: float64(promptTokens) * PrefixChunkBytes / float64(len(rendered))}
+}
+
+// chunkTokens is the whole tokens one chunk stands for in the ledger.
+func (p *Prefix) chunkTokens() int {
+	if p == nil {
+		return 0
+	}
+	return int(math.Round(p.ChunkTokens))
+}
+
+// tokens is how many prompt tokens n chunks stand for.
+func (p *Prefix) tokens(n int) int { return n * p.chunkTokens() }
+
+// HashChunks returns the chained hashes of text's full chunks of size
+// bytes: each hashes its bytes onto its parent's hash, as vLLM chains its
+// block hashes, so that equal hashes mean equal text up to and including
+// the chunk. A trailing partial chunk is not hashed (vLLM caches only full
+// blocks).
+func HashChunks(text string, size int) []uint64 {
+	if size <= 0 {
+		return nil
+	}
+	n := len(text) / size
+	out := make([]uint64, n)
+	var parent uint64
+	for i := range n {
+		parent = chainHash(parent, text[i*size:(i+1)*size])
+		out[i] = parent
+	}
+	return out
+}
+
+// chainHash is FNV-1a over the chunk seeded with the parent, finalised
+// with splitmix64 so that nearby inputs spread; never 0.
+func chainHash(parent uint64, chunk string) uint64 {
+	const prime = 0x100000001b3
+	h := parent ^ 0xcbf29ce484222325
+	for i := 0; i < len(chunk); i++ {
+		h ^= uint64(chunk[i])
+		h *= prime
+	}
+	h ^= h >> 30
+	h *= 0xbf58476d1ce4e5b9
+	h ^= h >> 27
+	h *= 0x94d049bb133111eb
+	h ^= h >> 31
+	return max(h, 1)
+}
+
+// Index correction bounds: the effective cache is scaled between these
+// fractions of the backend's capacity.
+const (
+	minIndexScale = 0.1
+	// correctEvery is how many predicted hit tokens accumulate before
+	// the index compares them with the backend's measured hits: vLLM
+	// counts a hit when it schedules the request, later than kvgate
+	// predicts it, so shorter windows are noise.
+	correctEvery = 32768
+	// maxIndexChunks bounds an index whose backend's capacity is unknown:
+	// 16M tokens of prompts, more than any GPU caches.
+	maxIndexChunks = 1 << 20
+)
+
+// prefixIndex is one backend's approximate cache: the chunks kvgate sent
+// there, most recent first. Not safe for concurrent use (s.mu guards it).
+type prefixIndex struct {
+	entries map[uint64]*list.Element // of *indexEntry
+	lru     list.List                // front: most recently sent
+	// clock is the new KV tokens kvgate has sent the backend since the
+	// index began: a chunk last sent at clock c is still cached while
+	// clock-c stays under the cache's effective size.
+	clock float64
+	// scale corrects the cache's size by the measured hit rate, (0, 1].
+	scale float64
+
+	// Correction state: the predicted hits since the backend's counters
+	// were last compared, and those counters then.
+	pending             float64
+	baseHits, baseQuery float64
+	haveBase            bool
+	observedAt          time.Time // the scrape last compared
+	capacity            int       // the backend's KV tokens when last sent to
+
+	// Totals for /metrics.
+	predictedHits, queried float64
+}
+
+type indexEntry struct {
+	hash uint64
+	at   float64 // clock when last sent
+}
+
+func newPrefixIndex() *prefixIndex {
+	return &prefixIndex{entries: map[uint64]*list.Element{}, scale: 1}
+}
+
+// match returns how many leading chunks of hashes the backend should still
+// hold. Chained hashes make a present chunk imply its parents were sent
+// with it; the LRU order keeps them at least as recent.
+func (x *prefixIndex) match(hashes []uint64) int {
+	return leading(hashes, func(h uint64) bool { _, ok := x.entries[h]; return ok })
+}
+
+// leading returns how many leading hashes have, for a set that holds
+// every chunk's parents with it: the index (a prompt's chunks go in
+// together and its tail leaves first) and the pins (a request pins all its
+// chunks) are such sets, so a binary search finds the end of the run in
+// O(log n) lookups, where a prompt of 6,000 tokens has 375 chunks.
+func leading(hashes []uint64, has func(uint64) bool) int {
+	lo, hi := 0, len(hashes)
+	for lo < hi {
+		mid := int(uint(lo+hi) >> 1)
+		if has(hashes[mid]) {
+			lo = mid + 1
+		} else {
+			hi = mid
+		}
+	}
+	return lo
+}
+
+// sent records that a prompt's chunks went to the backend, which allocated
+// newTokens of KV it did not find cached; capacity is its cache's size in
+// tokens (0: unknown), pinned reports chunks in use there (never evicted).
+func (x *prefixIndex) sent(hashes []uint64, newTokens float64, capacity int, pinned func(uint64) bool) {
+	x.clock += max(newTokens, 0)
+	// Last chunk first, so that the first ends most recent: vLLM frees a
+	// request's blocks tail first, and evicts them in that order.
+	for i := len(hashes) - 1; i >= 0; i-- {
+		h := hashes[i]
+		if e, ok := x.entries[h]; ok {
+			e.Value.(*indexEntry).at = x.clock
+			x.lru.MoveToFront(e)
+			continue
+		}
+		x.entries[h] = x.lru.PushFront(&indexEntry{hash: h, at: x.clock})
+	}
+	x.evict(capacity, pinned)
+}
+
+// grew advances the clock by KV the backend allocated outside prompts:
+// output tokens.
+func (x *prefixIndex) grew(tokens float64, capacity int, pinned func(uint64) bool) {
+	x.clock += max(tokens, 0)
+	x.evict(capacity, pinned)
+}
+
+// evict forgets chunks the backend's cache has turned over since they were
+// sent. With the capacity unknown it keeps at most maxIndexChunks.
+func (x *prefixIndex) evict(capacity int, pinned func(uint64) bool) {
+	size := x.scale * float64(capacity)
+	if capacity <= 0 {
+		size = math.Inf(1)
+	}
+	for n := x.lru.Len(); n > 0; n-- {
+		e := x.lru.Back()
+		ent := e.Value.(*indexEntry)
+		if x.clock-ent.at <= size && len(x.entries) <= maxIndexChunks {
+			return
+		}
+		if pinned != nil && pinned(ent.hash) {
+			// In use there: still cached. It is old only in kvgate's clock.
+			ent.at = x.clock
+			x.lru.MoveToFront(e)
+			continue
+		}
+		x.lru.Remove(e)
+		delete(x.entries, ent.hash)
+	}
+}
+
+// predicted adds a prediction of hit tokens for a prompt of query tokens.
+func (x *prefixIndex) predicted(hit, query float64) {
+	x.pending += hit
+	x.predictedHits += hit
+	x.queried += query
+}
+
+// observe compares the backend's cumulative prefix-cache counters (tokens)
+// with the index's predictions since the last comparison and scales the
+// cache's effective size: hits measured short of the prediction mean the
+// cache turns over faster than kvgate's own traffic explains. Counters
+// that went backwards mean the backend restarted with an empty cache: the
+// index is cleared.
+func (x *prefixIndex) observe(hits, queries float64) {
+	switch {
+	case !x.haveBase:
+		x.baseHits, x.baseQuery, x.haveBase = hits, queries, true
+		x.pending = 0
+		return
+	case hits < x.baseHits || queries < x.baseQuery:
+		x.reset()
+		x.baseHits, x.baseQuery, x.haveBase = hits, queries, true
+		return
+	case x.pending < correctEvery:
+		return
+	}
+	ratio := (hits - x.baseHits) / x.pending
+	switch {
+	case ratio < 0.9:
+		x.scale = max(minIndexScale, x.scale*max(ratio, 0.5))
+	case ratio > 1:
+		x.scale = min(1, x.scale*1.25)
+	}
+	x.baseHits, x.baseQuery, x.pending = hits, queries, 0
+}
+
+// reset forgets every chunk: the backend's cache is empty.
+func (x *prefixIndex) reset() {
+	clear(x.entries)
+	x.lru.Init()
+	x.pending = 0
+}
+
+// pin is a chunk that requests in flight on a backend hold.
+type pin struct {
+	refs   int
+	tokens int
+}
+
+// pinnedLeading returns how many leading chunks of p are held on the
+// backend by requests in flight.
+func (l *ledger) pinnedLeading(p *Prefix) int {
+	if l == nil || p == nil {
+		return 0
+	}
+	return leading(p.Hashes, l.isPinned)
+}
+
+// pin takes a reference on each of p's chunks and returns the KV tokens
+// that the chunks not held before add.
+func (l *ledger) pin(p *Prefix) (created int) {
+	if p == nil {
+		return 0
+	}
+	if l.pins == nil {
+		l.pins = map[uint64]*pin{}
+	}
+	ct := p.chunkTokens()
+	for _, h := range p.Hashes {
+		if pn, ok := l.pins[h]; ok {
+			pn.refs++
+			continue
+		}
+		l.pins[h] = &pin{refs: 1, tokens: ct}
+		created += ct
+	}
+	l.shared += created
+	return created
+}
+
+// unpin drops p's references and returns the KV tokens of the chunks no
+// request holds any more.
+func (l *ledger) unpin(p *Prefix) (freed int) {
+	if p == nil {
+		return 0
+	}
+	for _, h := range p.Hashes {
+		pn, ok := l.pins[h]
+		if !ok {
+			continue
+		}
+		if pn.refs--; pn.refs <= 0 {
+			freed += pn.tokens
+			delete(l.pins, h)
+		}
+	}
+	l.shared -= freed
+	return freed
+}
+
+func (l *ledger) isPinned(h uint64) bool {
+	_, ok := l.pins[h]
+	return ok
+}
+
+// Routing weighs three things for each backend that can admit a ticket:
+// hit, the share of its prompt the backend should find cached (prefill it
+// skips); held, the share already in memory there for requests in flight
+// (KV it need not allocate); and its headroom after admission, as a share
+// of the target:
+//
+//	score = hit + heldWeight × held + loadWeight × headroom/target
+//
+// With both weights under 1, a backend holding most of a prompt keeps
+// getting it while it can admit it (sticky), and of two that have it, the
+// one where it is in use wins unless its load is far higher: a tenant's
+// requests gather on one backend rather than keep a copy of its prefix in
+// use on each. A backend whose headroom has run out (admission refuses it)
+// passes the ticket on (see Spilling); between backends with equal hits
+// the less loaded wins; with no hits anywhere the choice is the most
+// headroom, as without prefixes. Load always counts: prefix alone would
+// pile a popular prefix onto one backend.
+const (
+	heldWeight = 0.5
+	loadWeight = 0.5
+)
+
+// routeScore is a backend's routing score for a ticket it can admit.
+func routeScore(hit, held, headroom, target float64) float64 {
+	if target <= 0 {
+		target = 1
+	}
+	return min(max(hit, 0), 1) + heldWeight*min(max(held, 0), 1) + loadWeight*headroom/target
+}
+
+// Spilling. A request whose prefix is cached (or in use) on a backend that
+// is only busy for now (its KV budget, pacing or queue refuse it this
+// instant) goes to another backend where hit+held is spillHit lower (more
+// to prefill, or to allocate) only when that one stays well under its
+// target after admission (spillHeadroom of its capacity left): otherwise
+// it waits for the backend that has its prefix. On a saturated fleet,
+// spilling would copy every tenant's prefix onto every backend and crowd
+// the cache with copies, as round-robin does; waiting keeps the hit rate
+// and the throughput. Waiting does not starve: the queue is scanned in
+// order, so the oldest waiter for a backend sees its room first, and once
+// it has waited the starvation guard, later tickets may not take that
+// backend's room in a pass (Scheduler.hold) — that backend's alone, where
+// a ticket that fits nowhere holds up its whole model.
+const (
+	spillHit      = 0.2
+	spillHeadroom = 0.2
+)
+
+// spills reports whether t may go to a backend that holds less of its
+// prefix than a busy one, by lost (the hit+held given up) and that
+// backend's headroom after admission.
+func (s *Scheduler) spills(t *Ticket, lost, headroom float64) bool {
+	return t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom
+}
+
+// noteBusy records a backend that cannot take t only for now, for the
+// spill decision: the best hit+held among them and where.
+func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, best *float64, where *string) {
+	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > *best {
+		*best, *where = v, sn.Name
+	}
+}
+
+// heldShare is the share of t's prompt in memory on a backend where
+// pinned of its leading chunks are held by requests in flight.
+func (t *Ticket) heldShare(pinned int) float64 {
+	if t.PromptTokens <= 0 || t.Prefix == nil {
+		return 0
+	}
+	return min(1, float64(t.Prefix.tokens(pinned))/float64(t.PromptTokens))
+}
+
+// holdLocked keeps a backend's room, for the rest of a pump, for the
+// tickets already waiting for it.
+func (s *Scheduler) holdLocked(backend string) {
+	if s.hold == nil {
+		s.hold = map[string]bool{}
+	}
+	s.hold[backend] = true
+}
+
+func (s *Scheduler) releaseHolds() { clear(s.hold) }
+
+// busy reports whether a refusal is load that passes (the backend will
+// take the ticket once something ends), not a backend out of service.
+func busy(reason string) bool {
+	switch reason {
+	case reasonKV, reasonPacing, reasonWaiting, reasonSeqs, reasonShare:
+		return true
+	}
+	return false
+}
+
+// index returns a backend's prefix index, creating it empty.
+func (s *Scheduler) index(backend string) *prefixIndex {
+	x := s.prefixes[backend]
+	if x == nil {
+		x = newPrefixIndex()
+		s.prefixes[backend] = x
+	}
+	return x
+}
+
+// expectedHit is the share of t's prompt that backend sn should find
+// cached: the chunks its index still holds, at least those pinned there
+// by requests in flight. It first brings the index's correction up to the
+// backend's last scrape.
+func (s *Scheduler) expectedHit(sn *gpu.Snapshot, t *Ticket, pinned int) float64 {
+	if t.Prefix == nil || t.PromptTokens <= 0 {
+		return 0
+	}
+	x := s.index(sn.Name)
+	if sn.Metrics.HasPrefix && sn.ScrapedAt.After(x.observedAt) {
+		x.observedAt = sn.ScrapedAt
+		x.observe(sn.Metrics.PrefixHits, sn.Metrics.PrefixQueries)
+	}
+	n := max(x.match(t.Prefix.Hashes), pinned)
+	return min(1, float64(t.Prefix.tokens(n))/float64(t.PromptTokens))
+}
+
+// prefixSent records KV sent to a backend in its index: a prompt's chunks
+// and the new tokens they cost (capacity is the backend's KV size, or 0),
+// or, with hashes nil, output tokens.
+func (s *Scheduler) prefixSent(backend string, hashes []uint64, newTokens float64, capacity int, pinned func(uint64) bool) {
+	x := s.prefixes[backend]
+	if hashes == nil {
+		if x != nil { // else no prompt with chunks went there yet
+			x.grew(newTokens, x.capacity, pinned)
+		}
+		return
+	}
+	x = s.index(backend)
+	x.capacity = capacity
+	x.sent(hashes, newTokens, capacity, pinned)
+}
+
+var (
+	descPrefixPredicted = prometheus.NewDesc("kvgate_prefix_predicted_hit_tokens_total",
+		"Prompt tokens kvgate predicted a backend would find in its prefix cache, for the requests it sent there (compare vllm:prefix_cache_hits_total).", []string{"backend"}, nil)
+	descPrefixQueried = prometheus.NewDesc("kvgate_prefix_query_tokens_total",
+		"Prompt tokens of the requests with prefix chunks kvgate sent to a backend (compare vllm:prefix_cache_queries_total).", []string{"backend"}, nil)
+	descPrefixChunks = prometheus.NewDesc("kvgate_prefix_index_chunks",
+		"Prompt chunks a backend's prefix index holds as likely cached there.", []string{"backend"}, nil)
+	descPrefixScale = prometheus.NewDesc("kvgate_prefix_index_scale_ratio",
+		"The share of a backend's KV capacity its prefix index assumes is kept cached, corrected by the measured hit rate (1: all of it).", []string{"backend"}, nil)
+	descPrefixShared = prometheus.NewDesc("kvgate_scheduler_backend_shared_tokens",
+		"KV tokens of prompt chunks that requests in flight on a backend share, reserved once.", []string{"backend"}, nil)
+)
+
+// prefixCollector reads the prefix indexes at scrape time.
+type prefixCollector struct{ s *Scheduler }
+
+func (c prefixCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descPrefixPredicted, descPrefixQueried, descPrefixChunks, descPrefixScale, descPrefixShared} {
+		ch <- d
+	}
+}
+
+func (c prefixCollector) Collect(ch chan<- prometheus.Metric) {
+	s := c.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for name, x := range s.prefixes {
+		ch <- prometheus.MustNewConstMetric(descPrefixPredicted, prometheus.CounterValue, x.predictedHits, name)
+		ch <- prometheus.MustNewConstMetric(descPrefixQueried, prometheus.CounterValue, x.queried, name)
+		ch <- prometheus.MustNewConstMetric(descPrefixChunks, prometheus.GaugeValue, float64(len(x.entries)), name)
+		ch <- prometheus.MustNewConstMetric(descPrefixScale, prometheus.GaugeValue, x.scale, name)
+	}
+	for name, l := range s.ledgers {
+		ch <- prometheus.MustNewConstMetric(descPrefixShared, prometheus.GaugeValue, float64(l.shared), name)
+	}
+}
+
+// PrefixStat is one backend's prefix index, for reports.
+type PrefixStat struct {
+	Backend string
+	// PredictedHitTokens and QueryTokens are the prompt tokens kvgate
+	// predicted the backend would find cached, and all the prompt tokens
+	// it sent there with chunks: their ratio is the predicted hit rate,
+	// to set beside the backend's measured one.
+	PredictedHitTokens, QueryTokens float64
+	Chunks                          int
+	Scale                           float64
+}
+
+// PrefixStats returns every backend's prefix index, by backend name.
+func (s *Scheduler) PrefixStats() []PrefixStat {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]PrefixStat, 0, len(s.prefixes))
+	for name, x := range s.prefixes {
+		out = append(out, PrefixStat{Backend: name, PredictedHitTokens: x.predictedHits, QueryTokens: x.queried, Chunks: len(x.entries), Scale: x.scale})
+	}
+	slices.SortFunc(out, func(a, b PrefixStat) int { return strings.Compare(a.Backend, b.Backend) })
+	return out
+}

@@ -1,0 +1,406 @@
+package scheduler
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// text returns n bytes of distinct text seeded by s.
+func text(s string, n int) string {
+	var b strings.Builder
+	for i := 0; b.Len() < n; i++ {
+		b.WriteString(s)
+		b.WriteByte(' ')
+		b.WriteString(strings.Repeat("x", i%7))
+	}
+	return b.String()[:n]
+}
+
+func TestHashChunksChain(t *testing.T) {
+	sys := text("system prompt of tenant one", 640) // 10 chunks
+	a := HashChunks(sys+text("question a", 200), PrefixChunkBytes)
+	b := HashChunks(sys+text("question b", 200), PrefixChunkBytes)
+	if len(a) != 13 || len(b) != 13 {
+		t.Fatalf("chunks %d and %d, want 13 full chunks of 840 bytes", len(a), len(b))
+	}
+	for i := range 10 {
+		if a[i] != b[i] {
+			t.Fatalf("chunk %d of a shared prefix differs", i)
+		}
+	}
+	for i := 10; i < 13; i++ {
+		if a[i] == b[i] {
+			t.Errorf("chunk %d of different questions hashes alike", i)
+		}
+	}
+	// Chained: the same chunk text after a different prefix hashes apart.
+	other := HashChunks(text("system prompt of tenant two", 640)+sys[576:640], PrefixChunkBytes)
+	if other[10] == a[9] {
+		t.Error("a chunk's hash ignores what came before it")
+	}
+	// A partial chunk is not hashed; a prompt under one chunk has none.
+	if got := HashChunks(sys[:100], PrefixChunkBytes); len(got) != 1 {
+		t.Errorf("100 bytes gave %d chunks, want 1", len(got))
+	}
+	if NewPrefix("short", 2) != nil {
+		t.Error("a prompt under one chunk got a prefix")
+	}
+	p := NewPrefix(sys, 160)
+	if p.ChunkTokens != 16 || p.tokens(10) != 160 {
+		t.Errorf("chunk tokens %v, 10 chunks %d tokens; want 16 and 160", p.ChunkTokens, p.tokens(10))
+	}
+}
+
+func TestPrefixIndexEviction(t *testing.T) {
+	x := newPrefixIndex()
+	const capacity = 1000
+	a := HashChunks(text("a", 64*10), 64)
+	x.sent(a, 160, capacity, nil)
+	if got := x.match(a); got != 10 {
+		t.Fatalf("match %d after sending, want 10", got)
+	}
+	// Output and other prompts turn the cache over: 800 more tokens keep
+	// a (800 ≤ 1000 since), the next 300 push it out.
+	x.grew(800, capacity, nil)
+	if got := x.match(a); got != 10 {
+		t.Fatalf("match %d within one turnover, want 10", got)
+	}
+	b := HashChunks(text("b", 64*4), 64)
+	x.sent(b, 300, capacity, nil)
+	if got := x.match(a); got != 0 {
+		t.Errorf("match %d after the cache turned over, want 0", got)
+	}
+	if got := x.match(b); got != 4 {
+		t.Errorf("match %d for the recent prompt, want 4", got)
+	}
+
+	// Resending refreshes: a chunk sent again is recent again.
+	x = newPrefixIndex()
+	x.sent(a, 160, capacity, nil)
+	x.grew(900, capacity, nil)
+	x.sent(a[:5], 0, capacity, nil) // its first half, found cached
+	x.grew(500, capacity, nil)
+	if got := x.match(a); got != 5 {
+		t.Errorf("match %d: the refreshed first half should stay and the rest go; want 5", got)
+	}
+
+	// A chunk pinned by a request in flight is never forgotten.
+	x = newPrefixIndex()
+	x.sent(a, 160, capacity, nil)
+	pinned := func(h uint64) bool { return h == a[0] }
+	x.grew(5000, capacity, pinned)
+	if got := x.match(a); got != 1 {
+		t.Errorf("match %d with a[0] pinned, want 1", got)
+	}
+}
+
+func TestPrefixIndexCorrection(t *testing.T) {
+	x := newPrefixIndex()
+	x.observe(0, 0) // the baseline
+	x.predicted(correctEvery, 2*correctEvery)
+	// The backend found half of what kvgate predicted: its cache turns
+	// over faster than kvgate's own traffic says.
+	x.observe(correctEvery/2, 2*correctEvery)
+	if x.scale != 0.5 {
+		t.Fatalf("scale %v after half the predicted hits, want 0.5", x.scale)
+	}
+	// A short window changes nothing.
+	x.predicted(100, 100)
+	x.observe(correctEvery/2, 2*correctEvery+100)
+	if x.scale != 0.5 {
+		t.Errorf("scale %v after a window too short to judge", x.scale)
+	}
+	// As many hits as predicted or more: the bound grows back, up to 1.
+	for range 5 {
+		x.predicted(correctEvery, correctEvery)
+		x.observe(x.baseHits+2*correctEvery, x.baseQuery+correctEvery)
+	}
+	if x.scale != 1 {
+		t.Errorf("scale %v after hits matched, want back at 1", x.scale)
+	}
+	// It never falls under the floor.
+	for range 20 {
+		x.predicted(correctEvery, correctEvery)
+		x.observe(x.baseHits, x.baseQuery+correctEvery)
+	}
+	if x.scale != minIndexScale {
+		t.Errorf("scale %v after no hits at all, want the floor %v", x.scale, minIndexScale)
+	}
+	// Counters going back: the backend restarted with an empty cache.
+	a := HashChunks(text("a", 640), 64)
+	x.sent(a, 160, 10_000, nil)
+	x.observe(0, 0)
+	if x.match(a) != 0 {
+		t.Error("the index kept chunks across a backend restart")
+	}
+}
+
+// TestPrefixIndexRebuild: an index is soft state. A replica that starts
+// empty (or a restarted one) predicts nothing, routes by load, and after
+// routing a prompt once predicts it as a replica that had always run.
+func TestPrefixIndexRebuild(t *testing.T) {
+	snaps := []*gpu.Snapshot{backendSnap("a", 100_000), backendSnap("b", 100_000)}
+	sys := text("the long system prompt of one tenant", 6000)
+	ticket := func(q string) *Ticket {
+		prompt := sys + text(q, 800)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	old := newTestScheduler(t, Policy{}, snaps...)
+	g, err := old.Acquire(context.Background(), ticket("q0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Release()
+
+	fresh := newTestScheduler(t, Policy{}, snaps...)
+	tk := ticket("q1")
+	if h := fresh.expectedHit(snaps[0], tk, 0) + fresh.expectedHit(snaps[1], tk, 0); h != 0 {
+		t.Fatalf("an empty replica predicts hits %v", h)
+	}
+	g2, err := fresh.Acquire(context.Background(), ticket("q2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g2.Release()
+	want := 6000.0 / float64(len(sys)+800)
+	for _, c := range []struct {
+		s       *Scheduler
+		backend string
+	}{{old, g.Backend}, {fresh, g2.Backend}} {
+		sn := snaps[0]
+		if c.backend == "b" {
+			sn = snaps[1]
+		}
+		if hit := c.s.expectedHit(sn, tk, 0); hit < want-0.02 || hit > want+0.02 {
+			t.Errorf("hit %.3f on the backend the prompt went to, want about %.3f (the system prompt)", hit, want)
+		}
+	}
+}
+
+// TestSharedBlocksReservedOnce: 100 requests with one 6,000-token system
+// prompt reserve it once, not 100 times, and release it with the last.
+func TestSharedBlocksReservedOnce(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 200_000))
+	sys := text("system", 24_000) // 6,000 tokens at 4 bytes each
+	var grants []*Grant
+	for i := range 100 {
+		prompt := sys + text(string(rune('a'+i%26))+strings.Repeat("q", i), 400)
+		tk := &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatalf("request %d: %v (reserved %+v)", i, err, s.Loads())
+		}
+		grants = append(grants, g)
+	}
+	// 6,000 shared + 100 × (100 question + 100 out), give or take the
+	// chunk at the prompts' junction.
+	r := s.Loads()[0].Reserved
+	if r > 6_000+100*(100+100+16) || r < 6_000+100*(100+100-16) {
+		t.Errorf("100 requests reserve %d tokens, want about 26,000 (600,000 counted apart)", r)
+	}
+	for _, g := range grants[:99] {
+		g.Release()
+	}
+	if r := s.Loads()[0].Reserved; r < 6_000 || r > 6_000+216 {
+		t.Errorf("one request left reserves %d, want its whole prompt and output (~6,200)", r)
+	}
+	grants[99].Release()
+	if r := s.Loads()[0].Reserved; r != 0 {
+		t.Errorf("nothing in flight reserves %d", r)
+	}
+	if l := s.ledgers["a"]; len(l.pins) != 0 || l.shared != 0 {
+		t.Errorf("pins left: %d chunks, %d tokens", len(l.pins), l.shared)
+	}
+}
+
+// TestRoutingPrefixAndLoad: a tenant's prompts stick to the backend that
+// has its prefix while it can admit them, then spill to the next best;
+// never by prefix alone.
+func TestRoutingPrefixAndLoad(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	sysA := text("tenant a's system prompt", 24_000)
+	// 7,000-token prompts, 6,000 of them the tenant's system prompt; short
+	// outputs, so that the projection cannot count on them ending early.
+	tk := func(sys, q string) *Ticket {
+		prompt := sys + text(q, 4_000)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	acquire := func(tk *Ticket) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return g
+	}
+	first := acquire(tk(sysA, "q0"))
+	// The other backend is empty, but the prefix is worth more than its
+	// headroom: sticky.
+	for i := range 5 {
+		if g := acquire(tk(sysA, "q"+strings.Repeat("x", i+1))); g.Backend != first.Backend {
+			t.Errorf("request %d went to %s, away from the prefix on %s with room to spare", i+1, g.Backend, first.Backend)
+		}
+	}
+	// ~12,000 reserved there: the system prompt once, 6 × 1,000 own.
+	// A large prompt with no prefix goes where the headroom is; another
+	// then fits only beside the tenant.
+	big := acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 10})
+	if big.Backend == first.Backend {
+		t.Fatalf("a prompt with no prefix went to the loaded backend")
+	}
+	filler := acquire(&Ticket{Model: model, PromptTokens: 27_000, MaxTokens: 10})
+	if filler.Backend != first.Backend {
+		t.Fatalf("filler went to %s", filler.Backend)
+	}
+	// ~39,000 of 40,000 held: the tenant's next request (1,000 new
+	// tokens) no longer fits beside its prefix and spills, whole, to the
+	// other backend, which keeps room to spare after it (27,000 of 40,000).
+	spill := acquire(tk(sysA, "spill"))
+	if spill.Backend == first.Backend {
+		t.Errorf("the request stayed on a backend without headroom")
+	}
+	// Both now hold the prefix: load decides between them.
+	big.Release()
+	filler.Release()
+	next := acquire(tk(sysA, "after"))
+	if next.Backend == first.Backend {
+		t.Errorf("with the prefix on both, the more loaded backend won")
+	}
+}
+
+// TestSpillWaitsOnSaturatedFleet: a request whose prefix is on a busy
+// backend, with the other backend nearly full too, waits for its own
+// backend rather than copy its prefix where it would leave under a fifth
+// of the capacity.
+func TestSpillWaitsOnSaturatedFleet(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	sys := text("tenant b's system prompt", 24_000)
+	tk := func(q string) *Ticket {
+		prompt := sys + text(q, 4_000)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	acquire := func(tk *Ticket, want string) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g.Backend != want {
+			t.Fatalf("granted on %s, want %s", g.Backend, want)
+		}
+		return g
+	}
+	acquire(tk("b0"), "a")
+	acquire(&Ticket{Model: model, PromptTokens: 28_000, MaxTokens: 1}, "b")
+	hog := acquire(&Ticket{Model: model, PromptTokens: 32_490, MaxTokens: 1}, "a")
+	// a: ~39,500 held, no room for 1,000 more; b: 28,000, room for the
+	// whole 7,000-token prompt but only 5,000 left after it.
+	ch := acquireAsync(context.Background(), s, tk("b1"))
+	waitQueued(t, s, 1)
+	hog.Release()
+	o := <-ch
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	if o.g.Backend != "a" {
+		t.Errorf("the waiting request went to %s, not back to its prefix on a", o.g.Backend)
+	}
+}
+
+func TestRouteScore(t *testing.T) {
+	tests := []struct {
+		name  string
+		a, b  [3]float64 // hit, headroom, held
+		aWins bool
+	}{
+		{name: "no prefixes: most headroom", a: [3]float64{0, 0.5}, b: [3]float64{0, 0.3}, aWins: true},
+		{name: "the prefix beats an idle backend", a: [3]float64{0.8, 0.1}, b: [3]float64{0, 0.95}, aWins: true},
+		{name: "equal prefixes: the less loaded", a: [3]float64{0.8, 0.2}, b: [3]float64{0.8, 0.6}, aWins: false},
+		{name: "a small prefix does not outweigh load", a: [3]float64{0.1, 0.05}, b: [3]float64{0, 0.9}, aWins: false},
+		{name: "of two with the prefix, the one using it", a: [3]float64{0.8, 0.2, 0.8}, b: [3]float64{0.8, 0.6, 0}, aWins: true},
+		{name: "in use, but far busier", a: [3]float64{0.8, 0.02, 0.1}, b: [3]float64{0.8, 0.9, 0}, aWins: false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			sa, sb := routeScore(tc.a[0], tc.a[2], tc.a[1], 0.95), routeScore(tc.b[0], tc.b[2], tc.b[1], 0.95)
+			if (sa > sb) != tc.aWins {
+				t.Errorf("scores %.3f vs %.3f", sa, sb)
+			}
+		})
+	}
+}
+
+// TestDecideShared drives the pure decision with shared prompt chunks.
+func TestDecideShared(t *testing.T) {
+	p := Policy{}
+	p.defaults()
+	p.KVTarget = 1
+	base := func() load {
+		return load{routable: true, capacity: 100_000, maxNumSeqs: 1024, share: 1, blockSize: 1}
+	}
+	// 100 requests of one 6,000-token system prompt plus 200 own tokens
+	// and 100 output each: 6,000 once + 100 × 300 = 36,000.
+	hundred := func(l *load) {
+		l.shared, l.inflight = 6_000, 100
+		l.reserved = l.shared + 100*300
+		l.flights = make([]flight, 100)
+		for i := range l.flights {
+			l.flights[i] = flight{held: 200, remaining: 100}
+		}
+		sortFlights(l.flights)
+	}
+	tests := []struct {
+		name        string
+		mod         func(*load)
+		prompt, out int // prompt: what the request adds, its shared chunks left out
+		ok          bool
+		reason      string
+	}{
+		{name: "shared once: room for a large request", mod: hundred, prompt: 50_000, out: 10_000, ok: true},
+		{name: "shared once: the budget still binds", mod: hundred, prompt: 70_000, out: 5_000, reason: reasonKV},
+		{
+			// Counted per request, 100 × 6,300 would be over 600k.
+			name: "the projection counts the shared chunks once", prompt: 60_000, out: 3_000, ok: true,
+			mod: func(l *load) { hundred(l); l.exact = true },
+		},
+		{
+			// The measurement includes the shared chunks and the flights;
+			// heldBeforeScrape says they are kvgate's, not foreign load.
+			name: "measured shared chunks are not counted twice", prompt: 60_000, out: 3_000, ok: true,
+			mod: func(l *load) {
+				hundred(l)
+				l.exact = true
+				l.measuredUsed = 6_000 + 100*200
+				l.heldBeforeScrape = 6_000 + 100*200
+			},
+		},
+		{
+			name: "foreign load beside the shared chunks counts", prompt: 60_000, out: 3_000, reason: reasonKV,
+			mod: func(l *load) {
+				hundred(l)
+				l.exact = true
+				l.measuredUsed = 6_000 + 100*200 + 5_000
+				l.heldBeforeScrape = 6_000 + 100*200
+			},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			l := base()
+			if tc.mod != nil {
+				tc.mod(&l)
+			}
+			v := decide(&l, tc.prompt, tc.out, &p)
+			if v.needExact && !l.exact {
+				l.exact = true
+				v = decide(&l, tc.prompt, tc.out, &p)
+			}
+			if v.ok != tc.ok || (!tc.ok && v.reason != tc.reason) {
+				t.Errorf("decide = %+v, want ok=%v reason=%q", v, tc.ok, tc.reason)
+			}
+		})
+	}
+}

@@ -1,0 +1,11 @@
+package postgres_test
+
+import (
+	"testing"
+
+	"github.com/kvgate/kvgate/store/storetest"
+)
+
+func TestBatchesConformance(t *testing.T) {
+	storetest.ExerciseBatches(t, open)
+}

@@ -1,0 +1,434 @@
+package storetest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/store"
+)
+
+// ExerciseBatches runs the Files and Batch cases against a store that
+// keeps them.
+func ExerciseBatches(t *testing.T, newStore func(t *testing.T) store.Store) {
+	tests := []struct {
+		name string
+		fn   func(*testing.T, store.Store, store.Batches)
+	}{
+		{"FileChunksAndScope", testFileChunks},
+		{"FileListAndSweep", testFileList},
+		{"BatchLeaseAndLines", testBatchLines},
+		{"BatchFinalizeFenced", testBatchFinalize},
+		{"BatchLinesInterleave", testBatchInterleave},
+		{"BatchCancelEndsClaims", testBatchCancelEndsClaims},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStore(t)
+			t.Cleanup(func() { _ = s.Close() })
+			b, ok := s.(store.Batches)
+			if !ok {
+				t.Fatalf("%T does not keep files and batches", s)
+			}
+			tc.fn(t, s, b)
+		})
+	}
+}
+
+func newFile(tenant, id, purpose string, at time.Time) store.File {
+	return store.File{ID: id, Tenant: tenant, Filename: id + ".jsonl", Purpose: purpose, CreatedAt: at}
+}
+
+func writeFile(t *testing.T, b store.Batches, f store.File, chunks ...string) {
+	t.Helper()
+	ctx := context.Background()
+	if err := b.CreateFile(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range chunks {
+		if err := b.PutFileChunk(ctx, f.ID, i, []byte(c)); err != nil {
+			t.Fatal(err)
+		}
+		f.Bytes += int64(len(c))
+	}
+	f.Lines = int64(len(chunks))
+	if err := b.CompleteFile(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func testFileChunks(t *testing.T, _ store.Store, b store.Batches) {
+	ctx := context.Background()
+	f := newFile("acme", "file-1", "batch", t0)
+	if err := b.CreateFile(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	for i, c := range []string{"one\n", "two\n", "three\n"} {
+		if err := b.PutFileChunk(ctx, f.ID, i, []byte(c)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := b.File(ctx, "acme", f.ID, t0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("an incomplete file: %v, want not found", err)
+	}
+	f.Bytes, f.Lines, f.ExpiresAt = 14, 3, t0.Add(time.Hour)
+	if err := b.CompleteFile(ctx, f); err != nil {
+		t.Fatal(err)
+	}
+	got, err := b.File(ctx, "acme", f.ID, t0)
+	if err != nil || got.Bytes != 14 || got.Lines != 3 || !got.Complete || got.Purpose != "batch" || !got.ExpiresAt.Equal(t0.Add(time.Hour)) {
+		t.Fatalf("file: %+v, %v", got, err)
+	}
+	var all string
+	for seq := 0; ; seq++ {
+		c, err := b.FileChunk(ctx, f.ID, seq)
+		if errors.Is(err, store.ErrNotFound) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		all += string(c)
+	}
+	if all != "one\ntwo\nthree\n" {
+		t.Errorf("content %q", all)
+	}
+	if _, err := b.File(ctx, "globex", f.ID, t0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant's file: %v", err)
+	}
+	if err := b.DeleteFile(ctx, "globex", f.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant deleted it: %v", err)
+	}
+	if _, err := b.File(ctx, "acme", f.ID, t0.Add(time.Hour)); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("an expired file: %v", err)
+	}
+	if err := b.DeleteFile(ctx, "acme", f.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.FileChunk(ctx, f.ID, 0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a deleted file's chunk: %v", err)
+	}
+}
+
+func testFileList(t *testing.T, _ store.Store, b store.Batches) {
+	ctx := context.Background()
+	for i := range 5 {
+		purpose := "batch"
+		if i%2 == 1 {
+			purpose = "user_data"
+		}
+		writeFile(t, b, newFile("acme", fmt.Sprintf("file-%d", i), purpose, t0), "x\n")
+	}
+	writeFile(t, b, newFile("globex", "file-9", "batch", t0), "x\n")
+	if err := b.CreateFile(ctx, newFile("acme", "file-8", "batch", t0)); err != nil { // never completed
+		t.Fatal(err)
+	}
+	ids := func(fs []store.File) (out []string) {
+		for _, f := range fs {
+			out = append(out, f.ID)
+		}
+		return out
+	}
+	fs, more, err := b.ListFiles(ctx, "acme", store.FileFilter{Limit: 2}, t0)
+	if err != nil || !more || fmt.Sprint(ids(fs)) != "[file-4 file-3]" {
+		t.Errorf("first page: %v more %v, %v", ids(fs), more, err)
+	}
+	fs, more, _ = b.ListFiles(ctx, "acme", store.FileFilter{Limit: 2, After: "file-1"}, t0)
+	if more || fmt.Sprint(ids(fs)) != "[file-0]" {
+		t.Errorf("last page: %v more %v", ids(fs), more)
+	}
+	fs, _, _ = b.ListFiles(ctx, "acme", store.FileFilter{Purpose: "batch", Asc: true, After: "file-0"}, t0)
+	if fmt.Sprint(ids(fs)) != "[file-2 file-4]" {
+		t.Errorf("batch files after file-0, ascending: %v", ids(fs))
+	}
+	// The sweep takes files left incomplete (file-8), not the others.
+	if n, err := b.SweepFiles(ctx, t0.Add(time.Second), t0, 100); err != nil || n != 1 {
+		t.Errorf("swept %d, %v; want the incomplete one", n, err)
+	}
+	if err := b.DeleteFile(ctx, "acme", "file-8"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the swept file: %v", err)
+	}
+	fs, _, _ = b.ListFiles(ctx, "acme", store.FileFilter{}, t0)
+	if len(fs) != 5 {
+		t.Errorf("after the sweep, %d files", len(fs))
+	}
+}
+
+func newBatch(tenant, id string) store.Batch {
+	return store.Batch{ID: id, Tenant: tenant, Endpoint: "/v1/chat/completions", InputFileID: "file-in", CompletionWindow: "24h",
+		CreatedAt: t0, ExpiresAt: t0.Add(24 * time.Hour)}
+}
+
+func lineJobs(tenant, batch string, n, base int) ([]store.NewJob, []string) {
+	var js []store.NewJob
+	var cs []string
+	for i := range n {
+		js = append(js, newJob(tenant, fmt.Sprintf("%s/%d", batch, i), func(j *store.NewJob) {
+			j.Priority, j.Metadata = base+i, nil
+		}))
+		cs = append(cs, fmt.Sprintf("c-%d", i))
+	}
+	return js, cs
+}
+
+// leaseFree takes a batch's lease as the worker does.
+func leaseFree(t *testing.T, b store.Batches, id string, now time.Time) int64 {
+	t.Helper()
+	bs, err := b.BatchesToWork(context.Background(), now, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bt := range bs {
+		if bt.ID == id {
+			f, err := b.LeaseBatch(context.Background(), id, bt.Fence, now, time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return f
+		}
+	}
+	t.Fatalf("batch %s is not free to work at %s", id, now)
+	return 0
+}
+
+func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
+	ctx := context.Background()
+	if err := b.CreateBatch(ctx, newBatch("acme", "batch_1")); err != nil {
+		t.Fatal(err)
+	}
+	fence := leaseFree(t, b, "batch_1", t0)
+	if _, err := b.LeaseBatch(ctx, "batch_1", fence, t0.Add(time.Second), time.Minute); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("a held lease taken again: %v", err)
+	}
+	if bs, _ := b.BatchesToWork(ctx, t0.Add(time.Second), 10); len(bs) != 0 {
+		t.Errorf("a leased batch is offered: %v", bs)
+	}
+	js, cs := lineJobs("acme", "batch_1", 10, 1)
+	// A stale claim writes nothing.
+	if err := b.AcceptBatchLines(ctx, "batch_1", fence-1, js, cs); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("lines under a stale fence: %v", err)
+	}
+	if c, _ := b.BatchCounts(ctx, "batch_1"); c.Total != 0 {
+		t.Errorf("a stale claim wrote %d lines", c.Total)
+	}
+	for range 2 { // the second time, as a validation retried after a crash
+		if err := b.AcceptBatchLines(ctx, "batch_1", fence, js, cs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if c, err := b.BatchCounts(ctx, "batch_1"); err != nil || c != (store.BatchCounts{Total: 10, Open: 10}) {
+		t.Errorf("counts %+v, %v", c, err)
+	}
+	if err := b.StartBatch(ctx, "batch_1", fence, 10, "m", t0); err != nil {
+		t.Fatal(err)
+	}
+	bt, err := b.Batch(ctx, "acme", "batch_1")
+	if err != nil || bt.Status != store.BatchInProgress || bt.Total != 10 || bt.Model != "m" || !bt.InProgressAt.Equal(t0) {
+		t.Fatalf("started: %+v, %v", bt, err)
+	}
+	if _, err := b.Batch(ctx, "globex", "batch_1"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant's batch: %v", err)
+	}
+	// Lines are jobs: claimed and completed as any.
+	claimed, err := s.Claim(ctx, t0, time.Minute, 3)
+	if err != nil || len(claimed) != 3 {
+		t.Fatalf("claim: %d, %v", len(claimed), err)
+	}
+	if err := s.Complete(ctx, store.Completion{JobID: claimed[0].ID, Fence: claimed[0].Fence, State: store.Succeeded, Result: []byte(`{"ok":1}`),
+		Attempt: store.Attempt{JobID: claimed[0].ID, Attempt: 1, Fence: claimed[0].Fence, Outcome: store.OutcomeSucceeded, Spent: true, Sent: true}, Now: t0}); err != nil {
+		t.Fatal(err)
+	}
+	// Cancel: the queued lines at once, the running ones finish.
+	bt, err = b.CancelBatch(ctx, "acme", "batch_1", t0)
+	if err != nil || bt.Status != store.BatchCancelling || !bt.CancellingAt.Equal(t0) {
+		t.Fatalf("cancel: %+v, %v", bt, err)
+	}
+	n, err := b.CancelBatchLines(ctx, "batch_1", false, t0)
+	if err != nil || n != 7 {
+		t.Errorf("cancelled %d lines, %v; want the 7 queued", n, err)
+	}
+	if n, _ := b.CancelBatchLines(ctx, "batch_1", false, t0); n != 0 {
+		t.Errorf("cancelled %d lines again", n)
+	}
+	if open, err := b.BatchOpen(ctx, "batch_1"); err != nil || !open {
+		t.Errorf("open %v, %v: two lines still run", open, err)
+	}
+	if c, _ := b.BatchCounts(ctx, "batch_1"); c != (store.BatchCounts{Total: 10, Succeeded: 1, Cancelled: 7, Open: 2}) {
+		t.Errorf("counts %+v", c)
+	}
+	evs, err := s.Unpublished(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cancelled := 0
+	for _, e := range evs {
+		if e.Type == "job.cancelled" {
+			cancelled++
+		}
+	}
+	if cancelled != 7 {
+		t.Errorf("%d job.cancelled events, want 7", cancelled)
+	}
+	if n, _ := b.CancelBatchLines(ctx, "batch_1", true, t0); n != 2 {
+		t.Errorf("cancelled %d running lines, want 2", n)
+	}
+	if open, _ := b.BatchOpen(ctx, "batch_1"); open {
+		t.Error("lines still open")
+	}
+}
+
+func testBatchFinalize(t *testing.T, s store.Store, b store.Batches) {
+	ctx := context.Background()
+	if err := b.CreateBatch(ctx, newBatch("acme", "batch_f")); err != nil {
+		t.Fatal(err)
+	}
+	fence := leaseFree(t, b, "batch_f", t0)
+	js, cs := lineJobs("acme", "batch_f", 3, 1)
+	if err := b.AcceptBatchLines(ctx, "batch_f", fence, js, cs); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.StartBatch(ctx, "batch_f", fence, 3, "m", t0); err != nil {
+		t.Fatal(err)
+	}
+	// A first finalizer begins, writes, and loses its lease.
+	now := t0.Add(time.Minute)
+	f1 := leaseFree(t, b, "batch_f", now)
+	out1, err1 := newFile("acme", "file-o1", "batch_output", now), newFile("acme", "file-e1", "batch_output", now)
+	if err := b.BeginFinalize(ctx, "acme", "batch_f", f1, store.BatchCompleted, out1, err1, now); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.PutFileChunk(ctx, out1.ID, 0, []byte("half\n")); err != nil {
+		t.Fatal(err)
+	}
+	later := now.Add(2 * time.Minute)
+	f2 := leaseFree(t, b, "batch_f", later)
+	out2, err2 := newFile("acme", "file-o2", "batch_output", later), newFile("acme", "file-e2", "batch_output", later)
+	if err := b.BeginFinalize(ctx, "acme", "batch_f", f2, store.BatchExpired, out2, err2, later); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.FileChunk(ctx, out1.ID, 0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the first finalizer's file survived the second's start: %v", err)
+	}
+	lines, err := b.BatchLines(ctx, "batch_f", "", 10)
+	if err != nil || len(lines) != 3 || lines[0].CustomID != "c-0" || lines[0].State != store.Ready {
+		t.Fatalf("lines %+v, %v", lines, err)
+	}
+	if more, _ := b.BatchLines(ctx, "batch_f", lines[2].JobID, 10); len(more) != 0 {
+		t.Errorf("lines after the last: %v", more)
+	}
+	if err := b.PutFileChunk(ctx, out2.ID, 0, []byte("a\nb\n")); err != nil {
+		t.Fatal(err)
+	}
+	end := store.BatchEnd{ID: "batch_f", Fence: f1, Status: store.BatchCompleted, OutputBytes: 5, OutputLines: 1,
+		Counts: store.BatchCounts{Total: 3, Succeeded: 1, Failed: 2}, Now: later}
+	if err := b.EndBatch(ctx, end); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("the first finalizer ended the batch: %v", err)
+	}
+	end.Fence, end.OutputBytes, end.OutputLines, end.Counts = f2, 4, 2, store.BatchCounts{Total: 3, Succeeded: 2, Cancelled: 1}
+	if err := b.EndBatch(ctx, end); err != nil {
+		t.Fatal(err)
+	}
+	bt, err := b.Batch(ctx, "acme", "batch_f")
+	if err != nil || bt.Status != store.BatchCompleted || bt.OutputFileID != out2.ID || bt.ErrorFileID != "" ||
+		bt.Completed != 2 || bt.Failed != 1 || bt.Total != 3 || !bt.CompletedAt.Equal(later) || bt.EndStatus != store.BatchCompleted { // the first finalizer set where it ends
+		t.Fatalf("ended: %+v, %v", bt, err)
+	}
+	if f, err := b.File(ctx, "acme", out2.ID, later); err != nil || f.Bytes != 4 || f.Lines != 2 {
+		t.Errorf("output file: %+v, %v", f, err)
+	}
+	if _, err := b.File(ctx, "acme", err2.ID, later); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("an empty error file is kept: %v", err)
+	}
+	evs, _ := s.Unpublished(ctx, 100)
+	n := 0
+	for _, e := range evs {
+		if e.Type == "batch.completed" && e.JobID == "batch_f" && e.Tenant == "acme" {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Errorf("%d batch.completed events", n)
+	}
+	if _, err := b.CancelBatch(ctx, "acme", "batch_f", later); !errors.Is(err, store.ErrFinal) {
+		t.Errorf("cancel an ended batch: %v", err)
+	}
+}
+
+// testBatchLinesInterleave: a tenant's second batch starts at the line its
+// first has reached (BatchPriorityBase), and the claims then take the two
+// in turn; the tenant's own jobs go first.
+func testBatchInterleave(t *testing.T, s store.Store, b store.Batches) {
+	ctx := context.Background()
+	add := func(id string, n int) {
+		t.Helper()
+		if err := b.CreateBatch(ctx, newBatch("acme", id)); err != nil {
+			t.Fatal(err)
+		}
+		fence := leaseFree(t, b, id, t0)
+		base, err := b.BatchPriorityBase(ctx, "acme")
+		if err != nil {
+			t.Fatal(err)
+		}
+		js, cs := lineJobs("acme", id, n, base)
+		if err := b.AcceptBatchLines(ctx, id, fence, js, cs); err != nil {
+			t.Fatal(err)
+		}
+		if err := b.StartBatch(ctx, id, fence, n, "m", t0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	add("batch_big", 100)
+	first, err := s.Claim(ctx, t0, time.Minute, 10) // the big one runs alone for a while
+	if err != nil || len(first) != 10 {
+		t.Fatalf("claim: %d, %v", len(first), err)
+	}
+	if base, _ := b.BatchPriorityBase(ctx, "acme"); base != 11 {
+		t.Errorf("the next batch starts at %d, want 11", base)
+	}
+	add("batch_small", 5)
+	own := accept(t, s, newJob("acme", "own"))
+	got, err := s.Claim(ctx, t0, time.Minute, 11)
+	if err != nil || len(got) != 11 {
+		t.Fatalf("claim: %d, %v", len(got), err)
+	}
+	if got[0].ID != own.ID {
+		t.Errorf("the tenant's own job is not first: %v", got[0].IdempotencyKey)
+	}
+	small := 0
+	for _, j := range got[1:] {
+		if j.IdempotencyKey[:len("batch_small")] == "batch_small" {
+			small++
+		}
+	}
+	if small != 5 {
+		t.Errorf("the small batch got %d of the 10 turns after the big one's 10: want all its 5, in turn", small)
+	}
+}
+
+// testBatchCancelEndsClaims: a cancel during validation ends the
+// validator's claim: its further lines and its start are refused.
+func testBatchCancelEndsClaims(t *testing.T, _ store.Store, b store.Batches) {
+	ctx := context.Background()
+	if err := b.CreateBatch(ctx, newBatch("acme", "batch_c")); err != nil {
+		t.Fatal(err)
+	}
+	fence := leaseFree(t, b, "batch_c", t0)
+	js, cs := lineJobs("acme", "batch_c", 4, 1)
+	if err := b.AcceptBatchLines(ctx, "batch_c", fence, js[:2], cs[:2]); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.CancelBatch(ctx, "acme", "batch_c", t0); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.AcceptBatchLines(ctx, "batch_c", fence, js[2:], cs[2:]); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("lines after the cancel: %v", err)
+	}
+	if err := b.StartBatch(ctx, "batch_c", fence, 4, "m", t0); !errors.Is(err, store.ErrLeaseLost) {
+		t.Errorf("start after the cancel: %v", err)
+	}
+	if c, _ := b.BatchCounts(ctx, "batch_c"); c.Total != 2 {
+		t.Errorf("%d lines, want the 2 accepted before the cancel", c.Total)
+	}
+}
