@@ -295,6 +295,8 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /console/jobs/{id}/review", path: "/console/jobs/{job}/review", want: consoleRefused},
 		{pattern: "GET /console/dead-letters", want: anyone, check: signInForm},
 		{pattern: "POST /console/jobs/{id}/replay", path: "/console/jobs/{job}/replay", want: consoleRefused},
+		{pattern: "GET /console/batches", want: anyone, check: signInForm},
+		{pattern: "POST /console/batches/{id}/cancel", path: "/console/batches/{batch}/cancel", want: consoleRefused},
 		{pattern: "GET /console/tenants", want: anyone, check: signInForm},
 		{pattern: "POST /console/keys/{id}/rotate", path: "/console/keys/{spare-key}/rotate", want: consoleRefused, check: keptKey},
 		{pattern: "GET /console/usage", want: anyone, check: signInForm},

@@ -141,21 +141,23 @@ func (s *Server) consoleRoutes() {
 	s.mux.HandleFunc("POST /console/signin", s.consoleSignIn)
 	s.mux.HandleFunc("POST /console/signout", s.console(s.consoleSignOut))
 	for path, h := range map[string]func(http.ResponseWriter, *http.Request, consoleUser){
-		"GET /console/fleet":             s.consoleFleet,
-		"GET /console/queues":            s.consoleQueues,
-		"GET /console/jobs":              s.consoleJobs,
-		"GET /console/jobs/{id}":         s.consoleJob,
-		"GET /console/reviews":           s.consoleReviews,
-		"POST /console/jobs/{id}/review": s.consoleReview,
-		"GET /console/dead-letters":      s.consoleDeadLetters,
-		"POST /console/jobs/{id}/replay": s.consoleReplay,
-		"GET /console/tenants":           s.consoleTenants,
-		"POST /console/keys/{id}/rotate": s.consoleRotate,
-		"GET /console/usage":             s.consoleUsage,
-		"GET /console/api/{path...}":     s.consoleAPI,
-		"POST /console/api/{path...}":    s.consoleAPI,
-		"PATCH /console/api/{path...}":   s.consoleAPI,
-		"DELETE /console/api/{path...}":  s.consoleAPI,
+		"GET /console/fleet":                s.consoleFleet,
+		"GET /console/queues":               s.consoleQueues,
+		"GET /console/jobs":                 s.consoleJobs,
+		"GET /console/jobs/{id}":            s.consoleJob,
+		"GET /console/reviews":              s.consoleReviews,
+		"POST /console/jobs/{id}/review":    s.consoleReview,
+		"GET /console/dead-letters":         s.consoleDeadLetters,
+		"POST /console/jobs/{id}/replay":    s.consoleReplay,
+		"GET /console/batches":              s.consoleBatches,
+		"POST /console/batches/{id}/cancel": s.consoleCancelBatch,
+		"GET /console/tenants":              s.consoleTenants,
+		"POST /console/keys/{id}/rotate":    s.consoleRotate,
+		"GET /console/usage":                s.consoleUsage,
+		"GET /console/api/{path...}":        s.consoleAPI,
+		"POST /console/api/{path...}":       s.consoleAPI,
+		"PATCH /console/api/{path...}":      s.consoleAPI,
+		"DELETE /console/api/{path...}":     s.consoleAPI,
 	} {
 		s.mux.HandleFunc(path, s.console(h))
 	}

@@ -191,7 +191,7 @@ func TestConsoleBrowser(t *testing.T) {
 	run("replay", chromedp.Click(chromedp.CSS(`button[aria-label="Replay `+e.deadJob+`"]`)), chromedp.WaitVisible(chromedp.CSS(`.notice`)))
 	waitJob(t, e.f, "acme", e.deadJob, store.Succeeded)
 
-	for _, p := range []string{"queues", "usage"} {
+	for _, p := range []string{"queues", "usage", "batches"} {
 		run(p, chromedp.Navigate(base+"/console/"+p), chromedp.WaitVisible(chromedp.CSS(`main h1`)))
 		shot(p)
 		axe(p)
@@ -220,9 +220,9 @@ func TestConsoleBrowser(t *testing.T) {
 	// Another tenant's operator sees none of acme's objects.
 	signIn(e.otherOp)
 	run("globex", chromedp.WaitVisible(chromedp.ID(`jobs`)))
-	for _, path := range []string{"/console/jobs", "/console/reviews", "/console/dead-letters"} {
+	for _, path := range []string{"/console/jobs", "/console/reviews", "/console/dead-letters", "/console/batches"} {
 		run(path, chromedp.Navigate(base+path), chromedp.WaitVisible(chromedp.CSS(`main h1`)))
-		if s := bodyText(); strings.Contains(s, e.doneJob) || strings.Contains(s, e.reviewJob) || strings.Contains(s, e.deadJob) {
+		if s := bodyText(); strings.Contains(s, e.doneJob) || strings.Contains(s, e.reviewJob) || strings.Contains(s, e.deadJob) || strings.Contains(s, e.batch) {
 			t.Errorf("globex's operator sees acme's jobs on %s", path)
 		}
 	}

@@ -376,3 +376,31 @@ func (s *Server) consoleUsage(w http.ResponseWriter, r *http.Request, u consoleU
 	err := s.consoleGet(r, u, path, &l)
 	s.page(w, r, u, "usage", "Usage", usageData{Days: l.Data, Tenant: tenant}, err)
 }
+
+type batchesData struct {
+	Batches []batchView
+	NextURL string
+}
+
+func (s *Server) consoleBatches(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	var pg struct {
+		Data    []batchView `json:"data"`
+		HasMore bool        `json:"has_more"`
+		LastID  *string     `json:"last_id"`
+	}
+	api := url.Values{"limit": {strconv.Itoa(consolePageSize)}}
+	if a := r.URL.Query().Get("after"); a != "" {
+		api.Set("after", a)
+	}
+	err := s.consoleGet(r, u, "/v1/batches?"+api.Encode(), &pg)
+	d := batchesData{Batches: pg.Data}
+	if pg.HasMore && pg.LastID != nil {
+		d.NextURL = "/console/batches?after=" + url.QueryEscape(*pg.LastID)
+	}
+	s.page(w, r, u, "batches", "Batches", d, err)
+}
+
+func (s *Server) consoleCancelBatch(w http.ResponseWriter, r *http.Request, u consoleUser) {
+	id := r.PathValue("id")
+	s.consoleAction(w, r, u, "/v1/batches/"+url.PathEscape(id)+"/cancel", nil, "Batch "+id+" cancelling.")
+}

@@ -17,11 +17,12 @@ import (
 
 // consoleEnv is a fleet with tenants acme and globex and acme's objects
 // for the console to show: a REVIEW_REQUIRED job, a dead letter, a job
-// that succeeded.
+// that succeeded, a batch that completed.
 type consoleEnv struct {
 	f                                  *fleet
 	user, operator, admin, otherOp     string // keys: acme's user, operator and admin; globex's operator
 	reviewJob, deadJob, doneJob, opKey string // ids; opKey is the operator key's id
+	batch                              string // a batch of acme's that completed
 }
 
 func startConsoleEnv(t *testing.T) *consoleEnv {
@@ -64,6 +65,14 @@ func startConsoleEnv(t *testing.T) *consoleEnv {
 	f.sims[0].SetFaults(vllmsim.Faults{})
 	e.doneJob = submit("console-done", chatJob("a job that succeeds", 4))
 	waitJob(t, f, "acme", e.doneJob, store.Succeeded)
+	status, b := upload(t, f.srv.URL, e.user, "console.jsonl", "batch", batchLines(1, nil))
+	if status != http.StatusOK {
+		t.Fatalf("upload: %d %s", status, b)
+	}
+	e.batch = createBatch(t, f.srv.URL, e.user, decode[struct {
+		ID string `json:"id"`
+	}](t, b).ID).ID
+	waitBatch(t, f.srv.URL, e.user, e.batch, store.BatchCompleted)
 	return e
 }
 
@@ -228,6 +237,7 @@ func TestConsoleAccess(t *testing.T) {
 		"/console/reviews":               e.reviewJob,
 		"/console/dead-letters":          e.deadJob,
 		"/console/usage":                 "Usage by day",
+		"/console/batches":               e.batch,
 		"/console/jobs?state=SUCCEEDED":  e.doneJob,
 		"/console/api/v1/jobs?limit=100": e.deadJob,
 	} {
@@ -294,8 +304,9 @@ func TestConsoleAccess(t *testing.T) {
 	if status, _ := other.signIn(e.otherOp); status != http.StatusOK {
 		t.Fatalf("globex's operator's sign-in: %d", status)
 	}
-	for _, path := range []string{"/console/jobs", "/console/reviews", "/console/dead-letters", "/console/queues", "/console/api/v1/jobs"} {
-		if _, page := other.get(path); strings.Contains(page, e.doneJob) || strings.Contains(page, e.reviewJob) || strings.Contains(page, e.deadJob) {
+	for _, path := range []string{"/console/jobs", "/console/reviews", "/console/dead-letters", "/console/queues", "/console/batches", "/console/api/v1/jobs"} {
+		if _, page := other.get(path); strings.Contains(page, e.doneJob) || strings.Contains(page, e.reviewJob) || strings.Contains(page, e.deadJob) ||
+			strings.Contains(page, e.batch) {
 			t.Errorf("globex's operator sees acme's jobs on %s", path)
 		}
 	}
