@@ -73,6 +73,9 @@ type Config struct {
 	// Currency names the prices' and budgets' currency in usage reports
 	// ["USD"].
 	Currency string
+	// Webhooks enables signed webhooks (webhooks.go); without a store
+	// their routes answer 404.
+	Webhooks Webhooks
 	// AccessLog is the level of the access log's line per request:
 	// "debug", "info" or "off" ["debug"].
 	AccessLog string
@@ -187,6 +190,9 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	if s.jobs.Store != nil {
 		s.jobRoutes()
 		s.outcomeRoutes(reg) // outcomes.go
+	}
+	if s.cfg.Webhooks.Store != nil {
+		s.webhookRoutes() // webhooks.go
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()
