@@ -197,11 +197,20 @@ func (d *Dispatcher) claim(ctx context.Context, sends *sync.WaitGroup) bool {
 		}
 		return false
 	}
+	// One read of each endpoint per batch, not one per delivery.
+	eps := map[string]*endpointRead{}
+	for _, dl := range ds {
+		if eps[dl.EndpointID] == nil {
+			e, err := d.cfg.Store.Endpoint(ctx, "", dl.EndpointID)
+			eps[dl.EndpointID] = &endpointRead{e, err}
+		}
+	}
 	for _, dl := range ds {
 		sends.Add(1)
+		ep := eps[dl.EndpointID]
 		go func() {
 			defer sends.Done()
-			d.done <- d.attempt(context.WithoutCancel(ctx), dl)
+			d.done <- d.attempt(context.WithoutCancel(ctx), dl, ep.e, ep.err)
 			d.mu.Lock()
 			d.inflight--
 			d.mu.Unlock()
@@ -337,8 +346,15 @@ func (d *Dispatcher) body(ctx context.Context, dl store.Delivery, ep store.Webho
 	return json.Marshal(p)
 }
 
-// attempt sends one claimed delivery and says how it ended.
-func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery) store.DeliveryResult {
+// endpointRead is an endpoint as a claim's batch read it.
+type endpointRead struct {
+	e   store.WebhookEndpoint
+	err error
+}
+
+// attempt sends one claimed delivery to its endpoint (ep, as read with
+// the claim, or the error of that read) and says how it ended.
+func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery, ep store.WebhookEndpoint, err error) store.DeliveryResult {
 	now := d.cfg.Now()
 	r := store.DeliveryResult{ID: dl.ID, Fence: dl.Fence, Now: now}
 	deferTo := func(at time.Time, why string) store.DeliveryResult {
@@ -347,7 +363,6 @@ func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery) store.Deliv
 		d.cfg.Log.Debug("webhook delivery deferred", "delivery", dl.ID, "until", at, "why", why)
 		return r
 	}
-	ep, err := d.cfg.Store.Endpoint(ctx, "", dl.EndpointID)
 	if errors.Is(err, store.ErrNotFound) {
 		r.Deferred = true // deleted with its deliveries: the record finds nothing
 		return r
