@@ -247,11 +247,91 @@ func (s *Store) ClaimDeliveries(ctx context.Context, now time.Time, lease time.D
 	return out, s.err("claim deliveries", rows.Err())
 }
 
+// finishDeliveriesBatch records plain attempt ends (not deferrals, no
+// endpoint to disable) in one statement, where the dialect has writable
+// CTEs: the deliveries' updates and their attempt records, fenced.
+const finishDeliveriesBatch = `WITH input AS (
+		SELECT * FROM unnest(?::text[], ?::bigint[], ?::text[], ?::bigint[], ?::integer[], ?::text[], ?::bigint[], ?::bigint[],
+			?::bigint[], ?::text[]) AS t(id, fence, state, due, status, error, now, started, latency, body)),
+	upd AS (
+		UPDATE webhook_deliveries d SET state = i.state, attempts = d.attempts + 1, due_at = i.due, last_status = i.status,
+			last_error = i.error, updated_at = i.now
+		FROM input i WHERE d.id = i.id AND d.fence = i.fence AND d.state = 'SENDING'
+		RETURNING d.id, d.attempts, i.fence, i.started, i.latency, i.status, i.error, i.body),
+	ins AS (
+		INSERT INTO webhook_attempts (delivery_id, attempt, fence, started_at, latency_us, status, error, body)
+		SELECT id, attempts, fence, started, latency, status, error, body FROM upd)
+	SELECT id, fence FROM upd`
+
+func (s *Store) finishBatch(ctx context.Context, rs []store.DeliveryResult, idx []int, errs []error) error {
+	n := len(idx)
+	ids, states, msgs, bodies := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	fences, dues, nows, starts, lats := make([]int64, n), make([]int64, n), make([]int64, n), make([]int64, n), make([]int64, n)
+	statuses := make([]int32, n)
+	for k, i := range idx {
+		r := rs[i]
+		ids[k], fences[k], states[k], nows[k] = r.ID, r.Fence, r.State, micros(r.Now)
+		if r.State == store.DeliveryRetryScheduled {
+			dues[k] = micros(r.RetryAt)
+		}
+		a := r.Attempt
+		statuses[k], msgs[k], bodies[k], starts[k], lats[k] = int32(a.Status), a.Error, a.Body, micros(a.StartedAt), a.Latency.Microseconds()
+	}
+	rows, err := s.db.QueryContext(ctx, s.rb(finishDeliveriesBatch), ids, fences, states, dues, statuses, msgs, nows, starts, lats, bodies)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	type claim struct {
+		id    string
+		fence int64
+	}
+	done := map[claim]bool{}
+	for rows.Next() {
+		var c claim
+		if err := rows.Scan(&c.id, &c.fence); err != nil {
+			return err
+		}
+		done[c] = true
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for _, i := range idx {
+		if !done[claim{rs[i].ID, rs[i].Fence}] {
+			errs[i] = store.ErrLeaseLost
+		}
+	}
+	return nil
+}
+
 // FinishDeliveries implements store.Store.
 func (s *Store) FinishDeliveries(ctx context.Context, rs []store.DeliveryResult) ([]error, error) {
 	errs := make([]error, len(rs))
+	if err := s.ready(ctx); err != nil {
+		return errs, err
+	}
+	var plain []int
+	if s.d.WritableCTE {
+		for i, r := range rs {
+			if !r.Deferred && r.DisableEndpoint == "" {
+				plain = append(plain, i)
+			}
+		}
+		if len(plain) > 0 {
+			if err := s.finishBatch(ctx, rs, plain, errs); err != nil {
+				return errs, s.err("finish deliveries", err)
+			}
+		}
+	}
+	if len(plain) == len(rs) {
+		return errs, nil
+	}
 	err := s.tx(ctx, "finish deliveries", func(tx *sql.Tx) error {
 		for i, r := range rs {
+			if s.d.WritableCTE && !r.Deferred && r.DisableEndpoint == "" {
+				continue // recorded by the batch
+			}
 			errs[i] = nil
 			if r.Deferred {
 				res, err := tx.ExecContext(ctx, s.rb(`UPDATE webhook_deliveries SET due_at = ?, updated_at = ?,
