@@ -210,10 +210,7 @@ func (d *Dispatcher) claim(ctx context.Context, sends *sync.WaitGroup) bool {
 		ep := eps[dl.EndpointID]
 		go func() {
 			defer sends.Done()
-			d.done <- d.attempt(context.WithoutCancel(ctx), dl, ep.e, ep.err)
-			d.mu.Lock()
-			d.inflight--
-			d.mu.Unlock()
+			d.done <- d.attempt(context.WithoutCancel(ctx), dl, ep.e, ep.err) // in flight until recorded
 		}()
 	}
 	return len(ds) == room
@@ -238,6 +235,9 @@ func (d *Dispatcher) record() {
 			}
 		}
 		errs, err := d.cfg.Store.FinishDeliveries(ctx, batch)
+		d.mu.Lock()
+		d.inflight -= len(batch)
+		d.mu.Unlock()
 		if err != nil {
 			// Nothing was written: each delivery's lease expires and it
 			// is sent again under its id.

@@ -383,8 +383,11 @@ func (s *Store) FinishDeliveries(ctx context.Context, rs []store.DeliveryResult)
 
 // DeferEndpoint implements store.Store.
 func (s *Store) DeferEndpoint(ctx context.Context, endpointID string, until time.Time) (int, error) {
-	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE webhook_deliveries SET due_at = ? WHERE endpoint_id = ?
-		AND state IN ('PENDING', 'RETRY_SCHEDULED') AND due_at < ?`), micros(until), endpointID, micros(until))
+	// Rows a claim or a record holds are skipped, not waited for: they
+	// are being sent, or their dispatcher defers them itself.
+	cand := `endpoint_id = ? AND state IN ('PENDING', 'RETRY_SCHEDULED') AND due_at < ?`
+	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE webhook_deliveries SET due_at = ? WHERE id IN (SELECT id FROM webhook_deliveries
+		WHERE `+cand+` `+s.d.LockRunnable+`) AND `+cand), micros(until), endpointID, micros(until), endpointID, micros(until))
 	if err != nil {
 		return 0, s.err("defer webhook endpoint", err)
 	}
