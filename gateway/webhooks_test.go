@@ -306,8 +306,14 @@ func testWebhookOutage(t *testing.T, pg bool) {
 		t.Errorf("the backends served %v requests for %d jobs", calls, n)
 	}
 	t.Logf("%d jobs: %d requests reached the receiver, %d accepted", n, rc.hits.Load(), len(rc.received()))
-	if got := counterValue(t, reg, "kvgate_webhook_deliveries_total", "delivered"); int(got) != n {
-		t.Errorf("kvgate_webhook_deliveries_total{outcome=delivered} = %v, want %d", got, n)
+	// Delivery is at least once: a duplicate (same webhook-id, checked
+	// above) is allowed, a missing one is not.
+	got := counterValue(t, reg, "kvgate_webhook_deliveries_total", "delivered")
+	if int(got) < n || len(rc.received()) < n {
+		t.Errorf("kvgate_webhook_deliveries_total{outcome=delivered} = %v and %d accepted, want at least %d", got, len(rc.received()), n)
+	}
+	if int(got) > n {
+		t.Logf("%d events delivered twice, under their one webhook-id", int(got)-n)
 	}
 }
 
