@@ -431,6 +431,10 @@ func TestWebhookOutcomes(t *testing.T) {
 	if resp, b := f.post(t, "/v1/webhooks/deliveries/"+d2.ID+"/redeliver", ""); resp.StatusCode != http.StatusAccepted {
 		t.Errorf("redeliver a delivered one: %d %s", resp.StatusCode, b)
 	}
+	eventually.True(t, "the second redelivery", func() bool {
+		d := deliveryOf(j2)
+		return d.State == store.DeliveryDelivered && d.AttemptCount == 5
+	})
 	var audited int
 	if err := f.store.DB().QueryRowContext(ctx, `SELECT COUNT(*) FROM webhook_audit WHERE delivery_id = ? AND action = ?`,
 		d2.ID, store.AuditRedeliver).Scan(&audited); err != nil || audited != 2 {
