@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/gateway/webhook"
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
@@ -39,6 +40,8 @@ type matrixEnv struct {
 	batch string // a batch of acme's that completed
 	n     int    // names made so far
 	spare string // the spare tenant or key id expand made last
+	hook  string // a webhook endpoint of acme's, and a delivery to it
+	dlv   string
 }
 
 // expand fills a path or body template: {job} is acme's job, {unique} a
@@ -66,7 +69,24 @@ func (e *matrixEnv) expand(s string) string {
 		e.spare = matrixFile(e.t, e, "spare.jsonl")
 		s = strings.ReplaceAll(s, "{spare-file}", e.spare)
 	}
-	return strings.NewReplacer("{job}", e.job, "{file}", e.file, "{batch}", e.batch, "{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
+	if strings.Contains(s, "{spare-hook}") {
+		e.spare = matrixEndpoint(e.t, e.st)
+		s = strings.ReplaceAll(s, "{spare-hook}", e.spare)
+	}
+	return strings.NewReplacer("{job}", e.job, "{file}", e.file, "{batch}", e.batch, "{hook}", e.hook, "{delivery}", e.dlv,
+		"{unique}", fmt.Sprintf("u-%d", e.n)).Replace(s)
+}
+
+// matrixEndpoint registers a webhook endpoint of acme's.
+func matrixEndpoint(t *testing.T, st *sqlstore.Store) string {
+	t.Helper()
+	secret, _ := webhook.NewSecret()
+	e := store.WebhookEndpoint{ID: "we_" + fmt.Sprint(time.Now().UnixNano()), Tenant: "acme", URL: "http://127.0.0.1:9/hook",
+		Events: []string{"job.succeeded"}, Secret: secret, CreatedAt: quotaT0}
+	if err := st.CreateEndpoint(context.Background(), e); err != nil {
+		t.Fatal(err)
+	}
+	return e.ID
 }
 
 // do sends one request and returns its status and body; an event stream's
@@ -122,7 +142,7 @@ type matrixRow struct {
 func TestRouteRoleMatrix(t *testing.T) {
 	st := sqliteStore(t)
 	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 50, keysRequired: true,
-		gateway: Config{Tenants: Tenants{Store: st}}})
+		gateway: Config{Tenants: Tenants{Store: st}, Webhooks: Webhooks{Store: st, Guard: loopbackGuard()}}})
 	e := &matrixEnv{t: t, f: f, st: st}
 	e.keys[roleUser] = newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
 	e.keys[roleOperator] = newKey(t, st, "acme", store.RoleOperator)
@@ -140,6 +160,13 @@ func TestRouteRoleMatrix(t *testing.T) {
 	}
 	if _, err := st.PutPolicy(context.Background(), store.Policy{Tenant: "acme", Name: "matrix", Document: json.RawMessage(`{"name":"matrix","rules":[{"rule":"json"}]}`), CreatedAt: quotaT0}); err != nil {
 		t.Fatal(err)
+	}
+
+	e.hook = matrixEndpoint(t, st)
+	if d, err := st.SendTest(context.Background(), "acme", e.hook, fmt.Sprint(time.Now().UnixNano()), quotaT0); err != nil {
+		t.Fatal(err)
+	} else {
+		e.dlv = d.ID
 	}
 
 	const (
@@ -304,6 +331,33 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /console/api/{path...}", path: "/console/api/v1/jobs/{job}/cancel", want: consoleRefused},
 		{pattern: "PATCH /console/api/{path...}", path: "/console/api/v1/admin/tenants/acme", want: consoleRefused},
 		{pattern: "DELETE /console/api/{path...}", path: "/console/api/v1/admin/keys/{spare-key}", want: consoleRefused, check: keptKey},
+		// Webhooks (webhooks.go): operators' of their own tenant. The
+		// matrix's delivery is still pending: too early to redeliver.
+		{pattern: "POST /v1/webhooks/endpoints", body: `{"url":"http://127.0.0.1:9/x","events":["job.failed"]}`,
+			want: [nRoles]int{no, http.StatusCreated, fb, http.StatusCreated, http.StatusCreated}},
+		{pattern: "GET /v1/webhooks/endpoints", want: [nRoles]int{no, ok, fb, ok, ok}, check: func(e *matrixEnv, role, status int, body []byte) {
+			if role == roleOther && strings.Contains(string(body), e.hook) {
+				e.t.Errorf("another tenant sees acme's endpoint: %s", body)
+			}
+		}},
+		{pattern: "GET /v1/webhooks/endpoints/{id}", path: "/v1/webhooks/endpoints/{hook}", want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "PATCH /v1/webhooks/endpoints/{id}", path: "/v1/webhooks/endpoints/{hook}", body: `{"description":"x"}`,
+			want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "DELETE /v1/webhooks/endpoints/{id}", path: "/v1/webhooks/endpoints/{spare-hook}", want: [nRoles]int{no, nf, fb, ok, ok},
+			check: func(e *matrixEnv, role, status int, _ []byte) {
+				if _, err := e.st.Endpoint(context.Background(), "acme", e.spare); status >= 300 && err != nil {
+					e.t.Errorf("%s was refused (%d) and the endpoint is gone: %v", roleNames[role], status, err)
+				}
+			}},
+		{pattern: "POST /v1/webhooks/endpoints/{id}/rotate-secret", path: "/v1/webhooks/endpoints/{hook}/rotate-secret",
+			want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "POST /v1/webhooks/endpoints/{id}/test", path: "/v1/webhooks/endpoints/{hook}/test",
+			want: [nRoles]int{no, nf, fb, http.StatusAccepted, http.StatusAccepted}},
+		{pattern: "GET /v1/webhooks/endpoints/{id}/deliveries", path: "/v1/webhooks/endpoints/{hook}/deliveries",
+			want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "GET /v1/webhooks/deliveries/{id}", path: "/v1/webhooks/deliveries/{delivery}", want: [nRoles]int{no, nf, fb, ok, ok}},
+		{pattern: "POST /v1/webhooks/deliveries/{id}/redeliver", path: "/v1/webhooks/deliveries/{delivery}/redeliver",
+			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
 		{pattern: "GET /healthz", want: anyone},
 		{pattern: "GET /readyz", want: anyone},
 		{pattern: "GET /metrics", want: anyone},

@@ -542,6 +542,9 @@ func (s *Server) handleDeadLetters(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, errOperatorOnly)
 	}
 	q := r.URL.Query()
+	if q.Get("kind") == "webhook_delivery" {
+		return s.handleDeadDeliveries(w, r) // webhooks.go
+	}
 	f := store.DeadLetterFilter{Tenant: tenantOf(ctx), Class: q.Get("class"), After: q.Get("after")}
 	if isAdmin(ctx) {
 		if t := q.Get("tenant"); t != "" {

@@ -73,6 +73,9 @@ type Config struct {
 	// Currency names the prices' and budgets' currency in usage reports
 	// ["USD"].
 	Currency string
+	// Webhooks enables signed webhooks (webhooks.go); without a store
+	// their routes answer 404.
+	Webhooks Webhooks
 	// AccessLog is the level of the access log's line per request:
 	// "debug", "info" or "off" ["debug"].
 	AccessLog string
@@ -205,6 +208,9 @@ func (s *Server) routes(reg *prometheus.Registry) {
 		s.batchWk = batchWork{ch: make(chan struct{}, 1)}
 		s.fileRoutes()
 		s.batchRoutes()
+	}
+	if s.cfg.Webhooks.Store != nil {
+		s.webhookRoutes() // webhooks.go
 	}
 	if s.cfg.Tenants.Store != nil {
 		s.tenantRoutes()

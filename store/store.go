@@ -301,4 +301,6 @@ type Store interface {
 	Outcomes
 	// Per-entity ordering (entities.go).
 	Entities
+	// Webhook endpoints and deliveries (webhooks.go).
+	Webhooks
 }

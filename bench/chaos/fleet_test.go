@@ -48,6 +48,8 @@ type options struct {
 	// may run [kvgate's default].
 	requestTimeout time.Duration
 	drainTimeout   time.Duration // drain_timeout: the drain at shutdown [kvgate's default]
+	// webhooks, when set, is kvgate's webhooks section (webhooks_test.go).
+	webhooks *webhooksConfig
 }
 
 // env is one scenario's world: a database on the private cluster, a
@@ -310,6 +312,7 @@ type gatewayConfig struct {
 	Gateway      struct {
 		RequestTimeout time.Duration `yaml:"request_timeout,omitempty"`
 	} `yaml:"gateway"`
+	Webhooks *webhooksConfig `yaml:"webhooks,omitempty"` // webhooks_test.go
 }
 
 type backendConfig struct {
@@ -339,6 +342,7 @@ func newGateway(e *env) *gateway {
 	c.NVML.Disabled = true
 	c.Jobs.MaxAttempts, c.Jobs.Lease = e.opts.maxAttempts, e.opts.lease
 	c.Gateway.RequestTimeout, c.DrainTimeout = e.opts.requestTimeout, e.opts.drainTimeout
+	c.Webhooks = e.opts.webhooks
 	b, err := yaml.Marshal(c)
 	if err != nil {
 		e.t.Fatal(err)

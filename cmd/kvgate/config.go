@@ -117,6 +117,15 @@ type config struct {
 		DefaultDeadline time.Duration `yaml:"default_deadline"` // deadline of a job that sets none [24h]
 		Retention       time.Duration `yaml:"retention"`        // final jobs, their results, attempts and audit records are pruned this long after they ended [720h]
 	} `yaml:"jobs"`
+	// Webhooks are signed deliveries of job events to tenant-registered
+	// endpoints (docs/webhooks.md).
+	Webhooks struct {
+		AllowCIDRs    []string        `yaml:"allow_cidrs"`    // address ranges deliveries may reach although refused by default (loopback, RFC 1918, link-local, ...), e.g. 10.0.0.0/8
+		AllowHTTP     bool            `yaml:"allow_http"`     // permit plain http endpoint URLs [false: https only]
+		RetrySchedule []time.Duration `yaml:"retry_schedule"` // wait before each attempt, the first included; a delivery FAILS after the last [0, 5s, 5m, 30m, 2h, 5h, 10h, 10h]
+		Timeout       time.Duration   `yaml:"timeout"`        // each attempt's whole deadline [15s]
+		Concurrency   int             `yaml:"concurrency"`    // deliveries sent at once by this process; one endpoint gets a quarter of them at most [64]
+	} `yaml:"webhooks"`
 	// Models maps model aliases to a model or an ordered list of models
 	// (fallbacks); Prices are per model (and alias), per million tokens,
 	// in Currency: see docs/api.md.
@@ -352,6 +361,13 @@ func (c *config) validate() error {
 		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
 		{"nats.replicas", int64(c.NATS.Replicas), false}, {"jobs.concurrency", int64(c.Jobs.Concurrency), false},
 		{"jobs.max_attempts", int64(c.Jobs.MaxAttempts), false}, {"sim.count", int64(c.Sim.Count), false},
+		{"webhooks.timeout", int64(c.Webhooks.Timeout), true}, {"webhooks.concurrency", int64(c.Webhooks.Concurrency), false},
+	}
+	for i, d := range c.Webhooks.RetrySchedule {
+		numbers = append(numbers, number{fmt.Sprintf("webhooks.retry_schedule[%d]", i), int64(d), true})
+	}
+	if _, err := c.webhookGuard(); err != nil {
+		return err
 	}
 	if c.Gateway.Retries != nil {
 		numbers = append(numbers, number{"gateway.retries", int64(*c.Gateway.Retries), false})

@@ -160,8 +160,13 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	g.Go(func() error { return sig.Run(gctx) })
 	reg.MustRegister(durable.Collectors()...)
 	g.Go(func() error { return ignoreCanceled(durable.Run(gctx)) })
+	hooks, guard, err := cfg.webhookDispatcher(st, reg, log) // webhooks.go
+	if err != nil {
+		return fail(err)
+	}
 	api, err := gateway.New(gateway.Config{
-		APIKeys: keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
+		Webhooks: gateway.Webhooks{Store: st, Guard: guard, Wake: hooks.Wake},
+		APIKeys:  keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog,
@@ -190,6 +195,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	g.Go(func() error { return ignoreCanceled(pool.Run(gctx)) })
 	g.Go(func() error { return ignoreCanceled(sched.Run(gctx)) })
 	g.Go(func() error { return ignoreCanceled(pruner.Run(gctx)) })
+	g.Go(func() error { hooks.Run(gctx); return nil })
 	// The runner's context is its own: the drain ends it, not the signal.
 	jobsCtx, stopJobs := context.WithCancel(gctx)
 	defer stopJobs()

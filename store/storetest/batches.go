@@ -281,6 +281,7 @@ func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
 
 func testBatchFinalize(t *testing.T, s store.Store, b store.Batches) {
 	ctx := context.Background()
+	hook := endpoint(t, s, "acme", "batch.completed")
 	if err := b.CreateBatch(ctx, newBatch("acme", "batch_f")); err != nil {
 		t.Fatal(err)
 	}
@@ -350,6 +351,12 @@ func testBatchFinalize(t *testing.T, s store.Store, b store.Batches) {
 	}
 	if n != 1 {
 		t.Errorf("%d batch.completed events", n)
+	}
+	// The batch's event reaches an endpoint that subscribes to it, in the
+	// transaction that committed it.
+	if ds := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme", EndpointID: hook.ID}); len(ds) != 1 ||
+		ds[0].Type != "batch.completed" || ds[0].JobID != "batch_f" || ds[0].State != store.DeliveryPending {
+		t.Errorf("deliveries of batch.completed: %+v", ds)
 	}
 	if _, err := b.CancelBatch(ctx, "acme", "batch_f", later); !errors.Is(err, store.ErrFinal) {
 		t.Errorf("cancel an ended batch: %v", err)
