@@ -355,6 +355,9 @@ func TestClientDeadline(t *testing.T) {
 	if c := g.Client(timeout); c.Timeout != timeout {
 		t.Fatalf("Client.Timeout = %v, want %v", c.Timeout, timeout)
 	}
+	if c := g.Client(0); c.Timeout != DefaultTimeout {
+		t.Fatalf("Client(0).Timeout = %v, want DefaultTimeout", c.Timeout)
+	}
 	_, err := post(t, g, timeout, "http://127.0.0.1:"+hang.port+"/")
 	var ne net.Error
 	if !errors.As(err, &ne) || !ne.Timeout() {

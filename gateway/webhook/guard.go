@@ -310,13 +310,24 @@ func (g *Guard) control(network, address string, _ syscall.RawConn) error {
 	return g.CheckAddr(ap.Addr())
 }
 
+// DefaultTimeout is the per-attempt deadline Client uses when given none
+// (the spec recommends 15 to 30 seconds).
+const DefaultTimeout = 15 * time.Second
+
+// maxResponseHeaderBytes caps a receiver's response headers.
+const maxResponseHeaderBytes = 64 << 10
+
 // Client returns an HTTP client for deliveries. Every connection's address
 // is checked by the dialer's Control hook after resolution (so a name that
 // resolves, or rebinds, to a refused address is refused); redirects are not
 // followed (the 3xx response is returned, a failed attempt); each request
 // has timeout as its whole deadline, body included; the environment's
-// proxy settings are ignored; plain http is refused unless AllowHTTP.
+// proxy settings are ignored; plain http is refused unless AllowHTTP. A
+// timeout of zero or less means DefaultTimeout: no attempt is unbounded.
 func (g *Guard) Client(timeout time.Duration) *http.Client {
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
 	dialer := &net.Dialer{
 		Timeout:   timeout,
 		KeepAlive: 30 * time.Second,
@@ -333,15 +344,16 @@ func (g *Guard) Client(timeout time.Duration) *http.Client {
 		tlsConf.MinVersion = tls.VersionTLS12
 	}
 	tr := &http.Transport{
-		Proxy:                 nil,
-		DialContext:           dialer.DialContext,
-		TLSClientConfig:       tlsConf,
-		ForceAttemptHTTP2:     true,
-		TLSHandshakeTimeout:   timeout,
-		ResponseHeaderTimeout: timeout,
-		MaxIdleConns:          256,
-		MaxIdleConnsPerHost:   64,
-		IdleConnTimeout:       90 * time.Second,
+		Proxy:                  nil,
+		DialContext:            dialer.DialContext,
+		TLSClientConfig:        tlsConf,
+		ForceAttemptHTTP2:      true,
+		TLSHandshakeTimeout:    timeout,
+		ResponseHeaderTimeout:  timeout,
+		MaxResponseHeaderBytes: maxResponseHeaderBytes,
+		MaxIdleConns:           256,
+		MaxIdleConnsPerHost:    64,
+		IdleConnTimeout:        90 * time.Second,
 	}
 	return &http.Client{
 		Transport: &schemeCheck{g: g, next: tr},
