@@ -174,11 +174,10 @@ func TestClientRefusesResolvedAddress(t *testing.T) {
 	rcv4 := startReceiver(t, "127.0.0.1", false, nil)
 	rcv2 := startReceiver(t, "127.0.0.2", false, nil)
 	dns := startDNS(t, map[string][]string{
-		"hook.kvgate.test":     {"127.0.0.1"},
-		"second.kvgate.test":   {"127.0.0.2"},
-		"mapped.kvgate.test":   {"::ffff:127.0.0.1"},
-		"rebind.kvgate.test":   {"127.0.0.1", "127.0.0.2"},
-		"ipv6only.kvgate.test": {"::1"},
+		"hook.kvgate.test":   {"127.0.0.1"},
+		"second.kvgate.test": {"127.0.0.2"},
+		"mapped.kvgate.test": {"::ffff:127.0.0.1"},
+		"rebind.kvgate.test": {"127.0.0.1", "127.0.0.2"},
 	})
 	for _, tc := range []struct {
 		name  string
@@ -259,6 +258,48 @@ func TestClientLiteralLoopbackRefused(t *testing.T) {
 	_, err := post(t, g, 5*time.Second, "http://127.0.0.1:"+rcv.port+"/")
 	if !errors.Is(err, ErrRefusedAddress) || rcv.hits.Load() != 0 {
 		t.Fatalf("literal 127.0.0.1 without an allow-list: %v, %d requests received; want refused, 0", err, rcv.hits.Load())
+	}
+}
+
+// TestClientFullWidthLiteral: net/http dials the IDNA form of a host, so
+// full-width digits reach 127.0.0.1; the dialer refuses it all the same.
+func TestClientFullWidthLiteral(t *testing.T) {
+	rcv := startReceiver(t, "127.0.0.1", false, nil)
+	_, err := post(t, &Guard{AllowHTTP: true}, 5*time.Second, "http://１２７.０.０.１:"+rcv.port+"/")
+	if !errors.Is(err, ErrRefusedAddress) || rcv.hits.Load() != 0 {
+		t.Fatalf("full-width 127.0.0.1: %v, %d requests received; want refused, 0", err, rcv.hits.Load())
+	}
+	resp, err := post(t, &Guard{AllowHTTP: true, AllowCIDRs: allow("127.0.0.0/8")}, 5*time.Second, "http://１２７.０.０.１:"+rcv.port+"/")
+	if err != nil || resp.StatusCode != http.StatusNoContent || rcv.hits.Load() != 1 {
+		t.Fatalf("full-width 127.0.0.1, allowed: %v (hits %d); want delivered", err, rcv.hits.Load())
+	}
+}
+
+// TestClientIPv6Loopback: a name with only an AAAA record for ::1 is
+// refused unless ::1/128 is allowed; 127.0.0.0/8 does not cover it.
+func TestClientIPv6Loopback(t *testing.T) {
+	ln, err := net.Listen("tcp", "[::1]:0")
+	if err != nil {
+		t.Skipf("no IPv6 loopback here: %v", err)
+	}
+	ln.Close()
+	rcv := startReceiver(t, "::1", false, nil)
+	dns := startDNS(t, map[string][]string{"v6.kvgate.test": {"::1"}})
+	url := "http://v6.kvgate.test:" + rcv.port + "/"
+	for _, tc := range []struct {
+		allow []netip.Prefix
+		ok    bool
+	}{{nil, false}, {allow("127.0.0.0/8"), false}, {allow("::1/128"), true}} {
+		before := rcv.hits.Load()
+		resp, err := post(t, &Guard{AllowHTTP: true, AllowCIDRs: tc.allow, Resolver: dns.resolver()}, 5*time.Second, url)
+		sent := rcv.hits.Load() - before
+		if tc.ok {
+			if err != nil || resp.StatusCode != http.StatusNoContent || sent != 1 {
+				t.Fatalf("allow=%v: %v (sent %d); want delivered", tc.allow, err, sent)
+			}
+		} else if !errors.Is(err, ErrRefusedAddress) || sent != 0 {
+			t.Fatalf("allow=%v: %v (sent %d); want refused, nothing sent", tc.allow, err, sent)
+		}
 	}
 }
 

@@ -12,6 +12,9 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
+
+	"golang.org/x/net/idna"
 )
 
 // ErrRefusedAddress is wrapped by every refusal of an address: by CheckURL
@@ -219,6 +222,16 @@ func (g *Guard) CheckURL(raw string) error {
 	} else if strings.HasSuffix(u.Host, ":") {
 		return urlErr("%q has an empty port", raw)
 	}
+	if !isASCII(host) {
+		// net/http dials the IDNA form of a host; judge that one, so
+		// that full-width digits or dots (１２７.０.０.１) are seen for the
+		// address they spell.
+		ascii, err := idna.Lookup.ToASCII(host)
+		if err != nil {
+			return urlErr("host %q is not a valid host name", host)
+		}
+		host = ascii
+	}
 	if a, ok := literalAddr(host); ok {
 		if err := g.CheckAddr(a); err != nil {
 			return &URLError{Reason: "host " + err.Error(), Err: err}
@@ -233,6 +246,15 @@ func (g *Guard) CheckURL(raw string) error {
 		}
 	}
 	return nil
+}
+
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
+	}
+	return true
 }
 
 func (g *Guard) checkScheme(scheme string) error {
