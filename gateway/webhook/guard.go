@@ -12,6 +12,9 @@ import (
 	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
+
+	"golang.org/x/net/idna"
 )
 
 // ErrRefusedAddress is wrapped by every refusal of an address: by CheckURL
@@ -219,6 +222,16 @@ func (g *Guard) CheckURL(raw string) error {
 	} else if strings.HasSuffix(u.Host, ":") {
 		return urlErr("%q has an empty port", raw)
 	}
+	if !isASCII(host) {
+		// net/http dials the IDNA form of a host; judge that one, so
+		// that full-width digits or dots (１２７.０.０.１) are seen for the
+		// address they spell.
+		ascii, err := idna.Lookup.ToASCII(host)
+		if err != nil {
+			return urlErr("host %q is not a valid host name", host)
+		}
+		host = ascii
+	}
 	if a, ok := literalAddr(host); ok {
 		if err := g.CheckAddr(a); err != nil {
 			return &URLError{Reason: "host " + err.Error(), Err: err}
@@ -233,6 +246,15 @@ func (g *Guard) CheckURL(raw string) error {
 		}
 	}
 	return nil
+}
+
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
+	}
+	return true
 }
 
 func (g *Guard) checkScheme(scheme string) error {
@@ -310,13 +332,24 @@ func (g *Guard) control(network, address string, _ syscall.RawConn) error {
 	return g.CheckAddr(ap.Addr())
 }
 
+// DefaultTimeout is the per-attempt deadline Client uses when given none
+// (the spec recommends 15 to 30 seconds).
+const DefaultTimeout = 15 * time.Second
+
+// maxResponseHeaderBytes caps a receiver's response headers.
+const maxResponseHeaderBytes = 64 << 10
+
 // Client returns an HTTP client for deliveries. Every connection's address
 // is checked by the dialer's Control hook after resolution (so a name that
 // resolves, or rebinds, to a refused address is refused); redirects are not
 // followed (the 3xx response is returned, a failed attempt); each request
 // has timeout as its whole deadline, body included; the environment's
-// proxy settings are ignored; plain http is refused unless AllowHTTP.
+// proxy settings are ignored; plain http is refused unless AllowHTTP. A
+// timeout of zero or less means DefaultTimeout: no attempt is unbounded.
 func (g *Guard) Client(timeout time.Duration) *http.Client {
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
 	dialer := &net.Dialer{
 		Timeout:   timeout,
 		KeepAlive: 30 * time.Second,
@@ -333,15 +366,16 @@ func (g *Guard) Client(timeout time.Duration) *http.Client {
 		tlsConf.MinVersion = tls.VersionTLS12
 	}
 	tr := &http.Transport{
-		Proxy:                 nil,
-		DialContext:           dialer.DialContext,
-		TLSClientConfig:       tlsConf,
-		ForceAttemptHTTP2:     true,
-		TLSHandshakeTimeout:   timeout,
-		ResponseHeaderTimeout: timeout,
-		MaxIdleConns:          256,
-		MaxIdleConnsPerHost:   64,
-		IdleConnTimeout:       90 * time.Second,
+		Proxy:                  nil,
+		DialContext:            dialer.DialContext,
+		TLSClientConfig:        tlsConf,
+		ForceAttemptHTTP2:      true,
+		TLSHandshakeTimeout:    timeout,
+		ResponseHeaderTimeout:  timeout,
+		MaxResponseHeaderBytes: maxResponseHeaderBytes,
+		MaxIdleConns:           256,
+		MaxIdleConnsPerHost:    64,
+		IdleConnTimeout:        90 * time.Second,
 	}
 	return &http.Client{
 		Transport: &schemeCheck{g: g, next: tr},

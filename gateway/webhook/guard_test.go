@@ -200,6 +200,13 @@ func TestCheckURL(t *testing.T) {
 		{"https://[::]/", Guard{}, "unspecified", true},
 		{"https://224.0.0.251/", Guard{}, "multicast", true},
 		{"https://[64:ff9b::a9fe:a9fe]/", Guard{}, "NAT64", true},
+		{"https://１２７.０.０.１/", Guard{}, "loopback", true},
+		{"https://127。0。0。1/", Guard{}, "loopback", true},
+		{"https://%EF%BC%91%EF%BC%92%EF%BC%97.0.0.1/", Guard{}, "loopback", true},
+		{"https://ｌｏｃａｌｈｏｓｔ/", Guard{}, "loopback", true},
+		{"https://bücher.example/", Guard{}, "", false},
+		{"https://a\u00a0b.example/", Guard{}, "not a valid host name", false},
+		{"https://127.000.000.001/", Guard{}, "loopback", true},
 		{"https://localhost/", Guard{}, "loopback", true},
 		{"https://LOCALHOST./", Guard{}, "loopback", true},
 		{"https://api.localhost:8080/", Guard{}, "loopback", true},
@@ -234,6 +241,7 @@ func TestParseInetAton(t *testing.T) {
 		"127.0.0.1": "127.0.0.1", "2130706433": "127.0.0.1", "0x7f000001": "127.0.0.1",
 		"0x7f.1": "127.0.0.1", "0177.0.0.1": "127.0.0.1", "127.1": "127.0.0.1",
 		"10.1.65535": "10.1.255.255", "0": "0.0.0.0", "0X7F.0.0.1": "127.0.0.1",
+		"127.000.000.001": "127.0.0.1", "0x0a.0x00.0x00.0x01": "10.0.0.1", "169.254.43518": "169.254.169.254",
 	} {
 		a, ok := parseInetAton(in)
 		if !ok || a.String() != want {
