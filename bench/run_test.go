@@ -323,8 +323,18 @@ func TestSweepFindsTheKnee(t *testing.T) {
 	if !math.IsInf(float64(rep.LoadPoints[0].RequestRate), 1) || !near(float64(rep.LoadPoints[1].RequestRate), top/2) || !near(float64(rep.LoadPoints[2].RequestRate), top) {
 		t.Errorf("rates %v, %v, %v; want inf, %v, %v", rep.LoadPoints[0].RequestRate, rep.LoadPoints[1].RequestRate, rep.LoadPoints[2].RequestRate, top/2, top)
 	}
-	if rep.Knee < 1 || rep.Headline != rep.Knee || rep.NumPrompts != 12 {
-		t.Errorf("knee %d headline %d num_prompts %d", rep.Knee, rep.Headline, rep.NumPrompts)
+	// Whether the top rate turns latency up depends on the machine: the
+	// knee is marked only where it did (findKnee's own table test holds
+	// the rule), and the headline is the knee, or the top point when the
+	// sweep never saturated.
+	base, topE2E := rep.LoadPoints[1].Summary.E2EL.Median, rep.LoadPoints[2].Summary.E2EL.Median
+	switch saturated := topE2E > 1.5*base; {
+	case rep.NumPrompts != 12:
+		t.Errorf("num_prompts %d", rep.NumPrompts)
+	case saturated && (rep.Knee != 1 || rep.Headline != rep.Knee):
+		t.Errorf("the top point saturated (median E2E %v against %v): knee %d headline %d, want 1 and 1", topE2E, base, rep.Knee, rep.Headline)
+	case !saturated && (rep.Knee != -1 || rep.Headline != 2):
+		t.Errorf("the sweep never saturated (median E2E %v against %v): knee %d headline %d, want -1 and 2", topE2E, base, rep.Knee, rep.Headline)
 	}
 	for _, p := range rep.LoadPoints {
 		if p.Summary.Completed != 12 {

@@ -133,6 +133,9 @@ func NewDispatcher(cfg DispatcherConfig) (*Dispatcher, error) {
 		authFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_webhook_auth_failures_total",
 			Help: "Webhook attempts the receiver answered 401 or 403 (retried; a signing secret the receiver does not know)."}),
 	}
+	for _, o := range []string{"delivered", "retry", "failed", "gone", "deferred"} {
+		d.outcomes.WithLabelValues(o) // every outcome from 0, so that rates and alerts see the first
+	}
 	if cfg.Registerer != nil {
 		for _, c := range []prometheus.Collector{d.outcomes, d.authFailures, &pendingCollector{st: cfg.Store}} {
 			if err := cfg.Registerer.Register(c); err != nil {
