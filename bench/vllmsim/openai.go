@@ -475,21 +475,7 @@ func (s *Sim) stream(w http.ResponseWriter, r *http.Request, c genCall, req *Req
 			_ = rc.Flush()
 			return
 		}
-		if len(buf) > 0 {
-			if _, err := w.Write(buf); err != nil {
-				s.eng.Abort(req)
-				return
-			}
-			if err := rc.Flush(); err != nil {
-				s.eng.Abort(req)
-				return
-			}
-			buf = buf[:0]
-		}
-		select {
-		case <-req.Notify():
-		case <-r.Context().Done():
-			s.eng.Abort(req)
+		if !s.flushAndWait(w, rc, r, req, &buf) {
 			return
 		}
 	}
@@ -724,4 +710,28 @@ func (s *Sim) embed(toks []int) []float32 {
 		v[i] *= inv
 	}
 	return v
+}
+
+// flushAndWait sends what a stream has buffered, then waits for the
+// engine's next step on req; it aborts req and reports false when the
+// client is gone.
+func (s *Sim) flushAndWait(w http.ResponseWriter, rc *http.ResponseController, r *http.Request, req *Request, buf *[]byte) bool {
+	if len(*buf) > 0 {
+		if _, err := w.Write(*buf); err != nil {
+			s.eng.Abort(req)
+			return false
+		}
+		if err := rc.Flush(); err != nil {
+			s.eng.Abort(req)
+			return false
+		}
+		*buf = (*buf)[:0]
+	}
+	select {
+	case <-req.Notify():
+		return true
+	case <-r.Context().Done():
+		s.eng.Abort(req)
+		return false
+	}
 }

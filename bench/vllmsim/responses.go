@@ -284,21 +284,7 @@ func (s *Sim) streamResponse(w http.ResponseWriter, r *http.Request, c genCall, 
 			_ = rc.Flush()
 			return
 		}
-		if len(buf) > 0 {
-			if _, err := w.Write(buf); err != nil {
-				s.eng.Abort(req)
-				return
-			}
-			if err := rc.Flush(); err != nil {
-				s.eng.Abort(req)
-				return
-			}
-			buf = buf[:0]
-		}
-		select {
-		case <-req.Notify():
-		case <-r.Context().Done():
-			s.eng.Abort(req)
+		if !s.flushAndWait(w, rc, r, req, &buf) {
 			return
 		}
 	}
