@@ -83,9 +83,9 @@ func New(db *sql.DB, d Dialect) *Store {
 	s.q = buildQueries(d)
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
-		s.finishes = newGroup(groupSlots, groupMax, s.finishGroup)
-		s.renews = newGroup(groupSlots, groupMax, s.renewGroup)
-		s.stages = newGroup(groupSlots, groupMax, s.stageGroup)
+		s.finishes = newGroup(workerSlots, workerMax, s.finishGroup)
+		s.renews = newGroup(workerSlots, workerMax, s.renewGroup)
+		s.stages = newGroup(workerSlots, workerMax, s.stageGroup)
 	}
 	return s
 }
@@ -220,7 +220,7 @@ type queries struct {
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
+	acceptCTE, claimCTE, claimCTEModels, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
 }
 
 // listJobs starts a List query; the filters complete it per call.

@@ -39,8 +39,11 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/google/uuid"
@@ -63,9 +66,12 @@ func main() {
 	rounds := flag.Int("rounds", 5, "rounds, interleaved")
 	slots := flag.Int("slots", 64, "worker slots, for both")
 	inserts := flag.Int("inserts", 1000, "sequential single inserts per round")
+	only := flag.String("only", "", "comma-separated runs to do (all when empty): kvgate, kvgate-plain, kvgate-runner, river, kvgate-insert, sqlite, sqlite-insert, river-insert")
+	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
+	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
 	flag.Parse()
 	ctx := context.Background()
-	b, err := newBench(ctx, *admin)
+	b, err := newBench(ctx, *admin, *pre)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -89,13 +95,39 @@ func main() {
 		// Rotate the order so that no system always goes first.
 		for i := range runs {
 			run := runs[(i+r)%len(runs)]
+			if *only != "" && !slices.Contains(strings.Split(*only, ","), run.name) {
+				continue
+			}
+			var before counters
+			b.started = func() {}
+			if *profile {
+				// After the backlog is loaded: the drain's own counts.
+				b.started = func() { before = b.counters(ctx, run.name) }
+				if strings.HasSuffix(run.name, "-insert") {
+					b.started()
+				}
+			}
 			v, err := run.fn()
 			if err != nil {
 				log.Fatalf("round %d, %s: %v", r+1, run.name, err)
 			}
 			rates[run.name] = append(rates[run.name], v)
 			fmt.Fprintf(os.Stderr, "round %d: %-14s %8.0f jobs/s\n", r+1, run.name, v)
+			if *profile && before.ok {
+				n := float64(*jobs)
+				if strings.HasSuffix(run.name, "-insert") {
+					n = float64(*inserts)
+				}
+				b.report(ctx, run.name, before, n)
+			}
 		}
+	}
+	if *only != "" {
+		for k, v := range rates {
+			slices.Sort(v)
+			fmt.Printf("%-14s median %.0f jobs/s (%.0f-%.0f)\n", k, v[len(v)/2], v[0], v[len(v)-1])
+		}
+		return
 	}
 	med := func(k string) float64 {
 		v := slices.Clone(rates[k])
@@ -134,9 +166,10 @@ type bench struct {
 	pool      *pgxpool.Pool // River's
 	workers   *river.Workers
 	insertC   *river.Client[pgx.Tx] // inserts only
+	started   func()                // called once a drain's backlog is loaded
 }
 
-func newBench(ctx context.Context, adminURL string) (*bench, error) {
+func newBench(ctx context.Context, adminURL, pre string) (*bench, error) {
 	admin, err := pgx.Connect(ctx, adminURL)
 	if err != nil {
 		return nil, err
@@ -152,6 +185,11 @@ func newBench(ctx context.Context, adminURL string) (*bench, error) {
 		}
 		if _, err := postgres.Migrate(ctx, *s); err != nil {
 			return nil, err
+		}
+		if pre != "" {
+			if _, err := (*s).DB().ExecContext(ctx, pre); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if b.tmp, err = os.MkdirTemp("", "kvgate-peers-"); err != nil {
@@ -318,6 +356,7 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, pla
 	if err := preload(ctx, s, n); err != nil {
 		return 0, err
 	}
+	b.started()
 	var done atomic.Int64
 	var failed atomic.Value
 	fail := func(err error) { failed.CompareAndSwap(nil, err) }
@@ -428,6 +467,7 @@ func (b *bench) river(ctx context.Context, n, slots int) (float64, error) {
 	if err != nil {
 		return 0, err
 	}
+	b.started()
 	events, cancel := c.SubscribeConfig(&river.SubscribeConfig{ChanSize: n, Kinds: []river.EventKind{river.EventKindJobCompleted, river.EventKindJobFailed}})
 	defer cancel()
 	start := time.Now()
@@ -466,4 +506,121 @@ func (b *bench) riverInserts(ctx context.Context, n int) (float64, error) {
 		}
 	}
 	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+// counters are a database's commits, the server's WAL position and the
+// statements run in the database, read before and after a run (-profile).
+type counters struct {
+	ok            bool
+	db            string
+	commits       int64
+	lsn           string
+	walRecords    int64
+	walFPI        int64
+	walBytes      float64
+	walSync       int64
+	stmts         float64
+	stmtsTracking bool
+	serverCPU     time.Duration // the server's processes, where they run on this machine
+	selfCPU       time.Duration // this process
+}
+
+// dbOf names the database a run writes to; "" for SQLite.
+func (b *bench) dbOf(run string) string {
+	i := map[string]int{"kvgate": 0, "kvgate-plain": 1, "kvgate-runner": 2, "kvgate-insert": 3, "river": 4, "river-insert": 4}
+	if k, ok := i[run]; ok && k < len(b.dbs) {
+		return b.dbs[k]
+	}
+	return ""
+}
+
+func (b *bench) counters(ctx context.Context, run string) counters {
+	db := b.dbOf(run)
+	if db == "" {
+		return counters{}
+	}
+	time.Sleep(1500 * time.Millisecond) // backends flush their statistics within a second of going idle
+	c := counters{ok: true, db: db}
+	if err := b.admin.QueryRow(ctx, `SELECT xact_commit, pg_current_wal_lsn()::text FROM pg_stat_database WHERE datname = $1`, db).Scan(&c.commits, &c.lsn); err != nil {
+		log.Printf("profile: %v", err)
+		return counters{}
+	}
+	_ = b.admin.QueryRow(ctx, `SELECT wal_records, wal_fpi, wal_bytes::float8, wal_sync FROM pg_stat_wal`).Scan(&c.walRecords, &c.walFPI, &c.walBytes, &c.walSync)
+	c.serverCPU, c.selfCPU = b.cpu(ctx)
+	if err := b.admin.QueryRow(ctx, `SELECT COALESCE(sum(calls), 0)::float8 FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1`, db).Scan(&c.stmts); err == nil {
+		c.stmtsTracking = true
+	} else {
+		c.stmts = 0
+	}
+	return c
+}
+
+func (b *bench) report(ctx context.Context, run string, before counters, n float64) {
+	after := b.counters(ctx, run)
+	if !after.ok {
+		return
+	}
+	var wal float64
+	_ = b.admin.QueryRow(ctx, `SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)::float8`, after.lsn, before.lsn).Scan(&wal)
+	line := fmt.Sprintf("  %-14s per job: %.3f commits, %.0f WAL bytes, %.2f WAL records, %.3f full-page images, %.3f WAL syncs",
+		run, float64(after.commits-before.commits)/n, wal/n, float64(after.walRecords-before.walRecords)/n,
+		float64(after.walFPI-before.walFPI)/n, float64(after.walSync-before.walSync)/n)
+	if after.serverCPU > 0 {
+		line += fmt.Sprintf(", server CPU %.0f µs", float64((after.serverCPU-before.serverCPU).Microseconds())/n)
+	}
+	line += fmt.Sprintf(", bench CPU %.0f µs", float64((after.selfCPU-before.selfCPU).Microseconds())/n)
+	if after.stmtsTracking {
+		line += fmt.Sprintf(", %.2f statements", (after.stmts-before.stmts)/n)
+	}
+	fmt.Fprintln(os.Stderr, line)
+}
+
+// cpu is the CPU time of the server's processes (the postmaster's
+// children, living and reaped), read from /proc where the server runs on
+// this machine (0 elsewhere), and of this process.
+func (b *bench) cpu(ctx context.Context) (server, self time.Duration) {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
+		self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	var pid int
+	if b.admin.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid) != nil {
+		return 0, self
+	}
+	stat := func(pid int) []string {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return nil
+		}
+		s := string(data)
+		return strings.Fields(s[strings.LastIndexByte(s, ')')+2:]) // from field 3, the state
+	}
+	f := stat(pid)
+	if f == nil {
+		return 0, self
+	}
+	pm, _ := strconv.Atoi(f[1])
+	ticks := func(f []string, fields ...int) (t int64) {
+		for _, i := range fields {
+			v, _ := strconv.ParseInt(f[i-3], 10, 64)
+			t += v
+		}
+		return t
+	}
+	pf := stat(pm)
+	if pf == nil {
+		return 0, self
+	}
+	total := ticks(pf, 16, 17) // the reaped children's
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if f := stat(p); f != nil && f[1] == strconv.Itoa(pm) {
+			total += ticks(f, 14, 15)
+		}
+	}
+	return time.Duration(total) * time.Second / 100, self // USER_HZ
 }

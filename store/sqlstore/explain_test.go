@@ -1,0 +1,148 @@
+package sqlstore
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	_ "github.com/jackc/pgx/v5/stdlib"
+)
+
+// TestExplainClaimComplete prints the PostgreSQL plans of the claim and
+// of a batch of completions, with their buffers and WAL, each in a
+// transaction rolled back (a profiling aid, run by hand):
+//
+//	KVGATE_EXPLAIN_URL=postgres://.../db go test -run TestExplainClaimComplete -v ./store/sqlstore/
+//
+// The database must hold kvgate's schema and runnable and running jobs.
+func TestExplainClaimComplete(t *testing.T) {
+	url := os.Getenv("KVGATE_EXPLAIN_URL")
+	if url == "" {
+		t.Skip("KVGATE_EXPLAIN_URL not set")
+	}
+	d := Dialect{Name: "postgres", Positional: func(n int) string { return fmt.Sprintf("$%d", n) }, LockRunnable: "FOR UPDATE SKIP LOCKED",
+		WritableCTE: true, LockShared: "FOR SHARE",
+		ModelIn:   func(col string) string { return "(cardinality(?::text[]) = 0 OR " + col + " = ANY(?::text[]))" },
+		ModelsArg: func(models []string) any { return append([]string{}, models...) }}
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	ctx := context.Background()
+	q := buildQueries(d)
+	explain := func(name, stmt string, args ...any) {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback()
+		if _, err := tx.ExecContext(ctx, "SET LOCAL plan_cache_mode = force_generic_plan"); err != nil {
+			t.Fatal(err)
+		}
+		// Schema experiments, rolled back with the rest.
+		if pre := os.Getenv("KVGATE_EXPLAIN_PRE"); pre != "" {
+			if _, err := tx.ExecContext(ctx, pre); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Prepared, so that the generic plan the store runs is the one shown.
+		if _, err := tx.ExecContext(ctx, "PREPARE x AS "+stmt); err != nil {
+			t.Fatal(err)
+		}
+		defer tx.ExecContext(ctx, "DEALLOCATE x")
+		ph := make([]string, len(args))
+		for i, a := range args {
+			ph[i] = literal(a)
+		}
+		// Twice: the second run is warm (plan cached, trigger functions
+		// compiled), as in the store's long-lived sessions.
+		for _, w := range []string{"SAVEPOINT warm", "EXPLAIN (ANALYZE) EXECUTE x(" + strings.Join(ph, ", ") + ")", "ROLLBACK TO SAVEPOINT warm"} {
+			if _, err := tx.ExecContext(ctx, w); err != nil {
+				t.Fatal(err)
+			}
+		}
+		rows, err := tx.QueryContext(ctx, "EXPLAIN (ANALYZE, BUFFERS, WAL, VERBOSE false) EXECUTE x("+strings.Join(ph, ", ")+")")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rows.Close()
+		var out []string
+		for rows.Next() {
+			var l string
+			rows.Scan(&l)
+			out = append(out, l)
+		}
+		t.Logf("%s:\n%s", name, strings.Join(out, "\n"))
+	}
+	now := time.Now()
+	limit := 32
+	ids := make([]string, limit)
+	for i := range ids {
+		ids[i] = uuid.Must(uuid.NewV7()).String()
+	}
+	m, tt := []string{}, micros(now)
+	explain("claim", q.claimCTE, fairTenants(limit), tt, tt, m, m, tt, tt, limit, limit, limit, tt, tt, m, m, tt, tt, m, m, limit,
+		micros(now.Add(time.Minute)), tt, tt, ids, tt)
+
+	rows, err := db.QueryContext(ctx, `SELECT id, fence, attempt FROM jobs WHERE state = 'RUNNING' LIMIT 16`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		jids, states, classes, errs, backends, outcomes, events []string
+		spent, sent                                            []bool
+		fences, nows, avails, starts, ends                     []int64
+		results                                                [][]byte
+		attempts, prompts, completions                         []int32
+	)
+	for rows.Next() {
+		var id string
+		var fence int64
+		var attempt int32
+		rows.Scan(&id, &fence, &attempt)
+		jids, fences, states = append(jids, id), append(fences, fence), append(states, "SUCCEEDED")
+		spent, sent = append(spent, true), append(sent, true)
+		nows, avails, results = append(nows, tt), append(avails, tt), append(results, []byte(`{"ok":true}`))
+		classes, errs = append(classes, ""), append(errs, "")
+		attempts, backends, outcomes = append(attempts, attempt+1), append(backends, ""), append(outcomes, "")
+		prompts, completions = append(prompts, 0), append(completions, 0)
+		starts, ends = append(starts, 0), append(ends, 0)
+		events = append(events, uuid.Must(uuid.NewV7()).String())
+	}
+	rows.Close()
+	explain(fmt.Sprintf("finish %d", len(jids)), q.finishBatch, jids, fences, states, spent, sent, nows, avails, results, classes, errs,
+		attempts, backends, outcomes, prompts, completions, starts, ends, events, jids)
+}
+
+// literal renders a value as SQL, for EXPLAIN EXECUTE.
+func literal(a any) string {
+	q := func(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+	arr := func(n int, f func(int) string, typ string) string {
+		els := make([]string, n)
+		for i := range els {
+			els[i] = f(i)
+		}
+		return "ARRAY[" + strings.Join(els, ",") + "]::" + typ + "[]"
+	}
+	switch v := a.(type) {
+	case string:
+		return q(v)
+	case []string:
+		return arr(len(v), func(i int) string { return q(v[i]) }, "text")
+	case []bool:
+		return arr(len(v), func(i int) string { return fmt.Sprint(v[i]) }, "boolean")
+	case []int64:
+		return arr(len(v), func(i int) string { return fmt.Sprint(v[i]) }, "bigint")
+	case []int32:
+		return arr(len(v), func(i int) string { return fmt.Sprint(v[i]) }, "integer")
+	case [][]byte:
+		return arr(len(v), func(i int) string { return "convert_to(" + q(string(v[i])) + ", 'UTF8')" }, "bytea")
+	}
+	return fmt.Sprint(a)
+}
