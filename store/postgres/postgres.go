@@ -34,8 +34,15 @@ var Dialect = sqlstore.Dialect{
 	LockFeed:       "SELECT pg_advisory_xact_lock(7403153942)", // and the feed's
 	WritableCTE:    true,
 	LockShared:     "FOR SHARE",
+	// array_position, not col = ANY(list): the claim's prepared generic
+	// plan is made without the list, and where the table has no
+	// statistics yet (no ANALYZE has run) PostgreSQL takes = ANY for a
+	// rare match and plans the oldest runnable jobs as a bitmap scan of
+	// every runnable job and a sort (2-15 ms for 4,000 runnable) instead
+	// of the first entries of jobs_runnable (0.1-0.3 ms). The function's
+	// condition it does not try to estimate.
 	ModelIn: func(col string) string {
-		return "(cardinality(?::text[]) = 0 OR " + col + " = ANY(?::text[]))"
+		return "(cardinality(?::text[]) = 0 OR array_position(?::text[], " + col + ") IS NOT NULL)"
 	},
 	ModelsArg: func(models []string) any { return append([]string{}, models...) },
 }

@@ -27,7 +27,9 @@ func TestExplainClaimComplete(t *testing.T) {
 	}
 	d := Dialect{Name: "postgres", Positional: func(n int) string { return fmt.Sprintf("$%d", n) }, LockRunnable: "FOR UPDATE SKIP LOCKED",
 		WritableCTE: true, LockShared: "FOR SHARE",
-		ModelIn:   func(col string) string { return "(cardinality(?::text[]) = 0 OR " + col + " = ANY(?::text[]))" },
+		ModelIn: func(col string) string {
+			return "(cardinality(?::text[]) = 0 OR array_position(?::text[], " + col + ") IS NOT NULL)" // as postgres.Dialect
+		},
 		ModelsArg: func(models []string) any { return append([]string{}, models...) }}
 	db, err := sql.Open("pgx", url)
 	if err != nil {
@@ -86,7 +88,7 @@ func TestExplainClaimComplete(t *testing.T) {
 	for i := range ids {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
 	}
-	m, tt := []string{}, micros(now)
+	m, tt := []string{"m"}, micros(now)
 	explain("claim", q.claimCTE, fairTenants(limit), tt, tt, m, m, tt, tt, limit, limit, limit, tt, tt, m, m, tt, tt, m, m, limit,
 		micros(now.Add(time.Minute)), tt, tt, ids, tt)
 

@@ -112,7 +112,7 @@ func ownershipQueries(d Dialect, q *queries) {
 		SELECT id, ?, fence, ?, ? FROM jobs WHERE id = ? AND ` + owned("jobs", "?", "?") + ` ` + d.LockShared + `
 		ON CONFLICT (job_id, stage) DO NOTHING`)
 	if d.WritableCTE {
-		q.claimCTE, q.claimCTEModels, q.finishBatch = r(claimCTE(d, false)), r(claimCTE(d, true)), r(finishBatch)
+		q.claimCTE, q.finishBatch = r(claimCTE(d)), r(finishBatch)
 		q.renewBatch = r(`UPDATE jobs SET lease_until = input.lease_until,
 				sent_fence = CASE WHEN input.mark THEN jobs.fence ELSE jobs.sent_fence END
 			FROM unnest(?::text[], ?::bigint[], ?::bigint[], ?::bigint[], ?::boolean[])
@@ -161,19 +161,8 @@ func ownershipQueries(d Dialect, q *queries) {
 // skipping the locked. No job is read that the claim does not take, so
 // a claim costs what an oldest-first claim of the same size costs, plus
 // one index probe and one job_tenants row per considered tenant.
-//
-// A claim for any model (models empty, as a runner serving every model
-// claims) is its own statement, without the models condition: its
-// prepared generic plan must not weigh a condition that is always true.
-// With it, PostgreSQL's generic plan for the oldest job and the fill (no
-// statistics help a parameter) was a bitmap scan of every runnable job
-// and a sort (2 ms for 4,000 runnable jobs) instead of the first entry of
-// jobs_runnable (0.2 ms).
-func claimCTE(d Dialect, models bool) string {
-	run := runnable("jobs", "?")
-	if models {
-		run += ` AND ` + d.ModelIn("jobs.model")
-	}
+func claimCTE(d Dialect) string {
+	run := runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model")
 	return `WITH considered AS (
 		SELECT jt.tenant, jt.served_at, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
 		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
@@ -325,21 +314,18 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	for i := range ids {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
 	}
+	m := s.d.ModelsArg(models)
 	// The lock re-reads a row another claimer changed; availability and
 	// the deadline are checked again on the version it locks.
 	t := micros(now)
-	q, run := s.q.claimCTE, []any{t, t}
-	if len(models) > 0 {
-		m := s.d.ModelsArg(models)
-		q, run = s.q.claimCTEModels, []any{t, t, m, m}
-	}
-	args := []any{fairTenants(limit)}
-	args = append(args, run...)                    // oldest
-	args = append(args, t, t, limit, limit, limit) // stray, turns, shares
-	args = append(args, run...)                    // fair
-	args = append(args, run...)                    // fill
-	args = append(args, limit, micros(now.Add(lease)), t, t, ids, t)
-	rows, err := s.query(ctx, nil, q, args...)
+	rows, err := s.query(ctx, nil, s.q.claimCTE, fairTenants(limit),
+		t, t, m, m, // oldest
+		t, t, // stray
+		limit, limit, // turns
+		limit,      // shares
+		t, t, m, m, // fair
+		t, t, m, m, limit, // fill
+		micros(now.Add(lease)), t, t, ids, t)
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}

@@ -220,7 +220,7 @@ type queries struct {
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
-	acceptCTE, claimCTE, claimCTEModels, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
+	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
 }
 
 // listJobs starts a List query; the filters complete it per call.

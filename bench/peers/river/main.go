@@ -278,6 +278,10 @@ func (noop) Kind() string { return "noop" }
 
 var seq atomic.Int64
 
+// models are the models a runner serves: scheduler.Runner always claims
+// for the models its backends serve.
+var models = []string{"m"}
+
 func newJob() store.NewJob {
 	i := seq.Add(1)
 	return store.NewJob{
@@ -312,9 +316,11 @@ func preload(ctx context.Context, s store.Store, n int) error {
 
 // plainClaim is an oldest-first claim with the same writes as kvgate's
 // fair one (the lease, the fence, a job.running event per job in claim
-// order) and no fairness: what the fair claim is measured against.
+// order) and the same models condition, and no fairness: what the fair
+// claim is measured against.
 const plainClaim = `WITH picked AS (
 		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
+			AND array_position($5::text[], model) IS NOT NULL
 		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
@@ -331,7 +337,7 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 	for i := range ids {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
 	}
-	rows, err := s.DB().QueryContext(ctx, plainClaim, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), ids)
+	rows, err := s.DB().QueryContext(ctx, plainClaim, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), ids, models)
 	if err != nil {
 		return nil, err
 	}
@@ -379,7 +385,7 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, pla
 				if plain {
 					js, err = claimPlain(ctx, s, time.Now(), time.Minute, free)
 				} else {
-					js, err = s.Claim(ctx, time.Now(), time.Minute, free)
+					js, err = s.Claim(ctx, time.Now(), time.Minute, free, models...)
 				}
 				if err != nil {
 					fail(err)

@@ -43,3 +43,11 @@ BEGIN
 END $$;
 CREATE TRIGGER jobs_runnable_tenant_insert AFTER INSERT ON jobs REFERENCING NEW TABLE AS new_jobs
     FOR EACH STATEMENT EXECUTE FUNCTION kvgate_job_tenants_inserted();
+
+-- The attempt records' foreign key checked, per row, in a query of its
+-- own with a KEY SHARE lock, that the job exists: every statement that
+-- writes an attempt record takes its job id from the job row it updates
+-- (or holds locked) in the same transaction, and PruneFinal deletes a
+-- job's attempts before the job (the outbox's key was dropped in
+-- migration 9). The check cost a fifth of the time of a batch of ends.
+ALTER TABLE attempts DROP CONSTRAINT IF EXISTS attempts_job_id_fkey;
