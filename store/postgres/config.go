@@ -22,5 +22,16 @@ func pgconnConfig(url string) (*pgx.ConnConfig, error) {
 	if _, ok := cfg.RuntimeParams["plan_cache_mode"]; !ok {
 		cfg.RuntimeParams["plan_cache_mode"] = "force_generic_plan"
 	}
+	// No JIT compilation: the store's statements are short (a claim or a
+	// batch of ends touches tens of rows by index), but a generic plan's
+	// estimates know no parameter, and the claim's (its tenants' turns,
+	// a join of every listed tenant with a series) came out above
+	// jit_above_cost: each execution compiled its expressions with LLVM
+	// first, which took two thirds of the server's CPU in a drain of
+	// zero-delay jobs (perf: 69% of the backends' samples in libLLVM).
+	// A jit in the URL wins.
+	if _, ok := cfg.RuntimeParams["jit"]; !ok {
+		cfg.RuntimeParams["jit"] = "off"
+	}
 	return cfg, nil
 }
