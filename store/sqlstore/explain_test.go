@@ -98,10 +98,10 @@ func TestExplainClaimComplete(t *testing.T) {
 	}
 	var (
 		jids, states, classes, errs, backends, outcomes, events []string
-		spent, sent                                            []bool
-		fences, nows, avails, starts, ends                     []int64
-		results                                                [][]byte
-		attempts, prompts, completions                         []int32
+		spent, sent                                             []bool
+		fences, nows, avails, starts, ends                      []int64
+		results                                                 [][]byte
+		attempts, prompts, completions                          []int32
 	)
 	for rows.Next() {
 		var id string

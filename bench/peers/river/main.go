@@ -8,6 +8,12 @@
 //
 //	make bench-peers                       # from the repository root
 //	cd bench/peers/river && go run . -rounds 5 -jobs 20000
+//	go run . -profile -only kvgate,river   # and where the work goes
+//
+// -profile adds, per job of each run, the commits of its database, the
+// WAL the server wrote, the CPU time of the server's processes (read from
+// /proc where it runs on this machine) and of this one, and, where
+// pg_stat_statements is loaded, the statements run (nested ones too).
 //
 // Measured, each round:
 //
@@ -34,6 +40,7 @@ import (
 	"flag"
 	"fmt"
 	"log"
+	"maps"
 	"math/rand/v2"
 	"net/url"
 	"os"
@@ -78,6 +85,7 @@ func main() {
 	defer b.close()
 
 	rates := map[string][]float64{}
+	profs := map[string][]prof{}
 	for r := range *rounds {
 		runs := []struct {
 			name string
@@ -118,11 +126,14 @@ func main() {
 				if strings.HasSuffix(run.name, "-insert") {
 					n = float64(*inserts)
 				}
-				b.report(ctx, run.name, before, n)
+				if p, ok := b.report(ctx, run.name, before, n); ok {
+					profs[run.name] = append(profs[run.name], p)
+				}
 			}
 		}
 	}
 	if *only != "" {
+		defer printProfiles(profs)
 		for k, v := range rates {
 			slices.Sort(v)
 			fmt.Printf("%-14s median %.0f jobs/s (%.0f-%.0f)\n", k, v[len(v)/2], v[0], v[len(v)-1])
@@ -150,6 +161,7 @@ func main() {
 	fmt.Printf("\nSQLite (kvgate's embedded default, WAL, synchronous=NORMAL, one writer at a time), same run: claim → complete %.0f jobs/s (%s), single inserts %.0f jobs/s (%s).\n",
 		med("sqlite"), span("sqlite"), med("sqlite-insert"), span("sqlite-insert"))
 	fmt.Printf("\nThe fair claim costs %.1f%% against the plain oldest-first claim (medians).\n", 100*(1-ratio("kvgate", "kvgate-plain")))
+	printProfiles(profs)
 }
 
 type bench struct {
@@ -561,24 +573,63 @@ func (b *bench) counters(ctx context.Context, run string) counters {
 	return c
 }
 
-func (b *bench) report(ctx context.Context, run string, before counters, n float64) {
+// prof is one run's counts per job (-profile).
+type prof struct {
+	commits, walBytes, walRecords, fpi, syncs, serverCPU, selfCPU, stmts float64
+	hasStmts                                                             bool
+}
+
+func (b *bench) report(ctx context.Context, run string, before counters, n float64) (prof, bool) {
 	after := b.counters(ctx, run)
 	if !after.ok {
-		return
+		return prof{}, false
 	}
 	var wal float64
 	_ = b.admin.QueryRow(ctx, `SELECT pg_wal_lsn_diff($1::pg_lsn, $2::pg_lsn)::float8`, after.lsn, before.lsn).Scan(&wal)
-	line := fmt.Sprintf("  %-14s per job: %.3f commits, %.0f WAL bytes, %.2f WAL records, %.3f full-page images, %.3f WAL syncs",
-		run, float64(after.commits-before.commits)/n, wal/n, float64(after.walRecords-before.walRecords)/n,
-		float64(after.walFPI-before.walFPI)/n, float64(after.walSync-before.walSync)/n)
-	if after.serverCPU > 0 {
-		line += fmt.Sprintf(", server CPU %.0f µs", float64((after.serverCPU-before.serverCPU).Microseconds())/n)
+	p := prof{
+		commits: float64(after.commits-before.commits) / n, walBytes: wal / n,
+		walRecords: float64(after.walRecords-before.walRecords) / n, fpi: float64(after.walFPI-before.walFPI) / n,
+		syncs:     float64(after.walSync-before.walSync) / n,
+		serverCPU: float64((after.serverCPU - before.serverCPU).Microseconds()) / n,
+		selfCPU:   float64((after.selfCPU - before.selfCPU).Microseconds()) / n,
+		stmts:     (after.stmts - before.stmts) / n, hasStmts: after.stmtsTracking,
 	}
-	line += fmt.Sprintf(", bench CPU %.0f µs", float64((after.selfCPU-before.selfCPU).Microseconds())/n)
-	if after.stmtsTracking {
-		line += fmt.Sprintf(", %.2f statements", (after.stmts-before.stmts)/n)
+	line := fmt.Sprintf("  %-14s per job: %.3f commits, %.0f WAL bytes, %.2f WAL records, %.3f full-page images, %.3f WAL syncs, server CPU %.0f µs, bench CPU %.0f µs",
+		run, p.commits, p.walBytes, p.walRecords, p.fpi, p.syncs, p.serverCPU, p.selfCPU)
+	if p.hasStmts {
+		line += fmt.Sprintf(", %.2f statements", p.stmts)
 	}
 	fmt.Fprintln(os.Stderr, line)
+	return p, true
+}
+
+// printProfiles prints the medians of the runs' counts per job.
+func printProfiles(profs map[string][]prof) {
+	if len(profs) == 0 {
+		return
+	}
+	fmt.Println("\nPer job, medians of the rounds (-profile; WAL and server CPU are the whole server's, whoever else writes to it; statements counted by pg_stat_statements, nested ones too, where it is loaded):")
+	fmt.Println("\n| run | commits | WAL bytes | WAL records | WAL syncs | server CPU µs | bench CPU µs | statements |")
+	fmt.Println("|---|---|---|---|---|---|---|---|")
+	for _, k := range slices.Sorted(maps.Keys(profs)) {
+		ps := profs[k]
+		med := func(f func(prof) float64) float64 {
+			v := make([]float64, len(ps))
+			for i, p := range ps {
+				v[i] = f(p)
+			}
+			slices.Sort(v)
+			return v[len(v)/2]
+		}
+		st := "-"
+		if ps[0].hasStmts {
+			st = fmt.Sprintf("%.2f", med(func(p prof) float64 { return p.stmts }))
+		}
+		fmt.Printf("| %s | %.3f | %.0f | %.1f | %.3f | %.0f | %.0f | %s |\n", k,
+			med(func(p prof) float64 { return p.commits }), med(func(p prof) float64 { return p.walBytes }),
+			med(func(p prof) float64 { return p.walRecords }), med(func(p prof) float64 { return p.syncs }),
+			med(func(p prof) float64 { return p.serverCPU }), med(func(p prof) float64 { return p.selfCPU }), st)
+	}
 }
 
 // cpu is the CPU time of the server's processes (the postmaster's

@@ -25,7 +25,7 @@ func main() {
 	for i := range 6000 {
 		_, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
 			Tenant: fmt.Sprint("t", i%100), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
-			Body: json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"Extract the line items of this invoice."}],"max_tokens":256}`),
+			Body:        json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"Extract the line items of this invoice."}],"max_tokens":256}`),
 			MaxAttempts: 5, TokenEstimate: 300, Deadline: time.Now().Add(time.Hour), Now: time.Now()})
 		if err != nil {
 			log.Fatal(err)
