@@ -19,7 +19,8 @@ import (
 //
 //	KVGATE_EXPLAIN_URL=postgres://.../db go test -run TestExplainClaimComplete -v ./store/sqlstore/
 //
-// The database must hold kvgate's schema and runnable and running jobs.
+// The database must hold kvgate's schema and runnable and running jobs
+// (bench/peers/river/internal/setup fills one).
 func TestExplainClaimComplete(t *testing.T) {
 	url := os.Getenv("KVGATE_EXPLAIN_URL")
 	if url == "" {

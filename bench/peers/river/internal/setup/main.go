@@ -1,3 +1,8 @@
+// Command setup fills a PostgreSQL database for reading the store's plans
+// (store/sqlstore's TestExplainClaimComplete): kvgate's schema, 6,000
+// jobs of 100 tenants accepted, 1,920 claimed and half of those completed.
+//
+//	go run ./internal/setup 'postgres://postgres@127.0.0.1:5432/explain?sslmode=disable'
 package main
 
 import (
