@@ -328,8 +328,8 @@ func preload(ctx context.Context, s store.Store, n int) error {
 
 // plainClaim is an oldest-first claim with the same writes as kvgate's
 // fair one (the lease, the fence, a job.running event per job in claim
-// order) and the same models condition, and no fairness: what the fair
-// claim is measured against.
+// order), the same models condition and the same rows returned (the jobs
+// whole), and no fairness: what the fair claim is measured against.
 const plainClaim = `WITH picked AS (
 		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
 			AND array_position($5::text[], model) IS NOT NULL
@@ -337,12 +337,18 @@ const plainClaim = `WITH picked AS (
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
 		WHERE id = ANY(ARRAY(SELECT id FROM picked))
-		RETURNING id, tenant, fence, attempt, state, state_version, priority, available_at),
+		RETURNING ` + jobColumns + `),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT ($4::text[])[row_number() OVER (ORDER BY priority, available_at, id)], id, tenant, 'job.running', state, state_version, $1
 		FROM claimed)
-	SELECT id, fence, attempt FROM claimed`
+	SELECT ` + jobColumns + ` FROM claimed`
+
+// jobColumns are the columns a claim returns: the job whole, as kvgate's
+// claim returns it to the runner (the body is the work).
+const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
+	state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at, created_at, updated_at,
+	error_class, last_error`
 
 func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
 	ids := make([]string, limit)
@@ -357,9 +363,17 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 	var js []store.Job
 	for rows.Next() {
 		var j store.Job
-		if err := rows.Scan(&j.ID, &j.Fence, &j.Attempt); err != nil {
+		var state string
+		var body, meta []byte
+		var lease, avail, deadline, created, updated int64
+		if err := rows.Scan(&j.ID, &j.Tenant, &j.IdempotencyKey, &j.RequestHash, &j.Endpoint, &j.Model, &body, &meta,
+			&j.Priority, &j.TokenEstimate, &state, &j.StateVersion, &j.Attempt, &j.MaxAttempts, &j.Fence,
+			&lease, &avail, &deadline, &created, &updated, &j.ErrorClass, &j.LastError); err != nil {
 			return nil, err
 		}
+		j.State, j.Body, j.Metadata = store.State(state), body, meta
+		j.LeaseUntil, j.AvailableAt, j.Deadline = time.UnixMicro(lease), time.UnixMicro(avail), time.UnixMicro(deadline)
+		j.CreatedAt, j.UpdatedAt = time.UnixMicro(created), time.UnixMicro(updated)
 		js = append(js, j)
 	}
 	return js, rows.Err()
