@@ -2,8 +2,14 @@ package postgres_test
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"io/fs"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres"
@@ -68,5 +74,105 @@ func TestUnavailable(t *testing.T) {
 	_, err := postgres.Open(context.Background(), "postgres://postgres@127.0.0.1:1/x?sslmode=disable&connect_timeout=2")
 	if err == nil {
 		t.Fatal("opened a database on a closed port")
+	}
+}
+
+// TestSessionSettings: the store's sessions plan its statements
+// generically and never JIT-compile them (config.go).
+func TestSessionSettings(t *testing.T) {
+	s, err := postgres.Open(context.Background(), freshDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for name, want := range map[string]string{"jit": "off", "plan_cache_mode": "force_generic_plan"} {
+		var got string
+		if err := s.DB().QueryRowContext(context.Background(), "SELECT current_setting($1)", name).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got != want {
+			t.Errorf("%s = %q, want %q", name, got, want)
+		}
+	}
+}
+
+// TestWebhookFanoutPerStatement: the fan-out trigger runs once per
+// statement over its new events (migration 14): a claim of many jobs and
+// ends group-committed many to a statement still make exactly one
+// delivery per event and subscribed endpoint of the event's tenant, none
+// for another tenant, in the order of the events.
+func TestWebhookFanoutPerStatement(t *testing.T) {
+	ctx := context.Background()
+	s, err := postgres.Open(ctx, freshDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for i, events := range [][]string{{"job.succeeded"}, {"job.failed", "job.succeeded"}} {
+		if err := s.CreateEndpoint(ctx, store.WebhookEndpoint{ID: fmt.Sprint("we_", i), Tenant: "acme", URL: "http://127.0.0.1:1/hook",
+			Events: events, Secret: "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", CreatedAt: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const n = 40
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			tenant := []string{"acme", "globex"}[i%2]
+			if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+				Tenant: tenant, IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+				Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	var listed int
+	if err := s.DB().QueryRowContext(ctx, `SELECT count(*) FROM job_tenants WHERE tenant IN ('acme', 'globex')`).Scan(&listed); err != nil || listed != 2 {
+		t.Fatalf("tenants listed for the fair claim: %d, %v; want 2", listed, err)
+	}
+	jobs, err := s.Claim(ctx, now, time.Minute, n, "m")
+	if err != nil || len(jobs) != n {
+		t.Fatalf("claimed %d, %v; want %d", len(jobs), err, n)
+	}
+	for _, j := range jobs {
+		wg.Go(func() {
+			if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: json.RawMessage(`{}`),
+				Attempt: store.Attempt{Attempt: 1}, EventID: uuid.Must(uuid.NewV7()).String(), Now: now}); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+	rows, err := s.DB().QueryContext(ctx, `SELECT d.tenant, d.type, o.type, o.seq FROM webhook_deliveries d JOIN outbox o ON o.id = d.event_id ORDER BY d.seq`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	count, last := 0, int64(0)
+	for rows.Next() {
+		var tenant, typ, eventType string
+		var seq int64
+		if err := rows.Scan(&tenant, &typ, &eventType, &seq); err != nil {
+			t.Fatal(err)
+		}
+		if tenant != "acme" || typ != "job.succeeded" || eventType != "job.succeeded" {
+			t.Errorf("delivery of %s's %s as %s", tenant, eventType, typ)
+		}
+		if seq < last {
+			t.Errorf("deliveries out of the events' order: event %d after %d", seq, last)
+		}
+		last = seq
+		count++
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if count != n { // 20 acme jobs, two endpoints each
+		t.Errorf("%d deliveries, want %d", count, n)
 	}
 }
