@@ -92,6 +92,15 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 	pct := func(d []time.Duration, p float64) time.Duration {
 		return d[min(len(d)-1, int(p*float64(len(d))))].Round(10 * time.Microsecond)
 	}
+	// What the database commits per job, every writer together (the
+	// acceptance, the runner, the relay, the inbox): what the WAL's flushes
+	// are shared among, and a figure the machine's other load moves less
+	// than a latency. Its statistics may lag a step by up to a second.
+	commits := func() (n int64) {
+		_ = f.store.DB().QueryRow(`SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+		return n
+	}
+	c00 := commits()
 	// Half a second of load first, unmeasured: connections, prepared
 	// statements, the relay's and runner's first rounds.
 	if _, bad := step(rates[0], rates[0]/2); bad > 0 {
@@ -100,6 +109,7 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 	held := 0
 	for _, rate := range rates {
 		n := int(float64(rate) * secs)
+		c0 := commits()
 		lat, bad := step(rate, n)
 		if bad > 0 {
 			t.Errorf("%d jobs/s: %d of %d requests not accepted", rate, bad, n)
@@ -107,8 +117,8 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 		}
 		slices.Sort(lat)
 		p99 := pct(lat, 0.99)
-		t.Logf("acceptance at %d jobs/s for %.0f s, runner executing on simulators: p50 %s p90 %s p99 %s max %s",
-			rate, secs, pct(lat, 0.5), pct(lat, 0.9), p99, lat[len(lat)-1].Round(10*time.Microsecond))
+		t.Logf("acceptance at %d jobs/s for %.0f s, runner executing on simulators: p50 %s p90 %s p99 %s max %s; %.1f transactions per job",
+			rate, secs, pct(lat, 0.5), pct(lat, 0.9), p99, lat[len(lat)-1].Round(10*time.Microsecond), float64(commits()-c0)/float64(n))
 		if p99 > 25*time.Millisecond {
 			break
 		}
@@ -121,6 +131,19 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 		c, err := countStates(f, store.Succeeded, store.FailedTerminal, store.ReviewRequired, store.Cancelled)
 		return err == nil && c == total
 	})
+	// The inbox records every job's three events (accepted, running,
+	// succeeded): how far behind it is when the jobs are done, and how
+	// long it takes to catch up.
+	inboxed := func() (n int) {
+		_ = f.store.DB().QueryRow(`SELECT count(*) FROM inbox`).Scan(&n)
+		return n
+	}
+	behind, caught := 3*total-inboxed(), time.Now()
+	eventually.Within(t, 3*time.Minute, "every event through the inbox", func() bool { return inboxed() >= 3*total })
+	t.Logf("the inbox: %d events behind when the jobs were done, caught up %s later", max(behind, 0), time.Since(caught).Round(time.Millisecond))
+	time.Sleep(1500 * time.Millisecond) // the statistics' flush
+	t.Logf("%.2f transactions committed per job over the whole run (%d jobs; read-only ones included: the acceptance, the claim, the attempt, the relay, the inbox)",
+		float64(commits()-c00)/float64(total), total)
 	var runs, succeeded, jobs int
 	if err := f.store.DB().QueryRow(`SELECT count(*), count(*) FILTER (WHERE outcome = 'succeeded') FROM attempts`).Scan(&runs, &succeeded); err != nil {
 		t.Fatal(err)

@@ -238,6 +238,17 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-r.wake:
 		case <-done:
 		}
+		// Every attempt's end wakes the loop (twice: its slot freed, its
+		// end written); those that came together share one claim, not one
+		// each: a claim is a statement, and one that finds work a commit.
+	coalesce:
+		for {
+			select {
+			case <-done:
+			default:
+				break coalesce
+			}
+		}
 		if r.draining.Load() {
 			if r.inflight.Load() == 0 {
 				return nil // drained
