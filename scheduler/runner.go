@@ -330,6 +330,7 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	}
 	body, err := r.st.Stage(ctx, j.ID, stageInference)
 	reused := err == nil
+	last := false // the inference is the job's last stage (lastStage)
 	switch {
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
@@ -342,11 +343,13 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 		}
 		a.PromptTokens, a.CompletionTokens = out.PromptTokens, out.CompletionTokens
 		body = out.Body
-		if err := r.record(wctx, func(now time.Time) error {
-			return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
-		}); err != nil {
-			r.lost(log, err)
-			return
+		if last = r.lastStage(wctx, j); !last {
+			if err := r.record(wctx, func(now time.Time) error {
+				return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
+			}); err != nil {
+				r.lost(log, err)
+				return
+			}
 		}
 	default:
 		// The store did not answer: nothing was sent, nothing is spent.
@@ -356,7 +359,10 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	}
 
 	// The next stage (stages.go) never calls the backend.
-	state, err := r.validation(wctx, j, body)
+	state, err := store.Succeeded, error(nil)
+	if !last {
+		state, err = r.validation(wctx, j, body)
+	}
 	if err != nil {
 		if errors.Is(err, store.ErrLeaseLost) || !reused {
 			// This attempt called the backend: as for an end that cannot
@@ -390,6 +396,25 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 		}
 	}
 	r.m.finished.WithLabelValues(strings.ToLower(string(state))).Inc()
+}
+
+// lastStage reports whether the inference is job j's last stage: no
+// policy is pinned to judge its answer (stages.go). Its checkpoint would
+// then be written just before the job's end, which records the same
+// answer as the result under the same fence: the end alone is written,
+// one commit where there were two. No guarantee narrows: no retry can
+// come after a recorded end, and a process that dies before the end
+// costs what one that died before the checkpoint cost (the answer is
+// paid for again), the window being one commit either way. A job that
+// names a policy, or one whose policy the store could not say, is
+// checkpointed first as before.
+func (r *Runner) lastStage(ctx context.Context, j store.Job) bool {
+	os, ok := r.st.(outcomeStore)
+	if !ok {
+		return true // no store of policies: validation has nothing to judge
+	}
+	_, err := os.JobOutcome(ctx, j.ID)
+	return errors.Is(err, store.ErrNotFound)
 }
 
 // infer prepares the job's request, waiting in place for a short quota
