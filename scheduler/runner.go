@@ -328,7 +328,13 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	if !ok {
 		return
 	}
-	body, err := r.st.Stage(ctx, j.ID, stageInference)
+	// A stage is written only under an owning claim's fence (SaveStage's
+	// condition), so a job on its first claim (fence 1) has none: the
+	// read is spared.
+	body, err := []byte(nil), store.ErrNotFound
+	if j.Fence > 1 {
+		body, err = r.st.Stage(ctx, j.ID, stageInference)
+	}
 	reused := err == nil
 	last := false // the inference is the job's last stage (lastStage)
 	switch {
