@@ -24,7 +24,7 @@ type inboxStore interface {
 
 // InboxConfig tunes the inbox consumer.
 type InboxConfig struct {
-	Batch   int           // messages fetched at once [128]
+	Batch   int           // messages fetched at once, and the most recorded in one commit [128]
 	MaxWait time.Duration // longest wait of one fetch [1s]
 	// Retention is how long a record is kept: longer than the stream
 	// keeps a message (SignalsConfig.MaxAge), so that no redelivery can
@@ -54,7 +54,8 @@ type Event struct {
 
 // Inbox consumes the job events from JetStream through the shared durable
 // consumer. Each event is recorded in the store's inbox by id and payload
-// digest before it is acknowledged, so a redelivery (the consumer died
+// digest before it is acknowledged (the deliveries that arrived together
+// in one call, one commit: see consume), so a redelivery (the consumer died
 // between commit and ack, or the broker retried) is recognised and handled
 // once; an id seen again with another payload is quarantined and counted,
 // never acted on. An event the store cannot record now is left
