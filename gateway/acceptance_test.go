@@ -1,6 +1,8 @@
 package gateway
 
 import (
+	"bytes"
+	"database/sql"
 	"fmt"
 	"io"
 	"net/http"
@@ -10,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -106,7 +109,7 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 		}
 		return n
 	}
-	c00 := commits()
+	c00, cpu00, pgcpu00 := commits(), processCPU(), backendsCPU(f.store.DB(), pg)
 	// Half a second of load first, unmeasured: connections, prepared
 	// statements, the relay's and runner's first rounds.
 	if _, bad := step(rates[0], rates[0]/2); bad > 0 {
@@ -151,10 +154,18 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 	behind, caught := 3*total-inboxed(), time.Now()
 	eventually.Within(t, 3*time.Minute, "every event through the inbox", func() bool { return inboxed() >= 3*total })
 	t.Logf("the inbox: %d events behind when the jobs were done, caught up %s later", max(behind, 0), time.Since(caught).Round(time.Millisecond))
+	// CPU time per job, which the neighbours' load moves less than a
+	// latency: this process (the gateway, the runner, the relay, the
+	// inbox, and also the simulators, NATS and the load generator), and
+	// the database's server processes for this database (on this machine).
+	cpu := (processCPU() - cpu00) / time.Duration(total)
 	if pg {
+		pgcpu := (backendsCPU(f.store.DB(), pg) - pgcpu00) / time.Duration(total)
 		time.Sleep(1500 * time.Millisecond) // the statistics' flush
-		t.Logf("%.2f transactions committed per job over the whole run (%d jobs; read-only ones included: the acceptance, the claim, the attempt, the relay, the inbox)",
-			float64(commits()-c00)/float64(total), total)
+		t.Logf("%.2f transactions committed per job over the whole run (%d jobs; read-only ones included: the acceptance, the claim, the attempt, the relay, the inbox); CPU per job: %s in this process, %s in PostgreSQL's backends",
+			float64(commits()-c00)/float64(total), total, cpu.Round(time.Microsecond), pgcpu.Round(time.Microsecond))
+	} else {
+		t.Logf("CPU per job over the whole run (%d jobs): %s in this process (SQLite runs in it)", total, cpu.Round(time.Microsecond))
 	}
 	var runs, succeeded, jobs int
 	if err := f.store.DB().QueryRow(`SELECT count(*), count(*) FILTER (WHERE outcome = 'succeeded') FROM attempts`).Scan(&runs, &succeeded); err != nil {
@@ -174,4 +185,49 @@ func storeName(pg bool) string {
 		return "PostgreSQL"
 	}
 	return "SQLite"
+}
+
+// processCPU is the CPU time this process has used, user and system.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// backendsCPU is the CPU time used so far by the PostgreSQL server
+// processes connected to db's database, read from /proc (0 where the
+// server is not on this machine). Backends that exit between two reads
+// take theirs with them: the store keeps its pool's connections.
+func backendsCPU(db *sql.DB, pg bool) time.Duration {
+	if !pg {
+		return 0
+	}
+	rows, err := db.Query(`SELECT pid FROM pg_stat_activity WHERE datname = current_database()`)
+	if err != nil {
+		return 0
+	}
+	defer rows.Close()
+	var total time.Duration
+	for rows.Next() {
+		var pid int
+		if rows.Scan(&pid) != nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// Fields after the command's closing parenthesis: utime and stime
+		// are the 12th and 13th, in clock ticks (100 a second).
+		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
+		if len(f) < 13 {
+			continue
+		}
+		u, _ := strconv.ParseInt(f[11], 10, 64)
+		st, _ := strconv.ParseInt(f[12], 10, 64)
+		total += time.Duration(u+st) * 10 * time.Millisecond
+	}
+	return total
 }
