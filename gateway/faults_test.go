@@ -158,20 +158,32 @@ func outcomes(t *testing.T, st store.Store, id string) (map[string]int, []store.
 // A worker dies after the backend answered: before the checkpoint, the
 // next worker pays for the inference again (the answer died with the
 // process); after it, the next worker completes from the checkpoint
-// without calling the model. Either way the job succeeds once, and its
-// attempts show the lost lease, then the success.
+// without calling the model. A job with no stage after the inference (no
+// policy) writes no checkpoint: its end holds the answer, and a death at
+// the end costs what a death before the checkpoint costs. Either way the
+// job succeeds once, and its attempts show the lost lease, then the
+// success.
 func TestWorkerKilledAfterBackendAnswered(t *testing.T) {
 	for _, tc := range []struct {
 		name          string
-		afterStage    bool
+		afterStage    bool // die at the Complete call, not at the answer
+		policy        bool // a validation stage follows the inference
 		wantSecondRun int64
 	}{
-		{"before the checkpoint", false, 1},
-		{"after the checkpoint", true, 0},
+		{"before the checkpoint", false, true, 1},
+		{"after the checkpoint", true, true, 0},
+		{"at the end, no stage after the inference", true, false, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := startFleet(t, fleetOpts{backends: 1, jobs: true, pg: true, speedup: 50})
-			_, v := submitJob(t, f, "k", chatJob("die after answering", 4))
+			job := chatJob("die after answering", 4)
+			if tc.policy {
+				if resp, b := f.post(t, "/v1/validation-policies", `{"name":"invoice","rules":[{"rule":"json"},{"rule":"schema"}]}`); resp.StatusCode != http.StatusCreated {
+					t.Fatalf("policy: %d %s", resp.StatusCode, b)
+				}
+				job = schemaJob("die after answering", "invoice")
+			}
+			_, v := submitJob(t, f, "k", job)
 
 			dying := &dyingStore{Store: f.store, dieOnComplete: tc.afterStage}
 			first := &countingExec{Server: f.api}

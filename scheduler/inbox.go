@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"time"
 
@@ -17,13 +18,13 @@ import (
 
 // inboxStore is what the inbox needs of the store.
 type inboxStore interface {
-	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
+	RecordInboxBatch(ctx context.Context, recs []store.InboxRecord, now time.Time) ([]store.InboxOutcome, error)
 	PruneInbox(ctx context.Context, before time.Time, limit int) (int, error)
 }
 
 // InboxConfig tunes the inbox consumer.
 type InboxConfig struct {
-	Batch   int           // messages fetched at once [128]
+	Batch   int           // messages fetched at once, and the most recorded in one commit [128]
 	MaxWait time.Duration // longest wait of one fetch [1s]
 	// Retention is how long a record is kept: longer than the stream
 	// keeps a message (SignalsConfig.MaxAge), so that no redelivery can
@@ -53,7 +54,8 @@ type Event struct {
 
 // Inbox consumes the job events from JetStream through the shared durable
 // consumer. Each event is recorded in the store's inbox by id and payload
-// digest before it is acknowledged, so a redelivery (the consumer died
+// digest before it is acknowledged (the deliveries that arrived together
+// in one call, one commit: see consume), so a redelivery (the consumer died
 // between commit and ack, or the broker retried) is recognised and handled
 // once; an id seen again with another payload is quarantined and counted,
 // never acted on. An event the store cannot record now is left
@@ -97,9 +99,7 @@ func (in *Inbox) Run(ctx context.Context) error {
 		}
 		batch, err := in.cons.Fetch(in.cfg.Batch, jetstream.FetchMaxWait(in.cfg.MaxWait))
 		if err == nil {
-			for msg := range batch.Messages() {
-				in.handle(ctx, msg)
-			}
+			in.consume(ctx, batch.Messages())
 			err = batch.Error()
 		}
 		if err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
@@ -131,48 +131,97 @@ func (in *Inbox) prune(ctx context.Context, now time.Time) {
 	}
 }
 
-// handle records one delivery, then acks it. It never returns an error:
-// what cannot be done now is left for redelivery.
-func (in *Inbox) handle(ctx context.Context, msg jetstream.Msg) {
-	data := msg.Data()
-	var w wireEvent
-	err := json.Unmarshal(data, &w)
-	id := w.ID
-	if h := msg.Headers().Get(jetstream.MsgIDHeader); err != nil || id == "" || h != "" && h != id {
-		in.quarantine(ctx, msg, cmp.Or(id, h), "malformed event")
+// consume handles a fetch's messages as they arrive: whatever has
+// arrived when the inbox is ready for more is recorded together, in one
+// call to the store (one commit), then acknowledged. At a low rate each
+// message goes alone, at once; under load they share the commit.
+func (in *Inbox) consume(ctx context.Context, msgs <-chan jetstream.Msg) {
+	var pending []jetstream.Msg
+	for msg := range msgs {
+		pending = append(pending[:0], msg)
+	more:
+		for len(pending) < in.cfg.Batch {
+			select {
+			case m, ok := <-msgs:
+				if !ok {
+					break more
+				}
+				pending = append(pending, m)
+			default:
+				break more
+			}
+		}
+		in.handle(ctx, pending)
+	}
+}
+
+// delivery is a message that parsed, with what the inbox records of it.
+type delivery struct {
+	msg jetstream.Msg
+	ev  wireEvent
+	rec store.InboxRecord
+}
+
+// handle records a batch of deliveries, then acks them. It never returns
+// an error: what cannot be done now is left for redelivery.
+func (in *Inbox) handle(ctx context.Context, msgs []jetstream.Msg) {
+	ds := make([]delivery, 0, len(msgs))
+	recs := make([]store.InboxRecord, 0, len(msgs))
+	for _, msg := range msgs {
+		data := msg.Data()
+		var w wireEvent
+		err := json.Unmarshal(data, &w)
+		id := w.ID
+		if h := msg.Headers().Get(jetstream.MsgIDHeader); err != nil || id == "" || h != "" && h != id {
+			in.quarantine(ctx, msg, cmp.Or(id, h), "malformed event")
+			continue
+		}
+		rec := store.InboxRecord{EventID: id, Digest: digest(data)}
+		ds, recs = append(ds, delivery{msg: msg, ev: w, rec: rec}), append(recs, rec)
+	}
+	if len(ds) == 0 {
 		return
 	}
-	dup, err := in.st.RecordInbox(ctx, id, digest(data), in.cfg.Now())
-	switch {
-	case errors.Is(err, store.ErrDigestMismatch):
-		in.quarantine(ctx, msg, id, "event id seen before with a different payload")
-		return
-	case err != nil:
+	outs, err := in.st.RecordInboxBatch(ctx, recs, in.cfg.Now())
+	if err == nil && len(outs) != len(ds) {
+		err = fmt.Errorf("the store answered %d outcomes for %d records", len(outs), len(ds))
+	}
+	if err != nil {
 		if ctx.Err() == nil {
 			in.m.errors.Inc()
-			in.log.Warn("inbox record failed; left for redelivery", "event_id", id, "err", err)
-			_ = msg.NakWithDelay(time.Second)
+			in.log.Warn("inbox record failed; left for redelivery", "events", len(ds), "first_event_id", ds[0].rec.EventID, "err", err)
+			for _, d := range ds {
+				_ = d.msg.NakWithDelay(time.Second)
+			}
 		}
 		return
 	}
-	// Recorded: from here a redelivery is a duplicate. An ack lost now
-	// costs one more delivery, recognised as such.
-	if err := msg.Ack(); err != nil {
-		in.log.Debug("inbox ack failed", "event_id", id, "err", err)
-	}
-	if dup {
-		in.m.duplicates.Inc()
-		return
-	}
-	in.m.recorded.Inc()
-	ev := Event(w)
-	var stored time.Time // when the broker took the event in
-	if md, err := msg.Metadata(); err == nil {
-		stored = md.Timestamp
-	}
-	traceReceived(ev, stored, in.cfg.Now())
-	if in.cfg.OnEvent != nil {
-		in.cfg.OnEvent(ev)
+	now := in.cfg.Now()
+	for i, d := range ds {
+		id := d.rec.EventID
+		if outs[i] == store.InboxMismatch {
+			in.quarantine(ctx, d.msg, id, "event id seen before with a different payload")
+			continue
+		}
+		// Recorded: from here a redelivery is a duplicate. An ack lost
+		// now costs one more delivery, recognised as such.
+		if err := d.msg.Ack(); err != nil {
+			in.log.Debug("inbox ack failed", "event_id", id, "err", err)
+		}
+		if outs[i] == store.InboxDuplicate {
+			in.m.duplicates.Inc()
+			continue
+		}
+		in.m.recorded.Inc()
+		ev := Event(d.ev)
+		var stored time.Time // when the broker took the event in
+		if md, err := d.msg.Metadata(); err == nil {
+			stored = md.Timestamp
+		}
+		traceReceived(ev, stored, now)
+		if in.cfg.OnEvent != nil {
+			in.cfg.OnEvent(ev)
+		}
 	}
 }
 

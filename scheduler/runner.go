@@ -238,6 +238,17 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-r.wake:
 		case <-done:
 		}
+		// Every attempt's end wakes the loop (twice: its slot freed, its
+		// end written); those that came together share one claim, not one
+		// each: a claim is a statement, and one that finds work a commit.
+	coalesce:
+		for {
+			select {
+			case <-done:
+			default:
+				break coalesce
+			}
+		}
 		if r.draining.Load() {
 			if r.inflight.Load() == 0 {
 				return nil // drained
@@ -317,8 +328,15 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	if !ok {
 		return
 	}
-	body, err := r.st.Stage(ctx, j.ID, stageInference)
+	// A stage is written only under an owning claim's fence (SaveStage's
+	// condition), so a job on its first claim (fence 1) has none: the
+	// read is spared.
+	body, err := []byte(nil), store.ErrNotFound
+	if j.Fence > 1 {
+		body, err = r.st.Stage(ctx, j.ID, stageInference)
+	}
 	reused := err == nil
+	last := false // the inference is the job's last stage (lastStage)
 	switch {
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
@@ -331,11 +349,13 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 		}
 		a.PromptTokens, a.CompletionTokens = out.PromptTokens, out.CompletionTokens
 		body = out.Body
-		if err := r.record(wctx, func(now time.Time) error {
-			return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
-		}); err != nil {
-			r.lost(log, err)
-			return
+		if last = r.lastStage(wctx, j); !last {
+			if err := r.record(wctx, func(now time.Time) error {
+				return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
+			}); err != nil {
+				r.lost(log, err)
+				return
+			}
 		}
 	default:
 		// The store did not answer: nothing was sent, nothing is spent.
@@ -345,7 +365,10 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	}
 
 	// The next stage (stages.go) never calls the backend.
-	state, err := r.validation(wctx, j, body)
+	state, err := store.Succeeded, error(nil)
+	if !last {
+		state, err = r.validation(wctx, j, body)
+	}
 	if err != nil {
 		if errors.Is(err, store.ErrLeaseLost) || !reused {
 			// This attempt called the backend: as for an end that cannot
@@ -379,6 +402,25 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 		}
 	}
 	r.m.finished.WithLabelValues(strings.ToLower(string(state))).Inc()
+}
+
+// lastStage reports whether the inference is job j's last stage: no
+// policy is pinned to judge its answer (stages.go). Its checkpoint would
+// then be written just before the job's end, which records the same
+// answer as the result under the same fence: the end alone is written,
+// one commit where there were two. No guarantee narrows: no retry can
+// come after a recorded end, and a process that dies before the end
+// costs what one that died before the checkpoint cost (the answer is
+// paid for again), the window being one commit either way. A job that
+// names a policy, or one whose policy the store could not say, is
+// checkpointed first as before.
+func (r *Runner) lastStage(ctx context.Context, j store.Job) bool {
+	os, ok := r.st.(outcomeStore)
+	if !ok {
+		return true // no store of policies: validation has nothing to judge
+	}
+	_, err := os.JobOutcome(ctx, j.ID)
+	return errors.Is(err, store.ErrNotFound)
 }
 
 // infer prepares the job's request, waiting in place for a short quota

@@ -243,23 +243,29 @@ func TestRelayDiesBetweenPublishAndMark(t *testing.T) {
 	}
 }
 
-// crashAfterCommit is the real store with RecordInbox committing and then
-// failing once per event: the consumer died between commit and ack.
+// crashAfterCommit is the real store with the inbox's record committing
+// and then failing once per event: the consumer died between commit and
+// ack.
 type crashAfterCommit struct {
 	store.Store
 	mu      sync.Mutex
 	crashed map[string]bool
 }
 
-func (c *crashAfterCommit) RecordInbox(ctx context.Context, id, digest string, now time.Time) (bool, error) {
-	dup, err := c.Store.RecordInbox(ctx, id, digest, now)
+func (c *crashAfterCommit) RecordInboxBatch(ctx context.Context, recs []store.InboxRecord, now time.Time) ([]store.InboxOutcome, error) {
+	outs, err := c.Store.RecordInboxBatch(ctx, recs, now)
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if err == nil && !c.crashed[id] {
-		c.crashed[id] = true
-		return false, errors.New("consumer killed after commit, before ack")
+	crash := false
+	for _, r := range recs {
+		if err == nil && !c.crashed[r.EventID] {
+			c.crashed[r.EventID], crash = true, true
+		}
 	}
-	return dup, err
+	if crash {
+		return nil, errors.New("consumer killed after commit, before ack")
+	}
+	return outs, err
 }
 
 // The redelivery after a consumer died between commit and ack is
@@ -414,4 +420,68 @@ func TestInboxPrunesOldRecords(t *testing.T) {
 	if dup, err := st.RecordInbox(context.Background(), "old2", "d", now); err != nil || !dup {
 		t.Errorf("a record within the retention was pruned: dup %v, %v", dup, err)
 	}
+}
+
+// countingInbox counts the store calls the inbox makes to record.
+type countingInbox struct {
+	store.Store
+	calls, records atomic.Int64
+}
+
+func (c *countingInbox) RecordInboxBatch(ctx context.Context, recs []store.InboxRecord, now time.Time) ([]store.InboxOutcome, error) {
+	c.calls.Add(1)
+	c.records.Add(int64(len(recs)))
+	return c.Store.RecordInboxBatch(ctx, recs, now)
+}
+
+// A backlog of deliveries is recorded in batches, far fewer commits than
+// events; each event is still acted on once, and a forged copy of one
+// (same id, other payload) in the middle of a batch is quarantined alone,
+// while the batch's other events are acknowledged.
+func TestInboxRecordsBacklogInBatches(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := pgtest.Open(t)
+	acceptJobs(t, st, "acme", 300)
+	f := startSignals(t, st, ns.ClientURL())
+	for unpublished(t, st) > 0 {
+		if _, err := f.relay().Once(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	evs, err := st.Events(context.Background(), "acme", "", 0, 1)
+	if err != nil || len(evs) != 1 {
+		t.Fatalf("feed: %v, %v", evs, err)
+	}
+	forged := nats.NewMsg("kvgate.events.job.succeeded")
+	forged.Data = []byte(`{"id":"` + evs[0].ID + `","job_id":"x","tenant":"acme","type":"job.succeeded","state":"SUCCEEDED","state_version":9}`)
+	if _, err := f.js.PublishMsg(context.Background(), forged); err != nil {
+		t.Fatal(err)
+	}
+	acceptJobs(t, st, "acme", 20) // after the forgery on the stream
+	for unpublished(t, st) > 0 {
+		if _, err := f.relay().Once(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counted := &countingInbox{Store: st}
+	in := NewInbox(counted, f.cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add,
+		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := f.js.PublishMsg(ctx, m); return err }})
+	runBG(t, in.Run)
+	eventually.True(t, "320 events in the inbox", func() bool { d, _ := f.log.count(); return d == 320 })
+	eventually.True(t, "the forgery quarantined", func() bool { return testutil.ToFloat64(in.m.quarantined) == 1 })
+	eventually.True(t, "the consumer to have nothing pending", func() bool {
+		ci, err := f.cons.Info(context.Background())
+		return err == nil && ci.NumAckPending == 0 && ci.NumPending == 0
+	})
+	if _, total := f.log.count(); total != 320 {
+		t.Errorf("inbox acted on %d events, want 320", total)
+	}
+	if got := testutil.ToFloat64(in.m.recorded); got != 320 {
+		t.Errorf("recorded %v, want 320", got)
+	}
+	calls, records := counted.calls.Load(), counted.records.Load()
+	if records != 321 || calls > records/4 {
+		t.Errorf("%d records in %d store calls; want the 321 deliveries in batches", records, calls)
+	}
+	t.Logf("%d deliveries recorded in %d store calls", records, calls)
 }

@@ -201,6 +201,25 @@ type Failure struct {
 }
 
 // ListFilter selects a page of a tenant's jobs, newest first.
+// InboxRecord is one delivered event for RecordInboxBatch: its id and
+// the digest of its payload.
+type InboxRecord struct {
+	EventID, Digest string
+}
+
+// InboxOutcome is what RecordInboxBatch made of one record.
+type InboxOutcome int
+
+const (
+	// InboxRecorded: the first delivery of the event, recorded now.
+	InboxRecorded InboxOutcome = iota
+	// InboxDuplicate: a redelivery of an event recorded before.
+	InboxDuplicate
+	// InboxMismatch: the id was recorded before with another digest
+	// (RecordInbox's ErrDigestMismatch); nothing was written for it.
+	InboxMismatch
+)
+
 type ListFilter struct {
 	States []State
 	After  string // cursor: the last job id of the previous page
@@ -289,6 +308,13 @@ type Store interface {
 	// RecordInbox records a delivered event once: duplicate reports a
 	// redelivery; ErrDigestMismatch a redelivery with other content.
 	RecordInbox(ctx context.Context, eventID, digest string, now time.Time) (duplicate bool, err error)
+	// RecordInboxBatch records delivered events as RecordInbox does, all
+	// in one transaction (one commit for the batch), and returns each
+	// record's outcome in order. An id given twice is recorded once: its
+	// later mentions are duplicates (or mismatches) of the first. On an
+	// error the batch may or may not be recorded: each event must come
+	// back as a redelivery, which the inbox then recognises.
+	RecordInboxBatch(ctx context.Context, recs []InboxRecord, now time.Time) ([]InboxOutcome, error)
 	// PruneInbox forgets up to limit inbox records received before
 	// before, oldest first, and returns how many it removed. Records must
 	// outlive every redelivery of their event (the stream's retention).

@@ -221,6 +221,8 @@ type queries struct {
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
 	// One-statement forms, where the dialect has writable CTEs (else "").
 	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
+	// The inbox's batch (inbox_batch.go).
+	recordInboxBatch string
 }
 
 // listJobs starts a List query; the filters complete it per call.
@@ -254,6 +256,7 @@ func buildQueries(d Dialect) queries {
 		selectInbox:   r(`SELECT digest FROM inbox WHERE event_id = ?`),
 	}
 	ownershipQueries(d, &q)
+	inboxBatchQueries(d, &q)
 	if d.WritableCTE {
 		q.acceptCTE, q.acceptBatch = r(acceptCTE), r(acceptBatch)
 		// MarkPublished in one statement: the events not yet published

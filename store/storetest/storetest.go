@@ -65,6 +65,8 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 	tests = append(tests, outcomeTests...) // outcomes.go
 	tests = append(tests, entityTests...)  // entities.go
 	tests = append(tests, webhookTests...) // webhooks.go
+	// The inbox's batches (inbox_batch.go).
+	tests = append(tests, inboxBatchTests...)
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newStore(t)
