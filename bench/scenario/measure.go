@@ -1,9 +1,13 @@
 package scenario
 
 import (
+	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/bench"
@@ -148,4 +152,49 @@ func (c fleetCounters) hitRate(from fleetCounters) float64 {
 		return (c.prefixHits - from.prefixHits) / q
 	}
 	return -1
+}
+
+// readRefusals sums kvgate's admission refusals by reason from its
+// /metrics page at url.
+func readRefusals(ctx context.Context, url string) (map[string]float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("read kvgate's refusals: %w", err)
+	}
+	defer resp.Body.Close()
+	return parseRefusals(resp.Body)
+}
+
+// parseRefusals reads kvgate_scheduler_backend_refusals_total samples
+// from a Prometheus text page, summed by their reason label.
+func parseRefusals(r io.Reader) (map[string]float64, error) {
+	const name = "kvgate_scheduler_backend_refusals_total{"
+	out := map[string]float64{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), name)
+		if !ok {
+			continue
+		}
+		labels, value, ok := strings.Cut(line, "} ")
+		if !ok {
+			continue
+		}
+		_, reason, ok := strings.Cut(labels, `reason="`)
+		if !ok {
+			continue
+		}
+		reason, _, _ = strings.Cut(reason, `"`)
+		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
+		if err != nil {
+			continue
+		}
+		out[reason] += v
+	}
+	return out, sc.Err()
 }

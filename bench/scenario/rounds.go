@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
@@ -31,6 +32,9 @@ type RoundFigures struct {
 type Round struct {
 	Order   []string                `json:"order"`
 	Figures map[string]RoundFigures `json:"figures"`
+	// Refusals are kvgate's admission refusals by reason
+	// (TargetResult.Refusals).
+	Refusals map[string]float64 `json:"refusals,omitempty"`
 }
 
 // Rounds is a scenario run several times over, the targets interleaved:
@@ -49,7 +53,7 @@ type Rounds struct {
 // RunRounds runs the scenario rounds times against o.Targets, reversing
 // their order every other round (kvgate, round-robin; round-robin, kvgate;
 // ...) so that neither always runs first, and writes each round's reports
-// under Out/<scenario>/round-N/ and the rounds' table as
+// under Out/round-N/<scenario>/ and the rounds' table as
 // Out/<scenario>/rounds.md.
 func (sc Scenario) RunRounds(ctx context.Context, o Options, rounds int) (*Rounds, error) {
 	if rounds < 1 {
@@ -70,7 +74,7 @@ func (sc Scenario) RunRounds(ctx context.Context, o Options, rounds int) (*Round
 			slices.Reverse(ro.Targets)
 		}
 		if o.Out != "" {
-			ro.Out = filepath.Join(o.Out, sc.Name, fmt.Sprintf("round-%d", r+1))
+			ro.Out = filepath.Join(o.Out, fmt.Sprintf("round-%d", r+1))
 		}
 		o.Log.Info("scenario round starting", "scenario", sc.Name, "round", r+1, "order", strings.Join(ro.Targets, ","))
 		res, err := sc.Run(ctx, ro)
@@ -81,6 +85,9 @@ func (sc Scenario) RunRounds(ctx context.Context, o Options, rounds int) (*Round
 		for _, t := range res.Targets {
 			kv, run := windowGauges(t.Report, p.measureFrom, p.sending)
 			rd.Figures[t.Target] = RoundFigures{FleetTokPerSec: t.FleetTokPerSec, Preemptions: t.Preemptions, KVUse: kv, Running: run, Speedup: t.Speedup}
+			if t.Target == TargetKVGate {
+				rd.Refusals = t.Refusals
+			}
 		}
 		out.Rounds = append(out.Rounds, rd)
 	}
@@ -220,6 +227,22 @@ func (rs *Rounds) WriteText(w io.Writer) error {
 			cells = append(cells, fmtRatio(rs.MedianRatio(bl, row.f)))
 		}
 		fmt.Fprintf(&b, "| %s |\n", strings.Join(cells, " | "))
+	}
+	headed := false
+	for r, rd := range rs.Rounds {
+		if len(rd.Refusals) == 0 {
+			continue
+		}
+		if !headed {
+			headed = true
+			b.WriteString("\nkvgate's admission refusals by reason (per ticket, backend and pass):\n\n")
+		}
+		reasons := slices.Sorted(maps.Keys(rd.Refusals))
+		cells := make([]string, len(reasons))
+		for i, k := range reasons {
+			cells[i] = fmt.Sprintf("%s %.0f", k, rd.Refusals[k])
+		}
+		fmt.Fprintf(&b, "- round %d: %s\n", r+1, strings.Join(cells, ", "))
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

@@ -49,3 +49,20 @@ func TestRoundsRatiosAndMedians(t *testing.T) {
 		}
 	}
 }
+
+func TestParseRefusals(t *testing.T) {
+	page := `# HELP kvgate_scheduler_backend_refusals_total x
+# TYPE kvgate_scheduler_backend_refusals_total counter
+kvgate_scheduler_backend_refusals_total{backend="a",reason="kv_budget"} 10
+kvgate_scheduler_backend_refusals_total{backend="b",reason="kv_budget"} 5
+kvgate_scheduler_backend_refusals_total{backend="b",reason="pacing"} 2.5e+01
+kvgate_scheduler_admissions_total{class="interactive"} 7
+`
+	got, err := parseRefusals(strings.NewReader(page))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 2 || got["kv_budget"] != 15 || got["pacing"] != 25 {
+		t.Errorf("refusals %v, want kv_budget 15 and pacing 25", got)
+	}
+}

@@ -156,6 +156,11 @@ type TargetResult struct {
 	// Events are the scenario's mid-run events that happened, in order.
 	Events []string
 	Dir    string // where its reports are, or ""
+	// Refusals are kvgate's admission refusals over the run
+	// (kvgate_scheduler_backend_refusals_total, summed over the
+	// backends) by reason: which rule held tickets back, counted once per
+	// ticket and backend and pass. Nil for the baselines.
+	Refusals map[string]float64
 
 	gatewayMetrics string // kvgate's /metrics in the report's time series
 }
@@ -327,6 +332,12 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		return nil, err
 	}
 	k := c3.speedup(c0)
+	var refusals map[string]float64
+	if st.gatewayMetrics != "" {
+		if refusals, err = readRefusals(ctx, st.gatewayMetrics); err != nil {
+			return nil, err
+		}
+	}
 	tr := &TargetResult{
 		Target: target, Report: r.rep, Speedup: k, Events: fired,
 		gatewayMetrics:   st.gatewayMetrics,
@@ -334,6 +345,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		Preemptions:      c3.preemptions - c0.preemptions,
 		PrefixHitRate:    c3.hitRate(c0),
 		PredictedHitRate: -1,
+		Refusals:         refusals,
 	}
 	if st.sched != nil {
 		var hit, query float64
