@@ -649,9 +649,11 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		last    time.Time
 		done    bool
 		started bool
-		midLine bool // the last read ended inside a line longer than the buffer
-		readErr error
-		lastPet time.Time // the watchdog's last reset (stream_relay.go)
+		// unflushed: events written to the client since the last flush.
+		unflushed bool
+		midLine   bool // the last read ended inside a line longer than the buffer
+		readErr   error
+		lastPet   time.Time // the watchdog's last reset (stream_relay.go)
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -734,12 +736,17 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			if _, err := w.Write(event); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
+			unflushed = true
 		}
 		rb.event, event = event, event[:0] // kept for the next stream, however it grew
-		if started && (br.Buffered() == 0 || done) {
+		// Flush what was written once the backend has nothing more
+		// buffered: one write to the client per read from the backend, and
+		// none for a read whose events were all dropped.
+		if unflushed && (br.Buffered() == 0 || done) {
 			if err := rc.Flush(); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
+			unflushed = false
 		}
 	}
 	if done {

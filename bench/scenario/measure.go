@@ -18,6 +18,7 @@ import (
 type fleetCounters struct {
 	wall        time.Time
 	sim         []time.Duration // each engine's simulated clock
+	stalled     []time.Duration // each engine's vllmsim.Engine.Stalled
 	generation  float64         // vllm:generation_tokens_total, summed
 	preemptions float64         // vllm:num_preemptions_total, summed
 	// prefixHits and prefixQueries are vllm:prefix_cache_hits_total and
@@ -31,6 +32,7 @@ func readFleet(ctx context.Context, s *stack) (fleetCounters, error) {
 	c := fleetCounters{wall: time.Now()}
 	for i, b := range s.backends {
 		c.sim = append(c.sim, s.sims[i].Engine().Now())
+		c.stalled = append(c.stalled, s.sims[i].Engine().Stalled())
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, b+"/metrics", nil)
 		if err != nil {
 			return c, err
@@ -60,6 +62,20 @@ func (c fleetCounters) elapsed(from fleetCounters) time.Duration {
 		sum += c.sim[i] - from.sim[i]
 	}
 	return sum / time.Duration(max(1, len(c.sim)))
+}
+
+// stalledShare is the share of the simulated time since from that the
+// engines spent stalled by the host (vllmsim.Engine.Stalled), averaged
+// over the engines.
+func (c fleetCounters) stalledShare(from fleetCounters) float64 {
+	var sum time.Duration
+	for i := range c.stalled {
+		sum += c.stalled[i] - from.stalled[i]
+	}
+	if d := c.elapsed(from); d > 0 {
+		return float64(sum/time.Duration(max(1, len(c.stalled)))) / float64(d)
+	}
+	return 0
 }
 
 // tokPerSec is the fleet's output tokens per simulated second since from.

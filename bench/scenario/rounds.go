@@ -22,10 +22,13 @@ import (
 // one asked for.
 type RoundFigures struct {
 	FleetTokPerSec float64 `json:"fleet_tok_per_s"`
-	Preemptions    float64 `json:"preemptions"`
-	KVUse          float64 `json:"kv_use"`
-	Running        float64 `json:"running"`
-	Speedup        float64 `json:"speedup"`
+	// FleetTokPerBusySec and Stalled: see TargetResult.
+	FleetTokPerBusySec float64 `json:"fleet_tok_per_busy_s"`
+	Stalled            float64 `json:"stalled"`
+	Preemptions        float64 `json:"preemptions"`
+	KVUse              float64 `json:"kv_use"`
+	Running            float64 `json:"running"`
+	Speedup            float64 `json:"speedup"`
 }
 
 // Round is one pass over the targets.
@@ -83,8 +86,8 @@ func (sc Scenario) RunRounds(ctx context.Context, o Options, rounds int) (*Round
 		}
 		rd := Round{Order: ro.Targets, Figures: map[string]RoundFigures{}}
 		for _, t := range res.Targets {
-			kv, run := windowGauges(t.Report, p.measureFrom, p.sending)
-			rd.Figures[t.Target] = RoundFigures{FleetTokPerSec: t.FleetTokPerSec, Preemptions: t.Preemptions, KVUse: kv, Running: run, Speedup: t.Speedup}
+			kv, run := windowGauges(t.Report, t.gatewayMetrics, p.measureFrom, p.sending)
+			rd.Figures[t.Target] = RoundFigures{FleetTokPerSec: t.FleetTokPerSec, FleetTokPerBusySec: t.FleetTokPerBusySec, Stalled: t.Stalled, Preemptions: t.Preemptions, KVUse: kv, Running: run, Speedup: t.Speedup}
 			if t.Target == TargetKVGate {
 				rd.Refusals = t.Refusals
 			}
@@ -92,7 +95,11 @@ func (sc Scenario) RunRounds(ctx context.Context, o Options, rounds int) (*Round
 		out.Rounds = append(out.Rounds, rd)
 	}
 	if o.Out != "" {
-		f, err := os.Create(filepath.Join(o.Out, sc.Name, "rounds.md"))
+		dir := filepath.Join(o.Out, sc.Name)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, err
+		}
+		f, err := os.Create(filepath.Join(dir, "rounds.md"))
 		if err != nil {
 			return nil, err
 		}
@@ -109,12 +116,13 @@ func (sc Scenario) RunRounds(ctx context.Context, o Options, rounds int) (*Round
 
 // windowGauges averages the simulators' KV use and running sequences over
 // the samples of the report's time series (in simulated seconds) between
-// from and to, over the backends: -1 when there are none.
-func windowGauges(rep *bench.Report, from, to time.Duration) (kv, running float64) {
+// from and to, over the backends (not kvgate's own page, gateway): -1
+// when there are none.
+func windowGauges(rep *bench.Report, gateway string, from, to time.Duration) (kv, running float64) {
 	var skv, srun float64
 	n := 0
 	for _, s := range rep.TimeSeries {
-		if s.T < from.Seconds() || s.T > to.Seconds() {
+		if s.Source == gateway || s.T < from.Seconds() || s.T > to.Seconds() {
 			continue
 		}
 		u, ok := s.Values["kv_usage"]
@@ -172,6 +180,8 @@ var roundRows = []struct {
 	f    func(RoundFigures) float64
 }{
 	{"fleet output tok/s", func(f RoundFigures) float64 { return f.FleetTokPerSec }},
+	{"fleet tok/s, host stalls out", func(f RoundFigures) float64 { return f.FleetTokPerBusySec }},
+	{"simulators stalled", func(f RoundFigures) float64 { return f.Stalled }},
 	{"KV use", func(f RoundFigures) float64 { return f.KVUse }},
 	{"running sequences", func(f RoundFigures) float64 { return f.Running }},
 	{"preemptions", func(f RoundFigures) float64 { return f.Preemptions }},
