@@ -18,6 +18,9 @@ type load struct {
 	cooling    bool // the backend asked for a pause (429)
 	stale      bool
 	late       bool // past the staleness bound while a scrape is under way (lateview.go)
+	// lateness is how far into the late window the view is, in (0, 1]
+	// when late (lateness in lateview.go): the share of lateMargin it costs.
+	lateness float64
 	degraded   bool
 	preempting bool // the backend preempted since its previous scrape
 
@@ -116,7 +119,7 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		target *= p.DegradedFactor
 	}
 	if l.late {
-		target -= lateMargin
+		target -= lateMargin * min(1, max(0, l.lateness))
 	}
 	budget := int(target * float64(l.capacity))
 
