@@ -14,15 +14,16 @@ type flight struct {
 
 // load is what admission knows of one backend at one instant.
 type load struct {
-	routable bool
-	cooling  bool // the backend asked for a pause (429)
-	stale    bool
-	late     bool // past the staleness bound while a scrape is under way (lateview.go)
-	// lateness is how far into the late window the view is, in (0, 1]
-	// when late (lateness in lateview.go): the share of lateMargin it costs.
-	lateness   float64
+	routable   bool
+	cooling    bool // the backend asked for a pause (429)
+	stale      bool
+	late       bool // past the staleness bound while a scrape is under way (lateview.go)
 	degraded   bool
 	preempting bool // the backend preempted since its previous scrape
+
+	// lateness is how far into the late window the view is, in (0, 1]
+	// when late (lateness in lateview.go): the share of lateMargin it costs.
+	lateness float64
 
 	capacity   int // KV tokens
 	maxNumSeqs int
