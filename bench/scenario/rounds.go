@@ -192,6 +192,11 @@ var roundRows = []struct {
 // figures and kvgate's ratio to each baseline, then the medians.
 func (rs *Rounds) WriteText(w io.Writer) error {
 	fmt.Fprintf(w, "# %s, %d rounds\n\n%s (asked speed-up %g×)\n\n", rs.Scenario, len(rs.Rounds), rs.Describe, rs.Speedup)
+	orders := make([]string, len(rs.Rounds))
+	for r, rd := range rs.Rounds {
+		orders[r] = fmt.Sprintf("%d: %s", r+1, strings.Join(rd.Order, ", "))
+	}
+	fmt.Fprintf(w, "Run order: %s\n\n", strings.Join(orders, "; "))
 	var baselines []string
 	for _, t := range rs.Targets {
 		if t != TargetKVGate {
