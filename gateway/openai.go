@@ -12,7 +12,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
@@ -620,9 +619,6 @@ func isEventStream(ct string) bool {
 	return len(ct) >= len("text/event-stream") && ct[:len("text/event-stream")] == "text/event-stream"
 }
 
-// readers are the relay's read buffers, reused across streams.
-var readers = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 8<<10) }}
-
 var (
 	dataPrefix = []byte("data:")
 	doneData   = []byte("[DONE]")
@@ -639,26 +635,25 @@ var (
 func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, resp *http.Response,
 	injected bool, start time.Time, watchdog *time.Timer, failed func(string, error) result) result {
 	rc := http.NewResponseController(w)
-	br := readers.Get().(*bufio.Reader)
-	br.Reset(resp.Body)
-	defer func() {
-		br.Reset(nil)
-		readers.Put(br)
-	}()
+	rb := getRelayBuffers(resp.Body)
+	defer rb.put()
+	br := rb.r
 	ttft, itl := s.m.ttft.WithLabelValues(c.model), s.m.itl.WithLabelValues(c.model)
 	// Progress counts one sequence's tokens; with several sequences the
 	// chunks interleave, and admission estimates progress instead.
 	report := c.sequences == 1
 	var (
-		event   []byte
+		event   = rb.event[:0]
 		u       *usage
 		chunks  int
 		last    time.Time
 		done    bool
 		started bool
-		midLine bool // the last read ended inside a line longer than the buffer
-		readErr error
-		lastPet time.Time // the watchdog's last reset (stream_relay.go)
+		// unflushed: events written to the client since the last flush.
+		unflushed bool
+		midLine   bool // the last read ended inside a line longer than the buffer
+		readErr   error
+		lastPet   time.Time // the watchdog's last reset (stream_relay.go)
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -741,12 +736,17 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			if _, err := w.Write(event); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
+			unflushed = true
 		}
-		event = event[:0]
-		if started && (br.Buffered() == 0 || done) {
+		rb.event, event = event, event[:0] // kept for the next stream, however it grew
+		// Flush what was written once the backend has nothing more
+		// buffered: one write to the client per read from the backend, and
+		// none for a read whose events were all dropped.
+		if unflushed && (br.Buffered() == 0 || done) {
 			if err := rc.Flush(); err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
+			unflushed = false
 		}
 	}
 	if done {

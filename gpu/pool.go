@@ -185,6 +185,9 @@ type backend struct {
 		preemptions, generation, steps float64
 	}
 	decode rateSamples // for the decode rate (progress.go)
+	// lastAnswer is when a dispatch last succeeded, in Unix nanoseconds
+	// (liveness.go).
+	lastAnswer atomic.Int64
 }
 
 // NewPool returns a pool for the given backends. Names default to the
@@ -354,6 +357,9 @@ func (p *Pool) CooldownURL(url string, until time.Time) bool {
 // ReportSuccess records a dispatch that worked.
 func (p *Pool) ReportSuccess(name string) {
 	b, ok := p.byName[name]
+	if ok {
+		b.noteAnswer(time.Now())
+	}
 	if !ok || b.snap.Load().Failures == 0 {
 		return // the common case costs one atomic load
 	}
@@ -493,6 +499,9 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 			return
 		}
+		if b.excused(err, now) {
+			return // a busy host, not a failed backend: the view is only late (liveness.go)
+		}
 		p.update(b, func(s *Snapshot) { s.ScrapeErr = err.Error() })
 		return
 	}
@@ -623,6 +632,7 @@ func (p *Pool) Probe(ctx context.Context) {
 func (p *Pool) probe(ctx context.Context, b *backend) {
 	ctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeInterval)
 	defer cancel()
+	sent := time.Now()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.cfg.URL+"/health", nil)
 	resp, err := p.cfg.Client.Do(req)
 	if err == nil {
@@ -634,6 +644,9 @@ func (p *Pool) probe(ctx context.Context, b *backend) {
 	}
 	if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		return
+	}
+	if err != nil && b.excused(err, sent) {
+		return // the backend answers kvgate: a timeout is the host's (liveness.go)
 	}
 	if err != nil {
 		p.fail(b, err, true)

@@ -21,6 +21,10 @@ type load struct {
 	degraded   bool
 	preempting bool // the backend preempted since its previous scrape
 
+	// lateness is how far into the late window the view is, in (0, 1]
+	// when late (lateness in lateview.go): the share of lateMargin it costs.
+	lateness float64
+
 	capacity   int // KV tokens
 	maxNumSeqs int
 	// share is this replica's part of the backend's budget when several
@@ -116,7 +120,7 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		target *= p.DegradedFactor
 	}
 	if l.late {
-		target -= lateMargin
+		target -= lateMargin * min(1, max(0, l.lateness))
 	}
 	budget := int(target * float64(l.capacity))
 

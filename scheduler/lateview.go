@@ -6,12 +6,28 @@ import (
 	"github.com/kvgate/kvgate/gpu"
 )
 
-// lateMargin is the share of a backend's capacity that a late view costs:
+// lateMargin is the most of a backend's capacity that a late view costs:
 // while a scrape is overdue, admission goes on from what it knows (what it
 // sent, the streams' reported progress, the step rate extrapolated no
-// further than the staleness bound) with the KV target lowered by this
-// much, rather than stopping.
+// further than the staleness bound) with the KV target lowered by up to
+// this much, rather than stopping. The margin grows with the view's age
+// (lateness), from nothing at the staleness bound, where a view is still
+// fresh and costs nothing, to all of it at twice the bound, past which
+// the backend is stale: what kvgate cannot see (load it did not send, the
+// progress of requests it does not stream) drifts with the time since the
+// scrape, not all at once when the bound is crossed.
 const lateMargin = 0.1
+
+// lateness is how far into its late window a backend's view is at now:
+// 0 while fresh, rising to 1 at twice the staleness bound; 0 too when the
+// view is not late but stale (lateView).
+func lateness(sn *gpu.Snapshot, now time.Time) float64 {
+	if !lateView(sn, now) || sn.StaleAfter <= 0 {
+		return 0
+	}
+	over := now.Sub(sn.ScrapedAt) - sn.StaleAfter
+	return min(1, max(0, over.Seconds()/sn.StaleAfter.Seconds()))
+}
 
 // lateView reports whether a backend's metrics are past the staleness
 // bound only because a scrape is late: the last one succeeded, none has

@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"fmt"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -235,16 +236,52 @@ func TestLateView(t *testing.T) {
 		})
 	}
 	p := Policy{}
-	p.defaults() // kv_target 0.95; late: 0.85
+	p.defaults() // kv_target 0.95; at the end of the late window 0.85
 	for _, tc := range []struct {
-		late bool
-		need int
-		ok   bool
-	}{{false, 90_000, true}, {true, 90_000, false}, {true, 84_000, true}} {
-		l := load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true, share: 1, late: tc.late,
+		late     bool
+		lateness float64
+		need     int
+		ok       bool
+	}{
+		{false, 0, 90_000, true},
+		{true, 1, 90_000, false}, // twice the bound: the whole margin
+		{true, 1, 84_000, true},
+		{true, 0.5, 89_900, true}, // halfway: target 0.90
+		{true, 0.5, 90_200, false},
+		{true, 0.1, 93_900, true}, // just late: target 0.94
+		{true, 0.1, 94_100, false},
+		{true, 3, 84_000, true}, // never more than the margin
+		{true, 3, 85_100, false},
+	} {
+		l := load{routable: true, capacity: 100_000, maxNumSeqs: 256, exact: true, share: 1, late: tc.late, lateness: tc.lateness,
 			inflight: 1, reserved: 1, flights: []flight{{held: 1, remaining: 0}}}
 		if v := decide(&l, tc.need/2, tc.need/2, &p); v.ok != tc.ok {
-			t.Errorf("late=%v need %d: %+v, want ok=%v", tc.late, tc.need, v, tc.ok)
+			t.Errorf("late=%v lateness %v need %d: %+v, want ok=%v", tc.late, tc.lateness, tc.need, v, tc.ok)
+		}
+	}
+}
+
+// TestLateness: the late margin's share grows with the view's age past
+// the staleness bound, from 0 there to 1 at twice it; neither a fresh nor
+// a stale view has any.
+func TestLateness(t *testing.T) {
+	now := time.Now()
+	for _, tc := range []struct {
+		age  time.Duration
+		err  string
+		want float64
+	}{
+		{500 * time.Millisecond, "", 0},
+		{time.Second, "", 0},
+		{1250 * time.Millisecond, "", 0.25},
+		{1500 * time.Millisecond, "", 0.5},
+		{2 * time.Second, "", 1},
+		{2100 * time.Millisecond, "", 0}, // stale, not late
+		{1500 * time.Millisecond, "GET /metrics: status 500", 0},
+	} {
+		sn := &gpu.Snapshot{ScrapedAt: now.Add(-tc.age), StaleAfter: time.Second, ScrapeErr: tc.err}
+		if got := lateness(sn, now); math.Abs(got-tc.want) > 1e-9 {
+			t.Errorf("age %v (scrape error %q): lateness %v, want %v", tc.age, tc.err, got, tc.want)
 		}
 	}
 }

@@ -218,6 +218,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		cooling:         sn.Cooling(now),
 		stale:           sn.Stale(now) && !lateView(sn, now),
 		late:            lateView(sn, now),
+		lateness:        lateness(sn, now),
 		degraded:        sn.GPUHealth == gpu.Degraded,
 		capacity:        sn.CapacityTokens,
 		maxNumSeqs:      sn.MaxNumSeqs,

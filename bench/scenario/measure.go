@@ -1,9 +1,13 @@
 package scenario
 
 import (
+	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"net/http"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/bench"
@@ -14,6 +18,7 @@ import (
 type fleetCounters struct {
 	wall        time.Time
 	sim         []time.Duration // each engine's simulated clock
+	stalled     []time.Duration // each engine's vllmsim.Engine.Stalled
 	generation  float64         // vllm:generation_tokens_total, summed
 	preemptions float64         // vllm:num_preemptions_total, summed
 	// prefixHits and prefixQueries are vllm:prefix_cache_hits_total and
@@ -27,6 +32,7 @@ func readFleet(ctx context.Context, s *stack) (fleetCounters, error) {
 	c := fleetCounters{wall: time.Now()}
 	for i, b := range s.backends {
 		c.sim = append(c.sim, s.sims[i].Engine().Now())
+		c.stalled = append(c.stalled, s.sims[i].Engine().Stalled())
 		req, err := http.NewRequestWithContext(ctx, http.MethodGet, b+"/metrics", nil)
 		if err != nil {
 			return c, err
@@ -56,6 +62,20 @@ func (c fleetCounters) elapsed(from fleetCounters) time.Duration {
 		sum += c.sim[i] - from.sim[i]
 	}
 	return sum / time.Duration(max(1, len(c.sim)))
+}
+
+// stalledShare is the share of the simulated time since from that the
+// engines spent stalled by the host (vllmsim.Engine.Stalled), averaged
+// over the engines.
+func (c fleetCounters) stalledShare(from fleetCounters) float64 {
+	var sum time.Duration
+	for i := range c.stalled {
+		sum += c.stalled[i] - from.stalled[i]
+	}
+	if d := c.elapsed(from); d > 0 {
+		return float64(sum/time.Duration(max(1, len(c.stalled)))) / float64(d)
+	}
+	return 0
 }
 
 // tokPerSec is the fleet's output tokens per simulated second since from.
@@ -148,4 +168,49 @@ func (c fleetCounters) hitRate(from fleetCounters) float64 {
 		return (c.prefixHits - from.prefixHits) / q
 	}
 	return -1
+}
+
+// readRefusals sums kvgate's admission refusals by reason from its
+// /metrics page at url.
+func readRefusals(ctx context.Context, url string) (map[string]float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("read kvgate's refusals: %w", err)
+	}
+	defer resp.Body.Close()
+	return parseRefusals(resp.Body)
+}
+
+// parseRefusals reads kvgate_scheduler_backend_refusals_total samples
+// from a Prometheus text page, summed by their reason label.
+func parseRefusals(r io.Reader) (map[string]float64, error) {
+	const name = "kvgate_scheduler_backend_refusals_total{"
+	out := map[string]float64{}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), name)
+		if !ok {
+			continue
+		}
+		labels, value, ok := strings.Cut(line, "} ")
+		if !ok {
+			continue
+		}
+		_, reason, ok := strings.Cut(labels, `reason="`)
+		if !ok {
+			continue
+		}
+		reason, _, _ = strings.Cut(reason, `"`)
+		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
+		if err != nil {
+			continue
+		}
+		out[reason] += v
+	}
+	return out, sc.Err()
 }

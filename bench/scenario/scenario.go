@@ -142,6 +142,15 @@ type TargetResult struct {
 	// FleetTokPerSec is the output tokens per simulated second the fleet
 	// generated over the measurement window (from vllm:generation_tokens_total).
 	FleetTokPerSec float64
+	// Stalled is the share of the measurement window's simulated time the
+	// engines lost to the host running them late (vllmsim.Engine.Stalled):
+	// on a starved host the simulated GPUs stop while simulated time goes
+	// on, so FleetTokPerSec falls for every target alike. FleetTokPerBusySec
+	// is the output per simulated second with that time taken out: what the
+	// same GPUs would have produced had the host kept up with them (the
+	// targets' own delays, a request sent late, still count).
+	Stalled            float64
+	FleetTokPerBusySec float64
 	// Preemptions is the fleet's vllm:num_preemptions_total over the run.
 	Preemptions float64
 	// PrefixHitRate is the fleet's prefix-cache hit rate over the run,
@@ -156,6 +165,11 @@ type TargetResult struct {
 	// Events are the scenario's mid-run events that happened, in order.
 	Events []string
 	Dir    string // where its reports are, or ""
+	// Refusals are kvgate's admission refusals over the run
+	// (kvgate_scheduler_backend_refusals_total, summed over the
+	// backends) by reason: which rule held tickets back, counted once per
+	// ticket and backend and pass. Nil for the baselines.
+	Refusals map[string]float64
 
 	gatewayMetrics string // kvgate's /metrics in the report's time series
 }
@@ -327,13 +341,21 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		return nil, err
 	}
 	k := c3.speedup(c0)
+	var refusals map[string]float64
+	if st.gatewayMetrics != "" {
+		if refusals, err = readRefusals(ctx, st.gatewayMetrics); err != nil {
+			return nil, err
+		}
+	}
 	tr := &TargetResult{
 		Target: target, Report: r.rep, Speedup: k, Events: fired,
 		gatewayMetrics:   st.gatewayMetrics,
 		FleetTokPerSec:   c2.tokPerSec(c1),
+		Stalled:          c2.stalledShare(c1),
 		Preemptions:      c3.preemptions - c0.preemptions,
 		PrefixHitRate:    c3.hitRate(c0),
 		PredictedHitRate: -1,
+		Refusals:         refusals,
 	}
 	if st.sched != nil {
 		var hit, query float64
@@ -343,6 +365,9 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		if query > 0 {
 			tr.PredictedHitRate = hit / query
 		}
+	}
+	if busy := 1 - tr.Stalled; busy > 0 {
+		tr.FleetTokPerBusySec = tr.FleetTokPerSec / busy
 	}
 	toSimTime(tr.Report, k, simCfg)
 	tr.Report.Metadata["effective_speedup"] = fmt.Sprintf("%.3f", k)

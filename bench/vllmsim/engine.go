@@ -134,6 +134,16 @@ func (e *Engine) Profile() Profile { return e.prof }
 // Now returns the simulated time since the engine started.
 func (e *Engine) Now() time.Duration { return e.clock.now() }
 
+// Stalled is the simulated time added so far because the host ran the
+// engine late (more than maxLag behind a step's deadline): time in which
+// the simulated GPU did nothing, not for want of work but of CPU. Over a
+// run, it says how much the host starved the simulator.
+func (e *Engine) Stalled() time.Duration {
+	e.clock.mu.Lock()
+	defer e.clock.mu.Unlock()
+	return e.clock.stalled
+}
+
 // Load returns the number of requests submitted and not yet finished.
 func (e *Engine) Load() int {
 	e.mu.Lock()
@@ -586,7 +596,8 @@ type simClock struct {
 	speedup float64
 	busy    bool
 	simAt   time.Duration
-	wallAt  time.Time // wall time of simAt: the last step's deadline when busy
+	wallAt  time.Time     // wall time of simAt: the last step's deadline when busy
+	stalled time.Duration // simulated time stretched for lateness (Engine.Stalled)
 }
 
 // maxLag is how far behind its wall-clock deadline a paced engine may fall
@@ -662,6 +673,7 @@ func (c *simClock) advance(d time.Duration) time.Duration {
 	deadline := c.wallAt.Add(time.Duration(float64(d) / c.speedup))
 	if late := time.Since(deadline); late > maxLag {
 		c.simAt += time.Duration(float64(late) * c.speedup)
+		c.stalled += time.Duration(float64(late) * c.speedup)
 		c.wallAt = time.Now()
 	} else {
 		c.wallAt = deadline

@@ -388,3 +388,26 @@ func TestPacedClock(t *testing.T) {
 		t.Errorf("simulated %v in %v of wall time: %.1fx, want about 20x", simEl, wallEl, ratio)
 	}
 }
+
+// TestClockCountsStalls: a step that ends more than maxLag late stretches
+// simulated time, and the stretch is what Stalled reports; one within
+// maxLag is caught up and stalls nothing.
+func TestClockCountsStalls(t *testing.T) {
+	var c simClock
+	c.init(4)
+	c.pace(4 * time.Millisecond) // a 1 ms wall step
+	c.advance(4 * time.Millisecond)
+	if c.stalled != 0 {
+		t.Fatalf("a step on time stalled %v", c.stalled)
+	}
+	c.pace(4 * time.Millisecond)
+	time.Sleep(maxLag + 30*time.Millisecond) // the host ran the engine late
+	before := c.simAt
+	c.advance(4 * time.Millisecond)
+	if c.stalled < 4*(maxLag+25*time.Millisecond) { // less the two steps' own 1 ms, with room
+		t.Errorf("stalled %v after a step at least %v late at 4x", c.stalled, maxLag+30*time.Millisecond)
+	}
+	if got := c.simAt - before - 4*time.Millisecond; got != c.stalled {
+		t.Errorf("simulated time stretched by %v, stalled says %v", got, c.stalled)
+	}
+}

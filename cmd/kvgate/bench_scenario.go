@@ -34,6 +34,7 @@ func runBenchScenario(ctx context.Context, args []string, getenv func(string) st
 	speedup := fs.Float64("speedup", 4, "run the simulated GPUs `S` times faster than wall time; arrivals are sped up to match")
 	seed := fs.Uint64("seed", 1, "seed of arrivals and prompts")
 	targets := fs.String("targets", strings.Join(scenario.Targets, ","), "comma-separated targets to run")
+	rounds := fs.Int("rounds", 1, "run the scenario `N` times, the targets interleaved (their order reversed every other round); when given, also writes DIR/<scenario>/rounds.md: each round's figures, kvgate's ratio to each baseline per round, and the medians")
 	logLevel := fs.String("log-level", "warn", "progress logging: debug (with kvgate's own logs), info, warn, error")
 	fs.Usage = func() {
 		fmt.Fprint(stderr, benchScenarioAbout)
@@ -56,6 +57,11 @@ func runBenchScenario(ctx context.Context, args []string, getenv func(string) st
 	}
 	if fs.NArg() > 0 {
 		return fmt.Errorf("bench scenario: unexpected arguments %q", fs.Args())
+	}
+	roundsSet := false // --rounds given, even as 1: the rounds' table too
+	fs.Visit(func(f *flag.Flag) { roundsSet = roundsSet || f.Name == "rounds" })
+	if *rounds < 1 {
+		return fmt.Errorf("bench scenario: --rounds must be at least 1 (got %d)", *rounds)
 	}
 	if !(*scale > 0) || !(*speedup >= 1) {
 		return fmt.Errorf("bench scenario: --scale must be positive and --speedup at least 1 (got %v and %v)", *scale, *speedup)
@@ -89,6 +95,20 @@ func runBenchScenario(ctx context.Context, args []string, getenv func(string) st
 	}
 	for _, sc := range run {
 		log.Info("scenario starting", "scenario", sc.Name)
+		if roundsSet {
+			rs, err := sc.RunRounds(ctx, opts, *rounds)
+			if err != nil {
+				return err
+			}
+			if err := rs.WriteText(stdout); err != nil {
+				return err
+			}
+			if *out != "" {
+				fmt.Fprintf(stdout, "reports: %s\n", filepath.Join(*out, sc.Name))
+			}
+			fmt.Fprintln(stdout)
+			continue
+		}
 		res, err := sc.Run(ctx, opts)
 		if err != nil {
 			return err

@@ -30,6 +30,7 @@ func TestBenchScenarioErrors(t *testing.T) {
 		{"overload", "--scale", "0"},
 		{"overload", "--targets", "nginx"},
 		{"overload", "extra"},
+		{"overload", "--rounds", "0"},
 	} {
 		var out, errOut strings.Builder
 		if err := runBenchScenario(context.Background(), args, noEnv, &out, &errOut); err == nil {
@@ -63,6 +64,43 @@ func TestBenchScenarioRuns(t *testing.T) {
 	}
 	for _, f := range []string{"verdict.json", "verdict.md", "kvgate/report.json", "round-robin/report.html"} {
 		if _, err := os.Stat(filepath.Join(dir, "overload", f)); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// TestBenchScenarioRounds runs a tiny overload scenario in two rounds and
+// checks the rounds' table: each round's figures and ratios, the medians,
+// kvgate's refusals, and each round's reports in a directory of its own.
+func TestBenchScenarioRounds(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts four fleets")
+	}
+	dir := t.TempDir()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var out, errOut strings.Builder
+	err := runBenchScenario(ctx, []string{"overload", "--out", dir, "--scale", "0.03", "--speedup", "5",
+		"--targets", "kvgate,round-robin", "--rounds", "2"}, noEnv, &out, &errOut)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, errOut.String())
+	}
+	table, err := os.ReadFile(filepath.Join(dir, "overload", "rounds.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"# overload, 2 rounds", "| round | figure | kvgate | round-robin | kvgate/round-robin |",
+		"| 1 | fleet output tok/s |", "| 2 | fleet tok/s, host stalls out |", "| median | simulators stalled |",
+		"| median | preemptions |", "kvgate's admission refusals by reason",
+		"Run order: 1: kvgate, round-robin; 2: round-robin, kvgate",
+	} {
+		if !strings.Contains(string(table), want) || !strings.Contains(out.String(), want) {
+			t.Errorf("rounds' table (file and output) lacks %q:\n%s", want, table)
+		}
+	}
+	for _, f := range []string{"round-1/overload/verdict.md", "round-2/overload/kvgate/report.json", "round-2/overload/round-robin/report.json"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
 			t.Error(err)
 		}
 	}

@@ -39,9 +39,20 @@ func TestMain(m *testing.M) {
 // it prints; the process stops when the benchmark ends.
 func child(tb testing.TB, args ...string) string {
 	tb.Helper()
+	return childOf(tb, "", args...)
+}
+
+// childOf runs bin (a kvgate binary; "" for this test binary) as
+// `kvgate args...` and returns the base URL it prints.
+func childOf(tb testing.TB, bin string, args ...string) string {
+	tb.Helper()
 	argv, _ := json.Marshal(args)
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), "KVGATE_CHILD_ARGS="+string(argv), "GOMAXPROCS=2")
+	if bin != "" {
+		cmd = exec.Command(bin, args...)
+		cmd.Env = append(os.Environ(), "GOMAXPROCS=2")
+	}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		tb.Fatal(err)
@@ -82,9 +93,15 @@ func waitReady(tb testing.TB, url string) {
 // front of it, each in its own process.
 func startStack(tb testing.TB) (direct, via string) {
 	sim := child(tb, "sim", "--port", "0", "--speedup", "0", "--max-model-len", "8192")
-	gw := child(tb, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--dev", "--log-level", "error", "--data-dir", tb.TempDir())
+	return sim, startOverheadGateway(tb, "", sim)
+}
+
+// startOverheadGateway runs bin ("" for this test binary) as `kvgate serve` in
+// front of the backend sim.
+func startOverheadGateway(tb testing.TB, bin, sim string) string {
+	gw := childOf(tb, bin, "serve", "--addr", "127.0.0.1:0", "--backend", sim, "--no-nvml", "--dev", "--log-level", "error", "--data-dir", tb.TempDir())
 	waitReady(tb, gw+"/readyz")
-	return sim, gw
+	return gw
 }
 
 const benchModel = "meta-llama/Llama-3.1-8B-Instruct"
@@ -96,19 +113,31 @@ const benchModel = "meta-llama/Llama-3.1-8B-Instruct"
 // slices so both see the same machine.
 //
 //	go test -run '^$' -bench GatewayOverhead -benchtime 1x ./cmd/kvgate/
+//
+// With KVGATE_OVERHEAD_BEFORE naming another kvgate binary (an older
+// build), that one runs too, in front of the same backend, and takes its
+// own slice in each round: before-added-p50/p99-ms are its figures, side
+// by side with this build's on the same machine.
 func BenchmarkGatewayOverhead(b *testing.B) {
 	direct, via := startStack(b)
+	before := ""
+	if bin := os.Getenv("KVGATE_OVERHEAD_BEFORE"); bin != "" {
+		before = startOverheadGateway(b, bin, direct)
+	}
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 512}}
 	for _, stream := range []bool{false, true} {
 		b.Run(fmt.Sprintf("stream=%v", stream), func(b *testing.B) {
 			body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":4,"ignore_eos":true,"stream":%v}`, benchModel, stream)
-			var d, v bench.Result
+			var d, v, o bench.Result
 			for range 5 {
 				d.Merge(bench.OpenLoop(context.Background(), client, direct+"/v1/completions", body, 1000, time.Second))
 				v.Merge(bench.OpenLoop(context.Background(), client, via+"/v1/completions", body, 1000, time.Second))
+				if before != "" {
+					o.Merge(bench.OpenLoop(context.Background(), client, before+"/v1/completions", body, 1000, time.Second))
+				}
 			}
-			if d.Failed+v.Failed > 0 {
-				b.Errorf("%d direct and %d gateway requests failed", d.Failed, v.Failed)
+			if d.Failed+v.Failed+o.Failed > 0 {
+				b.Errorf("%d direct, %d gateway and %d earlier gateway requests failed", d.Failed, v.Failed, o.Failed)
 			}
 			ms := func(x time.Duration) float64 { return float64(x) / float64(time.Millisecond) }
 			b.ReportMetric(ms(d.Percentile(0.5)), "direct-p50-ms")
@@ -117,6 +146,10 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 			b.ReportMetric(ms(v.Percentile(0.99)), "kvgate-p99-ms")
 			b.ReportMetric(ms(v.Percentile(0.5)-d.Percentile(0.5)), "added-p50-ms")
 			b.ReportMetric(ms(v.Percentile(0.99)-d.Percentile(0.99)), "added-p99-ms")
+			if before != "" {
+				b.ReportMetric(ms(o.Percentile(0.5)-d.Percentile(0.5)), "before-added-p50-ms")
+				b.ReportMetric(ms(o.Percentile(0.99)-d.Percentile(0.99)), "before-added-p99-ms")
+			}
 		})
 	}
 }
