@@ -64,6 +64,9 @@ type load struct {
 	// not have scheduled yet (lateview.go): they may sit in its queue,
 	// which the scrape does not show.
 	unscheduled int
+	// class is the batch class's part of the flights, and whether its
+	// share applies to the ticket (classshare.go).
+	class classLoad
 }
 
 // verdict is an admission decision and, when it is no, why.
@@ -151,6 +154,10 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	// be in it too.
 	if l.measuredWaiting+l.unscheduled > int(l.share*float64(p.MaxBackendWaiting)) {
 		return verdict{reason: reasonWaiting}
+	}
+	// Batch work keeps to its share while interactive work is about.
+	if reason, needExact := decideClassShare(l, prompt, maxOut, budget, p); reason != "" {
+		return verdict{reason: reason, needExact: needExact}
 	}
 
 	// Load kvgate did not send shows only in the measurement. Without the

@@ -30,6 +30,9 @@ type ledger struct {
 	// with a request still in flight. shared - created is a base load of
 	// chunks whose bringers have ended.
 	created int
+	// batchReserved and batchInflight are the batch-class grants'
+	// Σ own prompt + maxOut and count (classshare.go).
+	batchReserved, batchInflight int
 }
 
 type release struct {
@@ -70,6 +73,7 @@ type Grant struct {
 	sharedPart int
 	created    int
 	released   bool // guarded by s.mu
+	class      Class
 }
 
 // own is the grant's prompt tokens outside its shared chunks.
@@ -128,6 +132,10 @@ func (g *Grant) Release() {
 	l.created -= g.created
 	l.reserved -= g.own() + g.maxOut + freed
 	l.sumOut -= g.maxOut
+	if g.class == Batch {
+		l.batchReserved -= g.own() + g.maxOut
+		l.batchInflight--
+	}
 	now := s.now()
 	// What the backend's last scrape surely showed of it: its prompt and
 	// the output a stream reported, not its whole budget, which would
