@@ -289,9 +289,12 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 			addErr(n, "invalid_request", "body.stream", "A batch's results are stored, not streamed: leave stream unset.")
 			return nil
 		}
-		m, ok := s.lookupModel(c.model)
-		if !ok {
-			addErr(n, "model_not_found", "body.model", fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model))
+		// An alias resolves as a job's does (aliases.go); the line's body
+		// keeps the alias, resolved again when the line runs.
+		asked := c.model
+		m, err := s.resolveCall(c, "body.model")
+		if err != nil {
+			addErr(n, "model_not_found", "body.model", fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", asked))
 			return nil
 		}
 		prompt := s.est.estimate(m.ID, c.promptBytes)
