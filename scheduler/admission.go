@@ -64,8 +64,8 @@ type load struct {
 	// not have scheduled yet (lateview.go): they may sit in its queue,
 	// which the scrape does not show.
 	unscheduled int
-	// class is the batch class's part of the flights, and whether its
-	// share applies to the ticket (classshare.go).
+	// class says whether the batch share applies to the ticket, and the
+	// batch flights there (classshare.go).
 	class classLoad
 }
 
@@ -122,10 +122,15 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		target -= lateMargin
 	}
 	budget := int(target * float64(l.capacity))
+	// Batch work leaves room for interactive work about (classshare.go).
+	maxSeqs := l.maxNumSeqs
+	if reason := batchShare(l, prompt+maxOut, &budget, &maxSeqs, p); reason != "" {
+		return verdict{reason: reason}
+	}
 
 	// Sequences: what vLLM reported plus what kvgate sent since, or
 	// kvgate's own count when that is larger.
-	if max(l.inflight, l.measuredRunning+l.measuredWaiting+l.newSinceScrape)+1 > l.maxNumSeqs {
+	if max(l.inflight, l.measuredRunning+l.measuredWaiting+l.newSinceScrape)+1 > maxSeqs {
 		return verdict{reason: reasonSeqs}
 	}
 	// Several replicas: each keeps its own flights within its share of
@@ -154,10 +159,6 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 	// be in it too.
 	if l.measuredWaiting+l.unscheduled > int(l.share*float64(p.MaxBackendWaiting)) {
 		return verdict{reason: reasonWaiting}
-	}
-	// Batch work keeps to its share while interactive work is about.
-	if reason, needExact := decideClassShare(l, prompt, maxOut, budget, p); reason != "" {
-		return verdict{reason: reason, needExact: needExact}
 	}
 
 	// Load kvgate did not send shows only in the measurement. Without the

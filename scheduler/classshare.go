@@ -14,17 +14,22 @@ import (
 // fleet had room holds its sequence and KV for seconds of decode, and an
 // interactive request that arrives then waits for one to end. So while
 // interactive work is about on a backend (waiting in kvgate for a model
-// the backend serves, or arrived for one within BatchShareHold), batch
-// tickets may hold at most BatchShare of the backend's KV budget and of
-// its sequences, and never add to vLLM's own queue, where an interactive
-// request would wait behind them: the rest stays free for interactive
-// arrivals, which are admitted at once. With no interactive work about,
-// batch work fills the whole backend (work-conserving); once interactive
-// work returns, batch admissions stop until the batch flights have
-// drained below the share.
+// the backend serves, or arrived for one within BatchShareHold), a batch
+// ticket is admitted only if everything on the backend, interactive work
+// included, stays within BatchShare of its KV budget and of its sequences
+// (the same projection and measured load as every decision, against the
+// smaller budget), and never into vLLM's own queue, where an interactive
+// request would wait behind it. The rest of the budget stays free for
+// interactive arrivals, which are admitted at once; interactive work in
+// flight takes its room from the batch class, not from that reserve, so
+// the reserve holds when interactive requests last longer beside a batch
+// (slower steps) or prompts were underestimated. With no interactive work
+// about, batch work fills whole backends (work-conserving); once
+// interactive work returns, batch admissions stop until the backend is
+// back under the share.
 
 // reasonClassShare is why a batch ticket waits while interactive work is
-// about: the batch class holds its share of the backend.
+// about: the backend is at the batch share.
 const reasonClassShare = "batch_share"
 
 // classLoad is what the batch share needs of one backend, for one ticket.
@@ -32,53 +37,38 @@ type classLoad struct {
 	// capped is set for a batch ticket on a backend where interactive
 	// work is about: the share applies.
 	capped bool
-	// reserved and inflight are the batch flights' Σ prompt + maxOut
-	// and count; flights, sorted by remaining (sortFlights), their
-	// projection, filled with the exact ledger.
-	reserved int
+	// inflight counts the batch flights on the backend.
 	inflight int
-	flights  []flight
 }
 
-// decideClassShare reports why a ticket adding prompt + maxOut KV tokens
-// may not be admitted under the batch share, or "" when it may.
-// budget is the backend's KV budget (target × capacity); needExact asks
-// for the exact ledger, whose projection of the batch flights may admit
-// what the sum of their reservations refuses. It is pure.
-func decideClassShare(l *load, prompt, maxOut, budget int, p *Policy) (reason string, needExact bool) {
-	c := &l.class
-	if !c.capped || p.BatchShare >= 1 {
-		return "", false
+// batchShare applies the batch share to a ticket needing need KV tokens
+// on a backend with load l: it lowers budget (the KV budget, target ×
+// capacity) and maxSeqs (the backend's max_num_seqs) to the share the
+// ticket may fill, or returns why the ticket may not be admitted at all
+// (reasonClassShare), or "" and leaves them as they are when the share
+// does not apply. It is pure.
+func batchShare(l *load, need int, budget, maxSeqs *int, p *Policy) string {
+	if !l.class.capped || p.BatchShare >= 1 {
+		return ""
 	}
 	// Nothing batch goes into vLLM's queue (what it showed, or what
 	// kvgate sent since that it may not have scheduled yet): vLLM serves
 	// it first come, first served.
 	if l.measuredWaiting+l.unscheduled > 0 {
-		return reasonClassShare, false
+		return reasonClassShare
 	}
-	// A share of one backend's sequences and KV; beside other replicas,
-	// of this replica's part of them. A backend with no batch flight
-	// takes one, however small the share (the whole-backend checks still
-	// apply): a share rounded to nothing must not stop batch work.
-	if c.inflight == 0 {
-		return "", false
+	// A backend with no batch flight takes one, however full (the
+	// whole-backend checks still apply): interactive work, or a share
+	// rounded to nothing, must not stop batch work for good.
+	if l.class.inflight == 0 {
+		return ""
 	}
-	seqs := max(1, int(p.BatchShare*l.share*float64(l.maxNumSeqs)))
-	if c.inflight+1 > seqs {
-		return reasonClassShare, false
+	b := int(p.BatchShare * float64(*budget))
+	if need+roundingSlack(1, l.blockSize) > b {
+		return reasonClassShare // it waits for the batch flights to end
 	}
-	limit := int(p.BatchShare * l.share * float64(budget))
-	slack := roundingSlack(c.inflight+1, l.blockSize)
-	if c.reserved+prompt+maxOut+slack <= limit {
-		return "", false
-	}
-	if !l.exact {
-		return reasonClassShare, true
-	}
-	if slack+projectPeak(c.flights, flight{held: prompt, remaining: maxOut}) > limit {
-		return reasonClassShare, false
-	}
-	return "", false
+	*budget, *maxSeqs = b, max(1, int(p.BatchShare*float64(*maxSeqs)))
+	return ""
 }
 
 // interactiveAbout reports whether interactive work is about on backend
@@ -97,10 +87,11 @@ func (s *Scheduler) interactiveAbout(sn *gpu.Snapshot, now time.Time) bool {
 }
 
 // classRoomLocked bounds Room on backend sn, whose ledger is l (nil when
-// it has had no work): while interactive work is about there, the batch
-// tickets the batch share still lets in (its sequences, and its KV over
-// the batch flights' mean reservation), at least one when no batch flight
-// runs there; otherwise no bound. s.mu must be held.
+// it has had no work): while interactive work is about there, the
+// tickets the batch share still lets in (its part of the sequences, and of
+// the KV budget over the mean reservation in flight), less what is in
+// flight, at least one when no batch flight runs there; otherwise no
+// bound. s.mu must be held.
 func (s *Scheduler) classRoomLocked(sn *gpu.Snapshot, l *ledger, now time.Time) int {
 	p := &s.policy
 	if p.BatchShare >= 1 || !s.interactiveAbout(sn, now) {
@@ -110,15 +101,15 @@ func (s *Scheduler) classRoomLocked(sn *gpu.Snapshot, l *ledger, now time.Time) 
 	if seqs <= 0 {
 		seqs = defaultMaxNumSeqs
 	}
-	allowed := max(1, int(p.BatchShare*s.share*float64(seqs)))
-	inflight := 0
-	if l != nil && l.batchInflight > 0 {
-		inflight = l.batchInflight
-		if sn.CapacityTokens > 0 {
-			mean := float64(l.batchReserved) / float64(inflight)
-			budget := p.BatchShare * p.KVTarget * s.share * float64(sn.CapacityTokens)
-			allowed = min(allowed, int(math.Floor(budget/max(mean, 1))))
-		}
+	allowed := int(p.BatchShare * s.share * float64(seqs))
+	if l == nil || len(l.grants) == 0 {
+		return max(allowed, 1)
 	}
-	return max(allowed-inflight, 0, 1-inflight)
+	inflight := len(l.grants)
+	if sn.CapacityTokens > 0 {
+		mean := float64(l.reserved) / float64(inflight)
+		budget := p.BatchShare * p.KVTarget * s.share * float64(sn.CapacityTokens)
+		allowed = min(allowed, int(math.Floor(budget/max(mean, 1))))
+	}
+	return max(allowed-inflight, 0, 1-l.batchInflight)
 }

@@ -30,9 +30,8 @@ type ledger struct {
 	// with a request still in flight. shared - created is a base load of
 	// chunks whose bringers have ended.
 	created int
-	// batchReserved and batchInflight are the batch-class grants'
-	// Σ own prompt + maxOut and count (classshare.go).
-	batchReserved, batchInflight int
+	// batchInflight counts the batch-class grants (classshare.go).
+	batchInflight int
 }
 
 type release struct {
@@ -133,7 +132,6 @@ func (g *Grant) Release() {
 	l.reserved -= g.own() + g.maxOut + freed
 	l.sumOut -= g.maxOut
 	if g.class == Batch {
-		l.batchReserved -= g.own() + g.maxOut
 		l.batchInflight--
 	}
 	now := s.now()

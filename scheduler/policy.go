@@ -56,7 +56,7 @@ type Policy struct {
 	// BatchShare is the most of each backend's KV budget and sequences
 	// that batch-class work (durable jobs, Batch API lines) may hold
 	// while interactive work is about on the backend: waiting in kvgate
-	// for a model it serves, or arrived for one within BatchShareHold.
+	// for a model it serves, or arrived for one within batch_share_hold.
 	// Batch tickets then also stay out of vLLM's own queue. The rest is
 	// kept free for interactive arrivals; with no interactive work about,
 	// batch work fills whole backends. 1 turns the cap off [0.7].

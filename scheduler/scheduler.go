@@ -208,7 +208,6 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	l.reserved += g.own() + g.maxOut + g.created
 	l.sumOut += t.MaxTokens
 	if g.class == Batch {
-		l.batchReserved += g.own() + g.maxOut
 		l.batchInflight++
 	}
 	// Admissions per second, smoothed over about a second.
@@ -245,7 +244,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		return ld
 	}
 	ld.reserved, ld.inflight = l.reserved, len(l.grants)
-	ld.class.reserved, ld.class.inflight = l.batchReserved, l.batchInflight
+	ld.class.inflight = l.batchInflight
 	stepsNow, hasSteps := sn.StepsAt(now)
 	if !hasSteps {
 		stepsNow = -1
@@ -273,17 +272,11 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		if g.estimate != nil {
 			if p := g.estimate(); p != g.prompt {
 				l.reserved += p - g.prompt
-				if g.class == Batch {
-					l.batchReserved += p - g.prompt
-				}
 				g.prompt = p
 			}
 		}
 		lo, hi := g.progress(now, stepsNow, sn.DecodeRate, m.Generation, s.policy.ProgressFactor)
 		ld.flights[i] = flight{held: max(0, g.own()+hi), remaining: g.maxOut - lo}
-		if g.class == Batch {
-			ld.class.flights = append(ld.class.flights, ld.flights[i])
-		}
 		if i < len(l.grants)-ld.newSinceScrape {
 			// The low end: what the measurement surely includes, so that
 			// the load kvgate did not send is not underestimated.
@@ -297,9 +290,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 	ld.shared = l.shared
 	ld.heldBeforeScrape += max(0, l.shared-sharedSince)
 	sortFlights(ld.flights)
-	sortFlights(ld.class.flights)
 	ld.reserved = l.reserved // prompts may have been re-estimated
-	ld.class.reserved = l.batchReserved
 	// Releases before the scrape are out of the measurement; after it,
 	// still in it, as kvgate's own.
 	i, _ := slices.BinarySearchFunc(l.released, sn.ScrapedAt, func(r release, t time.Time) int {
