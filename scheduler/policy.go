@@ -53,13 +53,15 @@ type Policy struct {
 	// 2-factor times the estimate, since a request may wait in vLLM's
 	// queue before its first step [0.95].
 	ProgressFactor float64 `yaml:"progress_factor"`
-	// BatchShare is the most of each backend's KV budget and sequences
-	// that batch-class work (durable jobs, Batch API lines) may hold
-	// while interactive work is about on the backend: waiting in kvgate
-	// for a model it serves, or arrived for one within batch_share_hold.
-	// Batch tickets then also stay out of vLLM's own queue. The rest is
-	// kept free for interactive arrivals; with no interactive work about,
-	// batch work fills whole backends. 1 turns the cap off [0.7].
+	// BatchShare is the part of each backend's KV budget and sequences
+	// up to which batch-class work (durable jobs, Batch API lines) is
+	// admitted while interactive work is about on the backend (waiting
+	// in kvgate for a model it serves, or arrived for one within
+	// batch_share_hold): a batch ticket goes only where everything on the
+	// backend, interactive work included, stays within it, and never into
+	// vLLM's own queue. The rest is kept free for interactive arrivals;
+	// with no interactive work about, batch work fills whole backends.
+	// 1 turns the cap off [0.7].
 	BatchShare float64 `yaml:"batch_share"`
 	// BatchShareHold is how long after an interactive arrival the batch
 	// share still applies to the backends serving its model [30s].
