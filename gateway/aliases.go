@@ -15,7 +15,11 @@ import (
 // refusal (503 backend_unavailable, or 404) then says why. The alias is
 // resolved before anything is admitted or charged, and the body sent to
 // the backend names the model it resolved to. A job (and a batch line) is
-// resolved when it is accepted and again when it runs.
+// resolved when it is accepted and again when it runs, by the same rule
+// (resolveAlias): a job accepted for the first model, whose backends then
+// all go, runs on the fallback. Its row names the model it was accepted
+// for, which the runner's claims filter on; ClaimModels widens them to
+// the models an alias has fallen back from.
 
 // checkAliases refuses a configuration whose aliases cannot resolve: an
 // alias without models, or one that names an alias (no chains).
@@ -52,6 +56,32 @@ func (s *Server) resolveAlias(name string) (string, bool) {
 		}
 	}
 	return targets[0], true
+}
+
+// ClaimModels implements the runner's widening of its claims
+// (scheduler.Executor): to the models it may route now, routable, it adds
+// each alias's models ahead of the one the alias resolves to now, when
+// that one is routable. A job accepted for such a model through the alias
+// then runs on the fallback, as an interactive request would; one
+// submitted for the model itself is handed back, spending no attempt,
+// until a backend of its model is routable again (scheduler.ClassNoBackend).
+func (s *Server) ClaimModels(routable []string) []string {
+	out := routable
+	for a, targets := range s.cfg.Models {
+		to, _ := s.resolveAlias(a)
+		if !slices.Contains(routable, to) {
+			continue
+		}
+		for _, t := range targets {
+			if t == to {
+				break
+			}
+			if !slices.Contains(out, t) {
+				out = append(slices.Clip(out), t)
+			}
+		}
+	}
+	return out
 }
 
 // resolveCall resolves the call's model, an alias included (its body then

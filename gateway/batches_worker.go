@@ -289,9 +289,12 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 			addErr(n, "invalid_request", "body.stream", "A batch's results are stored, not streamed: leave stream unset.")
 			return nil
 		}
-		m, ok := s.lookupModel(c.model)
-		if !ok {
-			addErr(n, "model_not_found", "body.model", fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", c.model))
+		// An alias resolves as a job's does (aliases.go); the line's body
+		// keeps the alias, resolved again when the line runs.
+		asked := c.model
+		m, err := s.resolveCall(c, "body.model")
+		if err != nil {
+			addErr(n, "model_not_found", "body.model", fmt.Sprintf("The model `%s` does not exist or you do not have access to it.", asked))
 			return nil
 		}
 		prompt := s.est.estimate(m.ID, c.promptBytes)
@@ -324,12 +327,16 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 		for _, m := range metas {
 			tokens += int64(m.tokens)
 		}
-		if msg, err := s.batchRoom(ctx, b.Tenant, int64(len(metas)), tokens); err != nil {
+		if msg, err := s.batchRoom(ctx, b, int64(len(metas)), tokens); err != nil {
 			return err
 		} else if msg != "" {
 			return fail([]batchError{{Code: "token_limit_exceeded", Message: msg}}, len(metas))
 		}
 	}
+	// The room held for the lines ends once they are in, where they
+	// count themselves (or, should this replica die, with its lease; a
+	// takeover ends it too).
+	defer s.endBatchRoom(ctx, b)
 	// Every line is valid: each becomes a job, in bulk. A second
 	// validation (this one's lease lapsed) finds the lines already
 	// inserted under their keys and the same priorities.
@@ -412,30 +419,48 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	return nil
 }
 
-// batchRoom checks a batch of lines jobs, reserving tokens, against its
-// tenant's pending-job limits (those a job's submission meets): a
-// message saying which it would exceed, or "" when it fits. The check
-// and the acceptance are not one transaction: batches accepted at the
-// same moment may together pass a limit by one batch.
-func (s *Server) batchRoom(ctx context.Context, tenant string, lines, tokens int64) (string, error) {
+// batchRoomLease bounds how long a batch's reservation of room under its
+// tenant's pending-job limits outlives a replica that died accepting it.
+const batchRoomLease = 10 * time.Minute
+
+// batchRoomID names a batch's reservation.
+func batchRoomID(b store.Batch) string { return "batch:" + b.ID }
+
+// batchRoom reserves room for a batch of lines jobs, reserving tokens,
+// under its tenant's pending-job limits (those a job's submission meets),
+// checked and held in one transaction (store.Batches.ReserveBatch), so
+// that batches accepted at the same moment never pass a limit together:
+// a message saying which limit it would exceed, or "" when it fits.
+func (s *Server) batchRoom(ctx context.Context, b store.Batch, lines, tokens int64) (string, error) {
 	if s.cfg.Tenants.Store == nil {
 		return "", nil
 	}
-	t, found, err := s.tenant(ctx, tenant)
+	t, found, err := s.tenant(ctx, b.Tenant)
 	if err != nil || !found || (t.Limits.MaxPendingJobs <= 0 && t.Limits.MaxPendingTokens <= 0) {
 		return "", err
 	}
-	jobs, toks, err := s.batches.PendingLoad(ctx, tenant, time.Now())
-	if err != nil {
-		return "", err
-	}
+	err = s.batches.ReserveBatch(ctx, batchRoomID(b), b.Tenant, lines, tokens, t.Limits, time.Now(), batchRoomLease)
+	var qe *store.QuotaError
 	switch l := t.Limits; {
-	case l.MaxPendingJobs > 0 && jobs+lines > l.MaxPendingJobs:
-		return fmt.Sprintf("The batch's %d requests would exceed your limit of %d pending jobs (%d pending now).", lines, l.MaxPendingJobs, jobs), nil
-	case l.MaxPendingTokens > 0 && toks+tokens > l.MaxPendingTokens:
-		return fmt.Sprintf("The batch's %d tokens would exceed your limit of %d tokens of pending jobs (%d pending now).", tokens, l.MaxPendingTokens, toks), nil
+	case !errors.As(err, &qe):
+		return "", err
+	case qe.Limit == "pending_jobs":
+		return fmt.Sprintf("The batch's %d requests would exceed your limit of %d pending jobs (%d pending now).", lines, l.MaxPendingJobs, qe.Used), nil
+	default:
+		return fmt.Sprintf("The batch's %d tokens would exceed your limit of %d tokens of pending jobs (%d pending now).", tokens, l.MaxPendingTokens, qe.Used), nil
 	}
-	return "", nil
+}
+
+// endBatchRoom ends a batch's reservation, if it holds one.
+func (s *Server) endBatchRoom(ctx context.Context, b store.Batch) {
+	if s.cfg.Tenants.Store == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := s.cfg.Tenants.Store.EndJobReservation(ctx, batchRoomID(b)); err != nil {
+		s.log.Warn("end batch reservation", "batch", b.ID, "err", err) // its lease ends it
+	}
 }
 
 func (s *Server) wakeJobs() {

@@ -68,6 +68,9 @@ type load struct {
 	// not have scheduled yet (lateview.go): they may sit in its queue,
 	// which the scrape does not show.
 	unscheduled int
+	// class says whether the batch share applies to the ticket, and the
+	// batch flights there (classshare.go).
+	class classLoad
 }
 
 // verdict is an admission decision and, when it is no, why.
@@ -123,10 +126,15 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		target -= lateMargin * min(1, max(0, l.lateness))
 	}
 	budget := int(target * float64(l.capacity))
+	// Batch work leaves room for interactive work about (classshare.go).
+	maxSeqs := l.maxNumSeqs
+	if reason := batchShare(l, prompt+maxOut, &budget, &maxSeqs, p); reason != "" {
+		return verdict{reason: reason}
+	}
 
 	// Sequences: what vLLM reported plus what kvgate sent since, or
 	// kvgate's own count when that is larger.
-	if max(l.inflight, l.measuredRunning+l.measuredWaiting+l.newSinceScrape)+1 > l.maxNumSeqs {
+	if max(l.inflight, l.measuredRunning+l.measuredWaiting+l.newSinceScrape)+1 > maxSeqs {
 		return verdict{reason: reasonSeqs}
 	}
 	// Several replicas: each keeps its own flights within its share of

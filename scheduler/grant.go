@@ -30,6 +30,8 @@ type ledger struct {
 	// with a request still in flight. shared - created is a base load of
 	// chunks whose bringers have ended.
 	created int
+	// batchInflight counts the batch-class grants (classshare.go).
+	batchInflight int
 }
 
 type release struct {
@@ -70,6 +72,7 @@ type Grant struct {
 	sharedPart int
 	created    int
 	released   bool // guarded by s.mu
+	class      Class
 }
 
 // own is the grant's prompt tokens outside its shared chunks.
@@ -128,6 +131,9 @@ func (g *Grant) Release() {
 	l.created -= g.created
 	l.reserved -= g.own() + g.maxOut + freed
 	l.sumOut -= g.maxOut
+	if g.class == Batch {
+		l.batchInflight--
+	}
 	now := s.now()
 	// What the backend's last scrape surely showed of it: its prompt and
 	// the output a stream reported, not its whole budget, which would

@@ -53,6 +53,19 @@ type Policy struct {
 	// 2-factor times the estimate, since a request may wait in vLLM's
 	// queue before its first step [0.95].
 	ProgressFactor float64 `yaml:"progress_factor"`
+	// BatchShare is the part of each backend's KV budget and sequences
+	// up to which batch-class work (durable jobs, Batch API lines) is
+	// admitted while interactive work is about on the backend (waiting
+	// in kvgate for a model it serves, or arrived for one within
+	// batch_share_hold): a batch ticket goes only where everything on the
+	// backend, interactive work included, stays within it, and never into
+	// vLLM's own queue. The rest is kept free for interactive arrivals;
+	// with no interactive work about, batch work fills whole backends.
+	// 1 turns the cap off [0.7].
+	BatchShare float64 `yaml:"batch_share"`
+	// BatchShareHold is how long after an interactive arrival the batch
+	// share still applies to the backends serving its model [30s].
+	BatchShareHold time.Duration `yaml:"batch_share_hold"`
 }
 
 func (p *Policy) defaults() {
@@ -63,6 +76,8 @@ func (p *Policy) defaults() {
 	p.MaxQueueWait = cmp.Or(p.MaxQueueWait, 30*time.Second)
 	p.StarvationGuard = cmp.Or(p.StarvationGuard, 2*time.Second)
 	p.ProgressFactor = cmp.Or(p.ProgressFactor, 0.95)
+	p.BatchShare = cmp.Or(p.BatchShare, 0.7)
+	p.BatchShareHold = cmp.Or(p.BatchShareHold, 30*time.Second)
 }
 
 // Validate reports a policy that cannot work.
@@ -74,8 +89,10 @@ func (p Policy) Validate() error {
 		return fmt.Errorf("degraded_factor %g must be in (0, 1]", p.DegradedFactor)
 	case !(p.ProgressFactor >= 0 && p.ProgressFactor <= 1) || (p.ProgressFactor != 0 && p.ProgressFactor < 0.5):
 		return fmt.Errorf("progress_factor %g must be in [0.5, 1]", p.ProgressFactor)
-	case p.MaxQueue < 0 || p.MaxBackendWaiting < 0 || p.MaxQueueWait < 0 || p.StarvationGuard < 0:
-		return errors.New("max_queue, max_backend_waiting, max_queue_wait and starvation_guard must not be negative")
+	case !(p.BatchShare >= 0 && p.BatchShare <= 1):
+		return fmt.Errorf("batch_share %g must be in (0, 1]", p.BatchShare)
+	case p.MaxQueue < 0 || p.MaxBackendWaiting < 0 || p.MaxQueueWait < 0 || p.StarvationGuard < 0 || p.BatchShareHold < 0:
+		return errors.New("max_queue, max_backend_waiting, max_queue_wait, starvation_guard and batch_share_hold must not be negative")
 	}
 	return nil
 }

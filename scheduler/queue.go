@@ -47,6 +47,9 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 		}
 		return nil, err
 	}
+	if t.Class == Interactive {
+		s.lastInteractive[t.Model] = now // the batch share applies (classshare.go)
+	}
 	counts := s.byModel[t.Model]
 	ahead := 0
 	if counts != nil {

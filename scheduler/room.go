@@ -16,8 +16,11 @@ const defaultMaxNumSeqs = 256
 // The durable runner claims no more than this, so that jobs wait in the
 // store, where any replica may take them, not in one replica's memory.
 // A routable backend with nothing in flight always has room for one.
+// While interactive work is about on a backend, its room is the batch
+// share's (classRoomLocked).
 func (s *Scheduler) Room() int {
 	snaps := s.src.Snapshots()
+	now := s.now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	room := 0
@@ -31,7 +34,8 @@ func (s *Scheduler) Room() int {
 		}
 		allowed := int(float64(seqs) * s.share)
 		inflight := 0
-		if l := s.ledgers[sn.Name]; l != nil {
+		l := s.ledgers[sn.Name]
+		if l != nil {
 			inflight = len(l.grants)
 			if sn.CapacityTokens > 0 && inflight > 0 {
 				mean := float64(l.reserved) / float64(inflight)
@@ -39,7 +43,7 @@ func (s *Scheduler) Room() int {
 				allowed = min(allowed, int(math.Floor(budget/max(mean, 1))))
 			}
 		}
-		room += max(allowed-inflight, 0, 1-inflight)
+		room += min(max(allowed-inflight, 0, 1-inflight), s.classRoomLocked(sn, l, now))
 	}
 	return max(room-s.queued, 0)
 }

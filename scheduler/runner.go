@@ -39,6 +39,14 @@ type Executor interface {
 	Prepare(ctx context.Context, j store.Job) (*Call, error)
 }
 
+// claimWidener is an Executor that runs jobs of more models than those a
+// routable backend serves: a model alias's, whose jobs fall back to the
+// alias's next model (gateway/aliases.go). ClaimModels returns the models
+// to claim given the routable ones.
+type claimWidener interface {
+	ClaimModels(routable []string) []string
+}
+
 // Call is a prepared job request.
 type Call struct {
 	Ticket *Ticket
@@ -259,6 +267,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		// books yet: count them against the room.
 		free := min(cap(slots)-len(slots), r.sched.Room()-int(r.admitting.Load()))
 		models := r.sched.RoutableModels()
+		if w, ok := r.exec.(claimWidener); ok {
+			models = w.ClaimModels(models)
+		}
 		if free <= 0 || len(models) == 0 {
 			continue
 		}

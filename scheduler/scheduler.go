@@ -38,6 +38,10 @@ type Scheduler struct {
 	admitted float64 // EWMA of admissions per second, for Retry-After
 	lastAdm  time.Time
 	routing  []routeSig // backends' routability at the last queue check (models.go)
+	// lastInteractive is when an interactive ticket last arrived, per
+	// model: the batch share applies for BatchShareHold after it
+	// (classshare.go).
+	lastInteractive map[string]time.Time
 
 	unroutable unroutableLog // has its own lock
 }
@@ -69,6 +73,8 @@ func New(src snapshotSource, opts Options) (*Scheduler, error) {
 		ledgers:  map[string]*ledger{},
 		prefixes: map[string]*prefixIndex{},
 		share:    1,
+
+		lastInteractive: map[string]time.Time{},
 	}
 	s.m = newMetrics(s)
 	s.m.share.Set(1)
@@ -132,8 +138,9 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			}
 			continue
 		}
+		capped := t.Class == Batch && s.interactiveAbout(sn, now)
 		ld := s.loadOf(sn, l, now, false)
-		ld.paced = paced
+		ld.paced, ld.class.capped = paced, capped
 		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
 		if v.needExact {
 			ex := exact[sn.Name]
@@ -144,7 +151,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 					exact[sn.Name] = ex
 				}
 			}
-			ex.paced = paced
+			ex.paced, ex.class.capped = paced, capped
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
@@ -178,6 +185,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	g := &Grant{
 		Backend: best.Name, URL: best.URL, Waited: now.Sub(t.enqueued),
 		s: s, l: l, estimate: t.PromptEstimate, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
+		class: t.Class,
 	}
 	if t.Prefix != nil {
 		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
@@ -199,6 +207,9 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	l.grants = append(l.grants, g)
 	l.reserved += g.own() + g.maxOut + g.created
 	l.sumOut += t.MaxTokens
+	if g.class == Batch {
+		l.batchInflight++
+	}
 	// Admissions per second, smoothed over about a second.
 	if dt := now.Sub(s.lastAdm).Seconds(); dt > 0 {
 		alpha := 1 - math.Exp(-dt)
@@ -234,6 +245,7 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 		return ld
 	}
 	ld.reserved, ld.inflight = l.reserved, len(l.grants)
+	ld.class.inflight = l.batchInflight
 	stepsNow, hasSteps := sn.StepsAt(now)
 	if !hasSteps {
 		stepsNow = -1

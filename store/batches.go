@@ -159,7 +159,13 @@ type Batches interface {
 	BeginFinalize(ctx context.Context, tenant, id string, fence int64, endStatus string, out, errFile File, now time.Time) error
 	BatchLines(ctx context.Context, id, after string, limit int) ([]BatchLine, error)
 	EndBatch(ctx context.Context, e BatchEnd) error
-	// PendingLoad returns a tenant's pending jobs and their token
-	// estimates, as the pending limits count them.
-	PendingLoad(ctx context.Context, tenant string, now time.Time) (jobs, tokens int64, err error)
+	// ReserveBatch holds room for a batch's jobs lines of tokens in all
+	// under the tenant's pending-job limits, as ReserveJob does for one
+	// job: the check and the reservation are one transaction, so that two
+	// batches accepted at once never pass a limit together. It returns a
+	// *QuotaError when the lines would pass a limit. The reservation
+	// counts until EndJobReservation(id) or the lease ends; the lines
+	// count as pending jobs from their insertion. Reserving an id again
+	// replaces its reservation.
+	ReserveBatch(ctx context.Context, id, tenant string, jobs, tokens int64, l Limits, now time.Time, lease time.Duration) error
 }

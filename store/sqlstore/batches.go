@@ -517,18 +517,11 @@ func (s *Store) EndBatch(ctx context.Context, e store.BatchEnd) error {
 	return nil
 }
 
-// PendingLoad returns a tenant's pending jobs and their token estimates,
-// jobs being accepted (reservations) included: what the pending limits
-// count (ReserveJob).
-func (s *Store) PendingLoad(ctx context.Context, tenant string, now time.Time) (jobs, tokens int64, err error) {
-	var rj, rt int64
-	err = s.db.QueryRowContext(ctx, rebind(s.d, `SELECT COUNT(*), CAST(COALESCE(SUM(token_estimate), 0) AS BIGINT) FROM jobs
-		WHERE tenant = ? AND state IN `+pendingStates), tenant).Scan(&jobs, &tokens)
-	if err == nil {
-		err = s.db.QueryRowContext(ctx, rebind(s.d, `SELECT COUNT(*), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM job_reservations
-			WHERE tenant = ? AND expires_at > ?`), tenant, micros(now)).Scan(&rj, &rt)
-	}
-	return jobs + rj, tokens + rt, s.err("pending load", err)
+// ReserveBatch implements store.Batches: one reservation of jobs lines
+// (job_reservations.jobs, migration 0016), checked and held in one
+// transaction as ReserveJob's.
+func (s *Store) ReserveBatch(ctx context.Context, id, tenant string, jobs, tokens int64, l store.Limits, now time.Time, lease time.Duration) error {
+	return s.reservePending(ctx, "reserve batch", id, tenant, jobs, tokens, l, now, lease)
 }
 
 var _ store.Batches = (*Store)(nil)

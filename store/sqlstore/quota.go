@@ -329,31 +329,41 @@ const pendingStates = `('READY', 'RUNNING', 'RETRY_SCHEDULED')`
 // counts from its acceptance: between the two, the job counts twice, never
 // zero times.
 func (s *Store) ReserveJob(ctx context.Context, id, tenant string, tokens int64, l store.Limits, now time.Time, lease time.Duration) error {
-	return s.tx(ctx, "reserve job", func(tx *sql.Tx) error {
+	return s.reservePending(ctx, "reserve job", id, tenant, 1, tokens, l, now, lease)
+}
+
+// reservePending holds room for jobs jobs of tokens in all under the
+// tenant's pending-job limits, in one transaction serialised with the
+// tenant's other reservations by its window row: the check and the
+// reservation are one, so that callers at the same moment never pass a
+// limit together. A reservation of the same id is replaced (it does not
+// count against itself). ReserveJob and ReserveBatch share it.
+func (s *Store) reservePending(ctx context.Context, op, id, tenant string, jobs, tokens int64, l store.Limits, now time.Time, lease time.Duration) error {
+	return s.tx(ctx, op, func(tx *sql.Tx) error {
 		if _, _, _, err := s.lockWindow(ctx, tx, "t:"+tenant, now.Truncate(time.Minute), 0, 0); err != nil {
 			return err
 		}
-		if _, err := tx.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE tenant = ? AND expires_at <= ?`), tenant, micros(now)); err != nil {
+		if _, err := tx.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE (tenant = ? AND expires_at <= ?) OR id = ?`), tenant, micros(now), id); err != nil {
 			return err
 		}
-		var jobs, toks, rjobs, rtoks int64
+		var pjobs, ptoks, rjobs, rtoks int64
 		if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*), CAST(COALESCE(SUM(token_estimate), 0) AS BIGINT) FROM jobs
-			WHERE tenant = ? AND state IN `+pendingStates), tenant).Scan(&jobs, &toks); err != nil {
+			WHERE tenant = ? AND state IN `+pendingStates), tenant).Scan(&pjobs, &ptoks); err != nil {
 			return err
 		}
-		if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM job_reservations
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT CAST(COALESCE(SUM(jobs), 0) AS BIGINT), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM job_reservations
 			WHERE tenant = ?`), tenant).Scan(&rjobs, &rtoks); err != nil {
 			return err
 		}
-		jobs, toks = jobs+rjobs, toks+rtoks
+		pjobs, ptoks = pjobs+rjobs, ptoks+rtoks
 		switch {
-		case l.MaxPendingJobs > 0 && jobs+1 > l.MaxPendingJobs:
-			return &store.QuotaError{Limit: "pending_jobs", Scope: "tenant", Max: l.MaxPendingJobs, Used: jobs, Asked: 1}
-		case l.MaxPendingTokens > 0 && toks+tokens > l.MaxPendingTokens:
-			return &store.QuotaError{Limit: "pending_tokens", Scope: "tenant", Max: l.MaxPendingTokens, Used: toks, Asked: tokens}
+		case l.MaxPendingJobs > 0 && pjobs+jobs > l.MaxPendingJobs:
+			return &store.QuotaError{Limit: "pending_jobs", Scope: "tenant", Max: l.MaxPendingJobs, Used: pjobs, Asked: jobs}
+		case l.MaxPendingTokens > 0 && ptoks+tokens > l.MaxPendingTokens:
+			return &store.QuotaError{Limit: "pending_tokens", Scope: "tenant", Max: l.MaxPendingTokens, Used: ptoks, Asked: tokens}
 		}
-		_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO job_reservations (id, tenant, tokens, expires_at) VALUES (?, ?, ?, ?)`),
-			id, tenant, tokens, micros(now.Add(lease)))
+		_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO job_reservations (id, tenant, jobs, tokens, expires_at) VALUES (?, ?, ?, ?, ?)`),
+			id, tenant, jobs, tokens, micros(now.Add(lease)))
 		return err
 	})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -23,6 +24,7 @@ func ExerciseBatches(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"BatchFinalizeFenced", testBatchFinalize},
 		{"BatchLinesInterleave", testBatchInterleave},
 		{"BatchCancelEndsClaims", testBatchCancelEndsClaims},
+		{"BatchReservationsAtomic", testBatchReservations},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -437,5 +439,75 @@ func testBatchCancelEndsClaims(t *testing.T, _ store.Store, b store.Batches) {
 	}
 	if c, _ := b.BatchCounts(ctx, "batch_c"); c.Total != 2 {
 		t.Errorf("%d lines, want the 2 accepted before the cancel", c.Total)
+	}
+}
+
+// testBatchReservations: a batch's lines are reserved under the tenant's
+// pending-job limits by one reservation, checked and held in one
+// transaction: of batches reserved at once, only those that fit together
+// get room; a reservation counts its lines against single jobs too, is
+// replaced when reserved again under its id, and ends with
+// EndJobReservation or its lease.
+func testBatchReservations(t *testing.T, s store.Store, b store.Batches) {
+	ctx := context.Background()
+	l := store.Limits{MaxPendingJobs: 100, MaxPendingTokens: 1_000_000}
+	accept(t, s, newJob("acme", "k1")) // one job pending
+	// Eight batches of 30 lines at once: three fit beside the job.
+	const callers = 8
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		admitted []string
+		refused  int
+		other    []error
+	)
+	for i := range callers {
+		wg.Go(func() {
+			id := fmt.Sprintf("batch:b%d", i)
+			err := b.ReserveBatch(ctx, id, "acme", 30, 300, l, t0, time.Minute)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil:
+				admitted = append(admitted, id)
+			case quotaLimit(err) == "pending_jobs":
+				refused++
+			default:
+				other = append(other, err)
+			}
+		})
+	}
+	wg.Wait()
+	if len(admitted) != 3 || refused != callers-3 || len(other) > 0 {
+		t.Fatalf("%d batches of 30 against 99 free: %d reserved, %d refused, errors %v", callers, len(admitted), refused, other)
+	}
+	// 91 pending now: a single job fits, a batch of 10 does not.
+	if err := b.ReserveBatch(ctx, "batch:late", "acme", 10, 10, l, t0, time.Minute); quotaLimit(err) != "pending_jobs" {
+		t.Fatalf("a batch past the limit: %v, want pending_jobs", err)
+	}
+	if err := s.ReserveJob(ctx, "r1", "acme", 1, l, t0, time.Minute); err != nil {
+		t.Fatalf("a job beside the reserved batches: %v", err)
+	}
+	// Reserved again under its id (a takeover), a batch replaces its
+	// own reservation rather than counting twice.
+	if err := b.ReserveBatch(ctx, admitted[0], "acme", 38, 300, l, t0, time.Minute); err != nil {
+		t.Fatalf("a batch reserved again: %v", err)
+	}
+	if err := s.ReserveJob(ctx, "r2", "acme", 1, l, t0, time.Minute); quotaLimit(err) != "pending_jobs" {
+		t.Fatalf("a job past the limit: %v, want pending_jobs", err)
+	}
+	// Tokens count as well.
+	if err := b.ReserveBatch(ctx, "batch:tokens", "globex", 1, 1_000_001, l, t0, time.Minute); quotaLimit(err) != "pending_tokens" {
+		t.Fatalf("a batch past the pending tokens: %v, want pending_tokens", err)
+	}
+	// Ended, its room is free again; a lapsed lease frees it too.
+	if err := s.EndJobReservation(ctx, admitted[1]); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.ReserveBatch(ctx, "batch:after-end", "acme", 30, 300, l, t0, time.Minute); err != nil {
+		t.Fatalf("after a batch's reservation ended: %v", err)
+	}
+	if err := b.ReserveBatch(ctx, "batch:after-lease", "acme", 99, 300, l, t0.Add(2*time.Minute), time.Minute); err != nil {
+		t.Fatalf("after the reservations' leases: %v", err)
 	}
 }
