@@ -38,6 +38,9 @@ type Scheduler struct {
 	admitted float64 // EWMA of admissions per second, for Retry-After
 	lastAdm  time.Time
 	routing  []routeSig // backends' routability at the last queue check (models.go)
+	// tenantAdm counts admissions per class and tenant, for reports only
+	// (tenantstats.go).
+	tenantAdm map[tenantClass]*tenantAdmissions
 
 	unroutable unroutableLog // has its own lock
 }
@@ -205,6 +208,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		s.admitted = (1-alpha)*s.admitted + alpha/dt
 	}
 	s.lastAdm = now
+	s.noteAdmission(t, now) // a report's count, not a decision's input (tenantstats.go)
 	return g
 }
 
