@@ -127,6 +127,7 @@ type Server struct {
 	batchWk     batchWork
 	consoleSeal *consoleSealer      // console.go
 	gatherer    prometheus.Gatherer // the registry, for the fleet's refusal counts (fleet.go)
+	backlogs    backlogCache        // the durable backlog's last read (fleet_queues.go)
 }
 
 // New returns the API server. reg receives the gateway's metrics and is

@@ -52,6 +52,7 @@ func (s *Server) webhookRoutes() {
 		{"GET /v1/webhooks/endpoints/{id}/deliveries", s.handleEndpointDeliveries},
 		{"GET /v1/webhooks/deliveries/{id}", s.handleGetDelivery},
 		{"POST /v1/webhooks/deliveries/{id}/redeliver", s.handleRedeliver},
+		{"GET /v1/jobs/{id}/deliveries", s.handleJobDeliveries},
 	} {
 		_, path, _ := strings.Cut(r.pattern, " ")
 		h := r.h
@@ -367,6 +368,19 @@ func (s *Server) handleEndpointDeliveries(w http.ResponseWriter, r *http.Request
 		return writeError(w, s.log, badRequest("state", "state must be one of: "+strings.Join(deliveryStates, ", ")+"."))
 	}
 	return s.deliveryPage(w, r, store.DeliveryFilter{Tenant: e.Tenant, EndpointID: e.ID, State: st})
+}
+
+// handleJobDeliveries is a job's deliveries to every endpoint of its
+// tenant, oldest first: another tenant's job is a 404, as on its page.
+func (s *Server) handleJobDeliveries(w http.ResponseWriter, r *http.Request) int {
+	ctx := r.Context()
+	id := r.PathValue("id")
+	if s.jobs.Store != nil {
+		if _, err := s.jobs.Store.Get(ctx, tenantOf(ctx), id); err != nil {
+			return writeError(w, s.log, err)
+		}
+	}
+	return s.deliveryPage(w, r, store.DeliveryFilter{Tenant: tenantOf(ctx), JobID: id})
 }
 
 func (s *Server) handleGetDelivery(w http.ResponseWriter, r *http.Request) int {
