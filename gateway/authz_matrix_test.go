@@ -80,8 +80,14 @@ func (e *matrixEnv) expand(s string) string {
 // matrixEndpoint registers a webhook endpoint of acme's.
 func matrixEndpoint(t *testing.T, st *sqlstore.Store) string {
 	t.Helper()
+	return matrixEndpointOf(t, st, "acme")
+}
+
+// matrixEndpointOf registers an endpoint of tenant's on a closed port.
+func matrixEndpointOf(t testing.TB, st *sqlstore.Store, tenant string) string {
+	t.Helper()
 	secret, _ := webhook.NewSecret()
-	e := store.WebhookEndpoint{ID: "we_" + fmt.Sprint(time.Now().UnixNano()), Tenant: "acme", URL: "http://127.0.0.1:9/hook",
+	e := store.WebhookEndpoint{ID: "we_" + fmt.Sprint(time.Now().UnixNano()), Tenant: tenant, URL: "http://127.0.0.1:9/hook",
 		Events: []string{"job.succeeded"}, Secret: secret, CreatedAt: quotaT0}
 	if err := st.CreateEndpoint(context.Background(), e); err != nil {
 		t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 
+	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/sqlite"
 )
@@ -32,7 +33,11 @@ func BenchmarkConsolePages(b *testing.B) {
 	if _, err := sqlite.Migrate(ctx, st); err != nil {
 		b.Fatal(err)
 	}
-	f := startFleet(b, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	// The durable backlog as serve.go reports it: a periodic collection's
+	// (refreshed once below, after the jobs are in).
+	dm := scheduler.NewDurableMetrics(scheduler.DurableMetricsConfig{Store: st, Every: time.Hour})
+	f := startFleet(b, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st},
+		Webhooks: Webhooks{Store: st, Guard: loopbackGuard()}, Backlog: dm.Backlog}})
 	if err := st.CreateTenant(ctx, store.Tenant{Name: "acme", Weight: 1, CreatedAt: quotaT0, UpdatedAt: quotaT0}); err != nil {
 		b.Fatal(err)
 	}
@@ -57,7 +62,45 @@ func BenchmarkConsolePages(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+	// An endpoint with 1,000 FAILED deliveries (webhook.test), each with
+	// an attempt on record: its page reads a page of 50 and each one's
+	// attempts; the dead letters page lists 50 of them.
+	hook := matrixEndpointOf(b, st, "acme")
+	var dlv string
+	for i := range 1000 {
+		d, err := st.SendTest(ctx, "acme", hook, fmt.Sprint("bench-test-", i), quotaT0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		dlv = d.ID
+	}
+	now := time.Now()
+	claimed, err := st.ClaimDeliveries(ctx, now, time.Minute, 1000)
+	if err != nil || len(claimed) != 1000 {
+		b.Fatalf("claimed %d: %v", len(claimed), err)
+	}
+	var results []store.DeliveryResult
+	for _, d := range claimed {
+		results = append(results, store.DeliveryResult{ID: d.ID, Fence: d.Fence, State: store.DeliveryFailed, Now: now,
+			Attempt: store.DeliveryAttempt{StartedAt: now, Latency: 3 * time.Millisecond, Status: 503, Error: "503 Service Unavailable"}})
+	}
+	if _, err := st.FinishDeliveries(ctx, results); err != nil {
+		b.Fatal(err)
+	}
+	dm.Refresh(ctx)
+	if bl, _ := dm.Backlog(); len(bl) != 1 || bl[0].Jobs != n {
+		b.Fatalf("the backlog collected: %+v", bl)
+	}
 	cookie := &http.Cookie{Name: consoleCookie, Value: f.api.consoleSeal.seal(consoleSession{Key: secret, Expires: time.Now().Add(time.Hour).Unix(), CSRF: "x"})}
+	// For scale: the collection's read of the backlog, which runs in the
+	// background every metrics.backlog_interval, never per page.
+	b.Run("backlog-collection", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := st.Stats(ctx, time.Now()); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
 	mid := ids[n/2]
 	for _, c := range []struct{ name, path string }{
 		{"api-v1-jobs", "/v1/jobs?limit=50"},
@@ -70,6 +113,10 @@ func BenchmarkConsolePages(b *testing.B) {
 		{"reviews", "/console/reviews"},
 		{"dead-letters", "/console/dead-letters"},
 		{"fleet", "/console/fleet"},
+		{"api-v1-fleet-queues", "/v1/fleet/queues"},
+		{"webhooks", "/console/webhooks"},
+		{"webhook-endpoint", "/console/webhooks/endpoints/" + hook},
+		{"webhook-delivery", "/console/webhooks/deliveries/" + dlv},
 	} {
 		b.Run(c.name, func(b *testing.B) {
 			for b.Loop() {
