@@ -43,7 +43,6 @@ func (s *Server) consoleFleet(w http.ResponseWriter, r *http.Request, u consoleU
 
 type queuesData struct {
 	Queues queuesView
-	Fleet  fleetView
 }
 
 func (s *Server) consoleQueues(w http.ResponseWriter, r *http.Request, u consoleUser) {
