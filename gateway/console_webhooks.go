@@ -90,25 +90,13 @@ type endpointData struct {
 	NextURL    string
 }
 
-// withAttempts reads each delivery's attempts (one call each: a page is
-// at most consolePageSize deliveries).
-func (s *Server) withAttempts(r *http.Request, u consoleUser, ds []deliveryView) []deliveryView {
-	for i := range ds {
-		var full deliveryView
-		if s.consoleGet(r, u, "/v1/webhooks/deliveries/"+url.PathEscape(ds[i].ID), &full) == nil {
-			ds[i].Attempts = full.Attempts
-		}
-	}
-	return ds
-}
-
 func (s *Server) consoleEndpoint(w http.ResponseWriter, r *http.Request, u consoleUser) {
 	id := url.PathEscape(r.PathValue("id"))
 	q := r.URL.Query()
 	d := endpointData{States: deliveryStates, State: q.Get("state")}
 	err := s.consoleGet(r, u, "/v1/webhooks/endpoints/"+id, &d.Endpoint)
 	if err == nil {
-		api := url.Values{"limit": {strconv.Itoa(consolePageSize)}}
+		api := url.Values{"limit": {strconv.Itoa(consolePageSize)}, "include": {"attempts"}}
 		for _, k := range []string{"after", "state"} {
 			if v := q.Get(k); v != "" {
 				api.Set(k, v)
@@ -119,7 +107,7 @@ func (s *Server) consoleEndpoint(w http.ResponseWriter, r *http.Request, u conso
 			NextCursor string         `json:"next_cursor"`
 		}
 		if err = s.consoleGet(r, u, "/v1/webhooks/endpoints/"+id+"/deliveries?"+api.Encode(), &pg); err == nil {
-			d.Deliveries = s.withAttempts(r, u, pg.Data)
+			d.Deliveries = pg.Data
 			if pg.NextCursor != "" {
 				d.NextURL = "/console/webhooks/endpoints/" + id + "?" + url.Values{"after": {pg.NextCursor}, "state": {d.State}}.Encode()
 			}
