@@ -59,6 +59,32 @@ func TestConsoleWebhooks(t *testing.T) {
 		t.Errorf("candidate=yes: %d, want 400", status)
 	}
 
+	// Listings with their attempts: the review job's one delivery, its
+	// one attempt answered 503.
+	for _, path := range []string{"/v1/webhooks/endpoints/" + e.endpoint + "/deliveries?include=attempts", "/v1/jobs/" + e.reviewJob + "/deliveries?include=attempts"} {
+		status, b := bearer(t, e.f, e.operator, http.MethodGet, path, "")
+		var pg struct {
+			Data []deliveryView `json:"data"`
+		}
+		found := false
+		if status == http.StatusOK {
+			pg = decode[struct {
+				Data []deliveryView `json:"data"`
+			}](t, b)
+		}
+		for _, d := range pg.Data {
+			if d.ID == e.reviewDlv {
+				found = len(d.Attempts) == 1 && d.Attempts[0].Status == http.StatusServiceUnavailable && d.State == store.DeliveryFailed
+			}
+		}
+		if !found {
+			t.Errorf("%s: %d %s, want the review job's FAILED delivery with its 503 attempt", path, status, b)
+		}
+	}
+	if status, _ := bearer(t, e.f, e.operator, http.MethodGet, "/v1/jobs/"+e.reviewJob+"/deliveries?include=body", ""); status != http.StatusBadRequest {
+		t.Errorf("include=body: %d, want 400", status)
+	}
+
 	op := newBrowser(t, base)
 	if status, _ := op.signIn(e.operator); status != http.StatusOK {
 		t.Fatalf("sign-in: %d", status)

@@ -83,13 +83,13 @@ type Config struct {
 	// replicas that share it share sessions. Empty: each replica draws
 	// its own at start, and sessions are per replica.
 	ConsoleSecret string
+	// ConsoleSessionTTL is how long a console session lasts [8h].
+	ConsoleSessionTTL time.Duration
 	// Backlog, when set, reports the durable runnable backlog as a
 	// periodic collection last read it (scheduler.DurableMetrics.Backlog)
 	// for GET /v1/fleet/queues; without it the route reads the store
 	// itself, at most once a second (fleet_queues.go).
 	Backlog func() ([]store.Backlog, time.Time)
-	// ConsoleSessionTTL is how long a console session lasts [8h].
-	ConsoleSessionTTL time.Duration
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
