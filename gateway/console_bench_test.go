@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -44,6 +45,36 @@ func BenchmarkConsolePages(b *testing.B) {
 	secret, k := NewAPIKey("acme", store.RoleOperator, "bench", quotaT0)
 	if err := st.CreateKey(ctx, k); err != nil {
 		b.Fatal(err)
+	}
+	// Tenant beta: a full page of jobs waiting for a review, each with a
+	// withheld answer, which the Reviews page reads one API call each.
+	if err := st.CreateTenant(ctx, store.Tenant{Name: "beta", Weight: 1, CreatedAt: quotaT0, UpdatedAt: quotaT0}); err != nil {
+		b.Fatal(err)
+	}
+	betaSecret, bk := NewAPIKey("beta", store.RoleOperator, "bench", quotaT0)
+	if err := st.CreateKey(ctx, bk); err != nil {
+		b.Fatal(err)
+	}
+	t0 := time.Now()
+	for i := range consolePageSize {
+		if _, _, err := st.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(), Tenant: "beta",
+			IdempotencyKey: fmt.Sprint("review-", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: llama,
+			Body: []byte(`{"model":"m","messages":[]}`), TokenEstimate: 10, MaxAttempts: 3, Deadline: t0.Add(time.Hour), Now: t0}); err != nil {
+			b.Fatal(err)
+		}
+	}
+	held, err := st.Claim(ctx, t0, time.Minute, consolePageSize)
+	if err != nil || len(held) != consolePageSize {
+		b.Fatalf("claimed %d for review: %v", len(held), err)
+	}
+	for _, j := range held {
+		res := []byte(`{"id":"c","object":"chat.completion","model":"m","choices":[{"index":0,"finish_reason":"stop",` +
+			`"message":{"role":"assistant","content":"{\"total\": 30, \"currency\": \"EU"}}]}`)
+		if err := st.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.ReviewRequired, Result: res,
+			Attempt: store.Attempt{JobID: j.ID, Attempt: j.Attempt + 1, Fence: j.Fence, Outcome: store.OutcomeSucceeded, StartedAt: t0, EndedAt: t0},
+			EventID: uuid.Must(uuid.NewV7()).String(), Now: t0}); err != nil {
+			b.Fatal(err)
+		}
 	}
 	start := time.Now().Add(-time.Duration(n) * time.Millisecond)
 	var ids []string
@@ -92,6 +123,7 @@ func BenchmarkConsolePages(b *testing.B) {
 		b.Fatalf("the backlog collected: %+v", bl)
 	}
 	cookie := &http.Cookie{Name: consoleCookie, Value: f.api.consoleSeal.seal(consoleSession{Key: secret, Expires: time.Now().Add(time.Hour).Unix(), CSRF: "x"})}
+	betaCookie := &http.Cookie{Name: consoleCookie, Value: f.api.consoleSeal.seal(consoleSession{Key: betaSecret, Expires: time.Now().Add(time.Hour).Unix(), CSRF: "x"})}
 	// For scale: the collection's read of the backlog, which runs in the
 	// background every metrics.backlog_interval, never per page.
 	b.Run("backlog-collection", func(b *testing.B) {
@@ -117,16 +149,24 @@ func BenchmarkConsolePages(b *testing.B) {
 		{"webhooks", "/console/webhooks"},
 		{"webhook-endpoint", "/console/webhooks/endpoints/" + hook},
 		{"webhook-delivery", "/console/webhooks/deliveries/" + dlv},
+		{"reviews-full-page", "/console/reviews"}, // beta's: 50 jobs with their withheld answers
 	} {
 		b.Run(c.name, func(b *testing.B) {
+			ck := cookie
+			if c.name == "reviews-full-page" {
+				ck = betaCookie
+			}
 			for b.Loop() {
 				req := httptest.NewRequest(http.MethodGet, c.path, nil)
-				req.AddCookie(cookie)
+				req.AddCookie(ck)
 				req.Header.Set("Authorization", "Bearer "+secret) // for the API's own row
 				w := httptest.NewRecorder()
 				f.api.ServeHTTP(w, req)
 				if w.Code != http.StatusOK {
 					b.Fatalf("%s: %d %s", c.path, w.Code, w.Body)
+				}
+				if c.name == "reviews-full-page" && strings.Count(w.Body.String(), `data-field="answer"`) != consolePageSize {
+					b.Fatalf("the full review page shows %d withheld answers, want %d", strings.Count(w.Body.String(), `data-field="answer"`), consolePageSize)
 				}
 			}
 		})
