@@ -146,9 +146,9 @@ func TestConsoleBrowser(t *testing.T) {
 	loadCtx, stopLoad := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	prompt := strings.Repeat("a long document to fill the cache ", 400)
-	for i := range 12 {
+	for i := range 8 {
 		key := e.user // acme (weight 3) and globex (weight 1) contend
-		if i%3 == 2 {
+		if i%4 == 3 {
 			key = e.otherOp
 		}
 		wg.Go(func() {
