@@ -80,8 +80,14 @@ func (e *matrixEnv) expand(s string) string {
 // matrixEndpoint registers a webhook endpoint of acme's.
 func matrixEndpoint(t *testing.T, st *sqlstore.Store) string {
 	t.Helper()
+	return matrixEndpointOf(t, st, "acme")
+}
+
+// matrixEndpointOf registers an endpoint of tenant's on a closed port.
+func matrixEndpointOf(t testing.TB, st *sqlstore.Store, tenant string) string {
+	t.Helper()
 	secret, _ := webhook.NewSecret()
-	e := store.WebhookEndpoint{ID: "we_" + fmt.Sprint(time.Now().UnixNano()), Tenant: "acme", URL: "http://127.0.0.1:9/hook",
+	e := store.WebhookEndpoint{ID: "we_" + fmt.Sprint(time.Now().UnixNano()), Tenant: tenant, URL: "http://127.0.0.1:9/hook",
 		Events: []string{"job.succeeded"}, Secret: secret, CreatedAt: quotaT0}
 	if err := st.CreateEndpoint(context.Background(), e); err != nil {
 		t.Fatal(err)
@@ -304,6 +310,15 @@ func TestRouteRoleMatrix(t *testing.T) {
 		// The fleet (fleet.go): operators', every tenant's (backends are shared).
 		{pattern: "GET /v1/fleet", want: [nRoles]int{no, ok, fb, ok, ok}},
 		{pattern: "GET /v1/fleet/events", want: [nRoles]int{no, ok, fb, ok, ok}},
+		// Its queues: another tenant's operator sees none of acme's rows.
+		{pattern: "GET /v1/fleet/queues", want: [nRoles]int{no, ok, fb, ok, ok}, check: func(e *matrixEnv, role, status int, body []byte) {
+			if role == roleOther && strings.Contains(string(body), `"acme"`) {
+				e.t.Errorf("another tenant's operator sees acme's queues: %s", body)
+			}
+			if role == roleOperator && !strings.Contains(string(body), `"tenant":"acme"`) {
+				e.t.Errorf("acme's operator does not see acme's admissions: %s", body)
+			}
+		}},
 		// The console (console.go) authenticates by its session cookie,
 		// which the matrix cannot express: here, a bearer key alone opens
 		// nothing (a page sends the browser to the sign-in form; a
@@ -327,6 +342,14 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "GET /console/tenants", want: anyone, check: signInForm},
 		{pattern: "POST /console/keys/{id}/rotate", path: "/console/keys/{spare-key}/rotate", want: consoleRefused, check: keptKey},
 		{pattern: "GET /console/usage", want: anyone, check: signInForm},
+		{pattern: "GET /console/webhooks", want: anyone, check: signInForm},
+		{pattern: "POST /console/webhooks/endpoints", want: consoleRefused},
+		{pattern: "GET /console/webhooks/endpoints/{id}", path: "/console/webhooks/endpoints/{hook}", want: anyone, check: signInForm},
+		{pattern: "POST /console/webhooks/endpoints/{id}/state", path: "/console/webhooks/endpoints/{hook}/state", want: consoleRefused},
+		{pattern: "POST /console/webhooks/endpoints/{id}/rotate", path: "/console/webhooks/endpoints/{hook}/rotate", want: consoleRefused},
+		{pattern: "POST /console/webhooks/endpoints/{id}/test", path: "/console/webhooks/endpoints/{hook}/test", want: consoleRefused},
+		{pattern: "GET /console/webhooks/deliveries/{id}", path: "/console/webhooks/deliveries/{delivery}", want: anyone, check: signInForm},
+		{pattern: "POST /console/webhooks/deliveries/{id}/redeliver", path: "/console/webhooks/deliveries/{delivery}/redeliver", want: consoleRefused},
 		{pattern: "GET /console/api/{path...}", path: "/console/api/v1/jobs", want: consoleRefused},
 		{pattern: "POST /console/api/{path...}", path: "/console/api/v1/jobs/{job}/cancel", want: consoleRefused},
 		{pattern: "PATCH /console/api/{path...}", path: "/console/api/v1/admin/tenants/acme", want: consoleRefused},
@@ -358,6 +381,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "GET /v1/webhooks/deliveries/{id}", path: "/v1/webhooks/deliveries/{delivery}", want: [nRoles]int{no, nf, fb, ok, ok}},
 		{pattern: "POST /v1/webhooks/deliveries/{id}/redeliver", path: "/v1/webhooks/deliveries/{delivery}/redeliver",
 			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/jobs/{id}/deliveries", path: "/v1/jobs/{job}/deliveries", want: [nRoles]int{no, nf, fb, ok, ok}},
 		{pattern: "GET /healthz", want: anyone},
 		{pattern: "GET /readyz", want: anyone},
 		{pattern: "GET /metrics", want: anyone},

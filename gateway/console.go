@@ -63,9 +63,13 @@ var consoleTemplates = template.Must(template.New("").Funcs(template.FuncMap{
 		}
 		return time.Unix(sec, 0).UTC().Format("2006-01-02 15:04:05Z")
 	},
-	"pct":  func(f float64) string { return strings.TrimSuffix(strings.TrimRight(fmtFloat(f*100), "0"), ".") + "%" },
-	"json": func(b json.RawMessage) string { return prettyJSON(b) },
-	"has":  func(s []string, v string) bool { return containsString(s, v) },
+	"pct":           func(f float64) string { return strings.TrimSuffix(strings.TrimRight(fmtFloat(f*100), "0"), ".") + "%" },
+	"json":          func(b json.RawMessage) string { return prettyJSON(b) },
+	"has":           func(s []string, v string) bool { return containsString(s, v) },
+	"redeliverable": redeliverable,
+	"div":           func(a, b int64) int64 { return a / b },
+	"secs":          func(f float64) string { return time.Duration(f * float64(time.Second)).Round(time.Second).String() },
+	"ms":            func(ms int64) string { return (time.Duration(ms) * time.Millisecond).String() },
 }).ParseFS(consoleFS, "console/*.html"))
 
 // consoleSession is what the cookie seals.
@@ -124,12 +128,16 @@ type consoleUser struct {
 	sess   consoleSession
 	tenant string
 	role   store.Role
+	hooks  bool
 }
 
 func (u consoleUser) Admin() bool    { return u.role == store.RoleAdmin }
 func (u consoleUser) Tenant() string { return u.tenant }
 func (u consoleUser) Role() string   { return string(u.role) }
 func (u consoleUser) CSRF() string   { return u.sess.CSRF }
+
+// Webhooks says whether the gateway has webhooks (the nav shows them).
+func (u consoleUser) Webhooks() bool { return u.hooks }
 
 func (s *Server) consoleRoutes() {
 	s.mux.HandleFunc("GET /console", func(w http.ResponseWriter, r *http.Request) {
@@ -141,23 +149,31 @@ func (s *Server) consoleRoutes() {
 	s.mux.HandleFunc("POST /console/signin", s.consoleSignIn)
 	s.mux.HandleFunc("POST /console/signout", s.console(s.consoleSignOut))
 	for path, h := range map[string]func(http.ResponseWriter, *http.Request, consoleUser){
-		"GET /console/fleet":                s.consoleFleet,
-		"GET /console/queues":               s.consoleQueues,
-		"GET /console/jobs":                 s.consoleJobs,
-		"GET /console/jobs/{id}":            s.consoleJob,
-		"GET /console/reviews":              s.consoleReviews,
-		"POST /console/jobs/{id}/review":    s.consoleReview,
-		"GET /console/dead-letters":         s.consoleDeadLetters,
-		"POST /console/jobs/{id}/replay":    s.consoleReplay,
-		"GET /console/batches":              s.consoleBatches,
-		"POST /console/batches/{id}/cancel": s.consoleCancelBatch,
-		"GET /console/tenants":              s.consoleTenants,
-		"POST /console/keys/{id}/rotate":    s.consoleRotate,
-		"GET /console/usage":                s.consoleUsage,
-		"GET /console/api/{path...}":        s.consoleAPI,
-		"POST /console/api/{path...}":       s.consoleAPI,
-		"PATCH /console/api/{path...}":      s.consoleAPI,
-		"DELETE /console/api/{path...}":     s.consoleAPI,
+		"GET /console/fleet":                               s.consoleFleet,
+		"GET /console/queues":                              s.consoleQueues,
+		"GET /console/jobs":                                s.consoleJobs,
+		"GET /console/jobs/{id}":                           s.consoleJob,
+		"GET /console/reviews":                             s.consoleReviews,
+		"POST /console/jobs/{id}/review":                   s.consoleReview,
+		"GET /console/dead-letters":                        s.consoleDeadLetters,
+		"POST /console/jobs/{id}/replay":                   s.consoleReplay,
+		"GET /console/batches":                             s.consoleBatches,
+		"POST /console/batches/{id}/cancel":                s.consoleCancelBatch,
+		"GET /console/tenants":                             s.consoleTenants,
+		"POST /console/keys/{id}/rotate":                   s.consoleRotate,
+		"GET /console/usage":                               s.consoleUsage,
+		"GET /console/webhooks":                            s.consoleWebhooks,
+		"POST /console/webhooks/endpoints":                 s.consoleCreateEndpoint,
+		"GET /console/webhooks/endpoints/{id}":             s.consoleEndpoint,
+		"POST /console/webhooks/endpoints/{id}/state":      s.consoleEndpointState,
+		"POST /console/webhooks/endpoints/{id}/rotate":     s.consoleRotateSecret,
+		"POST /console/webhooks/endpoints/{id}/test":       s.consoleTestEndpoint,
+		"GET /console/webhooks/deliveries/{id}":            s.consoleDelivery,
+		"POST /console/webhooks/deliveries/{id}/redeliver": s.consoleRedeliver,
+		"GET /console/api/{path...}":                       s.consoleAPI,
+		"POST /console/api/{path...}":                      s.consoleAPI,
+		"PATCH /console/api/{path...}":                     s.consoleAPI,
+		"DELETE /console/api/{path...}":                    s.consoleAPI,
 	} {
 		s.mux.HandleFunc(path, s.console(h))
 	}
@@ -220,7 +236,7 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 					return
 				}
 			}
-			h(w, r, consoleUser{sess: sess, tenant: p.tenant, role: p.role})
+			h(w, r, consoleUser{sess: sess, tenant: p.tenant, role: p.role, hooks: s.cfg.Webhooks.Store != nil})
 		})).ServeHTTP(w, r)
 	}
 }
@@ -434,10 +450,15 @@ func (s *Server) render(w http.ResponseWriter, status int, name string, data any
 // page renders a console page; err, when set, is shown in place of data
 // with its API status.
 func (s *Server) page(w http.ResponseWriter, r *http.Request, u consoleUser, nav, title string, data any, err error) {
+	s.pageAs(w, r, u, nav, nav, title, data, err)
+}
+
+// pageAs renders template tmpl under nav's entry.
+func (s *Server) pageAs(w http.ResponseWriter, r *http.Request, u consoleUser, nav, tmpl, title string, data any, err error) {
 	p := consolePage{Title: title, Nav: nav, User: u, Data: data, Notice: r.URL.Query().Get("notice")}
 	status := http.StatusOK
 	if err != nil {
 		p.Error, status = err.Error(), statusOf(err)
 	}
-	s.render(w, status, nav+".html", p)
+	s.render(w, status, tmpl+".html", p)
 }

@@ -15,6 +15,8 @@ import (
 
 	"github.com/chromedp/chromedp"
 
+	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/scheduler/validate"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -63,7 +65,7 @@ func TestConsoleBrowser(t *testing.T) {
 	defer cancelAlloc()
 	ctx, cancelCtx := chromedp.NewContext(alloc)
 	defer cancelCtx()
-	ctx, cancelTimeout := context.WithTimeout(ctx, 3*time.Minute)
+	ctx, cancelTimeout := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancelTimeout()
 
 	run := func(what string, steps ...chromedp.Action[chromedp.Void]) {
@@ -144,12 +146,16 @@ func TestConsoleBrowser(t *testing.T) {
 	loadCtx, stopLoad := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	prompt := strings.Repeat("a long document to fill the cache ", 400)
-	for range 8 {
+	for i := range 8 {
+		key := e.user // acme (weight 3) and globex (weight 1) contend
+		if i%4 == 3 {
+			key = e.otherOp
+		}
 		wg.Go(func() {
 			body := fmt.Sprintf(`{"model":%q,"max_tokens":2000,"messages":[{"role":"user","content":%q}]}`, llama, prompt)
 			for loadCtx.Err() == nil {
 				req, _ := http.NewRequestWithContext(loadCtx, http.MethodPost, base+"/v1/chat/completions", strings.NewReader(body))
-				req.Header.Set("Authorization", "Bearer "+e.user)
+				req.Header.Set("Authorization", "Bearer "+key)
 				req.Header.Set("Content-Type", "application/json")
 				if resp, err := http.DefaultClient.Do(req); err == nil {
 					resp.Body.Close()
@@ -172,16 +178,108 @@ func TestConsoleBrowser(t *testing.T) {
 		t.Fatalf("the fleet page's KV use did not move under load (idle %q): %v", idle, err)
 	}
 
+	// Queues: acme's share of the interactive admissions the load made,
+	// against its weight's (3 of the 4 the two tenants weigh); an
+	// operator sees its own tenant's row only.
+	run("queues", chromedp.Navigate(base+"/console/queues"), chromedp.WaitVisible(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"]`)))
+	share := str("acme's share", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"] [data-field="share"]`)))
+	if ws := str("acme's weight share", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"] [data-field="weight-share"]`))); ws != "75%" {
+		t.Errorf("acme's weight share on the Queues page: %q, want 75%%", ws)
+	}
+	if share == "0%" || !strings.HasSuffix(share, "%") {
+		t.Errorf("acme's measured share on the Queues page: %q", share)
+	}
+	if strings.Contains(bodyText(), "globex") {
+		t.Error("acme's operator sees globex's row on the Queues page")
+	}
+	axe("queues")
+
 	// Reviews: find the REVIEW_REQUIRED job, open it, approve it.
 	run("reviews", chromedp.Navigate(base+"/console/reviews"), chromedp.WaitVisible(chromedp.CSS(`tr[data-job="`+e.reviewJob+`"]`)))
 	shot("reviews")
 	axe("reviews")
+	stored, err := e.f.store.Result(context.Background(), "acme", e.reviewJob)
+	if err != nil {
+		t.Fatal(err)
+	}
+	answer, err := validate.Answer(stored)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := str("the withheld answer in the queue", chromedp.Text(chromedp.CSS(`tr[data-job="`+e.reviewJob+`"] [data-field="answer"]`))); got != answer {
+		t.Errorf("the Reviews page shows the answer %q, want the withheld %q", got, answer)
+	}
 	run("open the job", chromedp.Click(chromedp.CSS(`tr[data-job="`+e.reviewJob+`"] a`)),
-		chromedp.WaitVisible(chromedp.CSS(`button[value="approve"]`)))
+		chromedp.WaitVisible(chromedp.CSS(`button[value="approve"]`)), chromedp.WaitVisible(chromedp.ID(`candidate`)))
+	// The withheld answer beside the reasons: side by side in one row.
+	if got := str("the withheld answer", chromedp.Text(chromedp.CSS(`#candidate [data-field="answer"]`))); got != answer {
+		t.Errorf("the job's page shows the answer %q, want the withheld %q", got, answer)
+	}
+	if beside := str("layout", chromedp.Evaluate[string](`(() => {
+		const a = document.querySelector('[aria-labelledby="reasons"]').getBoundingClientRect();
+		const b = document.getElementById('candidate').getBoundingClientRect();
+		return String(Math.abs(a.top - b.top) < 2 && b.left > a.right - 1);
+	})()`)); beside != "true" {
+		t.Error("the withheld answer is not beside the validation reasons")
+	}
 	shot("job")
 	axe("job")
-	run("approve", chromedp.Click(chromedp.CSS(`button[value="approve"]`)), chromedp.WaitVisible(chromedp.CSS(`.notice`)))
+
+	// Its webhook delivery FAILED while the receiver was down: redeliver
+	// it, from the job's page, to the receiver now up.
+	dlv := `button[aria-label="Redeliver ` + e.reviewDlv + `"]`
+	run("the job's deliveries", chromedp.WaitVisible(chromedp.CSS(`#job-deliveries tr[data-delivery="`+e.reviewDlv+`"]`)))
+	if st := str("its state", chromedp.Text(chromedp.CSS(`#job-deliveries tr[data-delivery="`+e.reviewDlv+`"] [data-field="state"]`))); st != store.DeliveryFailed {
+		t.Errorf("the review job's delivery is %q on its page, want FAILED", st)
+	}
+	e.hook.down.Store(false)
+	run("redeliver", chromedp.Click(chromedp.CSS(dlv)), chromedp.WaitVisible(chromedp.CSS(`.notice`)))
+	if s := bodyText(); !strings.Contains(s, "redelivered") {
+		t.Errorf("after the redelivery: %.300s", s)
+	}
+	eventually.True(t, "the redelivery received", func() bool {
+		for _, r := range e.hook.received() {
+			if r.ID == e.reviewDlv && r.JobID == e.reviewJob && r.Type == "job.review_required" {
+				return true
+			}
+		}
+		return false
+	})
+	if bad := e.hook.failures(); len(bad) != 0 {
+		t.Errorf("the receiver could not verify: %v", bad)
+	}
+	eventually.True(t, "the redelivery recorded", func() bool {
+		d, err := e.f.store.Delivery(context.Background(), "acme", e.reviewDlv)
+		return err == nil && d.State == store.DeliveryDelivered
+	})
+	run("the delivery's page", chromedp.Navigate(base+"/console/webhooks/deliveries/"+e.reviewDlv), chromedp.WaitVisible(chromedp.CSS(`#attempts`)))
+	if st := str("its state", chromedp.Text(chromedp.CSS(`[data-delivery] [data-field="state"]`))); st != store.DeliveryDelivered {
+		t.Errorf("the delivery's page says %q, want DELIVERED", st)
+	}
+	statuses := str("the attempts' statuses", chromedp.Evaluate[string](`[...document.querySelectorAll('#attempts [data-field="status"]')].map(e => e.textContent).join(",")`))
+	if statuses != "503,204" {
+		t.Errorf("the delivery's attempts answered %q, want 503,204", statuses)
+	}
+	shot("webhook-delivery")
+	axe("webhook-delivery")
+
+	// Back to the job: approve it.
+	run("approve", chromedp.Navigate(base+"/console/jobs/"+e.reviewJob), chromedp.WaitVisible(chromedp.CSS(`button[value="approve"]`)),
+		chromedp.Click(chromedp.CSS(`button[value="approve"]`)), chromedp.WaitVisible(chromedp.CSS(`.notice`)))
 	waitJob(t, e.f, "acme", e.reviewJob, store.Succeeded)
+
+	// Webhooks: the endpoints, and one's deliveries with their attempts.
+	run("webhooks", chromedp.Navigate(base+"/console/webhooks"), chromedp.WaitVisible(chromedp.CSS(`tr[data-endpoint="`+e.endpoint+`"]`)))
+	shot("webhooks")
+	axe("webhooks")
+	run("an endpoint", chromedp.Click(chromedp.CSS(`tr[data-endpoint="`+e.endpoint+`"] a`)),
+		chromedp.WaitVisible(chromedp.CSS(`#deliveries tr[data-delivery="`+e.reviewDlv+`"]`)))
+	if s := str("its deliveries", chromedp.Text(chromedp.CSS(`#deliveries tr[data-delivery="`+e.reviewDlv+`"]`))); !strings.Contains(s, "DELIVERED") ||
+		!strings.Contains(s, "503") || !strings.Contains(s, "204") {
+		t.Errorf("the endpoint's page shows the redelivered delivery as %q", s)
+	}
+	shot("webhook-endpoint")
+	axe("webhook-endpoint")
 
 	// Dead letters: replay one.
 	run("dead letters", chromedp.Navigate(base+"/console/dead-letters"),
@@ -190,6 +288,17 @@ func TestConsoleBrowser(t *testing.T) {
 	axe("dead-letters")
 	run("replay", chromedp.Click(chromedp.CSS(`button[aria-label="Replay `+e.deadJob+`"]`)), chromedp.WaitVisible(chromedp.CSS(`.notice`)))
 	waitJob(t, e.f, "acme", e.deadJob, store.Succeeded)
+	// A failed delivery among the dead letters: the dead job's, redelivered.
+	ds, _, err := e.f.store.Deliveries(context.Background(), store.DeliveryFilter{Tenant: "acme", JobID: e.deadJob, State: store.DeliveryFailed})
+	if err != nil || len(ds) != 1 {
+		t.Fatalf("the dead job's failed deliveries: %+v %v", ds, err)
+	}
+	run("redeliver a dead letter", chromedp.Navigate(base+"/console/dead-letters"),
+		chromedp.Click(chromedp.CSS(`#dead-deliveries button[aria-label="Redeliver `+ds[0].ID+`"]`)), chromedp.WaitVisible(chromedp.CSS(`.notice`)))
+	eventually.True(t, "the dead letter's delivery delivered", func() bool {
+		d, err := e.f.store.Delivery(context.Background(), "acme", ds[0].ID)
+		return err == nil && d.State == store.DeliveryDelivered
+	})
 
 	for _, p := range []string{"queues", "usage", "batches"} {
 		run(p, chromedp.Navigate(base+"/console/"+p), chromedp.WaitVisible(chromedp.CSS(`main h1`)))
@@ -200,7 +309,20 @@ func TestConsoleBrowser(t *testing.T) {
 
 	// The admin rotates the operator's key.
 	signIn(e.admin)
-	run("tenants", chromedp.WaitVisible(chromedp.ID(`jobs`)), chromedp.Navigate(base+"/console/tenants"),
+	run("signed in", chromedp.WaitVisible(chromedp.ID(`jobs`)))
+	// The admin's Queues page: both tenants' interactive shares.
+	run("queues as the admin", chromedp.Navigate(base+"/console/queues"), chromedp.WaitVisible(chromedp.CSS(`#shares-interactive tr[data-tenant="globex"]`)))
+	if ws := str("globex's weight share", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="globex"] [data-field="weight-share"]`))); ws != "25%" {
+		t.Errorf("globex's weight share: %q, want 25%%", ws)
+	}
+	sum := str("the shares' sum", chromedp.Evaluate[string](`String(Math.round([...document.querySelectorAll('#shares-interactive [data-field="share"]')]
+		.reduce((s, e) => s + parseFloat(e.textContent), 0)))`))
+	if sum != "100" {
+		t.Errorf("the interactive shares on the admin's Queues page sum to %s%%, want 100", sum)
+	}
+	shot("queues-admin")
+	axe("queues-admin")
+	run("tenants", chromedp.Navigate(base+"/console/tenants"),
 		chromedp.WaitVisible(chromedp.CSS(`button[aria-label="Rotate `+e.opKey+`"]`)))
 	shot("tenants")
 	axe("tenants")

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvgate/kvgate/scheduler/validate"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -41,47 +42,12 @@ func (s *Server) consoleFleet(w http.ResponseWriter, r *http.Request, u consoleU
 }
 
 type queuesData struct {
-	Fleet  fleetView
-	Queued []jobView // the tenant's waiting jobs (READY, RETRY_SCHEDULED), newest first
-	Oldest string    // how long the oldest one shown has waited
-	Tenant TenantView
-	Total  int // weight of every tenant, for the share
-	Shares []tenantShare
-}
-
-type tenantShare struct {
-	Name   string
-	Weight int
-	Share  float64 // its weight over every tenant's
+	Queues queuesView
 }
 
 func (s *Server) consoleQueues(w http.ResponseWriter, r *http.Request, u consoleUser) {
 	var d queuesData
-	err := s.consoleGet(r, u, "/v1/fleet", &d.Fleet)
-	if err == nil && s.jobs.Store != nil {
-		var pg struct {
-			Data []jobView `json:"data"`
-		}
-		if err = s.consoleGet(r, u, "/v1/jobs?state=READY&state=RETRY_SCHEDULED&limit=100", &pg); err == nil {
-			d.Queued = pg.Data
-			if n := len(pg.Data); n > 0 {
-				d.Oldest = time.Since(time.Unix(pg.Data[n-1].CreatedAt, 0)).Round(time.Second).String()
-			}
-		}
-	}
-	if err == nil && u.Admin() && s.cfg.Tenants.Store != nil {
-		var ts struct {
-			Data []TenantView `json:"data"`
-		}
-		if err = s.consoleGet(r, u, "/v1/admin/tenants", &ts); err == nil {
-			for _, t := range ts.Data {
-				d.Total += t.Weight
-			}
-			for _, t := range ts.Data {
-				d.Shares = append(d.Shares, tenantShare{Name: t.Name, Weight: t.Weight, Share: float64(t.Weight) / float64(max(1, d.Total))})
-			}
-		}
-	}
+	err := s.consoleGet(r, u, "/v1/fleet/queues", &d.Queues)
 	s.page(w, r, u, "queues", "Queues", d, err)
 }
 
@@ -171,13 +137,37 @@ func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUs
 }
 
 type jobData struct {
-	Job      jobView
-	Attempts []attemptView
-	Audit    []auditView
-	Reasons  json.RawMessage
-	Result   string
-	Review   bool // it waits for a review
-	Replay   bool // it may be replayed
+	Job        jobView
+	Attempts   []attemptView
+	Audit      []auditView
+	Reasons    json.RawMessage
+	Result     string
+	Candidate  *candidate // a REVIEW_REQUIRED job's withheld answer
+	Review     bool       // it waits for a review
+	Replay     bool       // it may be replayed
+	Hooks      bool       // the gateway has webhooks: Deliveries is the job's
+	Deliveries []deliveryView
+}
+
+// candidate is a withheld answer, for a reviewer: the answer's text (the
+// assistant message's content) and the whole stored result.
+type candidate struct {
+	Answer string
+	Result string
+}
+
+// candidateOf reads a REVIEW_REQUIRED job's withheld result through the
+// API's operator-only read (GET /v1/jobs/{id}/result?candidate=true).
+func (s *Server) candidateOf(r *http.Request, u consoleUser, id string) *candidate {
+	status, b := s.consoleCall(r, u, http.MethodGet, "/v1/jobs/"+url.PathEscape(id)+"/result?candidate=true", nil)
+	if status != http.StatusOK {
+		return nil
+	}
+	c := &candidate{Result: prettyJSON(b)}
+	if a, err := validate.Answer(b); err == nil {
+		c.Answer = a
+	}
+	return c
 }
 
 func (s *Server) consoleJob(w http.ResponseWriter, r *http.Request, u consoleUser) {
@@ -210,6 +200,15 @@ func (s *Server) consoleJob(w http.ResponseWriter, r *http.Request, u consoleUse
 		}
 		if d.Review {
 			d.Reasons = s.reviewReasons(r, u, d.Job.ID)
+			d.Candidate = s.candidateOf(r, u, d.Job.ID)
+		}
+		if d.Hooks = u.hooks; d.Hooks {
+			var pg struct {
+				Data []deliveryView `json:"data"`
+			}
+			if err = s.consoleGet(r, u, "/v1/jobs/"+id+"/deliveries?limit=100", &pg); err == nil {
+				d.Deliveries = pg.Data
+			}
 		}
 	}
 	title := "Job"
@@ -243,8 +242,9 @@ func (s *Server) reviewReasons(r *http.Request, u consoleUser, id string) json.R
 }
 
 type reviewsData struct {
-	Reviews []reviewView
-	NextURL string
+	Reviews    []reviewView
+	Candidates map[string]*candidate // by job id: each one's withheld answer
+	NextURL    string
 }
 
 func (s *Server) consoleReviews(w http.ResponseWriter, r *http.Request, u consoleUser) {
@@ -253,7 +253,10 @@ func (s *Server) consoleReviews(w http.ResponseWriter, r *http.Request, u consol
 		NextCursor string       `json:"next_cursor"`
 	}
 	err := s.consoleGet(r, u, "/v1/reviews?limit="+strconv.Itoa(consolePageSize)+"&after="+url.QueryEscape(r.URL.Query().Get("after")), &pg)
-	d := reviewsData{Reviews: pg.Data}
+	d := reviewsData{Reviews: pg.Data, Candidates: map[string]*candidate{}}
+	for _, v := range pg.Data {
+		d.Candidates[v.ID] = s.candidateOf(r, u, v.ID)
+	}
 	if pg.NextCursor != "" {
 		d.NextURL = "/console/reviews?after=" + url.QueryEscape(pg.NextCursor)
 	}
@@ -263,7 +266,12 @@ func (s *Server) consoleReviews(w http.ResponseWriter, r *http.Request, u consol
 // consoleAction posts an action's API twin and goes back to where the
 // form came from, with the API's answer as the notice.
 func (s *Server) consoleAction(w http.ResponseWriter, r *http.Request, u consoleUser, path string, body any, done string) {
-	status, b := s.consoleCall(r, u, http.MethodPost, path, body)
+	s.consoleActionAs(w, r, u, http.MethodPost, path, body, done)
+}
+
+// consoleActionAs is consoleAction with another method (PATCH).
+func (s *Server) consoleActionAs(w http.ResponseWriter, r *http.Request, u consoleUser, method, path string, body any, done string) {
+	status, b := s.consoleCall(r, u, method, path, body)
 	back := safeNext(r.PostFormValue("back"))
 	msg := done
 	if status >= 300 {
@@ -292,6 +300,9 @@ type deadLettersData struct {
 	Letters []deadLetterView
 	NextURL string
 	Class   string
+	Hooks   bool           // the gateway has webhooks: Failed is their dead letters
+	Failed  []deliveryView // FAILED webhook deliveries, oldest first
+	HookURL string         // their next page
 }
 
 func (s *Server) consoleDeadLetters(w http.ResponseWriter, r *http.Request, u consoleUser) {
@@ -307,9 +318,25 @@ func (s *Server) consoleDeadLetters(w http.ResponseWriter, r *http.Request, u co
 		NextCursor string           `json:"next_cursor"`
 	}
 	err := s.consoleGet(r, u, "/v1/dead-letters?"+api.Encode(), &pg)
-	d := deadLettersData{Letters: pg.Data, Class: q.Get("class")}
+	d := deadLettersData{Letters: pg.Data, Class: q.Get("class"), Hooks: u.hooks}
 	if pg.NextCursor != "" {
 		d.NextURL = "/console/dead-letters?" + url.Values{"after": {pg.NextCursor}, "class": {d.Class}}.Encode()
+	}
+	if err == nil && d.Hooks {
+		hq := url.Values{"kind": {"webhook_delivery"}, "limit": {strconv.Itoa(consolePageSize)}}
+		if a := q.Get("hooks_after"); a != "" {
+			hq.Set("after", a)
+		}
+		var hp struct {
+			Data       []deliveryView `json:"data"`
+			NextCursor string         `json:"next_cursor"`
+		}
+		if err = s.consoleGet(r, u, "/v1/dead-letters?"+hq.Encode(), &hp); err == nil {
+			d.Failed = hp.Data
+			if hp.NextCursor != "" {
+				d.HookURL = "/console/dead-letters?" + url.Values{"hooks_after": {hp.NextCursor}, "class": {d.Class}}.Encode()
+			}
+		}
 	}
 	s.page(w, r, u, "deadletters", "Dead letters", d, err)
 }

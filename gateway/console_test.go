@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/cookiejar"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/store"
 )
@@ -23,14 +25,24 @@ type consoleEnv struct {
 	user, operator, admin, otherOp     string // keys: acme's user, operator and admin; globex's operator
 	reviewJob, deadJob, doneJob, opKey string // ids; opKey is the operator key's id
 	batch                              string // a batch of acme's that completed
+	// hook receives acme's webhooks at endpoint; it was down while the
+	// jobs above ended, so their deliveries FAILED (the schedule is one
+	// attempt): reviewDlv is the review job's.
+	hook                *receiver
+	endpoint, reviewDlv string
 }
 
 func startConsoleEnv(t *testing.T) *consoleEnv {
 	t.Helper()
 	st := sqliteStore(t)
-	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 50, keysRequired: true,
-		gateway: Config{Tenants: Tenants{Store: st}, Jobs: Jobs{MaxAttempts: 1}}})
+	f, _, _ := webhookFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true,
+		gateway: Config{Tenants: Tenants{Store: st}, Jobs: Jobs{MaxAttempts: 1}}}, 1,
+		func(dc *DispatcherConfig) { dc.Schedule = []time.Duration{0} })
 	e := &consoleEnv{f: f}
+	// acme weighs 3 to globex's 1: the Queues page shows the shares.
+	if err := st.CreateTenant(context.Background(), store.Tenant{Name: "acme", Weight: 3, CreatedAt: quotaT0, UpdatedAt: quotaT0}); err != nil {
+		t.Fatal(err)
+	}
 	e.user = newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
 	e.operator = newKey(t, st, "acme", store.RoleOperator)
 	e.admin = newKey(t, st, "acme", store.RoleAdmin)
@@ -56,6 +68,16 @@ func startConsoleEnv(t *testing.T) *consoleEnv {
 		}
 		return v.ID
 	}
+	e.hook = newReceiver(t)
+	e.hook.down.Store(true)
+	if status, b := bearer(t, f, e.operator, http.MethodPost, "/v1/webhooks/endpoints",
+		fmt.Sprintf(`{"url":%q,"events":["job.review_required","job.failed","job.succeeded"]}`, e.hook.srv.URL+"/hook")); status != http.StatusCreated {
+		t.Fatalf("endpoint: %d %s", status, b)
+	} else {
+		ep := decode[endpointCreated](t, b)
+		e.endpoint = ep.ID
+		e.hook.trust(ep.Secret)
+	}
 	f.sims[0].SetFaults(vllmsim.Faults{InvalidJSONRate: 1})
 	e.reviewJob = submit("console-review", schemaJob("invoice: total 30 EUR", "invoice"))
 	waitJob(t, f, "acme", e.reviewJob, store.ReviewRequired)
@@ -73,6 +95,14 @@ func startConsoleEnv(t *testing.T) *consoleEnv {
 		ID string `json:"id"`
 	}](t, b).ID).ID
 	waitBatch(t, f.srv.URL, e.user, e.batch, store.BatchCompleted)
+	eventually.True(t, "the review job's delivery FAILED", func() bool {
+		ds, _, err := st.Deliveries(context.Background(), store.DeliveryFilter{Tenant: "acme", JobID: e.reviewJob})
+		if err != nil || len(ds) != 1 || ds[0].State != store.DeliveryFailed {
+			return false
+		}
+		e.reviewDlv = ds[0].ID
+		return true
+	})
 	return e
 }
 

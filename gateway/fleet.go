@@ -81,6 +81,7 @@ func (s *Server) fleetRoutes() {
 		return http.StatusOK
 	}))
 	s.mux.Handle("GET /v1/fleet/events", s.api("/v1/fleet/events", s.handleFleetEvents))
+	s.mux.Handle("GET /v1/fleet/queues", s.api("/v1/fleet/queues", s.handleFleetQueues)) // fleet_queues.go
 }
 
 func (s *Server) handleFleetEvents(w http.ResponseWriter, r *http.Request) int {

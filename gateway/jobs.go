@@ -308,6 +308,9 @@ func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
 }
 
 func (s *Server) handleJobResult(w http.ResponseWriter, r *http.Request) int {
+	if r.URL.Query().Has("candidate") {
+		return s.handleCandidateResult(w, r) // a reviewer's read of a withheld answer (candidate.go)
+	}
 	tenant, id := tenantOf(r.Context()), r.PathValue("id")
 	j, err := s.jobs.Store.Get(r.Context(), tenant, id)
 	if err != nil {

@@ -85,6 +85,11 @@ type Config struct {
 	ConsoleSecret string
 	// ConsoleSessionTTL is how long a console session lasts [8h].
 	ConsoleSessionTTL time.Duration
+	// Backlog, when set, reports the durable runnable backlog as a
+	// periodic collection last read it (scheduler.DurableMetrics.Backlog)
+	// for GET /v1/fleet/queues; without it the route reads the store
+	// itself, at most once a second (fleet_queues.go).
+	Backlog func() ([]store.Backlog, time.Time)
 }
 
 // backendPool is what the gateway needs of the backends; *gpu.Pool
@@ -127,6 +132,7 @@ type Server struct {
 	batchWk     batchWork
 	consoleSeal *consoleSealer      // console.go
 	gatherer    prometheus.Gatherer // the registry, for the fleet's refusal counts (fleet.go)
+	backlogs    backlogCache        // the durable backlog's last read (fleet_queues.go)
 }
 
 // New returns the API server. reg receives the gateway's metrics and is

@@ -52,6 +52,7 @@ func (s *Server) webhookRoutes() {
 		{"GET /v1/webhooks/endpoints/{id}/deliveries", s.handleEndpointDeliveries},
 		{"GET /v1/webhooks/deliveries/{id}", s.handleGetDelivery},
 		{"POST /v1/webhooks/deliveries/{id}/redeliver", s.handleRedeliver},
+		{"GET /v1/jobs/{id}/deliveries", s.handleJobDeliveries},
 	} {
 		_, path, _ := strings.Cut(r.pattern, " ")
 		h := r.h
@@ -302,7 +303,8 @@ type deliveryView struct {
 	LastError     string `json:"last_error,omitempty"`
 	CreatedAt     int64  `json:"created_at"`
 	UpdatedAt     int64  `json:"updated_at"`
-	// Attempts, in GET /v1/webhooks/deliveries/{id} only.
+	// Attempts, in GET /v1/webhooks/deliveries/{id}, and in a listing
+	// with ?include=attempts.
 	Attempts []deliveryAttemptView `json:"attempts,omitempty"`
 }
 
@@ -325,7 +327,17 @@ func deliveryViewOf(d store.Delivery) deliveryView {
 	return v
 }
 
-// deliveryPage answers a page of deliveries by filter.
+func attemptViews(as []store.DeliveryAttempt) []deliveryAttemptView {
+	out := make([]deliveryAttemptView, len(as))
+	for i, a := range as {
+		out[i] = deliveryAttemptView{Attempt: a.Attempt, StartedAt: a.StartedAt.Unix(), LatencyMS: a.Latency.Milliseconds(),
+			Status: a.Status, Error: a.Error, Body: a.Body}
+	}
+	return out
+}
+
+// deliveryPage answers a page of deliveries by filter; with
+// ?include=attempts each one carries its attempts.
 func (s *Server) deliveryPage(w http.ResponseWriter, r *http.Request, f store.DeliveryFilter) int {
 	ctx := r.Context()
 	var err error
@@ -341,9 +353,20 @@ func (s *Server) deliveryPage(w http.ResponseWriter, r *http.Request, f store.De
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	include := r.URL.Query().Get("include")
+	if include != "" && include != "attempts" {
+		return writeError(w, s.log, badRequest("include", `include may only be "attempts": each delivery with its attempts.`))
+	}
 	data := make([]deliveryView, len(ds))
 	for i, d := range ds {
 		data[i] = deliveryViewOf(d)
+		if include == "attempts" {
+			as, err := s.cfg.Webhooks.Store.DeliveryAttempts(ctx, d.ID)
+			if err != nil {
+				return writeError(w, s.log, err)
+			}
+			data[i].Attempts = attemptViews(as)
+		}
 	}
 	cursor := ""
 	if next != 0 {
@@ -369,6 +392,19 @@ func (s *Server) handleEndpointDeliveries(w http.ResponseWriter, r *http.Request
 	return s.deliveryPage(w, r, store.DeliveryFilter{Tenant: e.Tenant, EndpointID: e.ID, State: st})
 }
 
+// handleJobDeliveries is a job's deliveries to every endpoint of its
+// tenant, oldest first: another tenant's job is a 404, as on its page.
+func (s *Server) handleJobDeliveries(w http.ResponseWriter, r *http.Request) int {
+	ctx := r.Context()
+	id := r.PathValue("id")
+	if s.jobs.Store != nil {
+		if _, err := s.jobs.Store.Get(ctx, tenantOf(ctx), id); err != nil {
+			return writeError(w, s.log, err)
+		}
+	}
+	return s.deliveryPage(w, r, store.DeliveryFilter{Tenant: tenantOf(ctx), JobID: id})
+}
+
 func (s *Server) handleGetDelivery(w http.ResponseWriter, r *http.Request) int {
 	ctx := r.Context()
 	d, err := s.cfg.Webhooks.Store.Delivery(ctx, tenantOf(ctx), r.PathValue("id"))
@@ -380,11 +416,7 @@ func (s *Server) handleGetDelivery(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, err)
 	}
 	v := deliveryViewOf(d)
-	v.Attempts = make([]deliveryAttemptView, len(as))
-	for i, a := range as {
-		v.Attempts[i] = deliveryAttemptView{Attempt: a.Attempt, StartedAt: a.StartedAt.Unix(), LatencyMS: a.Latency.Milliseconds(),
-			Status: a.Status, Error: a.Error, Body: a.Body}
-	}
+	v.Attempts = attemptViews(as)
 	writeJSON(w, http.StatusOK, v)
 	return http.StatusOK
 }

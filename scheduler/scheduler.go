@@ -42,6 +42,9 @@ type Scheduler struct {
 	// model: the batch share applies for BatchShareHold after it
 	// (classshare.go).
 	lastInteractive map[string]time.Time
+	// tenantAdm counts admissions per class and tenant, for reports only
+	// (tenantstats.go).
+	tenantAdm map[tenantClass]*tenantAdmissions
 
 	unroutable unroutableLog // has its own lock
 }
@@ -216,6 +219,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		s.admitted = (1-alpha)*s.admitted + alpha/dt
 	}
 	s.lastAdm = now
+	s.noteAdmission(t, now) // a report's count, not a decision's input (tenantstats.go)
 	return g
 }
 

@@ -146,6 +146,7 @@ type DeliveryResult struct {
 type DeliveryFilter struct {
 	Tenant     string // "" for every tenant (an admin's)
 	EndpointID string
+	JobID      string // a job's (or a batch's) deliveries, to every endpoint
 	State      string
 	After      int64 // cursor: the last Seq of the previous page
 	Limit      int

@@ -419,6 +419,9 @@ func (s *Store) Deliveries(ctx context.Context, f store.DeliveryFilter) ([]store
 	if f.EndpointID != "" {
 		q, args = q+` AND endpoint_id = ?`, append(args, f.EndpointID)
 	}
+	if f.JobID != "" {
+		q, args = q+` AND job_id = ?`, append(args, f.JobID) // webhook_deliveries_job (migration 0017)
+	}
 	if f.State != "" {
 		q, args = q+` AND state = ?`, append(args, f.State)
 	}

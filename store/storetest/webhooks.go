@@ -97,6 +97,15 @@ func testWebhookFanout(t *testing.T, s store.Store) {
 	if failed != 2 {
 		t.Errorf("%d deliveries of the dead letter, want 2", failed)
 	}
+	// By job: the dead letter's two, none of the other job's, none for
+	// another tenant.
+	if ds := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme", JobID: j2.ID}); len(ds) != 2 || ds[0].JobID != j2.ID || ds[1].JobID != j2.ID ||
+		ds[0].Seq >= ds[1].Seq {
+		t.Errorf("deliveries of job %s: %+v, want its 2 in order", j2.ID, ds)
+	}
+	if ds := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "globex", JobID: j2.ID}); len(ds) != 0 {
+		t.Errorf("another tenant lists acme's job's deliveries: %+v", ds)
+	}
 	if ds := deliveriesOf(t, s, store.DeliveryFilter{EndpointID: other.ID}); len(ds) != 0 {
 		t.Errorf("another tenant's endpoint got %+v", ds)
 	}
