@@ -57,6 +57,7 @@ type jobsData struct {
 	Selected   []string
 	Entity     *entityView
 	EntityKey  string
+	Batch      string // only this batch's lines
 	Since      string
 	Until      string
 	NextURL    string
@@ -83,7 +84,8 @@ func parseConsoleTime(v string) (time.Time, bool) {
 
 func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUser) {
 	q := r.URL.Query()
-	d := jobsData{Selected: q["state"], EntityKey: strings.TrimSpace(q.Get("entity")), Since: q.Get("since"), Until: q.Get("until")}
+	d := jobsData{Selected: q["state"], EntityKey: strings.TrimSpace(q.Get("entity")), Batch: strings.TrimSpace(q.Get("batch")),
+		Since: q.Get("since"), Until: q.Get("until")}
 	for _, st := range store.States {
 		d.AllStates = append(d.AllStates, string(st))
 	}
@@ -99,6 +101,9 @@ func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUs
 	api := url.Values{"limit": {strconv.Itoa(consolePageSize)}}
 	for _, st := range d.Selected {
 		api.Add("state", st)
+	}
+	if d.Batch != "" {
+		api.Set("batch", d.Batch)
 	}
 	after := q.Get("after")
 	if t, ok := parseConsoleTime(d.Until); ok && after == "" {
@@ -122,7 +127,7 @@ func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUs
 		}
 		if next != "" {
 			nq := url.Values{"after": {next}}
-			for _, k := range []string{"since", "until"} {
+			for _, k := range []string{"since", "until", "batch"} {
 				if v := q.Get(k); v != "" {
 					nq.Set(k, v)
 				}

@@ -284,6 +284,14 @@ func TestConsoleAccess(t *testing.T) {
 			t.Errorf("/console/jobs?%s shows acme's job: %v, want %v", q, !want, want)
 		}
 	}
+	// A batch's lines: its one line, none of the tenant's other jobs.
+	if _, page := op.get("/console/jobs?batch=" + e.batch); strings.Count(page, "data-job=") != 1 || strings.Contains(page, e.doneJob) {
+		t.Errorf("/console/jobs?batch=%s: %d jobs listed (want its one line), acme's other job shown: %v",
+			e.batch, strings.Count(page, "data-job="), strings.Contains(page, e.doneJob))
+	}
+	if _, page := op.get("/console/batches"); !strings.Contains(page, `href="/console/jobs?batch=`+e.batch+`"`) {
+		t.Error("the batches page does not link a batch to its lines")
+	}
 	if _, page := op.get("/console/jobs?state=SUCCEEDED"); strings.Contains(page, e.deadJob) {
 		t.Error("the SUCCEEDED filter shows a FAILED_TERMINAL job")
 	}

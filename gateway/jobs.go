@@ -284,6 +284,12 @@ func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
 		}
 		f.Limit = n
 	}
+	if b := q.Get("batch"); b != "" {
+		if len(b) > 128 {
+			return writeError(w, s.log, badRequest("batch", "batch must be a batch id (at most 128 characters)."))
+		}
+		f.Batch = b
+	}
 	for _, st := range q["state"] {
 		if !slices.Contains(store.States, store.State(st)) {
 			return writeError(w, s.log, badRequest("state", fmt.Sprintf("state %q is not a job state.", st)))

@@ -222,6 +222,7 @@ const (
 
 type ListFilter struct {
 	States []State
+	Batch  string // only the lines of this batch ("": any job)
 	After  string // cursor: the last job id of the previous page
 	Limit  int
 }

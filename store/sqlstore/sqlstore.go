@@ -449,6 +449,10 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 		q += ` AND id < ?`
 		args = append(args, f.After)
 	}
+	if f.Batch != "" {
+		q += ` AND batch_id = ?`
+		args = append(args, f.Batch)
+	}
 	if len(f.States) > 0 {
 		q += ` AND state IN (` + strings.TrimSuffix(strings.Repeat("?, ", len(f.States)), ", ") + `)`
 		for _, st := range f.States {

@@ -279,6 +279,36 @@ func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
 	if open, _ := b.BatchOpen(ctx, "batch_1"); open {
 		t.Error("lines still open")
 	}
+	// A batch's lines list as jobs of the batch, newest first, paged.
+	if _, _, err := s.Accept(ctx, newJob("acme", "not-a-line")); err != nil {
+		t.Fatal(err)
+	}
+	var lines []store.Job
+	for cursor := ""; ; {
+		page, next, err := s.List(ctx, "acme", store.ListFilter{Batch: "batch_1", After: cursor, Limit: 4})
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines = append(lines, page...)
+		if next == "" {
+			break
+		}
+		cursor = next
+	}
+	if len(lines) != 10 {
+		t.Errorf("the batch lists %d jobs, want its 10 lines", len(lines))
+	}
+	for i := 1; i < len(lines); i++ {
+		if lines[i].ID >= lines[i-1].ID {
+			t.Errorf("lines out of order: %s before %s", lines[i-1].ID, lines[i].ID)
+		}
+	}
+	if other, _, err := s.List(ctx, "globex", store.ListFilter{Batch: "batch_1"}); err != nil || len(other) != 0 {
+		t.Errorf("another tenant lists %d of the batch's lines, %v", len(other), err)
+	}
+	if none, _, err := s.List(ctx, "acme", store.ListFilter{Batch: "batch_2"}); err != nil || len(none) != 0 {
+		t.Errorf("an unknown batch lists %d jobs, %v", len(none), err)
+	}
 }
 
 func testBatchFinalize(t *testing.T, s store.Store, b store.Batches) {
