@@ -193,6 +193,26 @@ func TestConsoleBrowser(t *testing.T) {
 		t.Error("acme's operator sees globex's row on the Queues page")
 	}
 	axe("queues")
+	// Live: admissions made while the page is open show without a reload.
+	admitted := str("acme's admissions", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"] [data-field="admitted"]`)))
+	for range 3 {
+		req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions",
+			strings.NewReader(fmt.Sprintf(`{"model":%q,"max_tokens":4,"messages":[{"role":"user","content":"live"}]}`, llama)))
+		req.Header.Set("Authorization", "Bearer "+e.user)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	if _, err := chromedp.Run(ctx, chromedp.Poll[bool](`document.querySelector('#shares-interactive tr[data-tenant="acme"] [data-field="admitted"]').textContent !== `+jsString(admitted),
+		chromedp.WithPollingTimeout(30*time.Second))); err != nil {
+		t.Errorf("the Queues page did not follow acme's admissions live (still %s): %v", admitted, err)
+	}
+	if strings.Contains(bodyText(), "globex") {
+		t.Error("acme's operator sees globex's row on the live Queues page")
+	}
 
 	// Reviews: find the REVIEW_REQUIRED job, open it, approve it.
 	run("reviews", chromedp.Navigate(base+"/console/reviews"), chromedp.WaitVisible(chromedp.CSS(`tr[data-job="`+e.reviewJob+`"]`)))

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"fmt"
 	"net/http"
 	"slices"
 	"time"
@@ -13,7 +14,10 @@ import (
 // /v1/fleet/events streams it (Server-Sent Events, one "fleet" event a
 // second and at once on connecting). Backends are shared by every tenant,
 // so any tenant's operator sees them all; a user key gets 403. The console's
-// Fleet page draws its live chart from the stream.
+// Fleet page draws its live chart from the stream. With ?include=queues
+// each "fleet" event is followed by a "queues" event, the body of GET
+// /v1/fleet/queues as the caller may see it: the console's Queues page
+// follows it.
 
 // fleetPeriod is how often the fleet stream sends the fleet's state.
 const fleetPeriod = time.Second
@@ -88,6 +92,14 @@ func (s *Server) handleFleetEvents(w http.ResponseWriter, r *http.Request) int {
 	if !isOperator(r.Context()) {
 		return writeError(w, s.log, errOperatorOnly)
 	}
+	var queues bool // ?include=queues: a "queues" event beside each "fleet" one
+	switch inc := r.URL.Query().Get("include"); inc {
+	case "":
+	case "queues":
+		queues = true
+	default:
+		return writeError(w, s.log, badRequest("include", fmt.Sprintf("include %q is not known: the stream can include queues.", inc)))
+	}
 	sse, err := startSSE(w)
 	if err != nil {
 		return writeError(w, s.log, err)
@@ -98,6 +110,16 @@ func (s *Server) handleFleetEvents(w http.ResponseWriter, r *http.Request) int {
 		now := time.Now()
 		if err := sse.send("", "fleet", s.fleet(now)); err != nil {
 			return http.StatusOK
+		}
+		if queues {
+			q, err := s.queues(r.Context(), now)
+			if err != nil {
+				sse.fail(err)
+				return http.StatusOK
+			}
+			if err := sse.send("", "queues", q); err != nil {
+				return http.StatusOK
+			}
 		}
 		select {
 		case <-r.Context().Done():

@@ -106,7 +106,17 @@ func (s *Server) handleFleetQueues(w http.ResponseWriter, r *http.Request) int {
 	if !isOperator(ctx) {
 		return writeError(w, s.log, errOperatorOnly)
 	}
-	now := time.Now()
+	v, err := s.queues(ctx, time.Now())
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, v)
+	return http.StatusOK
+}
+
+// queues is the queues' view as the caller (ctx's key) may see it: GET
+// /v1/fleet/queues, and the "queues" events of /v1/fleet/events?include=queues.
+func (s *Server) queues(ctx context.Context, now time.Time) (queuesView, error) {
 	all, own := isAdmin(ctx), tenantOf(ctx)
 	v := queuesView{Object: "fleet.queues", At: now.UnixMilli(), Classes: []queueClassView{}, Backlog: []backlogView{}}
 	var totals [2]int
@@ -130,7 +140,7 @@ func (s *Server) handleFleetQueues(w http.ResponseWriter, r *http.Request) int {
 	if s.jobs.Store != nil {
 		st, at, err := s.backlog(ctx, now)
 		if err != nil {
-			return writeError(w, s.log, err)
+			return queuesView{}, err
 		}
 		if !at.IsZero() {
 			v.BacklogAt = at.UnixMilli()
@@ -143,6 +153,5 @@ func (s *Server) handleFleetQueues(w http.ResponseWriter, r *http.Request) int {
 				Tokens: b.Tokens, OldestEligibleAgeS: max(0, at.Sub(b.OldestAvailable).Seconds())})
 		}
 	}
-	writeJSON(w, http.StatusOK, v)
-	return http.StatusOK
+	return v, nil
 }

@@ -22,6 +22,53 @@ import (
 	"github.com/kvgate/kvgate/store"
 )
 
+// TestFleetStreamQueues: ?include=queues follows each "fleet" event with
+// a "queues" event, the body of GET /v1/fleet/queues as the key may see
+// it (an operator: its own tenant's rows only); an unknown include is a
+// 400 in OpenAI's shape.
+func TestFleetStreamQueues(t *testing.T) {
+	st := sqliteStore(t)
+	op := newTenant(t, st, "acme", store.Limits{}, store.RoleOperator)
+	user := newKey(t, st, "acme", store.RoleUser)
+	other := newTenant(t, st, "globex", store.Limits{}, store.RoleUser)
+	f := startFleet(t, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	for _, key := range []string{user, other} {
+		if status, b := bearer(t, f, key, http.MethodPost, "/v1/chat/completions", chatReq(4)); status != http.StatusOK {
+			t.Fatalf("chat: %d %s", status, b)
+		}
+	}
+	if status, b := bearer(t, f, op, http.MethodGet, "/v1/fleet/events?include=everything", ""); status != http.StatusBadRequest ||
+		!strings.Contains(string(b), `"param":"include"`) {
+		t.Errorf("an unknown include: %d %s", status, b)
+	}
+	s := openStream(t, f.srv.URL+"/v1/fleet/events?include=queues", "Authorization", "Bearer "+op)
+	for i := range 2 {
+		e, ok := s.next(t)
+		if !ok || e.Event != "fleet" {
+			t.Fatalf("event %d: %+v (open %v), want fleet", i, e, ok)
+		}
+		if e, ok = s.next(t); !ok || e.Event != "queues" {
+			t.Fatalf("after a fleet event: %+v (open %v), want queues", e, ok)
+		}
+		var v queuesView
+		if err := json.Unmarshal([]byte(e.Data), &v); err != nil {
+			t.Fatal(err)
+		}
+		if v.Object != "fleet.queues" || len(v.Classes) != 2 {
+			t.Fatalf("queues event: %s", e.Data)
+		}
+		tenants := map[string]int64{}
+		for _, c := range v.Classes {
+			for _, q := range c.Tenants {
+				tenants[q.Tenant] += q.Admitted
+			}
+		}
+		if len(tenants) != 1 || tenants["acme"] < 1 {
+			t.Errorf("acme's operator's queues event shows %v, want acme's admission alone", tenants)
+		}
+	}
+}
+
 // TestFleetStream: GET /v1/fleet and its stream show every backend to an
 // operator; the stream ends with an error event once its key is revoked,
 // as the job streams do; a user key gets 403.

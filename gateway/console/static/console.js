@@ -99,7 +99,66 @@
   var jobEvents = ["snapshot", "job.accepted", "job.running", "job.retry_scheduled", "job.succeeded",
     "job.review_required", "job.dead_lettered", "job.cancelled", "job.superseded"];
 
+  // Queues: a "queues" event a second (the fleet stream with
+  // include=queues) redraws the classes' tables and the backlog's rows.
+  function duration(ms) { // as Go prints a time.Duration of whole ms
+    if (ms === 0) return "0s";
+    if (ms < 1000) return ms + "ms";
+    var s = ms / 1000, m = Math.floor(s / 60);
+    s = Math.round((s - m * 60) * 1000) / 1000;
+    return (m > 0 ? m + "m" : "") + s + "s";
+  }
+  function row(tr, cells) {
+    cells.forEach(function (c) {
+      var td = document.createElement("td");
+      td.textContent = c[0];
+      if (c[1]) td.dataset.field = c[1];
+      tr.appendChild(td);
+    });
+    return tr;
+  }
+  function rows(tbody, items, empty, cols, make) {
+    var trs = items.map(make);
+    if (!trs.length) {
+      var tr = document.createElement("tr"), td = document.createElement("td");
+      td.colSpan = cols;
+      td.textContent = empty;
+      tr.appendChild(td);
+      trs = [tr];
+    }
+    tbody.replaceChildren.apply(tbody, trs);
+  }
+  function queues() {
+    var status = document.getElementById("live-status");
+    var es = new EventSource(api + "/v1/fleet/events?include=queues");
+    es.onopen = function () { text(status, "Live updates: on"); };
+    es.onerror = function () { text(status, "Live updates: reconnecting…"); };
+    es.addEventListener("queues", function (e) {
+      var q = JSON.parse(e.data);
+      q.classes.forEach(function (c) {
+        text(document.getElementById("class-" + c.class), c.class + ": " + c.queued + " waiting in kvgate");
+        var table = document.getElementById("shares-" + c.class);
+        if (!table) return;
+        rows(table.tBodies[0], c.tenants, "No tenant has waited or been admitted here.", 9, function (t) {
+          var tr = document.createElement("tr");
+          tr.dataset.tenant = t.tenant;
+          return row(tr, [[t.tenant], [t.weight], [t.queued], [t.queued_tokens], [duration(t.oldest_wait_ms)],
+            [t.admitted, "admitted"], [t.admitted_tokens], [pct(t.share), "share"], [pct(t.weight_share), "weight-share"]]);
+        });
+      });
+      var bl = document.getElementById("backlog-table");
+      if (bl && q.backlog_at_ms) {
+        rows(bl.tBodies[0], q.backlog, "Nothing runnable waits.", 5, function (b) {
+          var tr = document.createElement("tr");
+          tr.dataset.tenant = b.tenant;
+          return row(tr, [[b.tenant], [b.class], [b.jobs, "jobs"], [b.tokens], [duration(Math.round(b.oldest_eligible_age_s) * 1000)]]);
+        });
+      }
+    });
+  }
+
   if (page === "fleet") fleet();
+  if (page === "queues") queues();
   if (page === "jobs" || page === "reviews" || page === "deadletters") jobs();
   if (page === "job") job();
 })();
