@@ -367,6 +367,14 @@ func (b *bufferWriter) Write(p []byte) (int, error) {
 // consoleCall makes an API call in process as the session's key, through
 // the mux: the same handler, checks and audit as over the network.
 func (s *Server) consoleCall(r *http.Request, u consoleUser, method, path string, body any) (int, []byte) {
+	if t := r.URL.Query().Get("tenant"); t != "" && u.Admin() && method == http.MethodGet && !strings.Contains(path, "tenant=") {
+		// An admin's page for another tenant reads as it (readScope).
+		sep := "?"
+		if strings.Contains(path, "?") {
+			sep = "&"
+		}
+		path += sep + "tenant=" + url.QueryEscape(t)
+	}
 	var rd io.Reader = http.NoBody
 	if body != nil {
 		b, _ := json.Marshal(body)

@@ -58,6 +58,7 @@ type jobsData struct {
 	Entity     *entityView
 	EntityKey  string
 	Batch      string // only this batch's lines
+	Tenant     string // an admin's: the tenant read (readScope); "" its own
 	Since      string
 	Until      string
 	NextURL    string
@@ -85,7 +86,8 @@ func parseConsoleTime(v string) (time.Time, bool) {
 func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUser) {
 	q := r.URL.Query()
 	d := jobsData{Selected: q["state"], EntityKey: strings.TrimSpace(q.Get("entity")), Batch: strings.TrimSpace(q.Get("batch")),
-		Since: q.Get("since"), Until: q.Get("until")}
+		Tenant: strings.TrimSpace(q.Get("tenant")),
+		Since:  q.Get("since"), Until: q.Get("until")}
 	for _, st := range store.States {
 		d.AllStates = append(d.AllStates, string(st))
 	}
@@ -127,7 +129,7 @@ func (s *Server) consoleJobs(w http.ResponseWriter, r *http.Request, u consoleUs
 		}
 		if next != "" {
 			nq := url.Values{"after": {next}}
-			for _, k := range []string{"since", "until", "batch"} {
+			for _, k := range []string{"since", "until", "batch", "tenant"} {
 				if v := q.Get(k); v != "" {
 					nq.Set(k, v)
 				}

@@ -360,6 +360,31 @@ func TestConsoleAccess(t *testing.T) {
 	if status, _ := adm.signIn(e.admin); status != http.StatusOK {
 		t.Fatalf("the admin's sign-in: %d", status)
 	}
+	// An admin reads another tenant's jobs with ?tenant= (readScope): the
+	// listing, its links, the job's page; an operator's ?tenant= is its own.
+	resp, gv := submitJob(t, e.f, "globex-job", chatJob("globex's job", 2), "Authorization", "Bearer "+e.otherOp)
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("globex's job: %d", resp.StatusCode)
+	}
+	gjob := gv.ID
+	if _, page := adm.get("/console/jobs?tenant=globex"); !strings.Contains(page, `href="/console/jobs/`+gjob+`?tenant=globex"`) || strings.Contains(page, e.doneJob) {
+		t.Errorf("the admin's jobs of globex: globex's job linked %v, acme's shown %v", strings.Contains(page, gjob), strings.Contains(page, e.doneJob))
+	}
+	if status, page := adm.get("/console/jobs/" + gjob + "?tenant=globex"); status != http.StatusOK || !strings.Contains(page, `data-job="`+gjob+`"`) {
+		t.Errorf("the admin's page of globex's job: %d", status)
+	}
+	if _, page := op.get("/console/jobs?tenant=globex"); strings.Contains(page, gjob) {
+		t.Error("acme's operator reads globex's jobs with ?tenant=")
+	}
+	if _, b := bearer(t, e.f, e.operator, http.MethodGet, "/v1/jobs?tenant=globex", ""); strings.Contains(string(b), gjob) {
+		t.Error("acme's operator lists globex's jobs through the API with ?tenant=")
+	}
+	if status, b := bearer(t, e.f, e.admin, http.MethodGet, "/v1/jobs/"+gjob+"?tenant=globex", ""); status != http.StatusOK {
+		t.Errorf("the admin's read of globex's job: %d %s", status, b)
+	}
+	if status, _ := bearer(t, e.f, e.admin, http.MethodPost, "/v1/jobs/"+gjob+"/cancel?tenant=globex", ""); status != http.StatusNotFound {
+		t.Errorf("the admin cancelled globex's job with ?tenant=: %d, want 404 (writes act for the key's tenant)", status)
+	}
 	_, page = adm.get("/console/tenants")
 	if !strings.Contains(page, e.opKey) {
 		t.Fatalf("the admin's keys page lacks the operator's key: %.300s", page)

@@ -252,6 +252,19 @@ func tenantOf(ctx context.Context) string {
 	return t
 }
 
+// readScope is the tenant a request acts for: its key's, but for an
+// admin's read (GET or HEAD) with ?tenant=, which reads as that tenant
+// (its jobs, a job's attempts and events, ...). Nothing an admin changes
+// crosses tenants this way: writes act for the key's own tenant.
+func readScope(r *http.Request, p principal) string {
+	if p.role == store.RoleAdmin && (r.Method == http.MethodGet || r.Method == http.MethodHead) {
+		if t := r.URL.Query().Get("tenant"); t != "" {
+			return t
+		}
+	}
+	return p.tenant
+}
+
 // api wraps an API handler: authentication, the body limit, and the
 // request metrics. A handler returns the status it wrote.
 func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request) int) http.Handler {
@@ -275,7 +288,7 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		defer cancel(nil)
 		stop := context.AfterFunc(s.drain.deadline, func() { cancel(errDrainDeadline) })
 		defer stop()
-		ctx = context.WithValue(ctx, tenantKey{}, p.tenant)
+		ctx = context.WithValue(ctx, tenantKey{}, readScope(r, p))
 		ctx = context.WithValue(ctx, principalKey{}, p)
 		if p.role == store.RoleOperator || p.role == store.RoleAdmin {
 			ctx = context.WithValue(ctx, operatorKey{}, true)

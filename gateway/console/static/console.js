@@ -63,8 +63,12 @@
 
   // Jobs, reviews, dead letters: the tenant's job events move each shown
   // job's state.
+  function tenantQuery() { // an admin's page for another tenant (?tenant=) reads that tenant's
+    var t = new URLSearchParams(location.search).get("tenant");
+    return t ? "?tenant=" + encodeURIComponent(t) : "";
+  }
   function jobs() {
-    var es = new EventSource(api + "/v1/events");
+    var es = new EventSource(api + "/v1/events" + tenantQuery());
     function apply(e) {
       var ev = JSON.parse(e.data);
       var list = ev.data || [ev];
@@ -80,7 +84,7 @@
   function job() {
     var ol = document.getElementById("job-events");
     if (!ol) return;
-    var es = new EventSource(api + "/v1/jobs/" + encodeURIComponent(ol.dataset.job) + "/events");
+    var es = new EventSource(api + "/v1/jobs/" + encodeURIComponent(ol.dataset.job) + "/events" + tenantQuery());
     function add(e) {
       var ev = JSON.parse(e.data);
       var li = document.createElement("li");
