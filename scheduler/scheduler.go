@@ -37,7 +37,8 @@ type Scheduler struct {
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
 	lastAdm  time.Time
-	routing  []routeSig // backends' routability at the last queue check (models.go)
+	routing  []routeSig        // backends' routability at the last queue check (models.go)
+	observe  func(AdmitRecord) // admittrace.go; nil: none
 
 	unroutable unroutableLog // has its own lock
 }
@@ -149,6 +150,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
+			s.noteRefusal(t, v.reason)
 			if busy(v.reason) && t.Prefix != nil {
 				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
 			}
@@ -167,8 +169,12 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		t.waitsOn = waitsOn
 	}
 	if best == nil || t.waitsOn != "" {
+		if t.waitsOn != "" {
+			s.noteRefusal(t, "waits_on_prefix")
+		}
 		return nil
 	}
+	s.observeAdmit(t, snaps, best.Name, bestHit, now)
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
