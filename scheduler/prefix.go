@@ -375,35 +375,71 @@ func routeScore(hit, held, headroom, target float64) float64 {
 }
 
 // Spilling. A request whose prefix is cached (or in use) on a backend that
-// is only busy for now (its KV budget, pacing or queue refuse it this
-// instant) goes to another backend where hit+held is spillHit lower (more
-// to prefill, or to allocate) only when that one stays well under its
-// target after admission (spillHeadroom of its capacity left): otherwise
-// it waits for the backend that has its prefix. On a saturated fleet,
-// spilling would copy every tenant's prefix onto every backend and crowd
-// the cache with copies, as round-robin does; waiting keeps the hit rate
-// and the throughput. Waiting does not starve: the queue is scanned in
-// order, so the oldest waiter for a backend sees its room first, and once
-// it has waited the starvation guard, later tickets may not take that
-// backend's room in a pass (Scheduler.hold) — that backend's alone, where
-// a ticket that fits nowhere holds up its whole model.
+// is only busy for now goes to another backend where hit+held is spillHit
+// lower (more to prefill, or to allocate) only when waiting would cost
+// more than the copy:
+//
+//   - never while the busy backend refuses it for a moment only (vLLM's
+//     waiting queue is at its bound, or pacing spaces admissions): it takes
+//     the request within a step or two, while a copy elsewhere prefills the
+//     whole prefix (6,000 tokens: half a second of a 70B model's four
+//     GPUs) and holds up every request behind it there;
+//   - when it refuses for KV, sequences or this replica's share (saturated
+//     until something ends there), only where the other backend stays well
+//     under its target after admission (spillHeadroom of its capacity
+//     left).
+//
+// On a saturated fleet, spilling would copy every tenant's prefix onto
+// every backend and crowd the cache with copies, as round-robin does;
+// waiting keeps the hit rate and the throughput. Waiting does not starve:
+// the queue is scanned in order, so the oldest waiter for a backend sees
+// its room first, and once it has waited the starvation guard, later
+// tickets may not take that backend's room in a pass (Scheduler.hold) —
+// that backend's alone, where a ticket that fits nowhere holds up its whole
+// model.
 const (
 	spillHit      = 0.2
 	spillHeadroom = 0.2
 )
 
-// spills reports whether t may go to a backend that holds less of its
-// prefix than a busy one, by lost (the hit+held given up) and that
-// backend's headroom after admission.
-func (s *Scheduler) spills(t *Ticket, lost, headroom float64) bool {
-	return t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom
+// spills is the spill decision, pure: whether a ticket (with prefix
+// chunks or not) may go to a backend that holds lost less of its
+// hit+held than a busy one, with headroom (share of capacity) left there
+// after admission; transient says the busy backend refused only for a
+// moment (transientBusy).
+func spills(hasPrefix bool, lost, headroom float64, transient bool) bool {
+	switch {
+	case !hasPrefix || lost < spillHit:
+		return true
+	case transient:
+		return false
+	}
+	return headroom >= spillHeadroom
 }
 
-// noteBusy records a backend that cannot take t only for now, for the
-// spill decision: the best hit+held among them and where.
-func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, best *float64, where *string) {
-	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > *best {
-		*best, *where = v, sn.Name
+// reasonHold is a backend kept, for the rest of a pass, for an older
+// ticket waiting for it (Scheduler.hold): saturated, not transient.
+const reasonHold = "held_for_older"
+
+// transientBusy reports whether a refusal lasts only a step or two: vLLM's
+// own queue at its bound, or pacing.
+func transientBusy(reason string) bool {
+	return reason == reasonWaiting || reason == reasonPacing
+}
+
+// busyBest is the best backend that can take a ticket only later, for the
+// spill decision: its hit+held, its name and whether its refusal is
+// transient.
+type busyBest struct {
+	value     float64
+	where     string
+	transient bool
+}
+
+// noteBusy records a backend that cannot take t only for now, for reason.
+func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, reason string, b *busyBest) {
+	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > b.value {
+		*b = busyBest{value: v, where: sn.Name, transient: transientBusy(reason)}
 	}
 }
 

@@ -404,3 +404,36 @@ func TestDecideShared(t *testing.T) {
 		})
 	}
 }
+
+// TestSpills drives the pure spill decision: a request whose prefix is on
+// a backend busy for a moment waits for it; one saturated there copies its
+// prefix only where room stays to spare.
+func TestSpills(t *testing.T) {
+	tests := []struct {
+		name      string
+		hasPrefix bool
+		lost      float64 // hit+held given up
+		headroom  float64 // left on the other backend after admission
+		transient bool
+		want      bool
+	}{
+		{"no prefix: anywhere", false, 0.9, 0.01, true, true},
+		{"little prefix lost: anywhere", true, 0.1, 0.05, true, true},
+		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, false},
+		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, false},
+		{"saturated, room to spare elsewhere: spills", true, 0.8, 0.5, false, true},
+		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient); got != tc.want {
+				t.Errorf("spills = %v, want %v", got, tc.want)
+			}
+		})
+	}
+	for reason, want := range map[string]bool{reasonWaiting: true, reasonPacing: true, reasonKV: false, reasonSeqs: false, reasonShare: false, reasonHold: false} {
+		if got := transientBusy(reason); got != want {
+			t.Errorf("transientBusy(%q) = %v, want %v", reason, got, want)
+		}
+	}
+}

@@ -111,8 +111,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		bestGap   float64
 		bestPin   int
 		bestScore = math.Inf(-1)
-		bestBusy  float64 // the best hit+held on a backend only busy for now
-		waitsOn   string  // that backend
+		bestBusy  busyBest // the best hit+held on a backend only busy for now
 	)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
@@ -129,7 +128,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		if s.hold[sn.Name] {
 			// An older ticket waits for this backend's next room.
 			if t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+				s.noteBusy(sn, t, pinned, reasonHold, &bestBusy)
 			}
 			continue
 		}
@@ -152,7 +151,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			s.m.blocked(sn.Name, v.reason)
 			s.noteRefusal(t, v.reason)
 			if busy(v.reason) && t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+				s.noteBusy(sn, t, pinned, v.reason, &bestBusy)
 			}
 			continue
 		}
@@ -165,8 +164,8 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	// room anywhere: no backend can take it, or only one that would
 	// have to copy the prefix with little room left after it.
 	t.waitsOn = ""
-	if bestBusy >= spillHit && (best == nil || !s.spills(t, bestBusy-bestHit-bestHeld, bestHead)) {
-		t.waitsOn = waitsOn
+	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient)) {
+		t.waitsOn = bestBusy.where
 	}
 	if best == nil || t.waitsOn != "" {
 		if t.waitsOn != "" {
