@@ -330,3 +330,20 @@ func TestPacingGain(t *testing.T) {
 		})
 	}
 }
+
+// TestPacingGainCountsHeldHistory: chunks still pinned after their
+// bringer ended (a conversation's next turn holds its history) are part
+// of what a request frees when it ends, so they lower spreading's win.
+func TestPacingGainCountsHeldHistory(t *testing.T) {
+	// 40 in flight, 200 out, 900 each of own KV, 12,000 of history held
+	// by the next turns: 1,200 each in all; the win 100/1,100 < 0.1.
+	l := load{routable: true, capacity: 100_000, maxNumSeqs: 1024, share: 1,
+		meanOut: 200, meanFinal: 900, inflight: 40, sharedBase: 12_000}
+	if gap := pacingGap(&l, 95_000); gap != 0 {
+		t.Errorf("pacingGap = %v with the held history counted, want 0", gap)
+	}
+	l.sharedBase = 0 // the same own KV alone: the win 100/800 paces
+	if gap := pacingGap(&l, 95_000); gap <= 0 {
+		t.Errorf("pacingGap = %v without held history, want > 0", gap)
+	}
+}
