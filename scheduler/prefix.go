@@ -57,6 +57,9 @@ const PrefixChunkBytes = 64
 type Prefix struct {
 	Hashes      []uint64
 	ChunkTokens float64
+	// basis is the prompt token count ChunkTokens was derived from
+	// (0: none given): a re-estimated prompt rescales it (fit).
+	basis int
 }
 
 // NewPrefix hashes a rendered prompt (the text the backend will tokenize,
@@ -67,7 +70,20 @@ func NewPrefix(rendered string, promptTokens int) *Prefix {
 	if len(hs) == 0 || promptTokens <= 0 {
 		return nil
 	}
-	return &Prefix{Hashes: hs, ChunkTokens: float64(promptTokens) * PrefixChunkBytes / float64(len(rendered))}
+	return &Prefix{Hashes: hs, ChunkTokens: float64(promptTokens) * PrefixChunkBytes / float64(len(rendered)), basis: promptTokens}
+}
+
+// fit rescales the chunks' tokens to a re-estimated prompt of
+// promptTokens: a prompt hashed while its model's token estimate was
+// still cold (a third of a token per byte, before the first reported
+// usage) would otherwise count each chunk a third too large, in every
+// pin it makes, for as long as the chunk stays pinned.
+func (p *Prefix) fit(promptTokens int) {
+	if p == nil || p.basis <= 0 || promptTokens <= 0 || promptTokens == p.basis {
+		return
+	}
+	p.ChunkTokens *= float64(promptTokens) / float64(p.basis)
+	p.basis = promptTokens
 }
 
 // chunkTokens is the whole tokens one chunk stands for in the ledger.
@@ -298,10 +314,14 @@ func (l *ledger) pinnedLeading(p *Prefix) int {
 }
 
 // pin takes a reference on each of p's chunks and returns the KV tokens
-// that the chunks not held before add.
-func (l *ledger) pin(p *Prefix) (created int) {
+// that the chunks not held before add, and by how much the chunks held
+// before changed: each takes p's tokens a chunk, the latest estimate, so
+// that a chunk pinned under a cold estimate and held ever since by one
+// request after another (a busy tenant's system prompt) does not keep an
+// inflated size. Both are part of shared, and the caller's reserved.
+func (l *ledger) pin(p *Prefix) (created, resized int) {
 	if p == nil {
-		return 0
+		return 0, 0
 	}
 	if l.pins == nil {
 		l.pins = map[uint64]*pin{}
@@ -310,13 +330,15 @@ func (l *ledger) pin(p *Prefix) (created int) {
 	for _, h := range p.Hashes {
 		if pn, ok := l.pins[h]; ok {
 			pn.refs++
+			resized += ct - pn.tokens
+			pn.tokens = ct
 			continue
 		}
 		l.pins[h] = &pin{refs: 1, tokens: ct}
 		created += ct
 	}
-	l.shared += created
-	return created
+	l.shared += created + resized
+	return created, resized
 }
 
 // unpin drops p's references and returns the KV tokens of the chunks no

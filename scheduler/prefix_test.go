@@ -437,3 +437,41 @@ func TestSpills(t *testing.T) {
 		}
 	}
 }
+
+// TestPinsFollowReestimatedPrompt: a prompt hashed under a cold token
+// estimate (a third of a token per byte) and re-estimated before its
+// admission counts its chunks at the new size, and a chunk pinned under
+// the cold estimate and held ever since takes the new size from the next
+// request that pins it; everything returns to zero.
+func TestPinsFollowReestimatedPrompt(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 100_000))
+	sys := text("system", 24_000) // 6,000 tokens at 4 bytes each
+	tk := func(q string, estimate func(int) int) *Ticket {
+		prompt := sys + text(q, 400)
+		return &Ticket{Model: model, PromptTokens: estimate(len(prompt)), MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/3)}
+	}
+	coldEst := func(n int) int { return n / 3 }
+	trueEst := func(n int) int { return n / 4 }
+	first, err := s.Acquire(context.Background(), tk("q0", coldEst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cold := s.ledgers["a"].shared
+	if cold < 8_000 {
+		t.Fatalf("the cold estimate pins %d tokens, want about 8,100 (a third too many)", cold)
+	}
+	second, err := s.Acquire(context.Background(), tk("q1", trueEst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The system prompt, shared, now at 16 tokens a chunk: ~6,000, plus
+	// the two questions' own chunks.
+	if sh := s.ledgers["a"].shared; sh > 6_000+2*100+64 || sh < 6_000 {
+		t.Errorf("shared %d after a re-estimated request pinned the prompt, want about 6,200", sh)
+	}
+	first.Release()
+	second.Release()
+	if l := s.ledgers["a"]; l.reserved != 0 || l.shared != 0 || len(l.pins) != 0 {
+		t.Errorf("after both: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
+	}
+}

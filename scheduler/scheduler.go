@@ -113,6 +113,8 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		bestScore = math.Inf(-1)
 		bestBusy  busyBest // the best hit+held on a backend only busy for now
 	)
+	// A prompt re-estimated since it was hashed rescales its chunks.
+	t.Prefix.fit(t.PromptTokens)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
 			continue
@@ -186,8 +188,10 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	if t.Prefix != nil {
 		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
-		g.created = l.pin(t.Prefix)
+		var resized int
+		g.created, resized = l.pin(t.Prefix)
 		l.created += g.created
+		l.reserved += resized
 		// The prompt tokens the backend should find cached skip their KV
 		// allocation; the rest turn its cache over.
 		cached := bestHit * float64(t.PromptTokens)
