@@ -298,10 +298,38 @@ func (x *prefixIndex) reset() {
 	x.pending = 0
 }
 
-// pin is a chunk that requests in flight on a backend hold.
+// pin is a chunk that requests in flight on a backend hold; creator is
+// the grant that brought it there.
 type pin struct {
-	refs   int
-	tokens int
+	refs    int
+	tokens  int
+	creator *Grant
+}
+
+// computedLeading returns how many of the first pinned chunks of p (held
+// by requests in flight) the backend has computed already: vLLM shares a
+// block only once it is computed and cached, so two requests whose new
+// prefix is prefilled in the same steps each allocate it. A chunk counts
+// as computed once the request that brought it has produced a token (its
+// prefill is done) or ended; done says which have.
+func (l *ledger) computedLeading(p *Prefix, pinned int, done func(*Grant) bool) int {
+	var (
+		last   *Grant
+		lastOK bool
+	)
+	for i, h := range p.Hashes[:pinned] {
+		c := l.pins[h].creator
+		if c == nil {
+			continue
+		}
+		if c != last {
+			last, lastOK = c, done(c)
+		}
+		if !lastOK {
+			return i
+		}
+	}
+	return pinned
 }
 
 // pinnedLeading returns how many leading chunks of p are held on the
@@ -319,7 +347,7 @@ func (l *ledger) pinnedLeading(p *Prefix) int {
 // that a chunk pinned under a cold estimate and held ever since by one
 // request after another (a busy tenant's system prompt) does not keep an
 // inflated size. Both are part of shared, and the caller's reserved.
-func (l *ledger) pin(p *Prefix) (created, resized int) {
+func (l *ledger) pin(p *Prefix, g *Grant) (created, resized int) {
 	if p == nil {
 		return 0, 0
 	}
@@ -334,7 +362,7 @@ func (l *ledger) pin(p *Prefix) (created, resized int) {
 			pn.tokens = ct
 			continue
 		}
-		l.pins[h] = &pin{refs: 1, tokens: ct}
+		l.pins[h] = &pin{refs: 1, tokens: ct, creator: g}
 		created += ct
 	}
 	l.shared += created + resized
@@ -597,4 +625,21 @@ func (s *Scheduler) PrefixStats() []PrefixStat {
 	}
 	slices.SortFunc(out, func(a, b PrefixStat) int { return strings.Compare(a.Backend, b.Backend) })
 	return out
+}
+
+// prefilled reports, for the grants on backend sn, whether a grant's
+// prefill is done: it produced a token (a stream's count, else its low
+// progress estimate on the backend's step clock) or it ended.
+func (s *Scheduler) prefilled(sn *gpu.Snapshot, now time.Time) func(*Grant) bool {
+	stepsNow, ok := sn.StepsAt(now)
+	if !ok {
+		stepsNow = -1
+	}
+	return func(g *Grant) bool {
+		if g.released {
+			return true
+		}
+		lo, _ := g.progress(now, stepsNow, sn.DecodeRate, sn.Metrics.Generation, s.policy.ProgressFactor)
+		return lo >= 1
+	}
 }

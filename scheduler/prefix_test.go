@@ -193,6 +193,9 @@ func TestSharedBlocksReservedOnce(t *testing.T) {
 		if err != nil {
 			t.Fatalf("request %d: %v (reserved %+v)", i, err, s.Loads())
 		}
+		// The first has prefilled the system prompt (a stream's first
+		// token): the backend has it cached for the others.
+		g.Progress(1)
 		grants = append(grants, g)
 	}
 	// 6,000 shared + 100 × (100 question + 100 out), give or take the
@@ -237,6 +240,7 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 		return g
 	}
 	first := acquire(tk(sysA, "q0"))
+	first.Progress(1) // prefilled: its prefix is cached there
 	// The other backend is empty, but the prefix is worth more than its
 	// headroom: sticky.
 	for i := range 5 {
@@ -262,7 +266,9 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 	if spill.Backend == first.Backend {
 		t.Errorf("the request stayed on a backend without headroom")
 	}
-	// Both now hold the prefix: load decides between them.
+	// Both now hold the prefix (the spilled request prefilled it): load
+	// decides between them.
+	spill.Progress(1)
 	big.Release()
 	filler.Release()
 	next := acquire(tk(sysA, "after"))
@@ -473,5 +479,45 @@ func TestPinsFollowReestimatedPrompt(t *testing.T) {
 	second.Release()
 	if l := s.ledgers["a"]; l.reserved != 0 || l.shared != 0 || len(l.pins) != 0 {
 		t.Errorf("after both: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
+	}
+}
+
+// TestPrefixSharedOnlyOnceComputed: vLLM shares a prefix's blocks only
+// once they are computed, so a request sent while the one that brought
+// its prefix is still prefilling allocates the prefix again and reserves
+// it as its own; one sent after the first token shares it.
+func TestPrefixSharedOnlyOnceComputed(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 100_000))
+	sys := text("system", 24_000) // 6,000 tokens
+	tk := func(q string) *Ticket {
+		prompt := sys + text(q, 400)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	first, err := s.Acquire(context.Background(), tk("q0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := s.Loads()[0].Reserved // ~6,100 + 10
+	second, err := s.Acquire(context.Background(), tk("q1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if add := s.Loads()[0].Reserved - base; add < 6_000 {
+		t.Errorf("a request sent during the first one's prefill reserves %d, want its whole prompt (~6,100): vLLM allocates it again", add)
+	}
+	first.Progress(1)
+	mid := s.Loads()[0].Reserved
+	third, err := s.Acquire(context.Background(), tk("q2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if add := s.Loads()[0].Reserved - mid; add > 300 {
+		t.Errorf("a request sent after the first one's first token reserves %d, want only its own ~110", add)
+	}
+	for _, g := range []*Grant{first, second, third} {
+		g.Release()
+	}
+	if l := s.ledgers["a"]; l.reserved != 0 || l.shared != 0 || len(l.pins) != 0 {
+		t.Errorf("after all: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
 	}
 }

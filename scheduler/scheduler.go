@@ -104,14 +104,17 @@ func (s *Scheduler) Policy() Policy { return s.policy }
 
 func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
 	var (
-		best      *gpu.Snapshot
-		bestHit   float64
-		bestHeld  float64
-		bestHead  float64
-		bestGap   float64
-		bestPin   int
-		bestScore = math.Inf(-1)
-		bestBusy  busyBest // the best hit+held on a backend only busy for now
+		best     *gpu.Snapshot
+		bestHit  float64
+		bestHeld float64
+		bestHead float64
+		bestGap  float64
+		bestPin  int
+		// bestComputed is how many of bestPin's chunks the backend has
+		// computed: the rest it allocates again for this request.
+		bestComputed int
+		bestScore    = math.Inf(-1)
+		bestBusy     busyBest // the best hit+held on a backend only busy for now
 	)
 	// A prompt re-estimated since it was hashed rescales its chunks.
 	t.Prefix.fit(t.PromptTokens)
@@ -126,7 +129,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// Only the chunks requests in flight there hold are shared at
 		// once; the rest of the prompt takes new KV (prefix.go).
 		pinned := l.pinnedLeading(t.Prefix)
-		prompt := t.PromptTokens - t.Prefix.tokens(pinned)
+		computed := pinned
+		if pinned > 0 {
+			computed = l.computedLeading(t.Prefix, pinned, s.prefilled(sn, now))
+		}
+		prompt := t.PromptTokens - t.Prefix.tokens(computed)
 		if s.hold[sn.Name] {
 			// An older ticket waits for this backend's next room.
 			if t.Prefix != nil {
@@ -159,7 +166,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		}
 		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
 		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin = sn, score, hit, held, v.headroom, v.gap, pinned
+			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin, bestComputed = sn, score, hit, held, v.headroom, v.gap, pinned, computed
 		}
 	}
 	// Waiting for the backend that holds the prefix, rather than for
@@ -187,9 +194,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		s: s, l: l, estimate: t.PromptEstimate, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
 	}
 	if t.Prefix != nil {
-		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
+		// Chunks pinned there but not computed yet are allocated again
+		// for this request: its own, not shared.
+		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes)-(bestPin-bestComputed))
 		var resized int
-		g.created, resized = l.pin(t.Prefix)
+		g.created, resized = l.pin(t.Prefix, g)
 		l.created += g.created
 		l.reserved += resized
 		// The prompt tokens the backend should find cached skip their KV
