@@ -221,11 +221,34 @@ func headroom(whole, share, capacity int) float64 {
 // finds the queue empty goes at once.
 func pacingGap(l *load, budget int) float64 {
 	occupancy := l.meanFinal - l.meanOut/2 // mean KV of a request over its life
-	if occupancy <= 0 || l.meanOut <= 0 {
+	if occupancy <= 0 || l.meanOut <= 0 || !pacingWins(l, occupancy) {
 		return 0
 	}
 	concurrency := float64(max(budget-l.sharedBase, 1)) / occupancy
 	return 0.8 * l.meanOut / concurrency
+}
+
+// minPacingGain is the least KV that spreading admissions must win for
+// pacing to apply, as a share of a request's mean occupancy. A cohort
+// peaks with its whole output grown, an evenly spread population holds
+// half of it on average: the win is (mean output / 2) / occupancy. Where
+// outputs are short beside the prompts (prefill-bound traffic: long
+// system prompts, resent histories), it is a few percent, and pacing
+// would only hold back a burst that vLLM prefills together, each request
+// a gap of long prefill steps after the one before: TTFT for nothing.
+const minPacingGain = 0.1
+
+// pacingWins reports whether spreading wins minPacingGain. The KV a
+// request frees when it ends counts its shared chunks too: those pinned
+// by requests still in flight after their bringer ended (a conversation's
+// history, resent by its next turn before the last one was released) are
+// freed with the last holder, and pacing's base load (sharedBase) leaves
+// them out of meanFinal.
+func pacingWins(l *load, occupancy float64) bool {
+	if l.inflight > 0 {
+		occupancy += float64(l.sharedBase) / float64(l.inflight)
+	}
+	return l.meanOut/2 >= minPacingGain*occupancy
 }
 
 // roundingSlack bounds the KV tokens that block rounding adds to n

@@ -297,3 +297,53 @@ func TestPacing(t *testing.T) {
 		})
 	}
 }
+
+// TestPacingGain: pacing applies only where spreading admissions wins a
+// tenth of a request's occupancy or more; prefill-bound traffic (short
+// outputs beside long prompts) goes unpaced.
+func TestPacingGain(t *testing.T) {
+	p := Policy{}
+	p.defaults()
+	for _, tc := range []struct {
+		name               string
+		meanOut, meanFinal float64
+		paced              bool
+	}{
+		{"overload: 600 in, 400 out", 400, 1000, true},
+		{"closed loop: 1,000 in, 500 out", 500, 1500, true},
+		{"system prompt: 1,200 own in, 100 out", 100, 1300, false},
+		{"history resent: 3,000 in, 200 out", 200, 3200, false},
+		{"at the bound: gain exactly a tenth", 200, 1100, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := load{routable: true, capacity: 100_000, maxNumSeqs: 1024, exact: true, share: 1,
+				meanOut: tc.meanOut, meanFinal: tc.meanFinal, inflight: 10, reserved: 10 * int(tc.meanFinal),
+				paced: true, stepsSinceAdmit: 0}
+			gap := pacingGap(&l, 95_000)
+			if (gap > 0) != tc.paced {
+				t.Fatalf("pacingGap = %v, want paced=%v", gap, tc.paced)
+			}
+			v := decide(&l, 100, 100, &p)
+			if v.ok == tc.paced {
+				t.Errorf("decide just after an admission = %+v, want paced=%v", v, tc.paced)
+			}
+		})
+	}
+}
+
+// TestPacingGainCountsHeldHistory: chunks still pinned after their
+// bringer ended (a conversation's next turn holds its history) are part
+// of what a request frees when it ends, so they lower spreading's win.
+func TestPacingGainCountsHeldHistory(t *testing.T) {
+	// 40 in flight, 200 out, 900 each of own KV, 12,000 of history held
+	// by the next turns: 1,200 each in all; the win 100/1,100 < 0.1.
+	l := load{routable: true, capacity: 100_000, maxNumSeqs: 1024, share: 1,
+		meanOut: 200, meanFinal: 900, inflight: 40, sharedBase: 12_000}
+	if gap := pacingGap(&l, 95_000); gap != 0 {
+		t.Errorf("pacingGap = %v with the held history counted, want 0", gap)
+	}
+	l.sharedBase = 0 // the same own KV alone: the win 100/800 paces
+	if gap := pacingGap(&l, 95_000); gap <= 0 {
+		t.Errorf("pacingGap = %v without held history, want > 0", gap)
+	}
+}

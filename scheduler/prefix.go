@@ -57,6 +57,9 @@ const PrefixChunkBytes = 64
 type Prefix struct {
 	Hashes      []uint64
 	ChunkTokens float64
+	// basis is the prompt token count ChunkTokens was derived from
+	// (0: none given): a re-estimated prompt rescales it (fit).
+	basis int
 }
 
 // NewPrefix hashes a rendered prompt (the text the backend will tokenize,
@@ -67,7 +70,20 @@ func NewPrefix(rendered string, promptTokens int) *Prefix {
 	if len(hs) == 0 || promptTokens <= 0 {
 		return nil
 	}
-	return &Prefix{Hashes: hs, ChunkTokens: float64(promptTokens) * PrefixChunkBytes / float64(len(rendered))}
+	return &Prefix{Hashes: hs, ChunkTokens: float64(promptTokens) * PrefixChunkBytes / float64(len(rendered)), basis: promptTokens}
+}
+
+// fit rescales the chunks' tokens to a re-estimated prompt of
+// promptTokens: a prompt hashed while its model's token estimate was
+// still cold (a third of a token per byte, before the first reported
+// usage) would otherwise count each chunk a third too large, in every
+// pin it makes, for as long as the chunk stays pinned.
+func (p *Prefix) fit(promptTokens int) {
+	if p == nil || p.basis <= 0 || promptTokens <= 0 || promptTokens == p.basis {
+		return
+	}
+	p.ChunkTokens *= float64(promptTokens) / float64(p.basis)
+	p.basis = promptTokens
 }
 
 // chunkTokens is the whole tokens one chunk stands for in the ledger.
@@ -282,10 +298,38 @@ func (x *prefixIndex) reset() {
 	x.pending = 0
 }
 
-// pin is a chunk that requests in flight on a backend hold.
+// pin is a chunk that requests in flight on a backend hold; creator is
+// the grant that brought it there.
 type pin struct {
-	refs   int
-	tokens int
+	refs    int
+	tokens  int
+	creator *Grant
+}
+
+// computedLeading returns how many of the first pinned chunks of p (held
+// by requests in flight) the backend has computed already: vLLM shares a
+// block only once it is computed and cached, so two requests whose new
+// prefix is prefilled in the same steps each allocate it. A chunk counts
+// as computed once the request that brought it has produced a token (its
+// prefill is done) or ended; done says which have.
+func (l *ledger) computedLeading(p *Prefix, pinned int, done func(*Grant) bool) int {
+	var (
+		last   *Grant
+		lastOK bool
+	)
+	for i, h := range p.Hashes[:pinned] {
+		c := l.pins[h].creator
+		if c == nil {
+			continue
+		}
+		if c != last {
+			last, lastOK = c, done(c)
+		}
+		if !lastOK {
+			return i
+		}
+	}
+	return pinned
 }
 
 // pinnedLeading returns how many leading chunks of p are held on the
@@ -298,10 +342,14 @@ func (l *ledger) pinnedLeading(p *Prefix) int {
 }
 
 // pin takes a reference on each of p's chunks and returns the KV tokens
-// that the chunks not held before add.
-func (l *ledger) pin(p *Prefix) (created int) {
+// that the chunks not held before add, and by how much the chunks held
+// before changed: each takes p's tokens a chunk, the latest estimate, so
+// that a chunk pinned under a cold estimate and held ever since by one
+// request after another (a busy tenant's system prompt) does not keep an
+// inflated size. Both are part of shared, and the caller's reserved.
+func (l *ledger) pin(p *Prefix, g *Grant) (created, resized int) {
 	if p == nil {
-		return 0
+		return 0, 0
 	}
 	if l.pins == nil {
 		l.pins = map[uint64]*pin{}
@@ -310,13 +358,15 @@ func (l *ledger) pin(p *Prefix) (created int) {
 	for _, h := range p.Hashes {
 		if pn, ok := l.pins[h]; ok {
 			pn.refs++
+			resized += ct - pn.tokens
+			pn.tokens = ct
 			continue
 		}
-		l.pins[h] = &pin{refs: 1, tokens: ct}
+		l.pins[h] = &pin{refs: 1, tokens: ct, creator: g}
 		created += ct
 	}
-	l.shared += created
-	return created
+	l.shared += created + resized
+	return created, resized
 }
 
 // unpin drops p's references and returns the KV tokens of the chunks no
@@ -375,35 +425,71 @@ func routeScore(hit, held, headroom, target float64) float64 {
 }
 
 // Spilling. A request whose prefix is cached (or in use) on a backend that
-// is only busy for now (its KV budget, pacing or queue refuse it this
-// instant) goes to another backend where hit+held is spillHit lower (more
-// to prefill, or to allocate) only when that one stays well under its
-// target after admission (spillHeadroom of its capacity left): otherwise
-// it waits for the backend that has its prefix. On a saturated fleet,
-// spilling would copy every tenant's prefix onto every backend and crowd
-// the cache with copies, as round-robin does; waiting keeps the hit rate
-// and the throughput. Waiting does not starve: the queue is scanned in
-// order, so the oldest waiter for a backend sees its room first, and once
-// it has waited the starvation guard, later tickets may not take that
-// backend's room in a pass (Scheduler.hold) — that backend's alone, where
-// a ticket that fits nowhere holds up its whole model.
+// is only busy for now goes to another backend where hit+held is spillHit
+// lower (more to prefill, or to allocate) only when waiting would cost
+// more than the copy:
+//
+//   - never while the busy backend refuses it for a moment only (vLLM's
+//     waiting queue is at its bound, or pacing spaces admissions): it takes
+//     the request within a step or two, while a copy elsewhere prefills the
+//     whole prefix (6,000 tokens: half a second of a 70B model's four
+//     GPUs) and holds up every request behind it there;
+//   - when it refuses for KV, sequences or this replica's share (saturated
+//     until something ends there), only where the other backend stays well
+//     under its target after admission (spillHeadroom of its capacity
+//     left).
+//
+// On a saturated fleet, spilling would copy every tenant's prefix onto
+// every backend and crowd the cache with copies, as round-robin does;
+// waiting keeps the hit rate and the throughput. Waiting does not starve:
+// the queue is scanned in order, so the oldest waiter for a backend sees
+// its room first, and once it has waited the starvation guard, later
+// tickets may not take that backend's room in a pass (Scheduler.hold) —
+// that backend's alone, where a ticket that fits nowhere holds up its whole
+// model.
 const (
 	spillHit      = 0.2
 	spillHeadroom = 0.2
 )
 
-// spills reports whether t may go to a backend that holds less of its
-// prefix than a busy one, by lost (the hit+held given up) and that
-// backend's headroom after admission.
-func (s *Scheduler) spills(t *Ticket, lost, headroom float64) bool {
-	return t.Prefix == nil || lost < spillHit || headroom >= spillHeadroom
+// spills is the spill decision, pure: whether a ticket (with prefix
+// chunks or not) may go to a backend that holds lost less of its
+// hit+held than a busy one, with headroom (share of capacity) left there
+// after admission; transient says the busy backend refused only for a
+// moment (transientBusy).
+func spills(hasPrefix bool, lost, headroom float64, transient bool) bool {
+	switch {
+	case !hasPrefix || lost < spillHit:
+		return true
+	case transient:
+		return false
+	}
+	return headroom >= spillHeadroom
 }
 
-// noteBusy records a backend that cannot take t only for now, for the
-// spill decision: the best hit+held among them and where.
-func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, best *float64, where *string) {
-	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > *best {
-		*best, *where = v, sn.Name
+// reasonHold is a backend kept, for the rest of a pass, for an older
+// ticket waiting for it (Scheduler.hold): saturated, not transient.
+const reasonHold = "held_for_older"
+
+// transientBusy reports whether a refusal lasts only a step or two: vLLM's
+// own queue at its bound, or pacing.
+func transientBusy(reason string) bool {
+	return reason == reasonWaiting || reason == reasonPacing
+}
+
+// busyBest is the best backend that can take a ticket only later, for the
+// spill decision: its hit+held, its name and whether its refusal is
+// transient.
+type busyBest struct {
+	value     float64
+	where     string
+	transient bool
+}
+
+// noteBusy records a backend that cannot take t only for now, for reason.
+func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, reason string, b *busyBest) {
+	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > b.value {
+		*b = busyBest{value: v, where: sn.Name, transient: transientBusy(reason)}
 	}
 }
 
@@ -539,4 +625,21 @@ func (s *Scheduler) PrefixStats() []PrefixStat {
 	}
 	slices.SortFunc(out, func(a, b PrefixStat) int { return strings.Compare(a.Backend, b.Backend) })
 	return out
+}
+
+// prefilled reports, for the grants on backend sn, whether a grant's
+// prefill is done: it produced a token (a stream's count, else its low
+// progress estimate on the backend's step clock) or it ended.
+func (s *Scheduler) prefilled(sn *gpu.Snapshot, now time.Time) func(*Grant) bool {
+	stepsNow, ok := sn.StepsAt(now)
+	if !ok {
+		stepsNow = -1
+	}
+	return func(g *Grant) bool {
+		if g.released {
+			return true
+		}
+		lo, _ := g.progress(now, stepsNow, sn.DecodeRate, sn.Metrics.Generation, s.policy.ProgressFactor)
+		return lo >= 1
+	}
 }

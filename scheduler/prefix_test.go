@@ -193,6 +193,9 @@ func TestSharedBlocksReservedOnce(t *testing.T) {
 		if err != nil {
 			t.Fatalf("request %d: %v (reserved %+v)", i, err, s.Loads())
 		}
+		// The first has prefilled the system prompt (a stream's first
+		// token): the backend has it cached for the others.
+		g.Progress(1)
 		grants = append(grants, g)
 	}
 	// 6,000 shared + 100 × (100 question + 100 out), give or take the
@@ -237,6 +240,7 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 		return g
 	}
 	first := acquire(tk(sysA, "q0"))
+	first.Progress(1) // prefilled: its prefix is cached there
 	// The other backend is empty, but the prefix is worth more than its
 	// headroom: sticky.
 	for i := range 5 {
@@ -262,7 +266,9 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 	if spill.Backend == first.Backend {
 		t.Errorf("the request stayed on a backend without headroom")
 	}
-	// Both now hold the prefix: load decides between them.
+	// Both now hold the prefix (the spilled request prefilled it): load
+	// decides between them.
+	spill.Progress(1)
 	big.Release()
 	filler.Release()
 	next := acquire(tk(sysA, "after"))
@@ -402,5 +408,116 @@ func TestDecideShared(t *testing.T) {
 				t.Errorf("decide = %+v, want ok=%v reason=%q", v, tc.ok, tc.reason)
 			}
 		})
+	}
+}
+
+// TestSpills drives the pure spill decision: a request whose prefix is on
+// a backend busy for a moment waits for it; one saturated there copies its
+// prefix only where room stays to spare.
+func TestSpills(t *testing.T) {
+	tests := []struct {
+		name      string
+		hasPrefix bool
+		lost      float64 // hit+held given up
+		headroom  float64 // left on the other backend after admission
+		transient bool
+		want      bool
+	}{
+		{"no prefix: anywhere", false, 0.9, 0.01, true, true},
+		{"little prefix lost: anywhere", true, 0.1, 0.05, true, true},
+		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, false},
+		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, false},
+		{"saturated, room to spare elsewhere: spills", true, 0.8, 0.5, false, true},
+		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient); got != tc.want {
+				t.Errorf("spills = %v, want %v", got, tc.want)
+			}
+		})
+	}
+	for reason, want := range map[string]bool{reasonWaiting: true, reasonPacing: true, reasonKV: false, reasonSeqs: false, reasonShare: false, reasonHold: false} {
+		if got := transientBusy(reason); got != want {
+			t.Errorf("transientBusy(%q) = %v, want %v", reason, got, want)
+		}
+	}
+}
+
+// TestPinsFollowReestimatedPrompt: a prompt hashed under a cold token
+// estimate (a third of a token per byte) and re-estimated before its
+// admission counts its chunks at the new size, and a chunk pinned under
+// the cold estimate and held ever since takes the new size from the next
+// request that pins it; everything returns to zero.
+func TestPinsFollowReestimatedPrompt(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 100_000))
+	sys := text("system", 24_000) // 6,000 tokens at 4 bytes each
+	tk := func(q string, estimate func(int) int) *Ticket {
+		prompt := sys + text(q, 400)
+		return &Ticket{Model: model, PromptTokens: estimate(len(prompt)), MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/3)}
+	}
+	coldEst := func(n int) int { return n / 3 }
+	trueEst := func(n int) int { return n / 4 }
+	first, err := s.Acquire(context.Background(), tk("q0", coldEst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cold := s.ledgers["a"].shared
+	if cold < 8_000 {
+		t.Fatalf("the cold estimate pins %d tokens, want about 8,100 (a third too many)", cold)
+	}
+	second, err := s.Acquire(context.Background(), tk("q1", trueEst))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The system prompt, shared, now at 16 tokens a chunk: ~6,000, plus
+	// the two questions' own chunks.
+	if sh := s.ledgers["a"].shared; sh > 6_000+2*100+64 || sh < 6_000 {
+		t.Errorf("shared %d after a re-estimated request pinned the prompt, want about 6,200", sh)
+	}
+	first.Release()
+	second.Release()
+	if l := s.ledgers["a"]; l.reserved != 0 || l.shared != 0 || len(l.pins) != 0 {
+		t.Errorf("after both: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
+	}
+}
+
+// TestPrefixSharedOnlyOnceComputed: vLLM shares a prefix's blocks only
+// once they are computed, so a request sent while the one that brought
+// its prefix is still prefilling allocates the prefix again and reserves
+// it as its own; one sent after the first token shares it.
+func TestPrefixSharedOnlyOnceComputed(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 100_000))
+	sys := text("system", 24_000) // 6,000 tokens
+	tk := func(q string) *Ticket {
+		prompt := sys + text(q, 400)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	first, err := s.Acquire(context.Background(), tk("q0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := s.Loads()[0].Reserved // ~6,100 + 10
+	second, err := s.Acquire(context.Background(), tk("q1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if add := s.Loads()[0].Reserved - base; add < 6_000 {
+		t.Errorf("a request sent during the first one's prefill reserves %d, want its whole prompt (~6,100): vLLM allocates it again", add)
+	}
+	first.Progress(1)
+	mid := s.Loads()[0].Reserved
+	third, err := s.Acquire(context.Background(), tk("q2"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if add := s.Loads()[0].Reserved - mid; add > 300 {
+		t.Errorf("a request sent after the first one's first token reserves %d, want only its own ~110", add)
+	}
+	for _, g := range []*Grant{first, second, third} {
+		g.Release()
+	}
+	if l := s.ledgers["a"]; l.reserved != 0 || l.shared != 0 || len(l.pins) != 0 {
+		t.Errorf("after all: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
 	}
 }

@@ -37,7 +37,8 @@ type Scheduler struct {
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
 	lastAdm  time.Time
-	routing  []routeSig // backends' routability at the last queue check (models.go)
+	routing  []routeSig        // backends' routability at the last queue check (models.go)
+	observe  func(AdmitRecord) // admittrace.go; nil: none
 	// lastInteractive is when an interactive ticket last arrived, per
 	// model: the batch share applies for BatchShareHold after it
 	// (classshare.go).
@@ -112,16 +113,20 @@ func (s *Scheduler) Policy() Policy { return s.policy }
 
 func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
 	var (
-		best      *gpu.Snapshot
-		bestHit   float64
-		bestHeld  float64
-		bestHead  float64
-		bestGap   float64
-		bestPin   int
-		bestScore = math.Inf(-1)
-		bestBusy  float64 // the best hit+held on a backend only busy for now
-		waitsOn   string  // that backend
+		best     *gpu.Snapshot
+		bestHit  float64
+		bestHeld float64
+		bestHead float64
+		bestGap  float64
+		bestPin  int
+		// bestComputed is how many of bestPin's chunks the backend has
+		// computed: the rest it allocates again for this request.
+		bestComputed int
+		bestScore    = math.Inf(-1)
+		bestBusy     busyBest // the best hit+held on a backend only busy for now
 	)
+	// A prompt re-estimated since it was hashed rescales its chunks.
+	t.Prefix.fit(t.PromptTokens)
 	for _, sn := range snaps {
 		if slices.Contains(t.Exclude, sn.Name) {
 			continue
@@ -133,11 +138,15 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// Only the chunks requests in flight there hold are shared at
 		// once; the rest of the prompt takes new KV (prefix.go).
 		pinned := l.pinnedLeading(t.Prefix)
-		prompt := t.PromptTokens - t.Prefix.tokens(pinned)
+		computed := pinned
+		if pinned > 0 {
+			computed = l.computedLeading(t.Prefix, pinned, s.prefilled(sn, now))
+		}
+		prompt := t.PromptTokens - t.Prefix.tokens(computed)
 		if s.hold[sn.Name] {
 			// An older ticket waits for this backend's next room.
 			if t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+				s.noteBusy(sn, t, pinned, reasonHold, &bestBusy)
 			}
 			continue
 		}
@@ -159,26 +168,31 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
+			s.noteRefusal(t, v.reason)
 			if busy(v.reason) && t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, &bestBusy, &waitsOn)
+				s.noteBusy(sn, t, pinned, v.reason, &bestBusy)
 			}
 			continue
 		}
 		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
 		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin = sn, score, hit, held, v.headroom, v.gap, pinned
+			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin, bestComputed = sn, score, hit, held, v.headroom, v.gap, pinned, computed
 		}
 	}
 	// Waiting for the backend that holds the prefix, rather than for
 	// room anywhere: no backend can take it, or only one that would
 	// have to copy the prefix with little room left after it.
 	t.waitsOn = ""
-	if bestBusy >= spillHit && (best == nil || !s.spills(t, bestBusy-bestHit-bestHeld, bestHead)) {
-		t.waitsOn = waitsOn
+	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient)) {
+		t.waitsOn = bestBusy.where
 	}
 	if best == nil || t.waitsOn != "" {
+		if t.waitsOn != "" {
+			s.noteRefusal(t, "waits_on_prefix")
+		}
 		return nil
 	}
+	s.observeAdmit(t, snaps, best.Name, bestHit, now)
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
@@ -191,9 +205,13 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		class: t.Class,
 	}
 	if t.Prefix != nil {
-		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes))
-		g.created = l.pin(t.Prefix)
+		// Chunks pinned there but not computed yet are allocated again
+		// for this request: its own, not shared.
+		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes)-(bestPin-bestComputed))
+		var resized int
+		g.created, resized = l.pin(t.Prefix, g)
 		l.created += g.created
+		l.reserved += resized
 		// The prompt tokens the backend should find cached skip their KV
 		// allocation; the rest turn its cache over.
 		cached := bestHit * float64(t.PromptTokens)

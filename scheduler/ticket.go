@@ -42,6 +42,10 @@ type Ticket struct {
 	// last admission attempt waited for (prefix.go), rather than for room
 	// anywhere; "" when it did not.
 	waitsOn string
+	// refusals and waitedOn feed the admission record (admittrace.go),
+	// only while an observer is set.
+	refusals map[string]int
+	waitedOn string
 }
 
 type ticketState uint8

@@ -2,16 +2,21 @@ package scenario
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvgate/kvgate/bench"
 	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
 )
 
 // fleetCounters are a fleet's cumulative engine counters at one instant.
@@ -213,4 +218,73 @@ func parseRefusals(r io.Reader) (map[string]float64, error) {
 		out[reason] += v
 	}
 	return out, sc.Err()
+}
+
+// dumpMetrics writes, at a run's end, every backend's /metrics and the
+// target's own (kvgate's) into one file, each under a "# source URL"
+// line: the queue times in vLLM (vllm:request_queue_time_seconds) and in
+// kvgate (kvgate_scheduler_queue_wait_seconds), the refusals by reason
+// and the prefix counters per backend, for reading a run after it.
+func dumpMetrics(ctx context.Context, s *stack, path string) error {
+	urls := make([]string, 0, len(s.backends)+1)
+	for _, b := range s.backends {
+		urls = append(urls, b+"/metrics")
+	}
+	if s.gatewayMetrics != "" {
+		urls = append(urls, s.gatewayMetrics)
+	}
+	var buf bytes.Buffer
+	for _, u := range urls {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+		if err != nil {
+			return err
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return fmt.Errorf("dump metrics: %w", err)
+		}
+		fmt.Fprintf(&buf, "# source %s\n", u)
+		_, err = io.Copy(&buf, resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			return fmt.Errorf("dump metrics of %s: %w", u, err)
+		}
+	}
+	return os.WriteFile(path, buf.Bytes(), 0o644)
+}
+
+// admitTrace collects kvgate's admissions during a run (the scheduler's
+// admission observer), written as admissions.csv beside the report: per
+// request, when it was queued (simulated seconds from the start), how
+// long it waited in kvgate, the backend chosen and the one expected to
+// hold most of its prefix, and the refusals it met while it waited.
+type admitTrace struct {
+	mu   sync.Mutex
+	recs []scheduler.AdmitRecord
+}
+
+func (a *admitTrace) add(r scheduler.AdmitRecord) {
+	a.mu.Lock()
+	a.recs = append(a.recs, r)
+	a.mu.Unlock()
+}
+
+// write writes the trace, times in simulated seconds (wall × speedup)
+// from w0.
+func (a *admitTrace) write(path string, w0 time.Time, speedup float64) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var b bytes.Buffer
+	b.WriteString("queued_s,wait_ms,backend,hit,best_prefix,best_hit,waited_on,refusals\n")
+	for _, r := range a.recs {
+		reasons := make([]string, 0, len(r.Refusals))
+		for k, n := range r.Refusals {
+			reasons = append(reasons, fmt.Sprintf("%s:%d", k, n))
+		}
+		slices.Sort(reasons)
+		fmt.Fprintf(&b, "%.3f,%.1f,%s,%.3f,%s,%.3f,%s,%s\n",
+			r.Enqueued.Sub(w0).Seconds()*speedup, float64(r.Admitted.Sub(r.Enqueued).Microseconds())/1000*speedup,
+			r.Backend, r.Hit, r.BestPrefix, r.BestHit, r.WaitedOn, strings.Join(reasons, ";"))
+	}
+	return os.WriteFile(path, b.Bytes(), 0o644)
 }

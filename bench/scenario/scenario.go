@@ -269,6 +269,10 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		return nil, err
 	}
 	w0 := time.Now()
+	var trace admitTrace
+	if st.sched != nil && o.Out != "" {
+		st.sched.SetAdmitObserver(trace.add)
+	}
 	runCtx, cancelRun := context.WithCancel(ctx)
 	defer cancelRun()
 	type ran struct {
@@ -376,6 +380,15 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 		tr.Dir = filepath.Join(o.Out, name, target)
 		if err := tr.Report.WriteFiles(tr.Dir); err != nil {
 			return nil, err
+		}
+		if err := dumpMetrics(ctx, st, filepath.Join(tr.Dir, "metrics-end.txt")); err != nil {
+			return nil, err
+		}
+		if st.sched != nil {
+			st.sched.SetAdmitObserver(nil)
+			if err := trace.write(filepath.Join(tr.Dir, "admissions.csv"), w0, k); err != nil {
+				return nil, err
+			}
 		}
 	}
 	return tr, nil

@@ -182,6 +182,20 @@ func TestScenarioEndToEnd(t *testing.T) {
 				t.Errorf("%s: %v", tr.Target, err)
 			}
 		}
+		// Every target's end-of-run metrics; kvgate's admission trace, a
+		// row per admitted request at least.
+		if b, err := os.ReadFile(filepath.Join(out, "backend-failure", tr.Target, "metrics-end.txt")); err != nil || !strings.Contains(string(b), "vllm:num_requests_running") {
+			t.Errorf("%s: metrics-end.txt: %v", tr.Target, err)
+		}
+		if tr.Target == TargetKVGate {
+			b, err := os.ReadFile(filepath.Join(out, "backend-failure", tr.Target, "admissions.csv"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rows := strings.Count(string(b), "\n") - 1; rows < s.Completed {
+				t.Errorf("admissions.csv has %d rows for %d completed requests", rows, s.Completed)
+			}
+		}
 		rep, err := bench.ReadReport(filepath.Join(out, "backend-failure", tr.Target, bench.FileJSON))
 		if err != nil {
 			t.Fatal(err)
