@@ -104,7 +104,13 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	var err error
 	pc := gpu.PoolConfig{
 		ScrapeInterval: 20 * time.Millisecond, ProbeInterval: 50 * time.Millisecond, StaleAfter: 2 * time.Second,
-		EjectBase: 200 * time.Millisecond,
+		// Probes often, but each may take as long as production's: on a
+		// loaded test machine (-race, parallel packages) a simulator busy
+		// with a burst can take over 50 ms to answer /health, and three
+		// such probes would eject the fleet's only backend (a 503 for
+		// every request after).
+		ProbeTimeout: time.Second,
+		EjectBase:    200 * time.Millisecond,
 		OnChange: func() {
 			if f.sched != nil {
 				f.sched.Wake()

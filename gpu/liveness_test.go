@@ -97,3 +97,35 @@ type timeoutErr struct{}
 func (*timeoutErr) Error() string   { return "i/o timeout" }
 func (*timeoutErr) Timeout() bool   { return true }
 func (*timeoutErr) Temporary() bool { return true }
+
+// TestProbeTimeoutApartFromInterval: a probe may take ProbeTimeout, not
+// only ProbeInterval: a /health slower than the interval but within the
+// timeout is a success; one slower than the timeout is a failure.
+func TestProbeTimeoutApartFromInterval(t *testing.T) {
+	sim, _ := startSim(t, nil)
+	var delay atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/health" {
+			select {
+			case <-time.After(time.Duration(delay.Load())):
+			case <-r.Context().Done():
+				return
+			}
+		}
+		sim.ServeHTTP(w, r)
+	}))
+	t.Cleanup(srv.Close)
+	pc := fastPool()
+	pc.ProbeInterval, pc.ProbeTimeout = 20*time.Millisecond, 300*time.Millisecond
+	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, pc)
+	delay.Store(int64(100 * time.Millisecond)) // past the interval, within the timeout
+	p.Probe(t.Context())
+	if s := mustSnapshot(t, p, "a"); s.ProbeFailures != 0 {
+		t.Errorf("a probe within ProbeTimeout failed: %q", s.HealthErr)
+	}
+	delay.Store(int64(time.Second)) // past the timeout
+	p.Probe(t.Context())
+	if s := mustSnapshot(t, p, "a"); s.ProbeFailures != 1 {
+		t.Errorf("a probe past ProbeTimeout: %d failures, want 1", s.ProbeFailures)
+	}
+}

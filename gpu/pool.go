@@ -42,6 +42,7 @@ type PoolConfig struct {
 	ScrapeInterval   time.Duration // /metrics period [100ms]
 	StaleAfter       time.Duration // a snapshot older than this is stale [1s]
 	ProbeInterval    time.Duration // /health period [1s]
+	ProbeTimeout     time.Duration // how long one /health probe may take [ProbeInterval]
 	DiscoverInterval time.Duration // /v1/models period [30s]
 	EjectAfter       int           // consecutive failures that eject a backend [3]
 	EjectBase        time.Duration // first ejection [2s], doubling per repeat
@@ -196,6 +197,7 @@ func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
 	pc.ScrapeInterval = cmp.Or(pc.ScrapeInterval, 100*time.Millisecond)
 	pc.StaleAfter = cmp.Or(pc.StaleAfter, time.Second)
 	pc.ProbeInterval = cmp.Or(pc.ProbeInterval, time.Second)
+	pc.ProbeTimeout = cmp.Or(pc.ProbeTimeout, pc.ProbeInterval)
 	pc.DiscoverInterval = cmp.Or(pc.DiscoverInterval, 30*time.Second)
 	pc.MaxDecodeRate = cmp.Or(pc.MaxDecodeRate, DefaultMaxDecodeRate)
 	pc.EjectAfter = cmp.Or(pc.EjectAfter, 3)
@@ -630,7 +632,7 @@ func (p *Pool) Probe(ctx context.Context) {
 }
 
 func (p *Pool) probe(ctx context.Context, b *backend) {
-	ctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeInterval)
+	ctx, cancel := context.WithTimeout(ctx, p.cfg.ProbeTimeout)
 	defer cancel()
 	sent := time.Now()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.cfg.URL+"/health", nil)
