@@ -54,7 +54,7 @@ func batchShare(l *load, need int, budget, maxSeqs *int, p *Policy) string {
 	// Nothing batch goes into vLLM's queue (what it showed, or what
 	// kvgate sent since that it may not have scheduled yet): vLLM serves
 	// it first come, first served.
-	if l.measuredWaiting+l.unscheduled > 0 {
+	if queueHoldsBatch(l) {
 		return reasonClassShare
 	}
 	// A backend with no batch flight takes one, however full (the
@@ -69,6 +69,14 @@ func batchShare(l *load, need int, budget, maxSeqs *int, p *Policy) string {
 	}
 	*budget, *maxSeqs = b, max(1, int(p.BatchShare*float64(*maxSeqs)))
 	return ""
+}
+
+// queueHoldsBatch reports whether vLLM's queue on the backend with load
+// l may hold work (what it showed, or what kvgate sent since that it may
+// not have scheduled yet), where the share sends no batch work. Room
+// follows it (classRoomLocked).
+func queueHoldsBatch(l *load) bool {
+	return l.measuredWaiting+l.unscheduled > 0
 }
 
 // interactiveAbout reports whether interactive work is about on backend
@@ -90,12 +98,17 @@ func (s *Scheduler) interactiveAbout(sn *gpu.Snapshot, now time.Time) bool {
 // it has had no work): while interactive work is about there, the
 // tickets the batch share still lets in (its part of the sequences, and of
 // the KV budget over the mean reservation in flight), less what is in
-// flight, at least one when no batch flight runs there; otherwise no
-// bound. s.mu must be held.
+// flight, at least one when no batch flight runs there, and none while
+// vLLM's queue there may hold work (queueHoldsBatch: decide would refuse
+// every batch ticket, which would only wait in kvgate's memory);
+// otherwise no bound. s.mu must be held.
 func (s *Scheduler) classRoomLocked(sn *gpu.Snapshot, l *ledger, now time.Time) int {
 	p := &s.policy
 	if p.BatchShare >= 1 || !s.interactiveAbout(sn, now) {
 		return math.MaxInt
+	}
+	if ld := s.loadOf(sn, l, now, false); queueHoldsBatch(&ld) {
+		return 0
 	}
 	seqs := sn.MaxNumSeqs
 	if seqs <= 0 {

@@ -185,3 +185,40 @@ func TestBatchShareKeepsRoomForInteractive(t *testing.T) {
 	}
 	held = append(held, g)
 }
+
+// TestRoomFollowsShareQueueRefusal checks that Room offers no batch work
+// for a backend whose vLLM queue shows work while interactive work is
+// about there (decide refuses every batch ticket for it: they would only
+// wait in kvgate's memory), and room again once the queue is empty or no
+// interactive work is about (work-conserving).
+func TestRoomFollowsShareQueueRefusal(t *testing.T) {
+	now := time.Now()
+	clock := func() time.Time { return now }
+	sn := backendSnap("a", 10_000)
+	sn.MaxNumSeqs = 100
+	sn.Metrics.Waiting = 1
+	s, err := New(&staticSource{snaps: []*gpu.Snapshot{sn}}, Options{Policy: Policy{KVTarget: 1, BatchShare: 0.5, BatchShareHold: time.Minute}, Now: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := s.Room(); r <= 0 {
+		t.Fatalf("Room with a queue but no interactive work about = %d, want some", r)
+	}
+	ctx := context.Background()
+	g, err := s.Acquire(ctx, &Ticket{Class: Interactive, Model: model, PromptTokens: 500, MaxTokens: 500})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Release()
+	if r := s.Room(); r != 0 {
+		t.Errorf("Room with vLLM's queue showing work beside interactive work = %d, want 0", r)
+	}
+	var rej *RejectedError
+	if _, err := s.Acquire(ctx, &Ticket{Class: Batch, Model: model, PromptTokens: 500, MaxTokens: 500, Deadline: time.Now().Add(20 * time.Millisecond)}); !errors.As(err, &rej) {
+		t.Fatalf("batch ticket beside vLLM's queue: %v, want a rejection after its wait", err)
+	}
+	sn.Metrics.Waiting = 0
+	if r := s.Room(); r <= 0 {
+		t.Errorf("Room with the queue empty = %d, want some", r)
+	}
+}
