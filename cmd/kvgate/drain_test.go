@@ -89,6 +89,9 @@ func waitOutput(t *testing.T, what string, out *syncBuffer, re *regexp.Regexp) s
 // simulator, and returns its body once the first chunk has come.
 func longStream(t *testing.T, base string) (*bufio.Reader, io.Closer) {
 	t.Helper()
+	// "serving at" comes before the embedded simulator is routable: until
+	// /readyz says so, a request is an immediate 503 backend_unavailable.
+	waitReady(t, base+"/readyz")
 	resp, err := http.Post(base+"/v1/chat/completions", "application/json", strings.NewReader(
 		`{"model":"meta-llama/Llama-3.1-8B-Instruct","messages":[{"role":"user","content":"go on"}],"max_tokens":5000,"ignore_eos":true,"stream":true}`))
 	if err != nil {
@@ -124,11 +127,6 @@ func TestServeDrains(t *testing.T) {
 			envOf(map[string]string{"KVGATE_DRAIN_TIMEOUT": "1s", "KVGATE_DRAIN_UNREADY_DELAY": "0s"}), &stdout, &stderr)
 	}()
 	base := waitOutput(t, "address", &stdout, servingAt)
-	for deadline := time.Now().Add(20 * time.Second); status(base+"/readyz") != http.StatusOK; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("never ready")
-		}
-	}
 	stream, _ := longStream(t, base)
 
 	cancel() // the first signal
