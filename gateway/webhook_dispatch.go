@@ -238,13 +238,13 @@ func (d *Dispatcher) record() {
 				break more
 			}
 		}
-		errs, err := d.cfg.Store.FinishDeliveries(ctx, batch)
+		errs, err := d.finish(ctx, batch)
 		d.mu.Lock()
 		d.inflight -= len(batch)
 		d.mu.Unlock()
 		if err != nil {
-			// Nothing was written: each delivery's lease expires and it
-			// is sent again under its id.
+			// Nothing was written, tries apart: each delivery's lease
+			// expires and it is sent again under its id.
 			d.cfg.Log.Warn("recording webhook attempts", "error", err, "deliveries", len(batch))
 			continue
 		}
@@ -254,6 +254,29 @@ func (d *Dispatcher) record() {
 			}
 		}
 		d.Wake()
+	}
+}
+
+// finishTries bounds how often a batch of attempts' records is tried
+// before their deliveries are left to their leases: 50 ms, doubling, about
+// 1.5 s in all, well within a lease (2 × the send timeout + 10 s).
+const finishTries = 5
+
+// finish records a batch of attempts, trying again through a short store
+// outage (a busy SQLite, a PostgreSQL failover): a record lost here holds
+// each delivery SENDING until its lease ends, then sends it again. The
+// records are fenced (an attempt whose claim was taken over changes
+// nothing), so a try whose commit did land makes the next one a no-op.
+func (d *Dispatcher) finish(ctx context.Context, batch []store.DeliveryResult) ([]error, error) {
+	wait := 50 * time.Millisecond
+	for try := 1; ; try++ {
+		errs, err := d.cfg.Store.FinishDeliveries(ctx, batch)
+		if err == nil || try == finishTries {
+			return errs, err
+		}
+		d.cfg.Log.Info("recording webhook attempts, trying again", "error", err, "deliveries", len(batch), "try", try)
+		time.Sleep(wait)
+		wait *= 2
 	}
 }
 

@@ -347,6 +347,50 @@ func counterValue(t *testing.T, reg *prometheus.Registry, name, outcome string) 
 // the schedule spent FAILED among the dead letters, redelivered (audited)
 // under the same id, 410 disabling the endpoint; a rotation signs with
 // both secrets; the result inline on request; webhook.test.
+// flakyFinish fails the first fails records of attempts, as a busy SQLite
+// or a failing-over PostgreSQL would.
+type flakyFinish struct {
+	store.Store
+	fails atomic.Int32
+}
+
+func (s *flakyFinish) FinishDeliveries(ctx context.Context, rs []store.DeliveryResult) ([]error, error) {
+	if s.fails.Add(-1) >= 0 {
+		return nil, fmt.Errorf("finish deliveries: %w", store.ErrUnavailable)
+	}
+	return s.Store.FinishDeliveries(ctx, rs)
+}
+
+// TestWebhookRecordTriedAgain: an attempt's record that the store refuses
+// twice is tried again at once, not left SENDING for its lease (70 s here,
+// past the wait) to run out and the event to be sent again.
+func TestWebhookRecordTriedAgain(t *testing.T) {
+	var flaky *flakyFinish
+	f, _, _ := webhookFleet(t, fleetOpts{speedup: 200}, 1, func(c *DispatcherConfig) {
+		flaky = &flakyFinish{Store: c.Store}
+		flaky.fails.Store(2)
+		c.Store, c.Timeout = flaky, 30*time.Second
+	})
+	rc := newReceiver(t)
+	e := createEndpoint(t, f, rc.srv.URL+"/hook", "job.succeeded")
+	rc.trust(e.Secret)
+	resp, v := submitJob(t, f, "flaky-record", chatJob("recorded late", 2))
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d", resp.StatusCode)
+	}
+	waitJob(t, f, "default", v.ID, store.Succeeded)
+	eventually.True(t, "the delivery recorded", func() bool {
+		n, err := f.store.PendingDeliveries(context.Background())
+		return err == nil && n == 0
+	})
+	if flaky.fails.Load() >= 0 {
+		t.Errorf("the store's refusals were not met (%d left)", flaky.fails.Load()+1)
+	}
+	if got := rc.received(); len(got) != 1 {
+		t.Errorf("the receiver got %d requests, want the event once", len(got))
+	}
+}
+
 func TestWebhookOutcomes(t *testing.T) {
 	f, _, reg := webhookFleet(t, fleetOpts{speedup: 200}, 1, func(c *DispatcherConfig) {
 		c.Schedule = []time.Duration{0, time.Millisecond, time.Millisecond}
