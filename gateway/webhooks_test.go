@@ -247,7 +247,14 @@ func testWebhookOutage(t *testing.T, pg bool) {
 		n = 10000
 	}
 	clock := &simClock{}
-	f, disp, reg := webhookFleet(t, fleetOpts{speedup: 200, backends: 2, pg: pg}, 1, func(c *DispatcherConfig) { c.Now = clock.Now })
+	// A slower poll than the other tests' 5 ms: the clock's steps wake the
+	// dispatcher themselves, and advance waits for it to be idle (no claim
+	// open, no send unrecorded), which a poll shorter than a claim on a
+	// loaded machine never lets happen (the ticker's next tick is always
+	// pending when a claim ends).
+	f, disp, reg := webhookFleet(t, fleetOpts{speedup: 200, backends: 2, pg: pg}, 1, func(c *DispatcherConfig) {
+		c.Now, c.Poll = clock.Now, 100*time.Millisecond
+	})
 	rc := newReceiver(t)
 	rc.now = clock.Now
 	e := createEndpoint(t, f, rc.srv.URL+"/hook", "job.succeeded", "job.failed")
