@@ -115,7 +115,21 @@ func TestConsoleBrowser(t *testing.T) {
 		t.Helper()
 		run("sign out", chromedp.Click(chromedp.CSS(`form.signout button`)), chromedp.WaitVisible(chromedp.ID(`key`)))
 	}
-	bodyText := func() string { return str("read the page", chromedp.Text(chromedp.CSS(`body`))) }
+	// textOf reads an element's visible text in one evaluation, waiting for it to
+	// exist: the live pages replace their rows on every update, so a node
+	// found by one call may be gone by the next.
+	textOf := func(what, sel string) string {
+		t.Helper()
+		v, err := chromedp.Run(ctx, chromedp.Poll[[]string](`(() => {
+			const e = document.querySelector(`+jsString(sel)+`);
+			return e ? [e.innerText.trim()] : null;
+		})()`, chromedp.WithPollingTimeout(30*time.Second)))
+		if err != nil || len(v) != 1 {
+			t.Fatalf("%s (%s): %v", what, sel, err)
+		}
+		return v[0]
+	}
+	bodyText := func() string { return textOf("read the page", `body`) }
 
 	// Signed out: the console sends the browser to the sign-in form.
 	run("signed out", chromedp.Navigate(base+"/console/reviews"), chromedp.WaitVisible(chromedp.ID(`key`)))
@@ -142,7 +156,7 @@ func TestConsoleBrowser(t *testing.T) {
 
 	// Fleet: KV use moves while load runs on the simulator.
 	run("fleet", chromedp.Navigate(base+"/console/fleet"), chromedp.WaitVisible(chromedp.CSS(`[data-backend="sim0"]`)))
-	idle := str("fleet idle", chromedp.Text(chromedp.CSS(`[data-backend="sim0"] [data-field="kv"]`)))
+	idle := textOf("fleet idle", `[data-backend="sim0"] [data-field="kv"]`)
 	loadCtx, stopLoad := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
 	prompt := strings.Repeat("a long document to fill the cache ", 400)
@@ -182,8 +196,8 @@ func TestConsoleBrowser(t *testing.T) {
 	// against its weight's (3 of the 4 the two tenants weigh); an
 	// operator sees its own tenant's row only.
 	run("queues", chromedp.Navigate(base+"/console/queues"), chromedp.WaitVisible(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"]`)))
-	share := str("acme's share", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"] [data-field="share"]`)))
-	if ws := str("acme's weight share", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"] [data-field="weight-share"]`))); ws != "75%" {
+	share := textOf("acme's share", `#shares-interactive tr[data-tenant="acme"] [data-field="share"]`)
+	if ws := textOf("acme's weight share", `#shares-interactive tr[data-tenant="acme"] [data-field="weight-share"]`); ws != "75%" {
 		t.Errorf("acme's weight share on the Queues page: %q, want 75%%", ws)
 	}
 	if share == "0%" || !strings.HasSuffix(share, "%") {
@@ -194,7 +208,7 @@ func TestConsoleBrowser(t *testing.T) {
 	}
 	axe("queues")
 	// Live: admissions made while the page is open show without a reload.
-	admitted := str("acme's admissions", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="acme"] [data-field="admitted"]`)))
+	admitted := textOf("acme's admissions", `#shares-interactive tr[data-tenant="acme"] [data-field="admitted"]`)
 	for range 3 {
 		req, _ := http.NewRequest(http.MethodPost, base+"/v1/chat/completions",
 			strings.NewReader(fmt.Sprintf(`{"model":%q,"max_tokens":4,"messages":[{"role":"user","content":"live"}]}`, llama)))
@@ -226,13 +240,13 @@ func TestConsoleBrowser(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := str("the withheld answer in the queue", chromedp.Text(chromedp.CSS(`tr[data-job="`+e.reviewJob+`"] [data-field="answer"]`))); got != answer {
+	if got := textOf("the withheld answer in the queue", `tr[data-job="`+e.reviewJob+`"] [data-field="answer"]`); got != answer {
 		t.Errorf("the Reviews page shows the answer %q, want the withheld %q", got, answer)
 	}
 	run("open the job", chromedp.Click(chromedp.CSS(`tr[data-job="`+e.reviewJob+`"] a`)),
 		chromedp.WaitVisible(chromedp.CSS(`button[value="approve"]`)), chromedp.WaitVisible(chromedp.ID(`candidate`)))
 	// The withheld answer beside the reasons: side by side in one row.
-	if got := str("the withheld answer", chromedp.Text(chromedp.CSS(`#candidate [data-field="answer"]`))); got != answer {
+	if got := textOf("the withheld answer", `#candidate [data-field="answer"]`); got != answer {
 		t.Errorf("the job's page shows the answer %q, want the withheld %q", got, answer)
 	}
 	if beside := str("layout", chromedp.Evaluate[string](`(() => {
@@ -249,7 +263,7 @@ func TestConsoleBrowser(t *testing.T) {
 	// it, from the job's page, to the receiver now up.
 	dlv := `button[aria-label="Redeliver ` + e.reviewDlv + `"]`
 	run("the job's deliveries", chromedp.WaitVisible(chromedp.CSS(`#job-deliveries tr[data-delivery="`+e.reviewDlv+`"]`)))
-	if st := str("its state", chromedp.Text(chromedp.CSS(`#job-deliveries tr[data-delivery="`+e.reviewDlv+`"] [data-field="state"]`))); st != store.DeliveryFailed {
+	if st := textOf("its state", `#job-deliveries tr[data-delivery="`+e.reviewDlv+`"] [data-field="state"]`); st != store.DeliveryFailed {
 		t.Errorf("the review job's delivery is %q on its page, want FAILED", st)
 	}
 	e.hook.down.Store(false)
@@ -273,7 +287,7 @@ func TestConsoleBrowser(t *testing.T) {
 		return err == nil && d.State == store.DeliveryDelivered
 	})
 	run("the delivery's page", chromedp.Navigate(base+"/console/webhooks/deliveries/"+e.reviewDlv), chromedp.WaitVisible(chromedp.CSS(`#attempts`)))
-	if st := str("its state", chromedp.Text(chromedp.CSS(`[data-delivery] [data-field="state"]`))); st != store.DeliveryDelivered {
+	if st := textOf("its state", `[data-delivery] [data-field="state"]`); st != store.DeliveryDelivered {
 		t.Errorf("the delivery's page says %q, want DELIVERED", st)
 	}
 	statuses := str("the attempts' statuses", chromedp.Evaluate[string](`[...document.querySelectorAll('#attempts [data-field="status"]')].map(e => e.textContent).join(",")`))
@@ -294,7 +308,7 @@ func TestConsoleBrowser(t *testing.T) {
 	axe("webhooks")
 	run("an endpoint", chromedp.Click(chromedp.CSS(`tr[data-endpoint="`+e.endpoint+`"] a`)),
 		chromedp.WaitVisible(chromedp.CSS(`#deliveries tr[data-delivery="`+e.reviewDlv+`"]`)))
-	if s := str("its deliveries", chromedp.Text(chromedp.CSS(`#deliveries tr[data-delivery="`+e.reviewDlv+`"]`))); !strings.Contains(s, "DELIVERED") ||
+	if s := textOf("its deliveries", `#deliveries tr[data-delivery="`+e.reviewDlv+`"]`); !strings.Contains(s, "DELIVERED") ||
 		!strings.Contains(s, "503") || !strings.Contains(s, "204") {
 		t.Errorf("the endpoint's page shows the redelivered delivery as %q", s)
 	}
@@ -332,7 +346,7 @@ func TestConsoleBrowser(t *testing.T) {
 	run("signed in", chromedp.WaitVisible(chromedp.ID(`jobs`)))
 	// The admin's Queues page: both tenants' interactive shares.
 	run("queues as the admin", chromedp.Navigate(base+"/console/queues"), chromedp.WaitVisible(chromedp.CSS(`#shares-interactive tr[data-tenant="globex"]`)))
-	if ws := str("globex's weight share", chromedp.Text(chromedp.CSS(`#shares-interactive tr[data-tenant="globex"] [data-field="weight-share"]`))); ws != "25%" {
+	if ws := textOf("globex's weight share", `#shares-interactive tr[data-tenant="globex"] [data-field="weight-share"]`); ws != "25%" {
 		t.Errorf("globex's weight share: %q, want 25%%", ws)
 	}
 	sum := str("the shares' sum", chromedp.Evaluate[string](`String(Math.round([...document.querySelectorAll('#shares-interactive [data-field="share"]')]
