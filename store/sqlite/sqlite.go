@@ -13,8 +13,6 @@ import (
 	"os"
 	"path/filepath"
 
-	_ "modernc.org/sqlite" // the database/sql driver "sqlite"
-
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
@@ -46,11 +44,15 @@ func Open(ctx context.Context, path string) (*sqlstore.Store, error) {
 	// the write lock at BEGIN, so two writers queue instead of deadlocking.
 	dsn := "file:" + path + "?_pragma=journal_mode(WAL)&_pragma=busy_timeout(10000)&_pragma=foreign_keys(ON)" +
 		"&_pragma=synchronous(NORMAL)&_txlock=immediate"
-	db, err := sql.Open("sqlite", dsn)
+	conn, err := newCachingConnector(dsn)
 	if err != nil {
 		return nil, fmt.Errorf("sqlite: %w", err)
 	}
+	db := sql.OpenDB(conn)
+	// Every connection stays open: a new one reads the schema and runs the
+	// pragmas again, and its cached statements would be lost with the old.
 	db.SetMaxOpenConns(4)
+	db.SetMaxIdleConns(4)
 	if err := db.PingContext(ctx); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("sqlite %s: %w", path, err)
