@@ -70,11 +70,29 @@ func childOf(tb testing.TB, bin string, args ...string) string {
 	for lines.Scan() {
 		if m := addr.FindStringSubmatch(lines.Text()); m != nil {
 			go func() { _, _ = io.Copy(io.Discard, out) }()
+			childPIDs.Store("http://"+m[1], cmd.Process.Pid)
 			return "http://" + m[1]
 		}
 	}
 	tb.Fatalf("kvgate %v printed no address", args)
 	return ""
+}
+
+// childPIDs maps a child's base URL to its process id.
+var childPIDs sync.Map
+
+// childCPU is the CPU time the child serving url has used so far.
+func childCPU(tb testing.TB, url string) time.Duration {
+	tb.Helper()
+	pid, ok := childPIDs.Load(url)
+	if !ok {
+		tb.Fatalf("no child process serves %s", url)
+	}
+	d, err := procCPU(pid.(int))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return d
 }
 
 func waitReady(tb testing.TB, url string) {
@@ -129,11 +147,19 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 		b.Run(fmt.Sprintf("stream=%v", stream), func(b *testing.B) {
 			body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":4,"ignore_eos":true,"stream":%v}`, benchModel, stream)
 			var d, v, o bench.Result
+			// Each gateway's CPU over its own slices: a figure the
+			// machine's load moves far less than its latency.
+			var vCPU, oCPU time.Duration
+			slice := func(url string, into *bench.Result, cpu *time.Duration) {
+				c0 := childCPU(b, url)
+				into.Merge(bench.OpenLoop(context.Background(), client, url+"/v1/completions", body, 1000, time.Second))
+				*cpu += childCPU(b, url) - c0
+			}
 			for range 5 {
 				d.Merge(bench.OpenLoop(context.Background(), client, direct+"/v1/completions", body, 1000, time.Second))
-				v.Merge(bench.OpenLoop(context.Background(), client, via+"/v1/completions", body, 1000, time.Second))
+				slice(via, &v, &vCPU)
 				if before != "" {
-					o.Merge(bench.OpenLoop(context.Background(), client, before+"/v1/completions", body, 1000, time.Second))
+					slice(before, &o, &oCPU)
 				}
 			}
 			if d.Failed+v.Failed+o.Failed > 0 {
@@ -146,7 +172,9 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 			b.ReportMetric(ms(v.Percentile(0.99)), "kvgate-p99-ms")
 			b.ReportMetric(ms(v.Percentile(0.5)-d.Percentile(0.5)), "added-p50-ms")
 			b.ReportMetric(ms(v.Percentile(0.99)-d.Percentile(0.99)), "added-p99-ms")
+			b.ReportMetric(float64(vCPU.Microseconds())/float64(max(1, len(v.Latencies)+v.Failed)), "kvgate-cpu-us/req")
 			if before != "" {
+				b.ReportMetric(float64(oCPU.Microseconds())/float64(max(1, len(o.Latencies)+o.Failed)), "before-cpu-us/req")
 				b.ReportMetric(ms(o.Percentile(0.5)-d.Percentile(0.5)), "before-added-p50-ms")
 				b.ReportMetric(ms(o.Percentile(0.99)-d.Percentile(0.99)), "before-added-p99-ms")
 			}

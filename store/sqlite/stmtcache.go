@@ -33,17 +33,20 @@ func newCachingConnector(dsn string) (driver.Connector, error) {
 	if err != nil {
 		return nil, err
 	}
-	return cachingConnector{base}, nil
+	return cachingConnector{base: base, gate: newWriteGate()}, nil
 }
 
-type cachingConnector struct{ base driver.Connector }
+type cachingConnector struct {
+	base driver.Connector
+	gate *writeGate // one per database: shared by its connections
+}
 
 func (c cachingConnector) Connect(ctx context.Context) (driver.Conn, error) {
 	cn, err := c.base.Connect(ctx)
 	if err != nil {
 		return nil, err
 	}
-	return &cachingConn{Conn: cn, stmts: map[string]*cachedStmt{}}, nil
+	return &cachingConn{Conn: cn, stmts: map[string]*cachedStmt{}, gate: c.gate}, nil
 }
 
 func (c cachingConnector) Driver() driver.Driver { return c.base.Driver() }
@@ -66,6 +69,8 @@ type sqliteConn interface {
 type cachingConn struct {
 	driver.Conn
 	stmts map[string]*cachedStmt
+	gate  *writeGate
+	inTx  bool // a transaction is open on this connection
 }
 
 type cachedStmt struct {
@@ -116,6 +121,10 @@ func (c *cachingConn) ExecContext(ctx context.Context, query string, args []driv
 	if err != nil {
 		return nil, err
 	}
+	if !c.inTx {
+		// A write outside a transaction takes the write lock too.
+		defer c.gate.enter(ctx)()
+	}
 	if cs == nil {
 		return c.inner().ExecContext(ctx, query, args)
 	}
@@ -142,8 +151,24 @@ func (c *cachingConn) PrepareContext(ctx context.Context, query string) (driver.
 	return c.inner().PrepareContext(ctx, query)
 }
 
+// BeginTx opens a transaction; one that may write (BEGIN IMMEDIATE takes
+// SQLite's write lock) first passes the write gate.
 func (c *cachingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (driver.Tx, error) {
-	return c.inner().BeginTx(ctx, opts)
+	leave := func() {}
+	if !opts.ReadOnly {
+		leave = c.gate.enter(ctx)
+		if err := ctx.Err(); err != nil {
+			leave()
+			return nil, err
+		}
+	}
+	tx, err := c.inner().BeginTx(ctx, opts)
+	if err != nil {
+		leave()
+		return nil, err
+	}
+	c.inTx = true
+	return &gatedTx{Tx: tx, end: func() { c.inTx = false; leave() }}, nil
 }
 
 func (c *cachingConn) Ping(ctx context.Context) error { return c.inner().Ping(ctx) }

@@ -3,6 +3,7 @@ package sqlite
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"testing"
@@ -145,5 +146,96 @@ func TestStmtCacheBounded(t *testing.T) {
 	}
 	if n := len(cache()); n != maxCachedStmts {
 		t.Errorf("%d statements cached, want the bound %d", n, maxCachedStmts)
+	}
+}
+
+func TestWriteGate(t *testing.T) {
+	ctx := context.Background()
+	conn, err := newCachingConnector("file:" + filepath.Join(t.TempDir(), "g.db") + "?_pragma=journal_mode(WAL)&_pragma=busy_timeout(10000)&_txlock=immediate")
+	if err != nil {
+		t.Fatal(err)
+	}
+	db := sql.OpenDB(conn)
+	db.SetMaxOpenConns(4)
+	defer db.Close()
+	if _, err := db.ExecContext(ctx, `CREATE TABLE n (id INTEGER PRIMARY KEY, v INTEGER NOT NULL); INSERT INTO n VALUES (1, 0)`); err != nil {
+		t.Fatal(err)
+	}
+
+	// Writers in transactions and outside them, at once: each one's
+	// increment counts, and none fails for a lock.
+	const writers, each = 8, 50
+	errs := make(chan error, writers)
+	for w := range writers {
+		go func() {
+			for range each {
+				if w%2 == 0 {
+					if _, err := db.ExecContext(ctx, `UPDATE n SET v = v + 1 WHERE id = 1`); err != nil {
+						errs <- err
+						return
+					}
+					continue
+				}
+				tx, err := db.BeginTx(ctx, nil)
+				if err != nil {
+					errs <- err
+					return
+				}
+				var v int
+				if err := tx.QueryRowContext(ctx, `SELECT v FROM n WHERE id = 1`).Scan(&v); err != nil {
+					tx.Rollback()
+					errs <- err
+					return
+				}
+				if _, err := tx.ExecContext(ctx, `UPDATE n SET v = ? WHERE id = 1`, v+1); err != nil {
+					tx.Rollback()
+					errs <- err
+					return
+				}
+				if err := tx.Commit(); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for range writers {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	var v int
+	if err := db.QueryRowContext(ctx, `SELECT v FROM n WHERE id = 1`).Scan(&v); err != nil || v != writers*each {
+		t.Fatalf("the counter reads %d (%v), want %d", v, err, writers*each)
+	}
+	if len(conn.(cachingConnector).gate.ch) != 0 {
+		t.Fatal("the gate is still held after every writer ended")
+	}
+
+	// While a transaction holds the gate, another writer whose context
+	// ends gives up with the context's error; a reader is not held.
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := db.BeginTx(short, nil); !errors.Is(err, context.Canceled) {
+		t.Errorf("a second writer with its context ended: %v, want context.Canceled", err)
+	}
+	ro, err := db.BeginTx(ctx, &sql.TxOptions{ReadOnly: true})
+	if err != nil {
+		t.Fatalf("a reader beside a writer: %v", err)
+	}
+	if err := ro.QueryRowContext(ctx, `SELECT v FROM n WHERE id = 1`).Scan(&v); err != nil {
+		t.Fatal(err)
+	}
+	ro.Rollback()
+	if err := tx.Rollback(); err != nil {
+		t.Fatal(err)
+	}
+	if len(conn.(cachingConnector).gate.ch) != 0 {
+		t.Fatal("the gate is held after the rollback")
 	}
 }
