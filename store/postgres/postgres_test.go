@@ -176,3 +176,62 @@ func TestWebhookFanoutPerStatement(t *testing.T) {
 		t.Errorf("%d deliveries, want %d", count, n)
 	}
 }
+
+// TestRenewalsAreHOT: a heartbeat and a sent mark change no indexed
+// column of the job (migration 18), so PostgreSQL writes them as HOT
+// updates, without a new entry in each of the jobs table's indexes.
+func TestRenewalsAreHOT(t *testing.T) {
+	ctx := context.Background()
+	url := freshDatabase(t)
+	s, err := postgres.Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	const n = 20
+	for i := range n {
+		if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: "acme", IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	jobs, err := s.Claim(ctx, now, time.Minute, n, "m")
+	if err != nil || len(jobs) != n {
+		t.Fatalf("claimed %d, %v", len(jobs), err)
+	}
+	updates := func() (all, hot int64) {
+		// A server process reports its counts when it exits: close the
+		// store's connections first.
+		s.DB().SetMaxIdleConns(0)
+		s.DB().SetMaxIdleConns(2)
+		time.Sleep(100 * time.Millisecond)
+		if err := s.DB().QueryRowContext(ctx, `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'`).Scan(&all, &hot); err != nil {
+			t.Fatal(err)
+		}
+		return all, hot
+	}
+	all0, hot0 := updates()
+	for _, j := range jobs {
+		if err := s.Heartbeat(ctx, j.ID, j.Fence, now.Add(time.Second), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.MarkSent(ctx, j.ID, j.Fence, now.Add(2*time.Second), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	all, hot := updates()
+	for i := 0; i < 50 && all-all0 < 2*n; i++ { // reports may come late under load
+		all, hot = updates()
+	}
+	if all-all0 != 2*n {
+		t.Fatalf("%d updates of jobs counted, want %d", all-all0, 2*n)
+	}
+	if hot-hot0 < n {
+		t.Errorf("%d of %d renewals were HOT updates; want most", hot-hot0, 2*n)
+	}
+	s.Close()
+}
