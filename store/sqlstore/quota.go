@@ -321,10 +321,11 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 }
 
 // pendingCount counts a tenant's pending jobs (READY, RUNNING or
-// RETRY_SCHEDULED) and their token estimates: the runnable ones through jobs_runnable_tenant and the
-// running ones through jobs_running, each condition written as its
-// index's predicate so that both databases use the two partial indexes
-// (migration 18 dropped the index of all three states).
+// RETRY_SCHEDULED) and their token estimates: the runnable ones through
+// jobs_runnable_tenant and the running ones through jobs_running, each
+// condition written as its index's predicate so that both databases use
+// the two partial indexes (migration 18 dropped the index of all three
+// states).
 const pendingCount = `SELECT COUNT(*), CAST(COALESCE(SUM(token_estimate), 0) AS BIGINT) FROM (
 		SELECT token_estimate FROM jobs WHERE tenant = ? AND state IN ('READY', 'RETRY_SCHEDULED')
 		UNION ALL
