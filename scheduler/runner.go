@@ -283,6 +283,7 @@ func (r *Runner) Run(ctx context.Context) error {
 		if len(jobs) > 0 && r.cfg.OnEvents != nil {
 			r.cfg.OnEvents()
 		}
+		known := r.claimFacts(ctx, jobs)
 		for _, j := range jobs {
 			slots <- struct{}{}
 			r.inflight.Add(1)
@@ -305,7 +306,7 @@ func (r *Runner) Run(ctx context.Context) error {
 					free()
 					wake()
 				}()
-				r.work(ctx, j, free)
+				r.work(ctx, j, free, known[j.ID])
 				if r.cfg.OnEvents != nil {
 					r.cfg.OnEvents()
 				}
@@ -316,9 +317,59 @@ func (r *Runner) Run(ctx context.Context) error {
 
 var errLeaseLost = errors.New("lease lost")
 
+// factsStore is a store that reads what the attempts of many jobs read
+// before their stages in one statement (sqlstore.Store.AttemptFacts):
+// each job's entity and pinned policy, as JobEntity and JobOutcome read
+// them one at a time.
+type factsStore interface {
+	AttemptFacts(ctx context.Context, ids []string) (map[string]store.JobEntity, map[string]store.JobOutcome, error)
+}
+
+// facts are what an attempt reads of its job before its stages, read for
+// its whole claim at once; a nil *facts means unread, and each stage
+// reads its own as before.
+type facts struct {
+	entity  *store.JobEntity  // nil: the job names no entity
+	outcome *store.JobOutcome // nil: the job pins no policy
+}
+
+// claimFacts reads the facts of a claim's jobs in one statement where the
+// store can: one read per claim, where each attempt read its entity and
+// its policy (two reads a job). Both are written with the job at
+// acceptance and never change while it runs. When the read fails, the
+// attempts read their own, whose failures each attempt handles (a wait).
+func (r *Runner) claimFacts(ctx context.Context, jobs []store.Job) map[string]*facts {
+	fs, ok := r.st.(factsStore)
+	if !ok || len(jobs) == 0 {
+		return nil
+	}
+	ids := make([]string, len(jobs))
+	for i, j := range jobs {
+		ids[i] = j.ID
+	}
+	ents, outs, err := fs.AttemptFacts(ctx, ids)
+	if err != nil {
+		r.log.Debug("claim facts unread", "err", err)
+		return nil
+	}
+	known := make(map[string]*facts, len(jobs))
+	for _, id := range ids {
+		f := &facts{}
+		if e, ok := ents[id]; ok {
+			f.entity = &e
+		}
+		if o, ok := outs[id]; ok {
+			f.outcome = &o
+		}
+		known[id] = f
+	}
+	return known
+}
+
 // work runs one claimed attempt to its recorded end; it calls free when
-// the attempt's outcome is known, before the writes that record it.
-func (r *Runner) work(parent context.Context, j store.Job, free func()) {
+// the attempt's outcome is known, before the writes that record it. f is
+// what its claim read of the job (nil: unread).
+func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts) {
 	ctx, cancel := context.WithCancelCause(parent)
 	log := r.log.With("job_id", j.ID, "tenant", j.Tenant, "attempt", j.Attempt+1, "fence", j.Fence)
 	var hb sync.WaitGroup
@@ -335,7 +386,7 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
 
-	ent, ok := r.entityGate(ctx, wctx, log, j, a) // stages.go
+	ent, ok := r.entityGate(ctx, wctx, log, j, a, f) // stages.go
 	if !ok {
 		return
 	}
@@ -360,7 +411,7 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 		}
 		a.PromptTokens, a.CompletionTokens = out.PromptTokens, out.CompletionTokens
 		body = out.Body
-		if last = r.lastStage(wctx, j); !last {
+		if last = r.lastStage(wctx, j, f); !last {
 			if err := r.record(wctx, func(now time.Time) error {
 				return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
 			}); err != nil {
@@ -378,7 +429,7 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 	// The next stage (stages.go) never calls the backend.
 	state, err := store.Succeeded, error(nil)
 	if !last {
-		state, err = r.validation(wctx, j, body)
+		state, err = r.validation(wctx, j, body, f)
 	}
 	if err != nil {
 		if errors.Is(err, store.ErrLeaseLost) || !reused {
@@ -425,7 +476,10 @@ func (r *Runner) work(parent context.Context, j store.Job, free func()) {
 // paid for again), the window being one commit either way. A job that
 // names a policy, or one whose policy the store could not say, is
 // checkpointed first as before.
-func (r *Runner) lastStage(ctx context.Context, j store.Job) bool {
+func (r *Runner) lastStage(ctx context.Context, j store.Job, f *facts) bool {
+	if f != nil {
+		return f.outcome == nil
+	}
 	os, ok := r.st.(outcomeStore)
 	if !ok {
 		return true // no store of policies: validation has nothing to judge

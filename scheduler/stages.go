@@ -37,7 +37,7 @@ type outcomeStore interface {
 // ends in: SUCCEEDED, or REVIEW_REQUIRED when the answer fails its
 // policy. An error is the store's: nothing was decided, and the attempt
 // should hand the job back without spending.
-func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte) (store.State, error) {
+func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte, f *facts) (store.State, error) {
 	os, ok := r.st.(outcomeStore)
 	if !ok {
 		return store.Succeeded, nil
@@ -45,7 +45,16 @@ func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte) (s
 	// The inference is paid for: its reads and writes go on through a
 	// shutdown (wctx is not cancelled), like the attempt's end.
 	ctx := wctx
-	o, err := os.JobOutcome(ctx, j.ID)
+	var o store.JobOutcome
+	var err error
+	switch {
+	case f == nil:
+		o, err = os.JobOutcome(ctx, j.ID)
+	case f.outcome == nil:
+		err = store.ErrNotFound
+	default:
+		o = *f.outcome // read with the claim
+	}
 	if errors.Is(err, store.ErrNotFound) {
 		return store.Succeeded, nil // no policy: nothing to judge
 	}
@@ -116,13 +125,23 @@ type entityStore interface {
 // and a version a higher one has beaten (latest wins) ends SUPERSEDED
 // without running. It returns the job's entity (nil for none), for the
 // completion to decide the winner, and whether the stages may run; when
-// they may not, it has recorded the attempt's end.
-func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store.Job, a store.Attempt) (*store.JobEntity, bool) {
+// they may not, it has recorded the attempt's end. f is what the claim
+// read of the job (nil: unread, and the gate reads the entity itself).
+func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store.Job, a store.Attempt, f *facts) (*store.JobEntity, bool) {
 	es, ok := r.st.(entityStore)
 	if !ok {
 		return nil, true
 	}
-	e, err := es.JobEntity(ctx, j.ID)
+	var e store.JobEntity
+	var err error
+	switch {
+	case f == nil:
+		e, err = es.JobEntity(ctx, j.ID)
+	case f.entity == nil:
+		err = store.ErrNotFound
+	default:
+		e = *f.entity // read with the claim
+	}
 	if errors.Is(err, store.ErrNotFound) {
 		return nil, true
 	}

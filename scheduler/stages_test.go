@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/store"
+	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
 // answerExecutor answers every call with a chat completion whose content
@@ -110,5 +111,60 @@ func TestValidationRetryNeverCallsTheBackend(t *testing.T) {
 				t.Errorf("reasons %s", v.Reasons)
 			}
 		})
+	}
+}
+
+// factReads counts the reads of a job's entity and policy one job at a
+// time; AttemptFacts, the read of a whole claim's, is *sqlstore.Store's.
+type factReads struct {
+	*sqlstore.Store
+	entities, outcomes atomic.Int64
+}
+
+func (s *factReads) JobEntity(ctx context.Context, id string) (store.JobEntity, error) {
+	s.entities.Add(1)
+	return s.Store.JobEntity(ctx, id)
+}
+
+func (s *factReads) JobOutcome(ctx context.Context, id string) (store.JobOutcome, error) {
+	s.outcomes.Add(1)
+	return s.Store.JobOutcome(ctx, id)
+}
+
+// TestClaimReadsFactsOnce: the jobs' entities and policies are read with
+// their claim, not by each attempt: no job is read alone, and each job
+// still meets its own policy and entity rules.
+func TestClaimReadsFactsOnce(t *testing.T) {
+	st := &factReads{Store: openStore(t).(*sqlstore.Store)}
+	ctx := context.Background()
+	for name, currency := range map[string]string{"eur": "EUR", "gbp": "GBP"} {
+		if _, err := st.PutPolicy(ctx, store.Policy{Tenant: "acme", Name: name, CreatedAt: time.Now(),
+			Document: json.RawMessage(`{"name":"` + name + `","rules":[{"rule":"json"},{"rule":"enum","pointer":"/currency","values":["` + currency + `"]}]}`)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, &answerExecutor{answer: `{"currency": "EUR"}`}, time.Minute)
+	policy := func(name string) func(*store.NewJob) {
+		return func(n *store.NewJob) { n.Outcome = &store.NewOutcome{Policy: name} }
+	}
+	entity := func(key string, version int64) func(*store.NewJob) {
+		return func(n *store.NewJob) { n.Entity = &store.NewEntity{Key: key, Version: version} }
+	}
+	want := map[string]store.State{}
+	for key, opts := range map[string][]func(*store.NewJob){
+		"plain": nil, "eur": {policy("eur")}, "gbp": {policy("gbp")},
+		"entity": {entity("order-1", 1)}, "both": {entity("order-2", 1), policy("gbp")},
+	} {
+		j := f.submit(t, key, opts...)
+		want[j.ID] = store.Succeeded
+		if key == "gbp" || key == "both" {
+			want[j.ID] = store.ReviewRequired // the pinned policy judged the answer
+		}
+	}
+	for id, st := range want {
+		f.waitState(t, id, st)
+	}
+	if n, m := st.entities.Load(), st.outcomes.Load(); n != 0 || m != 0 {
+		t.Errorf("%d entity and %d policy reads of one job; want none (read with the claim)", n, m)
 	}
 }

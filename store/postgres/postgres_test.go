@@ -176,3 +176,141 @@ func TestWebhookFanoutPerStatement(t *testing.T) {
 		t.Errorf("%d deliveries, want %d", count, n)
 	}
 }
+
+// TestRenewalsAreHOT: a heartbeat and a sent mark change no indexed
+// column of the job (migration 18), so PostgreSQL writes them as HOT
+// updates, without a new entry in each of the jobs table's indexes.
+func TestRenewalsAreHOT(t *testing.T) {
+	ctx := context.Background()
+	url := freshDatabase(t)
+	s, err := postgres.Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	const n = 20
+	for i := range n {
+		if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: "acme", IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	jobs, err := s.Claim(ctx, now, time.Minute, n, "m")
+	if err != nil || len(jobs) != n {
+		t.Fatalf("claimed %d, %v", len(jobs), err)
+	}
+	updates := func() (all, hot int64) {
+		// A server process reports its counts when it exits: close the
+		// store's connections first.
+		s.DB().SetMaxIdleConns(0)
+		s.DB().SetMaxIdleConns(2)
+		time.Sleep(100 * time.Millisecond)
+		if err := s.DB().QueryRowContext(ctx, `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'`).Scan(&all, &hot); err != nil {
+			t.Fatal(err)
+		}
+		return all, hot
+	}
+	all0, hot0 := updates()
+	for _, j := range jobs {
+		if err := s.Heartbeat(ctx, j.ID, j.Fence, now.Add(time.Second), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.MarkSent(ctx, j.ID, j.Fence, now.Add(2*time.Second), time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	all, hot := updates()
+	for i := 0; i < 50 && all-all0 < 2*n; i++ { // reports may come late under load
+		all, hot = updates()
+	}
+	if all-all0 != 2*n {
+		t.Fatalf("%d updates of jobs counted, want %d", all-all0, 2*n)
+	}
+	if hot-hot0 < n {
+		t.Errorf("%d of %d renewals were HOT updates; want most", hot-hot0, 2*n)
+	}
+	s.Close()
+}
+
+// TestClaimWalksClaimOrderOnStaleStatistics: with statistics taken while
+// no job was runnable (an ANALYZE after a drain), then a backlog, a claim
+// still walks the runnable jobs in claim order and stops at its limit: it
+// never reads the reaper's index of deadlines (migration 19), which the
+// generic plan had chosen, reading every runnable job per probe.
+func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
+	ctx := context.Background()
+	s, err := postgres.Open(ctx, freshDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	accept := func(from, n int) {
+		var wg sync.WaitGroup
+		for w := range 8 {
+			wg.Go(func() {
+				for i := from + w; i < from+n; i += 8 {
+					if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+						Tenant: fmt.Sprint("t", i%20), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions",
+						Model: "m", Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+						t.Error(err)
+						return
+					}
+				}
+			})
+		}
+		wg.Wait()
+	}
+	accept(0, 400)
+	for {
+		js, err := s.Claim(ctx, now, time.Minute, 64, "m")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(js) == 0 {
+			break
+		}
+		for _, j := range js {
+			if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: json.RawMessage(`{}`),
+				Attempt: store.Attempt{Attempt: 1}, Now: now}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if _, err := s.DB().ExecContext(ctx, `VACUUM ANALYZE jobs`); err != nil {
+		t.Fatal(err)
+	}
+	accept(400, 3000)
+	read := func() (n int64) {
+		s.DB().SetMaxIdleConns(0) // a server process reports its counts when it exits
+		s.DB().SetMaxIdleConns(2)
+		time.Sleep(100 * time.Millisecond)
+		if err := s.DB().QueryRowContext(ctx, `SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'jobs_runnable_deadline'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	before := read()
+	claimed := 0
+	for range 5 {
+		js, err := s.Claim(ctx, now, time.Minute, 16, "m")
+		if err != nil || len(js) != 16 {
+			t.Fatalf("claimed %d, %v", len(js), err)
+		}
+		claimed += len(js)
+	}
+	after := read()
+	for i := 0; i < 30 && after == before; i++ { // reports may come late under load
+		after = read()
+	}
+	if after-before > int64(claimed) {
+		t.Errorf("claims of %d jobs read %d entries of the deadlines' index", claimed, after-before)
+	}
+}

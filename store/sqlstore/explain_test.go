@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -85,6 +86,9 @@ func TestExplainClaimComplete(t *testing.T) {
 	}
 	now := time.Now()
 	limit := 32
+	if v, err := strconv.Atoi(os.Getenv("KVGATE_EXPLAIN_LIMIT")); err == nil {
+		limit = v
+	}
 	ids := make([]string, limit)
 	for i := range ids {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
@@ -93,7 +97,7 @@ func TestExplainClaimComplete(t *testing.T) {
 	explain("claim", q.claimCTE, fairTenants(limit), tt, tt, m, m, tt, tt, limit, limit, limit, tt, tt, m, m, tt, tt, m, m, limit,
 		micros(now.Add(time.Minute)), tt, tt, ids, tt)
 
-	rows, err := db.QueryContext(ctx, `SELECT id, fence, attempt FROM jobs WHERE state = 'RUNNING' LIMIT 16`)
+	rows, err := db.QueryContext(ctx, `SELECT id, fence, attempt FROM jobs WHERE state = 'RUNNING' LIMIT $1`, limit)
 	if err != nil {
 		t.Fatal(err)
 	}

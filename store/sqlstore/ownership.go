@@ -99,6 +99,13 @@ func eventTypeSQL(col string) string {
 	return b.String()
 }
 
+// deadlineIndexed is the condition, true of every job, that the reaper's
+// index of runnable jobs' deadlines (jobs_runnable_deadline, migration 19)
+// adds to its predicate: the reaper's deadline pass states it and so may
+// use the index, a claim does not and so never reads that index (stale
+// statistics once made it the claims' choice).
+const deadlineIndexed = `(deadline_at >= 0 OR deadline_at < 0)`
+
 // ownershipQueries fills the ownership statements of q.
 func ownershipQueries(d Dialect, q *queries) {
 	r := func(s string) string { return rebind(d, s) }
@@ -145,7 +152,7 @@ func ownershipQueries(d Dialect, q *queries) {
 		RETURNING id, tenant, state, state_version, attempt, fence, sent_fence = fence - 1`)
 	q.reapDeadlines = r(`UPDATE jobs SET state = 'FAILED_TERMINAL', state_version = state_version + 1, updated_at = ?,
 			error_class = 'deadline_exceeded', last_error = 'the deadline passed before the job could run'
-		WHERE id IN (SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND deadline_at <= ? LIMIT ? ` + d.LockRunnable + `)
+		WHERE id IN (SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND ` + deadlineIndexed + ` AND deadline_at <= ? LIMIT ? ` + d.LockRunnable + `)
 		RETURNING id, tenant, state, state_version, attempt, fence, FALSE`)
 }
 

@@ -320,8 +320,16 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 	})
 }
 
-// pendingStates are the states of a job that counts as pending.
-const pendingStates = `('READY', 'RUNNING', 'RETRY_SCHEDULED')`
+// pendingCount counts a tenant's pending jobs (READY, RUNNING or
+// RETRY_SCHEDULED) and their token estimates: the runnable ones through
+// jobs_runnable_tenant and the running ones through jobs_running, each
+// condition written as its index's predicate so that both databases use
+// the two partial indexes (migration 18 dropped the index of all three
+// states).
+const pendingCount = `SELECT COUNT(*), CAST(COALESCE(SUM(token_estimate), 0) AS BIGINT) FROM (
+		SELECT token_estimate FROM jobs WHERE tenant = ? AND state IN ('READY', 'RETRY_SCHEDULED')
+		UNION ALL
+		SELECT token_estimate FROM jobs WHERE tenant = ? AND state = 'RUNNING') pending`
 
 // ReserveJob implements store.Store. It is serialised with the tenant's
 // other reservations (and acquisitions) by the tenant's window row; a
@@ -347,8 +355,7 @@ func (s *Store) reservePending(ctx context.Context, op, id, tenant string, jobs,
 			return err
 		}
 		var pjobs, ptoks, rjobs, rtoks int64
-		if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*), CAST(COALESCE(SUM(token_estimate), 0) AS BIGINT) FROM jobs
-			WHERE tenant = ? AND state IN `+pendingStates), tenant).Scan(&pjobs, &ptoks); err != nil {
+		if err := tx.QueryRowContext(ctx, s.rb(pendingCount), tenant, tenant).Scan(&pjobs, &ptoks); err != nil {
 			return err
 		}
 		if err := tx.QueryRowContext(ctx, s.rb(`SELECT CAST(COALESCE(SUM(jobs), 0) AS BIGINT), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM job_reservations

@@ -22,6 +22,7 @@ var entityTests = []struct {
 	{"EntitySerial", testEntitySerial},
 	{"EntityConcurrentFinish", testEntityConcurrentFinish},
 	{"EntityReviewDecides", testEntityReviewDecides},
+	{"AttemptFacts", testAttemptFacts}, // facts.go
 }
 
 func withEntity(key string, version int64, ordering string) func(*store.NewJob) {

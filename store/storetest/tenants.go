@@ -362,6 +362,13 @@ func testJobReservations(t *testing.T, s store.Store) {
 		t.Fatalf("two jobs pending: %v, want pending_jobs", err)
 	}
 	j := claimOne(t, s, t0)
+	// A running job is still pending, and so are its tokens.
+	if err := s.ReserveJob(ctx, "r3", "acme", 1, l, t0, time.Minute); quotaLimit(err) != "pending_jobs" {
+		t.Fatalf("one job running, one ready: %v, want pending_jobs", err)
+	}
+	if err := s.ReserveJob(ctx, "r3", "acme", 51, store.Limits{MaxPendingTokens: 250}, t0, time.Minute); quotaLimit(err) != "pending_tokens" {
+		t.Fatalf("200 tokens running or ready: %v, want pending_tokens", err)
+	}
 	if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded, Result: []byte(`{}`),
 		Attempt: store.Attempt{JobID: j.ID, Attempt: 1, Fence: j.Fence, Outcome: "succeeded"}, Now: t0}); err != nil {
 		t.Fatal(err)
