@@ -424,6 +424,74 @@ func routeScore(hit, held, headroom, target float64) float64 {
 	return min(max(hit, 0), 1) + heldWeight*min(max(held, 0), 1) + loadWeight*headroom/target
 }
 
+// Placing a new prefix. A prompt that no backend holds any of (a new
+// tenant's system prompt, a new conversation) decides more than where
+// this one request runs: routing is sticky, so the requests that share
+// its prefix will follow it there for as long as it stays cached. The
+// headroom of the moment says little of that: a backend idle now because
+// its tenants' last requests just ended takes the new tenant too, and
+// after a few such draws one backend homes six tenants and the others
+// three (seen in shared-prefix's trace), saturates first, and spills
+// copies of its prefixes onto the others, each a prefix held twice. So a
+// new prefix goes where the recent work is least (the prompt tokens sent
+// there not expected cached plus the output budgets, decayed over the
+// last recentWindow admissions to the fleet, a share of all of it), the
+// headroom breaking near ties; a request without chunks, or with a prefix
+// some backend holds, is routed by routeScore.
+const (
+	recentWindow = 128
+	// placeHeadroomWeight weighs headroom (over the target) against the
+	// recent share in placeScore: a share differs by 1/16 of the fleet's
+	// work for one of sixteen equal tenants, the headroom of an idle and a
+	// half-full backend by 0.05 in the score.
+	placeHeadroomWeight = 0.1
+)
+
+// placeScore is a backend's score for a prompt new to the fleet: recent
+// is its share of the fleet's recent work (recentShares).
+func placeScore(recent, headroom, target float64) float64 {
+	if target <= 0 {
+		target = 1
+	}
+	return -recent + placeHeadroomWeight*headroom/target
+}
+
+// candidate is a backend that can admit a ticket, with what routing
+// weighs.
+type candidate struct {
+	sn               *gpu.Snapshot
+	hit, held        float64
+	headroom, gap    float64
+	pinned, computed int
+}
+
+// noteWork adds an admission's work to its backend's recent work and
+// decays every backend's by one admission.
+func (s *Scheduler) noteWork(backend string, tokens float64) {
+	const keep = 1 - 1.0/recentWindow
+	for b, w := range s.recent {
+		s.recent[b] = w * keep
+	}
+	s.recent[backend] += max(tokens, 0)
+}
+
+// recentShares returns each backend's share of the fleet's recent work
+// (nil before any admission).
+func (s *Scheduler) recentShares() map[string]float64 {
+	total := 0.0
+	for _, w := range s.recent {
+		total += w
+	}
+	if total <= 0 {
+		return nil
+	}
+	out := make(map[string]float64, len(s.recent))
+	for b, w := range s.recent {
+		out[b] = w / total
+	}
+	return out
+}
+
 // Spilling. A request whose prefix is cached (or in use) on a backend that
 // is only busy for now goes to another backend where hit+held is spillHit
 // lower (more to prefill, or to allocate) only when waiting would cost

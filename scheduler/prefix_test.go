@@ -521,3 +521,65 @@ func TestPrefixSharedOnlyOnceComputed(t *testing.T) {
 		t.Errorf("after all: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
 	}
 }
+
+// TestNewPrefixPlacedByRecentWork: a prompt no backend holds (a new
+// tenant) goes where the recent work is least, not to the backend that is
+// idle this instant because its own tenant's request just ended: routing
+// is sticky, so the new tenant's later requests follow it there.
+func TestNewPrefixPlacedByRecentWork(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	tk := func(sys, q string) *Ticket {
+		prompt := text(sys, 24_000) + text(q, 4_000)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	acquire := func(tk *Ticket) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return g
+	}
+	first := acquire(tk("tenant a", "q0")) // 7,000 tokens, a new prefix: either backend
+	other := "a"
+	if first.Backend == "a" {
+		other = "b"
+	}
+	// A short request without chunks goes to the other backend, which
+	// has more headroom now; then the tenant's request ends.
+	small := acquire(&Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 10})
+	if small.Backend != other {
+		t.Fatalf("the short request went to %s, not the emptier %s", small.Backend, other)
+	}
+	first.Release()
+	// first's backend is now idle (the most headroom) but took 7,000
+	// tokens of recent work, the other 1,000: the new tenant goes there.
+	if g := acquire(tk("tenant b", "q0")); g.Backend != other {
+		t.Errorf("the new tenant went to %s, the backend with the most recent work, not %s", g.Backend, other)
+	}
+	// A request of the first tenant still goes back to its prefix.
+	if g := acquire(tk("tenant a", "q1")); g.Backend != first.Backend {
+		t.Errorf("the first tenant's request went to %s, away from its prefix on %s", g.Backend, first.Backend)
+	}
+}
+
+func TestPlaceScore(t *testing.T) {
+	tests := []struct {
+		name  string
+		a, b  [2]float64 // recent share, headroom
+		aWins bool
+	}{
+		{name: "less recent work wins over more headroom", a: [2]float64{0.1, 0.5}, b: [2]float64{0.4, 0.95}, aWins: true},
+		{name: "one tenant in sixteen outweighs half the headroom", a: [2]float64{0.25, 0.45}, b: [2]float64{0.3125, 0.95}, aWins: true},
+		{name: "equal work: the more headroom", a: [2]float64{0.25, 0.3}, b: [2]float64{0.25, 0.6}, aWins: false},
+		{name: "near ties go to headroom", a: [2]float64{0.25, 0.1}, b: [2]float64{0.26, 0.9}, aWins: false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			sa, sb := placeScore(tc.a[0], tc.a[1], 0.95), placeScore(tc.b[0], tc.b[1], 0.95)
+			if (sa > sb) != tc.aWins {
+				t.Errorf("scores %.3f vs %.3f", sa, sb)
+			}
+		})
+	}
+}

@@ -33,6 +33,7 @@ type Scheduler struct {
 	ledgers  map[string]*ledger
 	prefixes map[string]*prefixIndex // per backend (prefix.go)
 	hold     map[string]bool         // backends kept for older tickets during a pump (prefix.go)
+	recent   map[string]float64      // each backend's recent work, for placing new prefixes (prefix.go)
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
@@ -76,6 +77,7 @@ func New(src snapshotSource, opts Options) (*Scheduler, error) {
 		byModel:  map[string]*[numClasses]int{},
 		ledgers:  map[string]*ledger{},
 		prefixes: map[string]*prefixIndex{},
+		recent:   map[string]float64{},
 		share:    1,
 
 		lastInteractive: map[string]time.Time{},
@@ -124,6 +126,12 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		bestComputed int
 		bestScore    = math.Inf(-1)
 		bestBusy     busyBest // the best hit+held on a backend only busy for now
+		// warmest is the most hit+held of t's prompt on any backend that
+		// serves it and is only busy or can admit it; below spillHit the
+		// prefix is new to the fleet, and placed by recent work, not by
+		// score (placeNew).
+		warmest float64
+		cands   []candidate
 	)
 	// A prompt re-estimated since it was hashed rescales its chunks.
 	t.Prefix.fit(t.PromptTokens)
@@ -175,8 +183,22 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			continue
 		}
 		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
-		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin, bestComputed = sn, score, hit, held, v.headroom, v.gap, pinned, computed
+		warmest = max(warmest, hit+held)
+		cands = append(cands, candidate{sn: sn, hit: hit, held: held, headroom: v.headroom, gap: v.gap, pinned: pinned, computed: computed})
+	}
+	warmest = max(warmest, bestBusy.value)
+	newPrefix := t.Prefix != nil && warmest < spillHit
+	var shares map[string]float64
+	if newPrefix {
+		shares = s.recentShares()
+	}
+	for _, c := range cands {
+		score := routeScore(c.hit, c.held, c.headroom, s.policy.KVTarget)
+		if newPrefix {
+			score = placeScore(shares[c.sn.Name], c.headroom, s.policy.KVTarget)
+		}
+		if score > bestScore {
+			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin, bestComputed = c.sn, score, c.hit, c.held, c.headroom, c.gap, c.pinned, c.computed
 		}
 	}
 	// Waiting for the backend that holds the prefix, rather than for
@@ -193,6 +215,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		return nil
 	}
 	s.observeAdmit(t, snaps, best.Name, bestHit, now)
+	s.noteWork(best.Name, float64(t.PromptTokens)*(1-bestHit)+float64(t.MaxTokens))
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {
