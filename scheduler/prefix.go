@@ -546,18 +546,20 @@ func transientBusy(reason string) bool {
 }
 
 // busyBest is the best backend that can take a ticket only later, for the
-// spill decision: its hit+held, its name and whether its refusal is
-// transient.
+// spill decision: its hit+held, its name, whether its refusal is
+// transient, and the KV the ticket needs there.
 type busyBest struct {
 	value     float64
 	where     string
 	transient bool
+	need      int
 }
 
-// noteBusy records a backend that cannot take t only for now, for reason.
-func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, reason string, b *busyBest) {
+// noteBusy records a backend that cannot take t only for now, for reason;
+// t needs need KV tokens there.
+func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, reason string, need int, b *busyBest) {
 	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > b.value {
-		*b = busyBest{value: v, where: sn.Name, transient: transientBusy(reason)}
+		*b = busyBest{value: v, where: sn.Name, transient: transientBusy(reason), need: need}
 	}
 }
 
@@ -571,12 +573,17 @@ func (t *Ticket) heldShare(pinned int) float64 {
 }
 
 // holdLocked keeps a backend's room, for the rest of a pump, for the
-// tickets already waiting for it.
-func (s *Scheduler) holdLocked(backend string) {
+// oldest ticket waiting for it, which needs need KV tokens there: later
+// tickets take room there only where it does not delay that one
+// (delaysHolder). A later holder of the same backend in the pass does not
+// replace the first.
+func (s *Scheduler) holdLocked(backend string, need int) {
 	if s.hold == nil {
-		s.hold = map[string]bool{}
+		s.hold = map[string]int{}
 	}
-	s.hold[backend] = true
+	if _, ok := s.hold[backend]; !ok {
+		s.hold[backend] = max(need, 1)
+	}
 }
 
 func (s *Scheduler) releaseHolds() { clear(s.hold) }
@@ -585,7 +592,7 @@ func (s *Scheduler) releaseHolds() { clear(s.hold) }
 // take the ticket once something ends), not a backend out of service.
 func busy(reason string) bool {
 	switch reason {
-	case reasonKV, reasonPacing, reasonWaiting, reasonSeqs, reasonShare:
+	case reasonKV, reasonPacing, reasonWaiting, reasonSeqs, reasonShare, reasonHold:
 		return true
 	}
 	return false

@@ -4,6 +4,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/gpu"
 )
@@ -581,5 +582,71 @@ func TestPlaceScore(t *testing.T) {
 				t.Errorf("scores %.3f vs %.3f", sa, sb)
 			}
 		})
+	}
+}
+
+// TestHeldBackendBackfills: a backend kept for the oldest ticket waiting
+// for its prefix there (it has waited the starvation guard) still takes a
+// later, smaller ticket that ends before the holder can start, and
+// refuses one that would run on and take the room the holder needs; the
+// holder then goes first when room appears.
+func TestHeldBackendBackfills(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1, StarvationGuard: time.Nanosecond, MaxQueueWait: 5 * time.Second}, backendSnap("a", 40_000))
+	sysA := text("tenant a's system prompt", 24_000) // 6,000 tokens
+	acquire := func(tk *Ticket) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.Progress(1)
+		return g
+	}
+	tenant := func(q string, qBytes, out int) *Ticket {
+		prompt := sysA + text(q, qBytes)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: out, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	first := acquire(tenant("q0", 4_000, 10))                                      // 7,000 tokens, ends in 9 steps
+	long := acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1_000}) // runs 999 more
+	short := acquire(&Ticket{Model: model, PromptTokens: 5_000, MaxTokens: 11})    // ends in 10
+	// ~33,000 held: the tenant's next request, 9,000 new tokens beside its
+	// prefix, waits for it on a; it fits once short and first have ended,
+	// with ~13,000 free then.
+	holder := acquireAsync(context.Background(), s, tenant("q1", 36_000, 10))
+	waitQueued(t, s, 1)
+	small := acquireAsync(context.Background(), s, &Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 5})
+	waitQueued(t, s, 2)
+	medium := acquireAsync(context.Background(), s, &Ticket{Model: model, PromptTokens: 4_500, MaxTokens: 100})
+	waitQueued(t, s, 3)
+	s.Wake()
+	o := <-small
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	if q := s.Queued()[Interactive]; q != 2 {
+		t.Fatalf("%d queued after the pass, want the holder and the medium ticket", q)
+	}
+	select {
+	case o := <-medium:
+		t.Fatalf("the medium ticket, which would run on beside the holder, got %v", o.g.Backend)
+	default:
+	}
+	// Room for the holder, not for both: the holder goes first.
+	o.g.Release()
+	short.Release()
+	h := <-holder
+	if h.err != nil {
+		t.Fatal(h.err)
+	}
+	if q := s.Queued()[Interactive]; q != 1 {
+		t.Errorf("%d queued after room appeared, want the medium ticket alone (behind the holder)", q)
+	}
+	h.g.Release()
+	first.Release()
+	long.Release()
+	if m := <-medium; m.err != nil {
+		t.Fatal(m.err)
+	} else {
+		m.g.Release()
 	}
 }

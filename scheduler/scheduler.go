@@ -32,7 +32,7 @@ type Scheduler struct {
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
 	prefixes map[string]*prefixIndex // per backend (prefix.go)
-	hold     map[string]bool         // backends kept for older tickets during a pump (prefix.go)
+	hold     map[string]int          // backends kept for older tickets during a pump, with the KV each needs there (prefix.go)
 	recent   map[string]float64      // each backend's recent work, for placing new prefixes (prefix.go)
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
@@ -151,16 +151,13 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			computed = l.computedLeading(t.Prefix, pinned, s.prefilled(sn, now))
 		}
 		prompt := t.PromptTokens - t.Prefix.tokens(computed)
-		if s.hold[sn.Name] {
-			// An older ticket waits for this backend's next room.
-			if t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, reasonHold, &bestBusy)
-			}
-			continue
-		}
 		capped := t.Class == Batch && s.interactiveAbout(sn, now)
+		// An older ticket may wait for this backend's next room
+		// (Scheduler.hold): decide lets t take room only where it does not
+		// delay that one (delaysHolder).
+		holdNeed := s.hold[sn.Name]
 		ld := s.loadOf(sn, l, now, false)
-		ld.paced, ld.class.capped = paced, capped
+		ld.paced, ld.class.capped, ld.holdNeed = paced, capped, holdNeed
 		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
 		if v.needExact {
 			ex := exact[sn.Name]
@@ -171,14 +168,14 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 					exact[sn.Name] = ex
 				}
 			}
-			ex.paced, ex.class.capped = paced, capped
+			ex.paced, ex.class.capped, ex.holdNeed = paced, capped, holdNeed
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
 			s.noteRefusal(t, v.reason)
 			if busy(v.reason) && t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, v.reason, &bestBusy)
+				s.noteBusy(sn, t, pinned, v.reason, prompt+t.MaxTokens, &bestBusy)
 			}
 			continue
 		}
@@ -204,9 +201,9 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	// Waiting for the backend that holds the prefix, rather than for
 	// room anywhere: no backend can take it, or only one that would
 	// have to copy the prefix with little room left after it.
-	t.waitsOn = ""
+	t.waitsOn, t.waitsNeed = "", 0
 	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient)) {
-		t.waitsOn = bestBusy.where
+		t.waitsOn, t.waitsNeed = bestBusy.where, bestBusy.need
 	}
 	if best == nil || t.waitsOn != "" {
 		if t.waitsOn != "" {
