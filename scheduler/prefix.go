@@ -503,9 +503,16 @@ func (s *Scheduler) recentShares() map[string]float64 {
 //     whole prefix (6,000 tokens: half a second of a 70B model's four
 //     GPUs) and holds up every request behind it there;
 //   - when it refuses for KV, sequences or this replica's share (saturated
-//     until something ends there), only where the other backend stays well
+//     until something ends there), only once the request has waited half
+//     the starvation guard, and only where the other backend stays well
 //     under its target after admission (spillHeadroom of its capacity
-//     left).
+//     left). A backend full for the moment frees room for one more when
+//     one of its requests ends (at saturation a 70B backend ends one every
+//     ~0.2 s in shared-prefix), while a copy costs its prefill and then
+//     6,000 tokens of KV held there for as long as the tenant's requests
+//     keep going to both: in shared-prefix's trace, four of five copies
+//     were made at half the top rate, by the first refusal for KV of a
+//     backend that had room again within a few hundred milliseconds.
 //
 // On a saturated fleet, spilling would copy every tenant's prefix onto
 // every backend and crowd the cache with copies, as round-robin does;
@@ -524,12 +531,13 @@ const (
 // chunks or not) may go to a backend that holds lost less of its
 // hit+held than a busy one, with headroom (share of capacity) left there
 // after admission; transient says the busy backend refused only for a
-// moment (transientBusy).
-func spills(hasPrefix bool, lost, headroom float64, transient bool) bool {
+// moment (transientBusy), waited that the ticket has waited half the
+// starvation guard.
+func spills(hasPrefix bool, lost, headroom float64, transient, waited bool) bool {
 	switch {
 	case !hasPrefix || lost < spillHit:
 		return true
-	case transient:
+	case transient || !waited:
 		return false
 	}
 	return headroom >= spillHeadroom

@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -224,7 +225,11 @@ func TestSharedBlocksReservedOnce(t *testing.T) {
 // has its prefix while it can admit them, then spill to the next best;
 // never by prefix alone.
 func TestRoutingPrefixAndLoad(t *testing.T) {
-	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	clock := newTestClock()
+	s, err := New(&staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 40_000), backendSnap("b", 40_000)}}, Options{Policy: Policy{KVTarget: 1}, Now: clock.now})
+	if err != nil {
+		t.Fatal(err)
+	}
 	sysA := text("tenant a's system prompt", 24_000)
 	// 7,000-token prompts, 6,000 of them the tenant's system prompt; short
 	// outputs, so that the projection cannot count on them ending early.
@@ -261,9 +266,24 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 		t.Fatalf("filler went to %s", filler.Backend)
 	}
 	// ~39,000 of 40,000 held: the tenant's next request (1,000 new
-	// tokens) no longer fits beside its prefix and spills, whole, to the
+	// tokens) no longer fits beside its prefix. It waits there for a
+	// moment (room comes back as soon as a request there ends), then,
+	// once it has waited half the starvation guard, spills, whole, to the
 	// other backend, which keeps room to spare after it (27,000 of 40,000).
-	spill := acquire(tk(sysA, "spill"))
+	ch := acquireAsync(context.Background(), s, tk(sysA, "spill"))
+	waitQueued(t, s, 1)
+	clock.advance(s.Policy().StarvationGuard / 4)
+	s.Wake()
+	if q := s.Queued()[Interactive]; q != 1 {
+		t.Fatalf("%d queued after a quarter of the guard, want the request still waiting for its prefix", q)
+	}
+	clock.advance(s.Policy().StarvationGuard / 4)
+	s.Wake()
+	o := <-ch
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	spill := o.g
 	if spill.Backend == first.Backend {
 		t.Errorf("the request stayed on a backend without headroom")
 	}
@@ -422,18 +442,20 @@ func TestSpills(t *testing.T) {
 		lost      float64 // hit+held given up
 		headroom  float64 // left on the other backend after admission
 		transient bool
+		waited    bool // half the starvation guard
 		want      bool
 	}{
-		{"no prefix: anywhere", false, 0.9, 0.01, true, true},
-		{"little prefix lost: anywhere", true, 0.1, 0.05, true, true},
-		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, false},
-		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, false},
-		{"saturated, room to spare elsewhere: spills", true, 0.8, 0.5, false, true},
-		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, false},
+		{"no prefix: anywhere", false, 0.9, 0.01, true, false, true},
+		{"little prefix lost: anywhere", true, 0.1, 0.05, true, false, true},
+		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, true, false},
+		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, true, false},
+		{"saturated for a while, room to spare elsewhere: spills", true, 0.8, 0.5, false, true, true},
+		{"saturated just now, room to spare elsewhere: waits", true, 0.8, 0.5, false, false, false},
+		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, true, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient); got != tc.want {
+			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient, tc.waited); got != tc.want {
 				t.Errorf("spills = %v, want %v", got, tc.want)
 			}
 		})
@@ -649,4 +671,24 @@ func TestHeldBackendBackfills(t *testing.T) {
 	} else {
 		m.g.Release()
 	}
+}
+
+// testClock is a clock tests advance by hand; safe for concurrent use.
+type testClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newTestClock() *testClock { return &testClock{t: time.Now()} }
+
+func (c *testClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *testClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
 }

@@ -202,7 +202,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	// room anywhere: no backend can take it, or only one that would
 	// have to copy the prefix with little room left after it.
 	t.waitsOn, t.waitsNeed = "", 0
-	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient)) {
+	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient, now.Sub(t.enqueued) >= s.policy.StarvationGuard/2)) {
 		t.waitsOn, t.waitsNeed = bestBusy.where, bestBusy.need
 	}
 	if best == nil || t.waitsOn != "" {
