@@ -34,6 +34,7 @@ type Scheduler struct {
 	prefixes map[string]*prefixIndex // per backend (prefix.go)
 	hold     map[string]int          // backends kept for older tickets during a pump, with the KV each needs there (prefix.go)
 	recent   map[string]float64      // each backend's recent work, for placing new prefixes (prefix.go)
+	cands    []candidate             // tryAdmit's backends that can admit, kept to spare an allocation a call
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
@@ -129,9 +130,9 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// warmest is the most hit+held of t's prompt on any backend that
 		// serves it and is only busy or can admit it; below spillHit the
 		// prefix is new to the fleet, and placed by recent work, not by
-		// score (placeNew).
+		// score (placeScore).
 		warmest float64
-		cands   []candidate
+		cands   = s.cands[:0] // reused across calls (s.mu)
 	)
 	// A prompt re-estimated since it was hashed rescales its chunks.
 	t.Prefix.fit(t.PromptTokens)
@@ -183,6 +184,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		warmest = max(warmest, hit+held)
 		cands = append(cands, candidate{sn: sn, hit: hit, held: held, headroom: v.headroom, gap: v.gap, pinned: pinned, computed: computed})
 	}
+	defer func() { s.cands = cands[:0] }()
 	warmest = max(warmest, bestBusy.value)
 	newPrefix := t.Prefix != nil && warmest < spillHit
 	var shares map[string]float64
