@@ -71,6 +71,10 @@ type load struct {
 	// class says whether the batch share applies to the ticket, and the
 	// batch flights there (classshare.go).
 	class classLoad
+	// holdNeed is the KV an older ticket that holds the backend for the
+	// rest of a pass needs there (Scheduler.hold), 0 when none holds it:
+	// a ticket may take room there only where it does not delay that one.
+	holdNeed int
 }
 
 // verdict is an admission decision and, when it is no, why.
@@ -183,10 +187,15 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		}
 	}
 
+	if l.holdNeed > 0 && !l.exact {
+		// Whether t would delay the holder takes the flights one by one.
+		return verdict{reason: reasonHold, needExact: true}
+	}
+
 	// Fast path: every flight at its largest at once still fits.
 	slack := roundingSlack(l.inflight+1, l.blockSize)
 	own := l.reserved + need + slack
-	if worst := external + own; worst <= budget && own <= shareBudget {
+	if worst := external + own; worst <= budget && own <= shareBudget && l.holdNeed == 0 {
 		return verdict{ok: true, headroom: headroom(budget-worst, shareBudget-own, l.capacity), gap: gap}
 	}
 	if !l.exact {
@@ -198,8 +207,57 @@ func decide(l *load, prompt, maxOut int, p *Policy) verdict {
 		return verdict{reason: reasonKV}
 	case own > shareBudget:
 		return verdict{reason: reasonShare}
+	case l.holdNeed > 0 && delaysHolder(l.flights, flight{held: prompt, remaining: maxOut}, min(budget-external, shareBudget)-slack-l.shared, l.holdNeed):
+		return verdict{reason: reasonHold}
 	}
 	return verdict{ok: true, headroom: headroom(budget-external-own, shareBudget-own, l.capacity), gap: gap}
+}
+
+// delaysHolder reports whether admitting cand would delay the older ticket
+// that holds the backend, which needs need KV tokens there: whether, at
+// the earliest engine step the holder fits beside the flights (each
+// growing a token a step and freeing everything when it ends), cand would
+// still run and leave too little room for it. base is the KV the flights
+// may take (the budget less the load kvgate did not send, the rounding
+// slack and the shared chunks); flights are sorted as projectPeak needs
+// them. This is backfilling as batch schedulers do it (EASY): the oldest
+// waiter keeps its place, and what it cannot use before it starts goes to
+// those behind it. A holder that cannot fit even once every flight has
+// ended is not delayed by anything here.
+//
+// Without it, a waiter for a backend kept that backend's whole room: in
+// multi-turn, a turn resending 5,000 tokens of history left 1,000 to
+// 3,000 free there until enough ended, while turns of 1,300 waited behind
+// it (vLLM's KV at 0.89 where kvgate's target is 0.95).
+func delaysHolder(flights []flight, cand flight, base, need int) bool {
+	// occupancy at step k: Σ over the flights still running (remaining
+	// > k) of held + k. Walk the flights in order of remaining, smallest
+	// first, dropping each as it ends.
+	held, n := 0, len(flights)
+	for _, f := range flights {
+		held += f.held
+	}
+	start, occ := -1, 0
+	k := 0
+	for i := len(flights) - 1; ; {
+		for i >= 0 && flights[i].remaining <= k {
+			held -= flights[i].held
+			n--
+			i--
+		}
+		if base-(held+n*k) >= need {
+			start, occ = k, held+n*k
+			break
+		}
+		if i < 0 {
+			break
+		}
+		k = flights[i].remaining
+	}
+	if start < 0 {
+		return false
+	}
+	return cand.remaining > start && base-occ-(cand.held+start) < need
 }
 
 // headroom is the smaller of the room left under the whole budget and

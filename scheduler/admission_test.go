@@ -347,3 +347,62 @@ func TestPacingGainCountsHeldHistory(t *testing.T) {
 		t.Errorf("pacingGap = %v without held history, want > 0", gap)
 	}
 }
+
+// TestDelaysHolder drives the backfill rule: a ticket may take room on a
+// backend an older one holds only where the holder, at the earliest step
+// it fits, still fits beside it.
+func TestDelaysHolder(t *testing.T) {
+	// Two flights: 4,000 held that ends in 10 steps, 4,000 that runs 100.
+	two := []flight{{held: 4_000, remaining: 100}, {held: 4_000, remaining: 10}}
+	tests := []struct {
+		name    string
+		flights []flight
+		cand    flight
+		base    int
+		need    int
+		want    bool
+	}{
+		{name: "ends before the holder starts", flights: two, cand: flight{held: 1_500, remaining: 5}, base: 10_000, need: 5_000, want: false},
+		{name: "runs on, room for both at the start", flights: two, cand: flight{held: 500, remaining: 50}, base: 10_000, need: 5_000, want: false},
+		{name: "runs on and takes the holder's room", flights: two, cand: flight{held: 1_500, remaining: 50}, base: 10_000, need: 5_000, want: true},
+		{name: "the holder fits now: the room it needs is its", flights: two[:1], cand: flight{held: 1_500, remaining: 50}, base: 10_000, need: 5_000, want: true},
+		{name: "the holder fits now, room for both", flights: two[:1], cand: flight{held: 500, remaining: 50}, base: 10_000, need: 5_000, want: false},
+		{name: "nothing in flight", cand: flight{held: 6_000, remaining: 1}, base: 10_000, need: 5_000, want: true},
+		{name: "a holder that never fits here holds nothing", flights: two, cand: flight{held: 1_500, remaining: 500}, base: 10_000, need: 12_000, want: false},
+		{name: "growth counts: the long flight grew 10", flights: two, cand: flight{held: 991, remaining: 50}, base: 10_000, need: 5_000, want: true},
+		{name: "growth counts: one token less fits", flights: two, cand: flight{held: 980, remaining: 50}, base: 10_000, need: 5_000, want: false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := delaysHolder(tc.flights, tc.cand, tc.base, tc.need); got != tc.want {
+				t.Errorf("delaysHolder = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestDecideHeld: on a backend an older ticket holds, decide asks for the
+// exact ledger and refuses a ticket that would delay the holder, and
+// admits one that would not, as it would without the hold.
+func TestDecideHeld(t *testing.T) {
+	p := Policy{}
+	p.defaults()
+	p.KVTarget = 1
+	l := load{routable: true, capacity: 10_000, maxNumSeqs: 256, share: 1, blockSize: 1,
+		reserved: 8_200, inflight: 2, holdNeed: 5_000}
+	if v := decide(&l, 500, 50, &p); v.ok || !v.needExact || v.reason != reasonHold {
+		t.Fatalf("without the exact ledger: %+v, want a request for it", v)
+	}
+	l.exact = true
+	l.flights = []flight{{held: 4_000, remaining: 100}, {held: 4_000, remaining: 10}}
+	if v := decide(&l, 1_500, 50, &p); v.ok || v.reason != reasonHold {
+		t.Errorf("a ticket taking the holder's room: %+v, want %s", v, reasonHold)
+	}
+	if v := decide(&l, 1_500, 5, &p); !v.ok {
+		t.Errorf("a ticket ending before the holder can start: %+v, want admitted", v)
+	}
+	l.holdNeed = 0
+	if v := decide(&l, 1_500, 50, &p); !v.ok {
+		t.Errorf("no holder: %+v, want admitted", v)
+	}
+}

@@ -23,7 +23,21 @@ type AdmitRecord struct {
 	// for because it held its prefix ("" if none).
 	Refusals map[string]int
 	WaitedOn string
+	// Group names the prompt's prefix: the hash of its chunk at
+	// groupDepth (or its last), so that a trace tells which prompts share
+	// a system prompt or a conversation (0: no chunks).
+	Group uint64
+	// Reserved and Shared are the chosen backend's ledger just before
+	// the admission (KV tokens kvgate reserves there, and the part of it
+	// that is prompt chunks shared once); Measured is its KV use at its
+	// last scrape, in tokens.
+	Reserved, Shared, Measured int
 }
+
+// groupDepth is the chunk whose hash names a prompt's group in a trace:
+// past a chat template's header (identical across prompts), within a
+// system prompt of a few hundred tokens.
+const groupDepth = 47
 
 // SetAdmitObserver calls f, under the scheduler's lock, for every
 // admission from then on (nil: none). It costs a map per waiting ticket
@@ -62,6 +76,17 @@ func (s *Scheduler) observeAdmit(t *Ticket, snaps []*gpu.Snapshot, backend strin
 		pinned := s.ledgers[sn.Name].pinnedLeading(t.Prefix)
 		if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > r.BestHit {
 			r.BestHit, r.BestPrefix = v, sn.Name
+		}
+	}
+	if t.Prefix != nil && len(t.Prefix.Hashes) > 0 {
+		r.Group = t.Prefix.Hashes[min(groupDepth, len(t.Prefix.Hashes)-1)]
+	}
+	if l := s.ledgers[backend]; l != nil {
+		r.Reserved, r.Shared = l.reserved, l.shared
+	}
+	for _, sn := range snaps {
+		if sn.Name == backend {
+			r.Measured = int(sn.Metrics.KVUsage * float64(sn.CapacityTokens))
 		}
 	}
 	s.observe(r)

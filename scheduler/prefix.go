@@ -424,6 +424,74 @@ func routeScore(hit, held, headroom, target float64) float64 {
 	return min(max(hit, 0), 1) + heldWeight*min(max(held, 0), 1) + loadWeight*headroom/target
 }
 
+// Placing a new prefix. A prompt that no backend holds any of (a new
+// tenant's system prompt, a new conversation) decides more than where
+// this one request runs: routing is sticky, so the requests that share
+// its prefix will follow it there for as long as it stays cached. The
+// headroom of the moment says little of that: a backend idle now because
+// its tenants' last requests just ended takes the new tenant too, and
+// after a few such draws one backend homes six tenants and the others
+// three (seen in shared-prefix's trace), saturates first, and spills
+// copies of its prefixes onto the others, each a prefix held twice. So a
+// new prefix goes where the recent work is least (the prompt tokens sent
+// there not expected cached plus the output budgets, decayed over the
+// last recentWindow admissions to the fleet, a share of all of it), the
+// headroom breaking near ties; a request without chunks, or with a prefix
+// some backend holds, is routed by routeScore.
+const (
+	recentWindow = 128
+	// placeHeadroomWeight weighs headroom (over the target) against the
+	// recent share in placeScore: a share differs by 1/16 of the fleet's
+	// work for one of sixteen equal tenants, the headroom of an idle and a
+	// half-full backend by 0.05 in the score.
+	placeHeadroomWeight = 0.1
+)
+
+// placeScore is a backend's score for a prompt new to the fleet: recent
+// is its share of the fleet's recent work (recentShares).
+func placeScore(recent, headroom, target float64) float64 {
+	if target <= 0 {
+		target = 1
+	}
+	return -recent + placeHeadroomWeight*headroom/target
+}
+
+// candidate is a backend that can admit a ticket, with what routing
+// weighs.
+type candidate struct {
+	sn               *gpu.Snapshot
+	hit, held        float64
+	headroom, gap    float64
+	pinned, computed int
+}
+
+// noteWork adds an admission's work to its backend's recent work and
+// decays every backend's by one admission.
+func (s *Scheduler) noteWork(backend string, tokens float64) {
+	const keep = 1 - 1.0/recentWindow
+	for b, w := range s.recent {
+		s.recent[b] = w * keep
+	}
+	s.recent[backend] += max(tokens, 0)
+}
+
+// recentShares returns each backend's share of the fleet's recent work
+// (nil before any admission).
+func (s *Scheduler) recentShares() map[string]float64 {
+	total := 0.0
+	for _, w := range s.recent {
+		total += w
+	}
+	if total <= 0 {
+		return nil
+	}
+	out := make(map[string]float64, len(s.recent))
+	for b, w := range s.recent {
+		out[b] = w / total
+	}
+	return out
+}
+
 // Spilling. A request whose prefix is cached (or in use) on a backend that
 // is only busy for now goes to another backend where hit+held is spillHit
 // lower (more to prefill, or to allocate) only when waiting would cost
@@ -435,9 +503,16 @@ func routeScore(hit, held, headroom, target float64) float64 {
 //     whole prefix (6,000 tokens: half a second of a 70B model's four
 //     GPUs) and holds up every request behind it there;
 //   - when it refuses for KV, sequences or this replica's share (saturated
-//     until something ends there), only where the other backend stays well
+//     until something ends there), only once the request has waited half
+//     the starvation guard, and only where the other backend stays well
 //     under its target after admission (spillHeadroom of its capacity
-//     left).
+//     left). A backend full for the moment frees room for one more when
+//     one of its requests ends (at saturation a 70B backend ends one every
+//     ~0.2 s in shared-prefix), while a copy costs its prefill and then
+//     6,000 tokens of KV held there for as long as the tenant's requests
+//     keep going to both: in shared-prefix's trace, four of five copies
+//     were made at half the top rate, by the first refusal for KV of a
+//     backend that had room again within a few hundred milliseconds.
 //
 // On a saturated fleet, spilling would copy every tenant's prefix onto
 // every backend and crowd the cache with copies, as round-robin does;
@@ -456,12 +531,13 @@ const (
 // chunks or not) may go to a backend that holds lost less of its
 // hit+held than a busy one, with headroom (share of capacity) left there
 // after admission; transient says the busy backend refused only for a
-// moment (transientBusy).
-func spills(hasPrefix bool, lost, headroom float64, transient bool) bool {
+// moment (transientBusy), waited that the ticket has waited half the
+// starvation guard.
+func spills(hasPrefix bool, lost, headroom float64, transient, waited bool) bool {
 	switch {
 	case !hasPrefix || lost < spillHit:
 		return true
-	case transient:
+	case transient || !waited:
 		return false
 	}
 	return headroom >= spillHeadroom
@@ -478,18 +554,20 @@ func transientBusy(reason string) bool {
 }
 
 // busyBest is the best backend that can take a ticket only later, for the
-// spill decision: its hit+held, its name and whether its refusal is
-// transient.
+// spill decision: its hit+held, its name, whether its refusal is
+// transient, and the KV the ticket needs there.
 type busyBest struct {
 	value     float64
 	where     string
 	transient bool
+	need      int
 }
 
-// noteBusy records a backend that cannot take t only for now, for reason.
-func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, reason string, b *busyBest) {
+// noteBusy records a backend that cannot take t only for now, for reason;
+// t needs need KV tokens there.
+func (s *Scheduler) noteBusy(sn *gpu.Snapshot, t *Ticket, pinned int, reason string, need int, b *busyBest) {
 	if v := s.expectedHit(sn, t, pinned) + t.heldShare(pinned); v > b.value {
-		*b = busyBest{value: v, where: sn.Name, transient: transientBusy(reason)}
+		*b = busyBest{value: v, where: sn.Name, transient: transientBusy(reason), need: need}
 	}
 }
 
@@ -503,12 +581,17 @@ func (t *Ticket) heldShare(pinned int) float64 {
 }
 
 // holdLocked keeps a backend's room, for the rest of a pump, for the
-// tickets already waiting for it.
-func (s *Scheduler) holdLocked(backend string) {
+// oldest ticket waiting for it, which needs need KV tokens there: later
+// tickets take room there only where it does not delay that one
+// (delaysHolder). A later holder of the same backend in the pass does not
+// replace the first.
+func (s *Scheduler) holdLocked(backend string, need int) {
 	if s.hold == nil {
-		s.hold = map[string]bool{}
+		s.hold = map[string]int{}
 	}
-	s.hold[backend] = true
+	if _, ok := s.hold[backend]; !ok {
+		s.hold[backend] = max(need, 1)
+	}
 }
 
 func (s *Scheduler) releaseHolds() { clear(s.hold) }
@@ -517,7 +600,7 @@ func (s *Scheduler) releaseHolds() { clear(s.hold) }
 // take the ticket once something ends), not a backend out of service.
 func busy(reason string) bool {
 	switch reason {
-	case reasonKV, reasonPacing, reasonWaiting, reasonSeqs, reasonShare:
+	case reasonKV, reasonPacing, reasonWaiting, reasonSeqs, reasonShare, reasonHold:
 		return true
 	}
 	return false

@@ -3,7 +3,9 @@ package scheduler
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/gpu"
 )
@@ -223,7 +225,11 @@ func TestSharedBlocksReservedOnce(t *testing.T) {
 // has its prefix while it can admit them, then spill to the next best;
 // never by prefix alone.
 func TestRoutingPrefixAndLoad(t *testing.T) {
-	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	clock := newTestClock()
+	s, err := New(&staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 40_000), backendSnap("b", 40_000)}}, Options{Policy: Policy{KVTarget: 1}, Now: clock.now})
+	if err != nil {
+		t.Fatal(err)
+	}
 	sysA := text("tenant a's system prompt", 24_000)
 	// 7,000-token prompts, 6,000 of them the tenant's system prompt; short
 	// outputs, so that the projection cannot count on them ending early.
@@ -260,9 +266,24 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 		t.Fatalf("filler went to %s", filler.Backend)
 	}
 	// ~39,000 of 40,000 held: the tenant's next request (1,000 new
-	// tokens) no longer fits beside its prefix and spills, whole, to the
+	// tokens) no longer fits beside its prefix. It waits there for a
+	// moment (room comes back as soon as a request there ends), then,
+	// once it has waited half the starvation guard, spills, whole, to the
 	// other backend, which keeps room to spare after it (27,000 of 40,000).
-	spill := acquire(tk(sysA, "spill"))
+	ch := acquireAsync(context.Background(), s, tk(sysA, "spill"))
+	waitQueued(t, s, 1)
+	clock.advance(s.Policy().StarvationGuard / 4)
+	s.Wake()
+	if q := s.Queued()[Interactive]; q != 1 {
+		t.Fatalf("%d queued after a quarter of the guard, want the request still waiting for its prefix", q)
+	}
+	clock.advance(s.Policy().StarvationGuard / 4)
+	s.Wake()
+	o := <-ch
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	spill := o.g
 	if spill.Backend == first.Backend {
 		t.Errorf("the request stayed on a backend without headroom")
 	}
@@ -421,18 +442,20 @@ func TestSpills(t *testing.T) {
 		lost      float64 // hit+held given up
 		headroom  float64 // left on the other backend after admission
 		transient bool
+		waited    bool // half the starvation guard
 		want      bool
 	}{
-		{"no prefix: anywhere", false, 0.9, 0.01, true, true},
-		{"little prefix lost: anywhere", true, 0.1, 0.05, true, true},
-		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, false},
-		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, false},
-		{"saturated, room to spare elsewhere: spills", true, 0.8, 0.5, false, true},
-		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, false},
+		{"no prefix: anywhere", false, 0.9, 0.01, true, false, true},
+		{"little prefix lost: anywhere", true, 0.1, 0.05, true, false, true},
+		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, true, false},
+		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, true, false},
+		{"saturated for a while, room to spare elsewhere: spills", true, 0.8, 0.5, false, true, true},
+		{"saturated just now, room to spare elsewhere: waits", true, 0.8, 0.5, false, false, false},
+		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, true, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient); got != tc.want {
+			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient, tc.waited); got != tc.want {
 				t.Errorf("spills = %v, want %v", got, tc.want)
 			}
 		})
@@ -520,4 +543,152 @@ func TestPrefixSharedOnlyOnceComputed(t *testing.T) {
 	if l := s.ledgers["a"]; l.reserved != 0 || l.shared != 0 || len(l.pins) != 0 {
 		t.Errorf("after all: reserved %d, shared %d, %d pins", l.reserved, l.shared, len(l.pins))
 	}
+}
+
+// TestNewPrefixPlacedByRecentWork: a prompt no backend holds (a new
+// tenant) goes where the recent work is least, not to the backend that is
+// idle this instant because its own tenant's request just ended: routing
+// is sticky, so the new tenant's later requests follow it there.
+func TestNewPrefixPlacedByRecentWork(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+	tk := func(sys, q string) *Ticket {
+		prompt := text(sys, 24_000) + text(q, 4_000)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	acquire := func(tk *Ticket) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return g
+	}
+	first := acquire(tk("tenant a", "q0")) // 7,000 tokens, a new prefix: either backend
+	other := "a"
+	if first.Backend == "a" {
+		other = "b"
+	}
+	// A short request without chunks goes to the other backend, which
+	// has more headroom now; then the tenant's request ends.
+	small := acquire(&Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 10})
+	if small.Backend != other {
+		t.Fatalf("the short request went to %s, not the emptier %s", small.Backend, other)
+	}
+	first.Release()
+	// first's backend is now idle (the most headroom) but took 7,000
+	// tokens of recent work, the other 1,000: the new tenant goes there.
+	if g := acquire(tk("tenant b", "q0")); g.Backend != other {
+		t.Errorf("the new tenant went to %s, the backend with the most recent work, not %s", g.Backend, other)
+	}
+	// A request of the first tenant still goes back to its prefix.
+	if g := acquire(tk("tenant a", "q1")); g.Backend != first.Backend {
+		t.Errorf("the first tenant's request went to %s, away from its prefix on %s", g.Backend, first.Backend)
+	}
+}
+
+func TestPlaceScore(t *testing.T) {
+	tests := []struct {
+		name  string
+		a, b  [2]float64 // recent share, headroom
+		aWins bool
+	}{
+		{name: "less recent work wins over more headroom", a: [2]float64{0.1, 0.5}, b: [2]float64{0.4, 0.95}, aWins: true},
+		{name: "one tenant in sixteen outweighs half the headroom", a: [2]float64{0.25, 0.45}, b: [2]float64{0.3125, 0.95}, aWins: true},
+		{name: "equal work: the more headroom", a: [2]float64{0.25, 0.3}, b: [2]float64{0.25, 0.6}, aWins: false},
+		{name: "near ties go to headroom", a: [2]float64{0.25, 0.1}, b: [2]float64{0.26, 0.9}, aWins: false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			sa, sb := placeScore(tc.a[0], tc.a[1], 0.95), placeScore(tc.b[0], tc.b[1], 0.95)
+			if (sa > sb) != tc.aWins {
+				t.Errorf("scores %.3f vs %.3f", sa, sb)
+			}
+		})
+	}
+}
+
+// TestHeldBackendBackfills: a backend kept for the oldest ticket waiting
+// for its prefix there (it has waited the starvation guard) still takes a
+// later, smaller ticket that ends before the holder can start, and
+// refuses one that would run on and take the room the holder needs; the
+// holder then goes first when room appears.
+func TestHeldBackendBackfills(t *testing.T) {
+	s := newTestScheduler(t, Policy{KVTarget: 1, StarvationGuard: time.Nanosecond, MaxQueueWait: 5 * time.Second}, backendSnap("a", 40_000))
+	sysA := text("tenant a's system prompt", 24_000) // 6,000 tokens
+	acquire := func(tk *Ticket) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.Progress(1)
+		return g
+	}
+	tenant := func(q string, qBytes, out int) *Ticket {
+		prompt := sysA + text(q, qBytes)
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: out, Prefix: NewPrefix(prompt, len(prompt)/4)}
+	}
+	first := acquire(tenant("q0", 4_000, 10))                                      // 7,000 tokens, ends in 9 steps
+	long := acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1_000}) // runs 999 more
+	short := acquire(&Ticket{Model: model, PromptTokens: 5_000, MaxTokens: 11})    // ends in 10
+	// ~33,000 held: the tenant's next request, 9,000 new tokens beside its
+	// prefix, waits for it on a; it fits once short and first have ended,
+	// with ~13,000 free then.
+	holder := acquireAsync(context.Background(), s, tenant("q1", 36_000, 10))
+	waitQueued(t, s, 1)
+	small := acquireAsync(context.Background(), s, &Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 5})
+	waitQueued(t, s, 2)
+	medium := acquireAsync(context.Background(), s, &Ticket{Model: model, PromptTokens: 4_500, MaxTokens: 100})
+	waitQueued(t, s, 3)
+	s.Wake()
+	o := <-small
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	if q := s.Queued()[Interactive]; q != 2 {
+		t.Fatalf("%d queued after the pass, want the holder and the medium ticket", q)
+	}
+	select {
+	case o := <-medium:
+		t.Fatalf("the medium ticket, which would run on beside the holder, got %v", o.g.Backend)
+	default:
+	}
+	// Room for the holder, not for both: the holder goes first.
+	o.g.Release()
+	short.Release()
+	h := <-holder
+	if h.err != nil {
+		t.Fatal(h.err)
+	}
+	if q := s.Queued()[Interactive]; q != 1 {
+		t.Errorf("%d queued after room appeared, want the medium ticket alone (behind the holder)", q)
+	}
+	h.g.Release()
+	first.Release()
+	long.Release()
+	if m := <-medium; m.err != nil {
+		t.Fatal(m.err)
+	} else {
+		m.g.Release()
+	}
+}
+
+// testClock is a clock tests advance by hand; safe for concurrent use.
+type testClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newTestClock() *testClock { return &testClock{t: time.Now()} }
+
+func (c *testClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *testClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
 }

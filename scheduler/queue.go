@@ -244,7 +244,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			if t.waitsOn != "" && prefixWaits < maxPrefixWaits {
 				prefixWaits++
 				if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
-					s.holdLocked(t.waitsOn)
+					s.holdLocked(t.waitsOn, t.waitsNeed)
 				}
 				continue
 			}

@@ -32,7 +32,9 @@ type Scheduler struct {
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
 	prefixes map[string]*prefixIndex // per backend (prefix.go)
-	hold     map[string]bool         // backends kept for older tickets during a pump (prefix.go)
+	hold     map[string]int          // backends kept for older tickets during a pump, with the KV each needs there (prefix.go)
+	recent   map[string]float64      // each backend's recent work, for placing new prefixes (prefix.go)
+	cands    []candidate             // tryAdmit's backends that can admit, kept to spare an allocation a call
 	closed   bool
 	share    float64 // of each backend's budget: 1 alone, less beside other replicas
 	admitted float64 // EWMA of admissions per second, for Retry-After
@@ -76,6 +78,7 @@ func New(src snapshotSource, opts Options) (*Scheduler, error) {
 		byModel:  map[string]*[numClasses]int{},
 		ledgers:  map[string]*ledger{},
 		prefixes: map[string]*prefixIndex{},
+		recent:   map[string]float64{},
 		share:    1,
 
 		lastInteractive: map[string]time.Time{},
@@ -124,6 +127,12 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		bestComputed int
 		bestScore    = math.Inf(-1)
 		bestBusy     busyBest // the best hit+held on a backend only busy for now
+		// warmest is the most hit+held of t's prompt on any backend that
+		// serves it and is only busy or can admit it; below spillHit the
+		// prefix is new to the fleet, and placed by recent work, not by
+		// score (placeScore).
+		warmest float64
+		cands   = s.cands[:0] // reused across calls (s.mu)
 	)
 	// A prompt re-estimated since it was hashed rescales its chunks.
 	t.Prefix.fit(t.PromptTokens)
@@ -143,16 +152,13 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			computed = l.computedLeading(t.Prefix, pinned, s.prefilled(sn, now))
 		}
 		prompt := t.PromptTokens - t.Prefix.tokens(computed)
-		if s.hold[sn.Name] {
-			// An older ticket waits for this backend's next room.
-			if t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, reasonHold, &bestBusy)
-			}
-			continue
-		}
 		capped := t.Class == Batch && s.interactiveAbout(sn, now)
+		// An older ticket may wait for this backend's next room
+		// (Scheduler.hold): decide lets t take room only where it does not
+		// delay that one (delaysHolder).
+		holdNeed := s.hold[sn.Name]
 		ld := s.loadOf(sn, l, now, false)
-		ld.paced, ld.class.capped = paced, capped
+		ld.paced, ld.class.capped, ld.holdNeed = paced, capped, holdNeed
 		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
 		if v.needExact {
 			ex := exact[sn.Name]
@@ -163,28 +169,43 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 					exact[sn.Name] = ex
 				}
 			}
-			ex.paced, ex.class.capped = paced, capped
+			ex.paced, ex.class.capped, ex.holdNeed = paced, capped, holdNeed
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
 			s.m.blocked(sn.Name, v.reason)
 			s.noteRefusal(t, v.reason)
 			if busy(v.reason) && t.Prefix != nil {
-				s.noteBusy(sn, t, pinned, v.reason, &bestBusy)
+				s.noteBusy(sn, t, pinned, v.reason, prompt+t.MaxTokens, &bestBusy)
 			}
 			continue
 		}
 		hit, held := s.expectedHit(sn, t, pinned), t.heldShare(pinned)
-		if score := routeScore(hit, held, v.headroom, s.policy.KVTarget); score > bestScore {
-			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin, bestComputed = sn, score, hit, held, v.headroom, v.gap, pinned, computed
+		warmest = max(warmest, hit+held)
+		cands = append(cands, candidate{sn: sn, hit: hit, held: held, headroom: v.headroom, gap: v.gap, pinned: pinned, computed: computed})
+	}
+	defer func() { s.cands = cands[:0] }()
+	warmest = max(warmest, bestBusy.value)
+	newPrefix := t.Prefix != nil && warmest < spillHit
+	var shares map[string]float64
+	if newPrefix {
+		shares = s.recentShares()
+	}
+	for _, c := range cands {
+		score := routeScore(c.hit, c.held, c.headroom, s.policy.KVTarget)
+		if newPrefix {
+			score = placeScore(shares[c.sn.Name], c.headroom, s.policy.KVTarget)
+		}
+		if score > bestScore {
+			best, bestScore, bestHit, bestHeld, bestHead, bestGap, bestPin, bestComputed = c.sn, score, c.hit, c.held, c.headroom, c.gap, c.pinned, c.computed
 		}
 	}
 	// Waiting for the backend that holds the prefix, rather than for
 	// room anywhere: no backend can take it, or only one that would
 	// have to copy the prefix with little room left after it.
-	t.waitsOn = ""
-	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient)) {
-		t.waitsOn = bestBusy.where
+	t.waitsOn, t.waitsNeed = "", 0
+	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient, now.Sub(t.enqueued) >= s.policy.StarvationGuard/2)) {
+		t.waitsOn, t.waitsNeed = bestBusy.where, bestBusy.need
 	}
 	if best == nil || t.waitsOn != "" {
 		if t.waitsOn != "" {
@@ -193,6 +214,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		return nil
 	}
 	s.observeAdmit(t, snaps, best.Name, bestHit, now)
+	s.noteWork(best.Name, float64(t.PromptTokens)*(1-bestHit)+float64(t.MaxTokens))
 	delete(exact, best.Name)
 	l := s.ledgers[best.Name]
 	if l == nil {

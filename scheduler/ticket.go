@@ -42,6 +42,9 @@ type Ticket struct {
 	// last admission attempt waited for (prefix.go), rather than for room
 	// anywhere; "" when it did not.
 	waitsOn string
+	// waitsNeed is the KV the ticket needs on waitsOn (its prompt less
+	// the chunks computed there, plus its output budget).
+	waitsNeed int
 	// refusals and waitedOn feed the admission record (admittrace.go),
 	// only while an observer is set.
 	refusals map[string]int

@@ -275,16 +275,17 @@ func (a *admitTrace) write(path string, w0 time.Time, speedup float64) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	var b bytes.Buffer
-	b.WriteString("queued_s,wait_ms,backend,hit,best_prefix,best_hit,waited_on,refusals\n")
+	b.WriteString("queued_s,wait_ms,backend,hit,best_prefix,best_hit,waited_on,refusals,group,reserved,shared,measured\n")
 	for _, r := range a.recs {
 		reasons := make([]string, 0, len(r.Refusals))
 		for k, n := range r.Refusals {
 			reasons = append(reasons, fmt.Sprintf("%s:%d", k, n))
 		}
 		slices.Sort(reasons)
-		fmt.Fprintf(&b, "%.3f,%.1f,%s,%.3f,%s,%.3f,%s,%s\n",
+		fmt.Fprintf(&b, "%.3f,%.1f,%s,%.3f,%s,%.3f,%s,%s,%016x,%d,%d,%d\n",
 			r.Enqueued.Sub(w0).Seconds()*speedup, float64(r.Admitted.Sub(r.Enqueued).Microseconds())/1000*speedup,
-			r.Backend, r.Hit, r.BestPrefix, r.BestHit, r.WaitedOn, strings.Join(reasons, ";"))
+			r.Backend, r.Hit, r.BestPrefix, r.BestHit, r.WaitedOn, strings.Join(reasons, ";"),
+			r.Group, r.Reserved, r.Shared, r.Measured)
 	}
 	return os.WriteFile(path, b.Bytes(), 0o644)
 }
