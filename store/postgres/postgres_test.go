@@ -14,6 +14,7 @@ import (
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres"
 	"github.com/kvgate/kvgate/store/postgres/pgtest"
+	"github.com/kvgate/kvgate/store/sqlstore"
 	"github.com/kvgate/kvgate/store/storetest"
 )
 
@@ -103,14 +104,7 @@ func TestSessionSettings(t *testing.T) {
 // for another tenant, in the order of the events.
 func TestWebhookFanoutPerStatement(t *testing.T) {
 	ctx := context.Background()
-	s, err := postgres.Open(ctx, freshDatabase(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	if _, err := postgres.Migrate(ctx, s); err != nil {
-		t.Fatal(err)
-	}
+	s := migratedFresh(t)
 	now := time.Now()
 	for i, events := range [][]string{{"job.succeeded"}, {"job.failed", "job.succeeded"}} {
 		if err := s.CreateEndpoint(ctx, store.WebhookEndpoint{ID: fmt.Sprint("we_", i), Tenant: "acme", URL: "http://127.0.0.1:1/hook",
@@ -243,14 +237,7 @@ func TestRenewalsAreHOT(t *testing.T) {
 // generic plan had chosen, reading every runnable job per probe.
 func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
 	ctx := context.Background()
-	s, err := postgres.Open(ctx, freshDatabase(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	if _, err := postgres.Migrate(ctx, s); err != nil {
-		t.Fatal(err)
-	}
+	s := migratedFresh(t)
 	now := time.Now()
 	accept := func(from, n int) {
 		var wg sync.WaitGroup
@@ -313,4 +300,20 @@ func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
 	if after-before > int64(claimed) {
 		t.Errorf("claims of %d jobs read %d entries of the deadlines' index", claimed, after-before)
 	}
+}
+
+// migratedFresh opens a fresh database with every migration applied,
+// closed when the test ends.
+func migratedFresh(t *testing.T) *sqlstore.Store {
+	t.Helper()
+	ctx := context.Background()
+	s, err := postgres.Open(ctx, freshDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
