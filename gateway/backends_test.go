@@ -299,7 +299,7 @@ func TestBackendFoundDeadByARequest(t *testing.T) {
 func TestRequestFailingEverywhereEjectsNoBackend(t *testing.T) {
 	var cfgs []gpu.BackendConfig
 	var sims []*vllmsim.Sim
-	var poisoned [3]atomic.Int64
+	var poisoned, posts [3]atomic.Int64
 	for i := range 3 {
 		sim, err := vllmsim.New(vllmsim.Config{Profile: llamaProfile(t), Seed: uint64(i),
 			Faults: vllmsim.Faults{ServerErrorRate: 1, Match: "poison"}})
@@ -316,6 +316,7 @@ func TestRequestFailingEverywhereEjectsNoBackend(t *testing.T) {
 				if bytes.Contains(b, []byte("poison")) {
 					poisoned[i].Add(1)
 				}
+				posts[i].Add(1)
 			}
 			sim.ServeHTTP(w, r)
 		}))
@@ -346,23 +347,44 @@ func TestRequestFailingEverywhereEjectsNoBackend(t *testing.T) {
 	if resp, err := http.Get(g.srv.URL + "/readyz"); err != nil || resp.StatusCode != 200 {
 		t.Errorf("/readyz %v %v after poisoned requests", resp, err)
 	}
+	var before [3]int64
+	for i := range posts {
+		before[i] = posts[i].Load()
+	}
 	if resp, body := g.post(t, "/v1/chat/completions", fmt.Sprintf(chatBody, llama, "fine")); resp.StatusCode != 200 {
 		t.Errorf("a good request: %d %s", resp.StatusCode, body)
 	}
 
-	// One backend fails everything; the others serve: it alone is ejected.
-	sims[0].SetFaults(vllmsim.Faults{ServerErrorRate: 1})
-	for i := 0; !mustSnap(g, "sim0").Ejected; i++ {
-		if i == 20 {
-			t.Fatalf("sim0 failing every request is not ejected: %+v", mustSnap(g, "sim0"))
+	// The backend that served it fails everything from now on while the
+	// others serve: it alone is ejected. Each request is a prompt new to
+	// the fleet, placed where the recent work is least, so that the
+	// failing backend keeps being tried (a short prompt would stay with
+	// its template's prefix on the backend that served it after a retry).
+	bad := -1
+	for i := range posts {
+		if posts[i].Load() > before[i] {
+			bad = i
 		}
-		if resp, body := g.post(t, "/v1/chat/completions", fmt.Sprintf(chatBody, llama, "good "+strconv.Itoa(i))); resp.StatusCode != 200 {
+	}
+	if bad < 0 {
+		t.Fatal("no backend served the good request")
+	}
+	badName := fmt.Sprintf("sim%d", bad)
+	sims[bad].SetFaults(vllmsim.Faults{ServerErrorRate: 1})
+	for i := 0; !mustSnap(g, badName).Ejected; i++ {
+		if i == 20 {
+			t.Fatalf("%s failing every request is not ejected: %+v", badName, mustSnap(g, badName))
+		}
+		prompt := strings.Repeat(fmt.Sprintf("a new document, number %d, ", i), 40)
+		if resp, body := g.post(t, "/v1/chat/completions", fmt.Sprintf(chatBody, llama, prompt)); resp.StatusCode != 200 {
 			t.Errorf("request %d with one bad backend: %d %s", i, resp.StatusCode, body)
 		}
 	}
-	for _, name := range []string{"sim1", "sim2"} {
-		if sn := mustSnap(g, name); sn.Ejected || sn.Failures != 0 {
-			t.Errorf("%s charged for sim0's failures: ejected %v, %d failures", name, sn.Ejected, sn.Failures)
+	for i := range sims {
+		if name := fmt.Sprintf("sim%d", i); i != bad {
+			if sn := mustSnap(g, name); sn.Ejected || sn.Failures != 0 {
+				t.Errorf("%s charged for %s's failures: ejected %v, %d failures", name, badName, sn.Ejected, sn.Failures)
+			}
 		}
 	}
 }
