@@ -70,7 +70,8 @@ type cachingConn struct {
 	driver.Conn
 	stmts map[string]*cachedStmt
 	gate  *writeGate
-	inTx  bool // a transaction is open on this connection
+	inTx  bool   // a transaction is open on this connection
+	endTx func() // ends it: leaves the gate, once
 }
 
 type cachedStmt struct {
@@ -167,8 +168,9 @@ func (c *cachingConn) BeginTx(ctx context.Context, opts driver.TxOptions) (drive
 		leave()
 		return nil, err
 	}
-	c.inTx = true
-	return &gatedTx{Tx: tx, end: func() { c.inTx = false; leave() }}, nil
+	gt := &gatedTx{Tx: tx, end: func() { c.inTx = false; leave() }}
+	c.inTx, c.endTx = true, gt.done
+	return gt, nil
 }
 
 func (c *cachingConn) Ping(ctx context.Context) error { return c.inner().Ping(ctx) }
@@ -177,8 +179,12 @@ func (c *cachingConn) ResetSession(ctx context.Context) error { return c.inner()
 
 func (c *cachingConn) IsValid() bool { return c.inner().IsValid() }
 
-// Close finalizes the cached statements, then closes the connection.
+// Close finalizes the cached statements, then closes the connection (and
+// leaves the gate, should a transaction still be open on it).
 func (c *cachingConn) Close() error {
+	if c.inTx {
+		c.endTx()
+	}
 	for q, cs := range c.stmts {
 		_ = cs.s.Close()
 		delete(c.stmts, q)
