@@ -306,7 +306,8 @@ func TestComposeNATSCommand(t *testing.T) {
 		t.Fatal("nats-1 has no command")
 	}
 	dir := t.TempDir()
-	client, monitor, cluster, other := freePort(t), freePort(t), freePort(t), freePort(t)
+	ports := freePorts(t, 4)
+	client, monitor, cluster, other := ports[0], ports[1], ports[2], ports[3]
 	args = append(args, "-a", "127.0.0.1", "-p", fmt.Sprint(client), "--http_port", fmt.Sprint(monitor),
 		"--store_dir", filepath.Join(dir, "js"), "--cluster", fmt.Sprintf("nats://127.0.0.1:%d", cluster),
 		"--routes", fmt.Sprintf("nats://127.0.0.1:%d", other))

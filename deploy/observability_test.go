@@ -312,7 +312,8 @@ func TestMetricsExposed(t *testing.T) {
 	used := usedMetrics(t)
 	bin := kvgateBinary(t)
 	dir := t.TempDir()
-	simPort, kvPort := freePort(t), freePort(t)
+	ports := freePorts(t, 2)
+	simPort, kvPort := ports[0], ports[1]
 	simURL := fmt.Sprintf("http://127.0.0.1:%d", simPort)
 	kvURL := fmt.Sprintf("http://127.0.0.1:%d", kvPort)
 	start(t, dir, "sim", bin, nil, "sim", "--port", fmt.Sprint(simPort), "--speedup", "20", "--seed", "1")

@@ -76,14 +76,20 @@ func (p *proc) stop(grace time.Duration) {
 	}
 }
 
-func freePort(t *testing.T) int {
+// freePorts returns n distinct free ports: every listener stays open
+// until all n are taken, so the system cannot hand out one port twice.
+func freePorts(t *testing.T, n int) []int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	ports := make([]int, n)
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		ports[i] = l.Addr().(*net.TCPAddr).Port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	return ports
 }
 
 var httpClient = &http.Client{Timeout: 10 * time.Second}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -100,18 +101,27 @@ func tailFile(path string, n int) string {
 	return string(bytes.Join(lines, []byte("\n")))
 }
 
-// freePort returns a loopback port nothing listens on now. Another
-// process could take it before the caller does; the suite's own processes
-// are started one at a time, which keeps that unlikely.
+// freePort returns a loopback port nothing listens on now, and never one
+// it has returned before in this process (the system may hand a port
+// just closed out again, and two of a process's ports must differ).
+// Another process could take it before the caller does; the suite's own
+// processes are started one at a time, which keeps that unlikely.
 func freePort(t testing.TB) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := ln.Addr().(*net.TCPAddr).Port
+		ln.Close()
+		if _, taken := handedPorts.LoadOrStore(port, true); !taken {
+			return port
+		}
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
 }
+
+var handedPorts sync.Map // of int: the ports freePort has returned
 
 // errStop ends an eventually early: the condition can no longer be met.
 var errStop = errors.New("stop")
