@@ -47,6 +47,7 @@ type receiver struct {
 	got     []received
 	bad     []string // requests that failed verification
 	hits    atomic.Int64
+	active  atomic.Int64     // requests being answered now
 	now     func() time.Time // the receiver's clock, for the timestamp tolerance
 }
 
@@ -62,6 +63,8 @@ func newReceiver(t *testing.T) *receiver {
 	rc := &receiver{now: time.Now}
 	rc.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rc.hits.Add(1)
+		rc.active.Add(1)
+		defer rc.active.Add(-1)
 		body, _ := io.ReadAll(r.Body)
 		if rc.down.Load() {
 			w.WriteHeader(http.StatusServiceUnavailable)
@@ -211,13 +214,15 @@ func (c *simClock) Now() time.Time { return time.Now().Add(time.Duration(c.offse
 
 // advance moves the clock on by d in steps, waiting at each until the
 // dispatcher has sent everything due, or until done holds.
-func (c *simClock) advance(t *testing.T, f *fleet, disp *Dispatcher, d, step time.Duration, done func() bool) {
+func (c *simClock) advance(t *testing.T, f *fleet, disp *Dispatcher, rc *receiver, d, step time.Duration, done func() bool) {
 	t.Helper()
 	for moved := time.Duration(0); ; moved += step {
-		// Quiet first: nothing in flight may see the clock jump.
+		// Quiet first: nothing in flight may see the clock jump, at
+		// either end (an attempt that timed out at kvgate may still be
+		// in the receiver's hands, to be verified against its clock).
 		eventually.True(t, "the deliveries due to be sent", func() bool {
 			disp.mu.Lock()
-			busy := disp.inflight > 0
+			busy := disp.inflight > 0 || rc.active.Load() > 0
 			disp.mu.Unlock()
 			var n int
 			err := f.store.DB().QueryRowContext(context.Background(), fmt.Sprintf(`SELECT COUNT(*) FROM webhook_deliveries
@@ -277,13 +282,13 @@ func testWebhookOutage(t *testing.T, pg bool) {
 		return true
 	})
 	never := func() bool { return false }
-	clock.advance(t, f, disp, 2*time.Hour, 5*time.Minute, never)
+	clock.advance(t, f, disp, rc, 2*time.Hour, 5*time.Minute, never)
 	if counterValue(t, reg, "kvgate_webhook_deliveries_total", "retry") == 0 || len(rc.received()) != 0 {
 		t.Errorf("the outage: %v attempts retried, %d accepted", counterValue(t, reg, "kvgate_webhook_deliveries_total", "retry"), len(rc.received()))
 	}
 	rc.down.Store(false)
 	// A delivery made as the outage began is next tried 2 h 35 min in.
-	clock.advance(t, f, disp, 24*time.Hour, 5*time.Minute, func() bool {
+	clock.advance(t, f, disp, rc, 24*time.Hour, 5*time.Minute, func() bool {
 		n, err := f.store.PendingDeliveries(context.Background())
 		return err == nil && n == 0
 	})
