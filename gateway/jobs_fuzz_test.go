@@ -49,6 +49,9 @@ func fuzzSubmitJob(f *testing.F, fl *fleet) {
 		{"", chatJob("no key", 4)},
 		{"k1", chatJob("same key, another request", 8)},
 		{"k12", `{"endpoint":`},
+		// A retry of an accepted job whose deadline is no longer valid.
+		{"k13", `{"endpoint":"/v1/chat/completions","body":` + chat + `,"deadline_seconds":60}`},
+		{"k13", `{"endpoint":"/v1/chat/completions","body":` + chat + `,"deadline_seconds":-5}`},
 	} {
 		f.Add(s.key, []byte(s.body))
 	}
@@ -65,7 +68,10 @@ func fuzzSubmitJob(f *testing.F, fl *fleet) {
 		switch {
 		case rec.Code >= 500:
 			t.Fatalf("%d for a job submission: %s", rec.Code, rec.Body.Bytes())
-		case want == reject && rec.Code == http.StatusAccepted:
+		case want == reject && rec.Code == http.StatusAccepted && !replayOfSeen(rec, seen, key, req):
+			// A refused request whose key already made a job of the same
+			// request gets that job back (a client retrying a lost 202,
+			// whatever refuses a new job now): only that is allowed.
 			t.Fatalf("an invalid submission was accepted: %s", rec.Body.Bytes())
 		case want == accept && rec.Code != http.StatusAccepted && rec.Code != http.StatusConflict:
 			t.Fatalf("a valid submission got %d: %s", rec.Code, rec.Body.Bytes())
@@ -101,6 +107,13 @@ func fuzzSubmitJob(f *testing.F, fl *fleet) {
 			t.Fatalf("the same submission again: %d, job %q, want job %s replayed: %s", again.Code, w.ID, v.ID, again.Body.Bytes())
 		}
 	})
+}
+
+// replayOfSeen reports whether rec replays the job this process made for
+// key from the same request.
+func replayOfSeen(rec *httptest.ResponseRecorder, seen map[string]string, key string, req jobRequest) bool {
+	prev, ok := seen[key]
+	return ok && rec.Header().Get("Idempotent-Replayed") == "true" && prev == requestHash(req.Endpoint, req.Body)
 }
 
 func postJob(fl *fleet, key string, body []byte) *httptest.ResponseRecorder {
