@@ -74,12 +74,32 @@ const ledgerDelta = `UPDATE usage_days SET requests = requests + ?, attempts = a
 	uncertain_tokens = uncertain_tokens + ?, cost = cost + ?, reserved_cost = reserved_cost + ?,
 	uncertain_cost = uncertain_cost + ? WHERE tenant = ? AND day = ?`
 
-// Acquire implements store.Store.
+// Acquire implements store.Store. Concurrent acquisitions and releases
+// commit together (quotabatch.go).
 func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
+	// Nothing can refuse an unlimited acquisition, so nothing needs
+	// serialising: it takes no window (its permit's WindowStart stays
+	// zero, and its release gives none back), but one in 64 takes the
+	// tenant's window after all, to sweep the tenant's expired permits
+	// under the lock that keeps two sweeps apart.
+	c := &quotaCall{acquire: &a, windowless: unlimited(a) && rand.IntN(64) != 0}
+	if err := s.quotaDo(ctx, c); err != nil {
+		return store.Permit{}, err
+	}
+	return c.permit, c.err
+}
+
+// acquireIn is one acquisition in tx, windowless (see Acquire) or under
+// its tenant's window lock. A refusal returns its *store.QuotaError after
+// writing to the windows: the caller rolls back.
+func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, windowless bool) (store.Permit, error) {
 	start := a.Now.Truncate(time.Minute)
 	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Cost: a.Cost, Day: store.DayOf(a.Now)}
-	keyScoped := a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
-	err := s.tx(ctx, "acquire quota", func(tx *sql.Tx) error {
+	keyScoped := keyLimited(a)
+	err := func() error {
+		if windowless {
+			return s.recordPermit(ctx, tx, a, p)
+		}
 		ws, req, tok, err := s.lockWindow(ctx, tx, "t:"+a.Tenant, start, 1, a.Tokens)
 		if err != nil {
 			return err
@@ -104,7 +124,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 		// elsewhere only to the ledger, swept now and then.
 		l := a.Limits
 		if l.MaxConcurrency > 0 || l.DailyTokens > 0 || l.MonthlyTokens > 0 || l.DailySpend > 0 || l.MonthlySpend > 0 ||
-			a.KeyLimits.MaxConcurrency > 0 || rand.IntN(64) == 0 {
+			a.KeyLimits.MaxConcurrency > 0 || unlimited(a) || rand.IntN(64) == 0 {
 			if err := s.sweepPermits(ctx, tx, a.Tenant, a.Now); err != nil {
 				return err
 			}
@@ -121,17 +141,8 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 			return err
 		}
 		// Room everywhere: the windows took theirs already.
-		if _, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
-			reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0, 0, ?, 0)
-			ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + 1,
-				reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens,
-				reserved_cost = usage_days.reserved_cost + excluded.reserved_cost`), a.Tenant, p.Day, a.Tokens, a.Cost); err != nil {
-			return err
-		}
-		_, err = tx.ExecContext(ctx, s.rb(`INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)
-			VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)`), p.ID, a.Tenant, a.KeyID, p.Day, micros(p.WindowStart), a.Tokens, a.Cost, micros(a.Now.Add(a.Lease)))
-		return err
-	})
+		return s.recordPermit(ctx, tx, a, p)
+	}()
 	if err != nil {
 		return store.Permit{}, err
 	}
@@ -251,8 +262,18 @@ func (s *Store) checkSpend(ctx context.Context, tx *sql.Tx, a store.Acquisition,
 	return nil
 }
 
-// Release implements store.Store.
+// Release implements store.Store. Concurrent acquisitions and releases
+// commit together (quotabatch.go).
 func (s *Store) Release(ctx context.Context, r store.Release) error {
+	c := &quotaCall{release: &r}
+	if err := s.quotaDo(ctx, c); err != nil {
+		return err
+	}
+	return c.err
+}
+
+// releaseIn is one release in tx.
+func (s *Store) releaseIn(ctx context.Context, tx *sql.Tx, r store.Release) error {
 	p := r.Permit
 	actual := r.PromptTokens + r.CompletionTokens
 	var window [2]int64 // requests and tokens given back to the window
@@ -262,62 +283,60 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 	case store.Reported:
 		window = [2]int64{0, actual - p.Tokens}
 	}
-	return s.tx(ctx, "release quota", func(tx *sql.Tx) error {
-		// The windows first, as in Acquire (the tenant's, then the key's;
-		// then the permits, then the ledger), so the two never deadlock.
-		// Only while the permit is there (not released before), and only
-		// in the window that counted it: a later one never saw it.
-		for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
-			if sc == "k:" {
-				continue
-			}
-			ws := micros(p.WindowStart)
-			if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET
-				requests = CASE WHEN window_start <> ? THEN requests WHEN requests + ? < 0 THEN 0 ELSE requests + ? END,
-				tokens = CASE WHEN window_start <> ? THEN tokens WHEN tokens + ? < 0 THEN 0 ELSE tokens + ? END
-				WHERE scope = ? AND EXISTS (SELECT 1 FROM quota_permits WHERE id = ?)`),
-				ws, window[0], window[0], ws, window[1], window[1], sc, p.ID); err != nil {
-				return err
-			}
+	// The windows first, as in Acquire (the tenant's, then the key's;
+	// then the permits, then the ledger), so the two never deadlock.
+	// Only while the permit is there (not released before), and only
+	// in the window that counted it: a later one never saw it.
+	for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
+		if sc == "k:" || p.WindowStart.IsZero() { // no key, or no window counted it
+			continue
 		}
-		var swept int
-		err := tx.QueryRowContext(ctx, s.rb(`DELETE FROM quota_permits WHERE id = ? RETURNING swept`), p.ID).Scan(&swept)
-		if errors.Is(err, sql.ErrNoRows) {
-			return nil // released before
-		}
-		if err != nil {
+		ws := micros(p.WindowStart)
+		if _, err := tx.ExecContext(ctx, s.rb(`UPDATE quota_windows SET
+			requests = CASE WHEN window_start <> ? THEN requests WHEN requests + ? < 0 THEN 0 ELSE requests + ? END,
+			tokens = CASE WHEN window_start <> ? THEN tokens WHEN tokens + ? < 0 THEN 0 ELSE tokens + ? END
+			WHERE scope = ? AND EXISTS (SELECT 1 FROM quota_permits WHERE id = ?)`),
+			ws, window[0], window[0], ws, window[1], window[1], sc, p.ID); err != nil {
 			return err
 		}
-		// Ledger deltas: requests, attempts, prompt, completion, reserved,
-		// uncertain, uncertain tokens; cost, reserved and uncertain cost.
-		// A swept permit's reservation is already uncertain usage: take it
-		// back from there.
-		var d [10]int64
-		held, heldCount, heldCost := 4, int64(0), 8 // where the reservation sits: reserved_tokens, reserved_cost
-		if swept == 1 {
-			held, heldCount, heldCost = 6, 1, 9 // uncertain_tokens and cost, one uncertain request
-		}
-		d[1] = int64(r.Attempts)
-		switch r.Outcome {
-		case store.NotSent:
-			d[0] = -1
-			d[held] -= p.Tokens
-			d[heldCost] -= p.Cost
-			d[5] -= heldCount
-		case store.Reported:
-			d[2], d[3], d[7] = r.PromptTokens, r.CompletionTokens, r.Cost
-			d[held] -= p.Tokens
-			d[heldCost] -= p.Cost
-			d[5] -= heldCount
-		case store.Uncertain:
-			if swept == 0 {
-				d[4], d[5], d[6] = -p.Tokens, 1, p.Tokens
-				d[8], d[9] = -p.Cost, p.Cost
-			}
-		}
-		_, err = tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], p.Tenant, p.Day)
+	}
+	var swept int
+	err := tx.QueryRowContext(ctx, s.rb(`DELETE FROM quota_permits WHERE id = ? RETURNING swept`), p.ID).Scan(&swept)
+	if errors.Is(err, sql.ErrNoRows) {
+		return nil // released before
+	}
+	if err != nil {
 		return err
-	})
+	}
+	// Ledger deltas: requests, attempts, prompt, completion, reserved,
+	// uncertain, uncertain tokens; cost, reserved and uncertain cost.
+	// A swept permit's reservation is already uncertain usage: take it
+	// back from there.
+	var d [10]int64
+	held, heldCount, heldCost := 4, int64(0), 8 // where the reservation sits: reserved_tokens, reserved_cost
+	if swept == 1 {
+		held, heldCount, heldCost = 6, 1, 9 // uncertain_tokens and cost, one uncertain request
+	}
+	d[1] = int64(r.Attempts)
+	switch r.Outcome {
+	case store.NotSent:
+		d[0] = -1
+		d[held] -= p.Tokens
+		d[heldCost] -= p.Cost
+		d[5] -= heldCount
+	case store.Reported:
+		d[2], d[3], d[7] = r.PromptTokens, r.CompletionTokens, r.Cost
+		d[held] -= p.Tokens
+		d[heldCost] -= p.Cost
+		d[5] -= heldCount
+	case store.Uncertain:
+		if swept == 0 {
+			d[4], d[5], d[6] = -p.Tokens, 1, p.Tokens
+			d[8], d[9] = -p.Cost, p.Cost
+		}
+	}
+	_, err = tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], p.Tenant, p.Day)
+	return err
 }
 
 // pendingCount counts a tenant's pending jobs (READY, RUNNING or
@@ -379,4 +398,35 @@ func (s *Store) reservePending(ctx context.Context, op, id, tenant string, jobs,
 func (s *Store) EndJobReservation(ctx context.Context, id string) error {
 	_, err := s.db.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE id = ?`), id)
 	return s.err("end job reservation", err)
+}
+
+// keyLimited says whether an acquisition's key has limits of its own.
+func keyLimited(a store.Acquisition) bool {
+	return a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
+}
+
+// unlimited says whether nothing can refuse an acquisition: neither its
+// tenant nor its key has a limit that a request counts against (the
+// pending-job limits count jobs). Such an acquisition mostly takes no
+// window (Acquire); a tenant given limits later counts its window from the
+// acquisitions after the change.
+func unlimited(a store.Acquisition) bool {
+	l := a.Limits
+	return !keyLimited(a) && l.RPM <= 0 && l.TPM <= 0 && l.MaxConcurrency <= 0 && l.DailyTokens <= 0 &&
+		l.MonthlyTokens <= 0 && l.DailySpend <= 0 && l.MonthlySpend <= 0
+}
+
+// recordPermit charges an admitted acquisition's reservation to the
+// ledger and stores its permit.
+func (s *Store) recordPermit(ctx context.Context, tx *sql.Tx, a store.Acquisition, p store.Permit) error {
+	if _, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
+		reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0, 0, ?, 0)
+		ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + 1,
+			reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens,
+			reserved_cost = usage_days.reserved_cost + excluded.reserved_cost`), a.Tenant, p.Day, a.Tokens, a.Cost); err != nil {
+		return err
+	}
+	_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)
+		VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)`), p.ID, a.Tenant, a.KeyID, p.Day, micros(p.WindowStart), a.Tokens, a.Cost, micros(a.Now.Add(a.Lease)))
+	return err
 }

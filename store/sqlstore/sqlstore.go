@@ -75,12 +75,14 @@ type Store struct {
 	finishes *group[end]
 	renews   *group[renewCall]
 	stages   *group[stageCall]
+	quotas   *group[quotaCall] // every dialect: quotabatch.go
 }
 
 // New returns a store over db, whose schema is already migrated.
 func New(db *sql.DB, d Dialect) *Store {
 	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}}
 	s.q = buildQueries(d)
+	s.quotas = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
 		s.finishes = newGroup(workerSlots, workerMax, s.finishGroup)
@@ -194,8 +196,33 @@ func (s *Store) Close() error {
 
 var _ store.Store = (*Store)(nil)
 
-// rebind turns ? placeholders into the dialect's.
+// rebind turns ? placeholders into the dialect's. Statements are built
+// from a fixed set of texts, so each text is rewritten once per dialect
+// and kept (rewriting on every call cost a request's quota permit more
+// than some of its statements). Texts with lists of varying length are
+// kept up to a bound.
 func rebind(d Dialect, q string) string {
+	k := rebound{d.Name, q}
+	if r, ok := rebinds.Load(k); ok {
+		return r.(string)
+	}
+	r := rebindText(d, q)
+	if reboundN.Add(1) <= maxRebound { // a few texts vary (IN lists): bounded
+		rebinds.Store(k, r)
+	}
+	return r
+}
+
+type rebound struct{ dialect, q string }
+
+const maxRebound = 4096
+
+var (
+	rebinds  sync.Map // rebound → string
+	reboundN atomic.Int64
+)
+
+func rebindText(d Dialect, q string) string {
 	var sb strings.Builder
 	n := 0
 	for _, c := range q {

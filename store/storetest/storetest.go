@@ -59,6 +59,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaBudgets", testQuotaBudgets},
 		{"SpendBudgets", testSpendBudgets},
 		{"QuotaRace", testQuotaRace},
+		{"QuotaTogether", testQuotaTogether},
 		{"JobReservations", testJobReservations},
 		{"Stats", testStats},
 	}

@@ -388,3 +388,75 @@ func testJobReservations(t *testing.T, s store.Store) {
 		t.Fatal(err)
 	}
 }
+
+// testQuotaTogether: acquisitions and releases of several tenants and keys
+// made at once (which a store may commit together) each keep their own
+// outcome: a key's refusals, a call that fails (a permit id used twice)
+// and the others' successes, and the ledger counts each exactly once.
+func testQuotaTogether(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const tenants, callers, keyRPM = 4, 40, 15
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var permits []store.Permit
+	refused, dupFailed := map[string]int{}, 0
+	dup := uuid.Must(uuid.NewV7()).String()
+	for i := range tenants * callers {
+		wg.Go(func() {
+			a := acquisition(fmt.Sprint("together-", i%tenants), 10, store.Limits{}, t0)
+			if (i/tenants)%2 == 0 { // half of each tenant's calls under a key with its own limit
+				a.KeyID, a.KeyLimits = fmt.Sprint("key-together-", i%tenants), store.Limits{RPM: keyRPM}
+			}
+			duplicate := i == tenants || i == tenants+1 // two tenants' calls, without a key
+			if duplicate {
+				a.PermitID = dup
+			}
+			p, err := s.Acquire(ctx, a)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil:
+				permits = append(permits, p)
+			case quotaLimit(err) == "requests" && a.KeyID != "":
+				refused[a.Tenant]++
+			case duplicate:
+				dupFailed++
+			default:
+				t.Errorf("acquisition %d: %v", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	// Each tenant: callers/2 calls without a key, all admitted, callers/2
+	// under its key, keyRPM admitted; one of the two duplicates failed.
+	if want := tenants*(callers/2+keyRPM) - 1; len(permits) != want || dupFailed != 1 {
+		t.Fatalf("%d permits (want %d), %d duplicates failed (want 1)", len(permits), want, dupFailed)
+	}
+	for i := range tenants {
+		if n := refused[fmt.Sprint("together-", i)]; n != callers/2-keyRPM {
+			t.Errorf("tenant %d: %d refused by its key, want %d", i, n, callers/2-keyRPM)
+		}
+	}
+	for i, p := range permits {
+		wg.Go(func() {
+			r := store.Release{Permit: p, Outcome: store.Reported, Attempts: 1, PromptTokens: 3, CompletionTokens: 4, Now: t0}
+			if i%5 == 0 {
+				r = store.Release{Permit: p, Outcome: store.NotSent, Now: t0}
+			}
+			if err := s.Release(ctx, r); err != nil {
+				t.Errorf("release %d: %v", i, err)
+			}
+		})
+	}
+	wg.Wait()
+	var requests, prompt, completion, reserved int64
+	for i := range tenants {
+		u := usageOn(t, s, fmt.Sprint("together-", i), t0)
+		requests, prompt, completion, reserved = requests+u.Requests, prompt+u.PromptTokens, completion+u.CompletionTokens, reserved+u.ReservedTokens
+	}
+	reported := int64(len(permits) - (len(permits)+4)/5)
+	if requests != reported || prompt != 3*reported || completion != 4*reported || reserved != 0 {
+		t.Errorf("ledger: %d requests, %d prompt, %d completion, %d reserved; want %d, %d, %d, 0",
+			requests, prompt, completion, reserved, reported, 3*reported, 4*reported)
+	}
+}
