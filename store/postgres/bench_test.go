@@ -15,6 +15,7 @@ import (
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres"
 	"github.com/kvgate/kvgate/store/sqlstore"
+	"github.com/kvgate/kvgate/store/storetest"
 )
 
 func benchJob(i int) store.NewJob {
@@ -309,3 +310,8 @@ func openB(b *testing.B) *sqlstore.Store {
 	b.Cleanup(func() { s.Close() })
 	return s
 }
+
+// BenchmarkPermits: storetest.BenchPermits on PostgreSQL.
+//
+//	go test -run '^$' -bench Permits -benchtime 20000x ./store/postgres/
+func BenchmarkPermits(b *testing.B) { storetest.BenchPermits(b, openB(b)) }
