@@ -154,7 +154,10 @@ func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, 
 // their reservations become uncertain usage. Swept permits a day past
 // their lease are forgotten.
 func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now time.Time) error {
-	rows, err := tx.QueryContext(ctx, s.rb(`UPDATE quota_permits SET swept = 1 WHERE tenant = ? AND swept = 0 AND expires_at <= ?
+	// A permit whose release holds it is ending anyway: skipped, not
+	// waited for (quotabatch.go's lock order).
+	rows, err := tx.QueryContext(ctx, s.rb(`UPDATE quota_permits SET swept = 1 WHERE id IN (
+		SELECT id FROM quota_permits WHERE tenant = ? AND swept = 0 AND expires_at <= ? `+s.d.LockRunnable+`)
 		RETURNING day, tokens, cost`), tenant, micros(now))
 	if err != nil {
 		return err
@@ -181,7 +184,8 @@ func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now
 			return err
 		}
 	}
-	_, err = tx.ExecContext(ctx, s.rb(`DELETE FROM quota_permits WHERE tenant = ? AND swept = 1 AND expires_at <= ?`),
+	_, err = tx.ExecContext(ctx, s.rb(`DELETE FROM quota_permits WHERE id IN (
+		SELECT id FROM quota_permits WHERE tenant = ? AND swept = 1 AND expires_at <= ? `+s.d.LockRunnable+`)`),
 		tenant, micros(now.Add(-24*time.Hour)))
 	return err
 }

@@ -16,19 +16,25 @@ import (
 // request, which on SQLite (one writer at a time) queued behind each other
 // and under load became the gateway's ceiling. Acquisitions and releases
 // that arrive together now commit together, in one transaction. A call
-// that may be refused (an acquisition under a limit) runs under a savepoint
-// of its own, so that its refusal (a *store.QuotaError) or a failed
-// statement undoes that call alone and the others commit; when a call
-// without one fails, the batch is rolled back and each of its calls runs
-// alone. A call alone runs alone, in its own transaction, as before.
+// that may be refused (an acquisition under a limit) runs under a
+// savepoint of its own, so that its refusal (a *store.QuotaError) undoes
+// its writes alone and the others commit; when a call fails otherwise,
+// the batch is rolled back and each of its calls runs alone. A call
+// alone runs alone, in its own transaction, as before.
 //
-// The calls of a batch run sorted by tenant; within a tenant, the calls
-// that lock its window (its tenant's, then its key's) before its ledger
-// row go first, by key, and those that lock only the ledger row (mostly
-// the calls without limits) after them. Every call thus takes a tenant's
-// window before its key's, both before the tenant's ledger row, and all
-// of them before anything of a later tenant, so two batches (on one
-// replica or several) lock in one order and never deadlock.
+// The calls of a batch run sorted so that two batches (on one replica or
+// several) take their locks in one order: by tenant; within a tenant, the
+// calls that lock its window (its tenant's, then its key's: the calls
+// under a limit) before those that lock only the tenant's ledger row (the
+// calls without limits); then by the ledger day they charge, so that the
+// ledger rows of a tenant are locked in the order of their days (around
+// midnight, releases charge yesterday and acquisitions today); then by
+// key. A sweep of expired permits skips the permits that a release holds.
+// What is left (a sweep that charges an earlier day after its batch
+// charged a later one: a crashed replica's permits, swept past midnight)
+// the database resolves by failing one statement, and then the batch
+// rolls back and each of its calls runs alone, as any call that fails for
+// another reason than a refusal makes it do.
 //
 // A call waits for its batch to commit whatever its context says (at
 // most quotaWait): a permit written for a caller that had left would
@@ -47,14 +53,27 @@ type quotaCall struct {
 	err        error
 }
 
-// windowed says whether the call locks its tenant's window: then, within
-// its tenant, it goes before the calls that do not, because it locks the
-// window before the tenant's ledger row and they lock only the ledger row.
+// windowed says whether the call locks its tenant's window.
 func (c *quotaCall) windowed() bool {
 	if c.acquire != nil {
 		return !c.windowless
 	}
 	return !c.release.Permit.WindowStart.IsZero()
+}
+
+// day is the ledger day the call charges.
+func (c *quotaCall) day() int {
+	if c.acquire != nil {
+		return store.DayOf(c.acquire.Now)
+	}
+	return c.release.Permit.Day
+}
+
+// compareCalls is the order of a batch's calls (see above).
+func compareCalls(a, b *quotaCall) int {
+	at, ak := a.tenant()
+	bt, bk := b.tenant()
+	return cmp.Or(cmp.Compare(at, bt), compareBool(b.windowed(), a.windowed()), cmp.Compare(a.day(), b.day()), cmp.Compare(ak, bk))
 }
 
 // tenant returns the call's tenant and key: the order of its locks.
@@ -108,34 +127,32 @@ func (s *Store) quotaGroup(ctx context.Context, cs []*quotaCall) {
 		c.err = s.tx(ctx, c.op(), func(tx *sql.Tx) error { return s.quotaIn(ctx, tx, c) })
 		return
 	}
-	slices.SortStableFunc(cs, func(a, b *quotaCall) int {
-		at, ak := a.tenant()
-		bt, bk := b.tenant()
-		return cmp.Or(cmp.Compare(at, bt), compareBool(b.windowed(), a.windowed()), cmp.Compare(ak, bk))
-	})
+	slices.SortStableFunc(cs, compareCalls)
 	err := s.tx(ctx, "quota batch", func(tx *sql.Tx) error {
 		for _, c := range cs {
-			if !c.refusable() {
-				// Only the database fails it: then the batch is rolled
-				// back and every call runs alone.
-				if c.err = s.quotaIn(ctx, tx, c); c.err != nil {
-					return errQuotaBatch
-				}
-				continue
-			}
-			if _, err := tx.ExecContext(ctx, "SAVEPOINT quota_call"); err != nil {
-				return err
-			}
-			if c.err = s.quotaIn(ctx, tx, c); c.err != nil {
-				if !isStoreErr(c.err) {
-					c.err = s.err(c.op(), c.err) // as tx wraps a call's own error
-				}
-				if _, err := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT quota_call"); err != nil {
+			refusable := c.refusable()
+			if refusable {
+				if _, err := tx.ExecContext(ctx, "SAVEPOINT quota_call"); err != nil {
 					return err
 				}
 			}
-			if _, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT quota_call"); err != nil {
-				return err
+			c.err = s.quotaIn(ctx, tx, c)
+			switch {
+			case c.err == nil && refusable:
+				if _, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT quota_call"); err != nil {
+					return err
+				}
+			case c.err == nil:
+			case !isQuotaErr(c.err):
+				return errQuotaBatch
+			default:
+				c.err = s.err(c.op(), c.err) // as tx wraps a call's own error
+				if _, err := tx.ExecContext(ctx, "ROLLBACK TO SAVEPOINT quota_call"); err != nil {
+					return err
+				}
+				if _, err := tx.ExecContext(ctx, "RELEASE SAVEPOINT quota_call"); err != nil {
+					return err
+				}
 			}
 		}
 		return nil
@@ -157,8 +174,8 @@ func (s *Store) quotaGroup(ctx context.Context, cs []*quotaCall) {
 	}
 }
 
-// errQuotaBatch rolls back a batch in which a call failed without a
-// savepoint of its own.
+// errQuotaBatch rolls back a batch in which a call failed otherwise than
+// by a refusal: its calls then run alone.
 var errQuotaBatch = errors.New("a call of the batch failed")
 
 // refusable says whether the call may be refused (an acquisition under
