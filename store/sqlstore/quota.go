@@ -10,13 +10,16 @@ import (
 	"github.com/kvgate/kvgate/store"
 )
 
-// The limiter. Every acquisition of a tenant first locks the tenant's
+// The limiter. Every acquisition under a limit first locks its tenant's
 // window row (an upsert, which locks the row on PostgreSQL and takes the
 // database's write lock on SQLite), so that reading the counts and taking
 // from them cannot interleave with another acquisition of the same tenant
 // on any replica: the counts are exact. Key scopes are locked after their
 // tenant's, always in that order, so two acquisitions never deadlock.
-// Releases do not take the lock: they only give back.
+// Releases do not take the lock: they only give back. An acquisition that
+// nothing can refuse (no limit on its tenant or key) mostly takes no
+// window at all (Acquire). Calls that arrive together commit together
+// (quotabatch.go).
 
 // lockWindow locks a scope's window, rolling it forward to start when the
 // stored one is older (never backwards: a replica whose clock lags counts
