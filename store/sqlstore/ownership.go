@@ -539,8 +539,9 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			n += len(rs)
 		}
 		// Tenants left with nothing runnable leave the fair claim's table
-		// (fair.go); those served within the last minute stay, being
-		// likely to come back.
+		// (fair.go); those served within the last half minute (their
+		// served_at written at most every fairRefresh) stay, being likely
+		// to come back.
 		if _, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute))); err != nil {
 			return err
 		}
