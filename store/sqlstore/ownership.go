@@ -177,11 +177,16 @@ func claimCTE(d Dialect) string {
 		FROM (` + fairOrder("(SELECT tenant FROM cur)") + `) o
 		LEFT JOIN tenants tn ON tn.name = o.tenant),
 	oldest AS (
-		SELECT id, tenant FROM jobs WHERE ` + run + `
+		SELECT id, tenant, priority, available_at FROM jobs WHERE ` + run + `
 		ORDER BY priority, available_at, id LIMIT 1),
 	stray AS MATERIALIZED (
-		SELECT jobs.id FROM jobs JOIN oldest h ON jobs.id = h.id
-		WHERE NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) AND ` + runnable("jobs", "?") + `
+		-- The oldest job by every key of the runnable jobs' indexes, as
+		-- values: joined to oldest, or by id alone, a generic plan made
+		-- with the statistics of an empty queue read every runnable job
+		-- to find it (a scan of a partial index, filtered by id).
+		SELECT jobs.id FROM jobs WHERE jobs.id = (SELECT id FROM oldest) AND jobs.tenant = (SELECT tenant FROM oldest)
+			AND jobs.priority = (SELECT priority FROM oldest) AND jobs.available_at = (SELECT available_at FROM oldest)
+			AND NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = jobs.tenant) AND ` + runnable("jobs", "?") + `
 		FOR UPDATE OF jobs SKIP LOCKED),
 	turns AS (
 		SELECT t.tenant, t.pos, g / t.weight AS turn
