@@ -319,3 +319,62 @@ func migratedFresh(t *testing.T) *sqlstore.Store {
 	}
 	return s
 }
+
+// TestClaimLeavesListedTenantRows: once every listed tenant has been
+// served, claims pass the turn by the cursor alone and write none of
+// job_tenants' rows (migration 20): claims in flight all consider the same
+// tenants, and when each wrote their rows they queued on them.
+func TestClaimLeavesListedTenantRows(t *testing.T) {
+	ctx := context.Background()
+	s, err := postgres.Open(ctx, freshDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for i := range 12 {
+		if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rows := func() (versions, cursor string) {
+		if err := s.DB().QueryRowContext(ctx, `SELECT string_agg(tenant || ':' || xmin::text, ',' ORDER BY tenant),
+			(SELECT tenant FROM fair_cursor) FROM job_tenants`).Scan(&versions, &cursor); err != nil {
+			t.Fatal(err)
+		}
+		return versions, cursor
+	}
+	claim := func(at time.Duration) string {
+		js, err := s.Claim(ctx, now.Add(at), time.Minute, 1, "m")
+		if err != nil || len(js) != 1 {
+			t.Fatalf("claim at %v: %d jobs, %v", at, len(js), err)
+		}
+		return js[0].Tenant
+	}
+	// Three new tenants, first in name order, each written once.
+	for i, want := range []string{"t0", "t1", "t2"} {
+		if got := claim(time.Duration(i) * time.Millisecond); got != want {
+			t.Errorf("claim %d of the new tenants took %s's job, want %s's", i+1, got, want)
+		}
+	}
+	before, _ := rows()
+	var got []string
+	for i := range 6 {
+		got = append(got, claim(time.Second+time.Duration(i)*time.Millisecond))
+	}
+	after, cursor := rows()
+	if before != after {
+		t.Errorf("claims wrote listed tenants' rows: %s, then %s", before, after)
+	}
+	if want := "t0 t1 t2 t0 t1 t2"; fmt.Sprint(got) != "["+want+"]" {
+		t.Errorf("claims after the new tenants' took %v, want [%s]", got, want)
+	}
+	if cursor != "t2" {
+		t.Errorf("cursor at %q after six claims of one over three tenants, want t2", cursor)
+	}
+}

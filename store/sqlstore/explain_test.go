@@ -94,8 +94,7 @@ func TestExplainClaimComplete(t *testing.T) {
 		ids[i] = uuid.Must(uuid.NewV7()).String()
 	}
 	m, tt := []string{"m"}, micros(now)
-	explain("claim", q.claimCTE, fairTenants(limit), tt, tt, m, m, tt, tt, limit, limit, limit, tt, tt, m, m, tt, tt, m, m, limit,
-		micros(now.Add(time.Minute)), tt, tt, ids, tt)
+	explain("claim", q.claimCTE, claimArgs(now, time.Minute, limit, m, ids)...)
 
 	rows, err := db.QueryContext(ctx, `SELECT id, fence, attempt FROM jobs WHERE state = 'RUNNING' LIMIT $1`, limit)
 	if err != nil {

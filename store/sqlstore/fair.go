@@ -15,22 +15,38 @@ import (
 
 // Fair claims across tenants.
 //
-// A claim serves tenants, not the queue's head: it considers the tenants
-// least recently served (job_tenants, kept by triggers as jobs become
-// runnable) and splits its batch among them in weighted round-robin: a
-// tenant's k-th job takes turn k/weight (its weight from the tenants
-// table, 1 for a tenant not there), least recently served first among
-// equal turns, and the first limit turns are the shares. Each tenant's
-// share is then taken from the head of its queue through the index
-// jobs_runnable_tenant; the considered tenants then go to the back. One
-// tenant's backlog of any size thus costs another tenant's first job at
-// most one claim, and saturated tenants are served in turn. What the
-// shares could not fill (a tenant had fewer runnable jobs than its share,
-// or none available yet) is filled oldest-first from every tenant, so a
-// batch is short only when the queue is. A claim reads the small
-// job_tenants table and only the jobs it takes: its cost does not grow
-// with the backlog, nor with the number of tenants beyond
-// fairTenants(limit).
+// A claim serves tenants, not the queue's head. job_tenants lists the
+// tenants that may have runnable work (kept by triggers as jobs become
+// runnable); a claim considers fairTenants(limit) of them in turn order:
+// first the tenants never served (served_at 0, by name), then the others
+// by name from just after the turn cursor (the one row of fair_cursor),
+// wrapping round. It splits its batch among them in weighted
+// round-robin: a tenant's k-th job takes turn k/weight (its weight from
+// the tenants table, 1 for a tenant not there), earlier in turn order
+// first among equal turns, and the first limit turns are the shares.
+// Each tenant's share is then taken from the head of its queue through
+// the index jobs_runnable_tenant, and the cursor moves to the last
+// considered tenant that had been served before. A new tenant's first
+// job thus costs it at most one claim, whatever another tenant's
+// backlog, and the listed tenants are considered in turn, each once per
+// pass of the cursor over the table. What the shares could not
+// fill (a tenant had fewer runnable jobs than its share, or none
+// available yet) is filled oldest-first from every tenant, so a batch is
+// short only when the queue is. A claim reads the small job_tenants
+// table and only the jobs it takes: its cost does not grow with the
+// backlog, nor with the number of tenants beyond fairTenants(limit).
+//
+// The turn record is the cursor, not the tenants' rows: every claim in
+// flight considers the same tenants, and when each one wrote every
+// considered tenant's row (the order by when each was last served, as
+// before migration 20), the claims queued on those rows and followed
+// their versions, a third of the server's time. The cursor is one row
+// that a claim moves only when it can lock it at once (FOR UPDATE SKIP
+// LOCKED) and only from the position it read: the claims racing with the
+// one that moves it take the next jobs of the same tenants (SKIP LOCKED
+// on jobs). A tenant's served_at is written when it is first served and
+// then at most every fairRefresh, for the reaper: tenants with nothing
+// runnable leave the table once their served_at is a minute old.
 //
 // The oldest runnable job of all also comes first when its tenant is
 // missing from job_tenants. The reaper drops tenants with nothing
@@ -47,14 +63,34 @@ import (
 // came from rows further apart).
 func fairTenants(limit int) int { return max(limit, 1) }
 
+// fairRefresh is how old a considered tenant's served_at may grow before
+// a claim writes it again: rarely enough that claims seldom write a
+// tenant's row, often enough that the reaper's minute (fairPrune) keeps
+// every tenant served within the last half minute.
+const fairRefresh = 30 * time.Second
+
+// fairOrder is the query of the tenants a claim considers, in turn order
+// (the rule above): tenant, served_at and pos, the place in that order
+// from 1. cursor is the SQL expression of the cursor's position; the
+// query's placeholders are, in text order, fairTenants(limit), then the
+// cursor's and fairTenants(limit) twice over where cursor is itself a
+// placeholder, then fairTenants(limit) again.
+func fairOrder(cursor string) string {
+	leg := func(k int, cond string) string {
+		return fmt.Sprintf(`SELECT * FROM (SELECT tenant, served_at, %d AS k FROM job_tenants WHERE %s ORDER BY tenant LIMIT ?) l%d`, k, cond, k)
+	}
+	return `SELECT tenant, served_at, row_number() OVER (ORDER BY k, tenant) AS pos FROM (
+		SELECT * FROM (` + leg(0, "served_at = 0") + `
+			UNION ALL ` + leg(1, "served_at <> 0 AND tenant > "+cursor) + `
+			UNION ALL ` + leg(2, "served_at <> 0 AND tenant <= "+cursor) + `) u
+		ORDER BY k, tenant LIMIT ?) o`
+}
+
 const (
-	fairConsidered = `SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1)
-		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
-		LEFT JOIN tenants tn ON tn.name = jt.tenant`
 	fairListed = `SELECT count(*) FROM job_tenants WHERE tenant = ?`
-	// fairServed sends a tenant to the back: past every other, even
-	// within one microsecond.
-	fairServed = `UPDATE job_tenants SET served_at = max(?, (SELECT max(served_at) FROM job_tenants) + 1) WHERE tenant = ?`
+	// fairServed records that a tenant was served, when its record is
+	// older than fairRefresh (or it was never served).
+	fairServed = `UPDATE job_tenants SET served_at = ? WHERE tenant = ? AND served_at < ?`
 	fairHeal   = `INSERT INTO job_tenants (tenant) VALUES (?) ON CONFLICT (tenant) DO NOTHING`
 	// fairRelist puts back every tenant with runnable jobs that the table
 	// lacks, found by skipping through jobs_runnable_tenant one tenant at
@@ -76,6 +112,11 @@ const (
 // The fair claim's statements for a database that serialises writers,
 // with ownership.go's conditions.
 var (
+	// fairCursor is the cursor's position: '' before any claim moved it.
+	fairCursor     = `SELECT COALESCE((SELECT tenant FROM fair_cursor WHERE id = 1), '')`
+	fairMove       = `UPDATE fair_cursor SET tenant = ? WHERE id = 1`
+	fairConsidered = `SELECT o.tenant, o.served_at, COALESCE(tn.weight, 1) FROM (` + fairOrder("?") + `) o
+		LEFT JOIN tenants tn ON tn.name = o.tenant ORDER BY o.pos`
 	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND ` + runnable("jobs", "?") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT ?`
 	fairOldest = `SELECT id, tenant FROM jobs WHERE ` + runnable("jobs", "?") + ` AND %s
@@ -87,41 +128,39 @@ var (
 		RETURNING ` + jobColumns
 )
 
-// fairShares is each considered tenant's share of a batch of limit jobs
-// (all of it when stray is false; one less, for the stray job, when
-// true): the first limit turns of the weighted round-robin, a tenant's
-// k-th job taking turn k/weight, least recently served first among equal
-// turns. claimCTE's turns and shares are the same rule in SQL.
+// fairShares is each considered tenant's share of a batch of limit jobs:
+// the first limit turns of the weighted round-robin, a tenant's k-th job
+// taking turn k/weight, earlier in turn order (considered's order) first
+// among equal turns. claimCTE's turns and shares are the same rule in SQL.
 func fairShares(considered []fairTenant, limit int) map[string]int {
 	type turn struct {
-		t    float64
-		at   int64
-		name string
+		t   float64
+		pos int
 	}
 	var sum float64
 	for _, t := range considered {
 		sum += max(t.weight, 1)
 	}
 	var turns []turn
-	for _, t := range considered {
+	for i, t := range considered {
 		w := max(t.weight, 1)
 		for k := range min(limit, int(math.Ceil(float64(limit)*w/sum))+1) {
-			turns = append(turns, turn{float64(k) / w, t.served, t.name})
+			turns = append(turns, turn{float64(k) / w, i})
 		}
 	}
 	slices.SortFunc(turns, func(a, b turn) int {
-		return cmp.Or(cmp.Compare(a.t, b.t), cmp.Compare(a.at, b.at), cmp.Compare(a.name, b.name))
+		return cmp.Or(cmp.Compare(a.t, b.t), cmp.Compare(a.pos, b.pos))
 	})
 	shares := map[string]int{}
 	for _, t := range turns[:min(len(turns), limit)] {
-		shares[t.name]++
+		shares[considered[t.pos].name]++
 	}
 	return shares
 }
 
 type fairTenant struct {
 	name   string
-	served int64
+	served int64 // 0: never
 	weight float64
 }
 
@@ -138,7 +177,12 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	case err != nil:
 		return nil, err
 	}
-	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), fairTenants(limit))
+	var cursor string
+	if err := s.queryRow(ctx, tx, rebind(s.d, fairCursor)).Scan(&cursor); err != nil {
+		return nil, err
+	}
+	n := fairTenants(limit)
+	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), n, cursor, n, cursor, n, n)
 	if err != nil {
 		return nil, err
 	}
@@ -219,10 +263,22 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		out = append(out, j)
 		tenants[j.Tenant] = true
 	}
-	// The considered tenants go to the back, served or found empty (their
-	// work is not available yet), so that the next claim looks further.
+	// The turn passes the considered tenants, served or found empty
+	// (their work is not available yet), so that the next claim looks
+	// further; the new among them join the turn order.
+	next := ""
 	for _, t := range considered {
-		if _, err := s.exec(ctx, tx, rebind(s.d, fairServed), micros(now), t.name); err != nil {
+		if t.served != 0 {
+			next = t.name
+		}
+		if t.served < micros(now.Add(-fairRefresh)) {
+			if _, err := s.exec(ctx, tx, rebind(s.d, fairServed), micros(now), t.name, micros(now.Add(-fairRefresh))); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if next != "" {
+		if _, err := s.exec(ctx, tx, rebind(s.d, fairMove), next); err != nil {
 			return nil, err
 		}
 	}

@@ -158,7 +158,8 @@ func ownershipQueries(d Dialect, q *queries) {
 
 // claimCTE leases up to limit runnable jobs, fairly across tenants by
 // their weights (see fair.go), and writes a job.running event for each,
-// in claim order, with ids from the array parameter.
+// in claim order, with ids from the array parameter; claimArgs lists its
+// parameters.
 //
 // Each considered tenant's share of the batch is worked out first, from
 // the weights alone (shares); each tenant's head is then locked through
@@ -167,27 +168,33 @@ func ownershipQueries(d Dialect, q *queries) {
 // and what the shares could not fill is filled oldest-first (fill),
 // skipping the locked. No job is read that the claim does not take, so
 // a claim costs what an oldest-first claim of the same size costs, plus
-// one index probe and one job_tenants row per considered tenant.
+// one index probe per considered tenant and the cursor's one row.
 func claimCTE(d Dialect) string {
 	run := runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model")
-	return `WITH considered AS (
-		SELECT jt.tenant, jt.served_at, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
-		FROM (SELECT tenant, served_at FROM job_tenants ORDER BY served_at, tenant LIMIT ?) jt
-		LEFT JOIN tenants tn ON tn.name = jt.tenant),
+	return `WITH cur AS (SELECT COALESCE((SELECT tenant FROM fair_cursor WHERE id = 1), '') AS tenant),
+	considered AS MATERIALIZED (
+		SELECT o.tenant, o.served_at, o.pos, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
+		FROM (` + fairOrder("(SELECT tenant FROM cur)") + `) o
+		LEFT JOIN tenants tn ON tn.name = o.tenant),
 	oldest AS (
-		SELECT id, tenant FROM jobs WHERE ` + run + `
+		SELECT id, tenant, priority, available_at FROM jobs WHERE ` + run + `
 		ORDER BY priority, available_at, id LIMIT 1),
 	stray AS MATERIALIZED (
-		SELECT jobs.id FROM jobs JOIN oldest h ON jobs.id = h.id
-		WHERE NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = h.tenant) AND ` + runnable("jobs", "?") + `
+		-- The oldest job by every key of the runnable jobs' indexes, as
+		-- values: joined to oldest, or by id alone, a generic plan made
+		-- with the statistics of an empty queue read every runnable job
+		-- to find it (a scan of a partial index, filtered by id).
+		SELECT jobs.id FROM jobs WHERE jobs.id = (SELECT id FROM oldest) AND jobs.tenant = (SELECT tenant FROM oldest)
+			AND jobs.priority = (SELECT priority FROM oldest) AND jobs.available_at = (SELECT available_at FROM oldest)
+			AND NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = jobs.tenant) AND ` + runnable("jobs", "?") + `
 		FOR UPDATE OF jobs SKIP LOCKED),
 	turns AS (
-		SELECT t.tenant, t.served_at, g / t.weight AS turn
+		SELECT t.tenant, t.pos, g / t.weight AS turn
 		FROM considered t CROSS JOIN LATERAL generate_series(0,
 			LEAST(?::int, CEIL(?::int * t.weight / (SELECT sum(weight) FROM considered))::int + 1) - 1) g),
 	shares AS (
 		SELECT tenant, count(*)::int AS n FROM (
-			SELECT tenant FROM turns ORDER BY turn, served_at, tenant LIMIT GREATEST(?::int - (SELECT count(*) FROM stray), 0)) s
+			SELECT tenant FROM turns ORDER BY turn, pos LIMIT GREATEST(?::int - (SELECT count(*) FROM stray), 0)) s
 		GROUP BY tenant),
 	fair AS MATERIALIZED (
 		SELECT f.id FROM shares s CROSS JOIN LATERAL (
@@ -206,10 +213,19 @@ func claimCTE(d Dialect) string {
 			lease_until = ?, state_version = state_version + 1, updated_at = ?
 		WHERE jobs.id = ANY(ARRAY(SELECT id FROM picked))
 		RETURNING ` + jobColumns + `),
+	moved AS (
+		-- Only from the position read, and only when no other claim holds
+		-- the row: a claim that finds it moved or locked leaves it.
+		UPDATE fair_cursor SET tenant = (SELECT tenant FROM considered WHERE served_at <> 0 ORDER BY pos DESC LIMIT 1)
+		WHERE id IN (SELECT id FROM fair_cursor WHERE id = 1 AND tenant = (SELECT tenant FROM cur)
+			AND EXISTS (SELECT 1 FROM oldest) AND EXISTS (SELECT 1 FROM considered WHERE served_at <> 0)
+			FOR UPDATE SKIP LOCKED)),
 	served AS (
-		UPDATE job_tenants SET served_at = GREATEST(?, (SELECT max(served_at) FROM job_tenants) + 1)
+		-- New tenants, and those whose record is older than fairRefresh:
+		-- rarely a listed tenant's row.
+		UPDATE job_tenants SET served_at = ?
 		WHERE EXISTS (SELECT 1 FROM oldest) AND tenant IN (
-			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered)
+			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered WHERE served_at < ?) AND served_at < ?
 			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
 	healed AS (
 		-- Only a tenant missing from the table: ON CONFLICT would wait
@@ -222,6 +238,21 @@ func claimCTE(d Dialect) string {
 			id, tenant, 'job.running', state, state_version, ?::bigint
 		FROM claimed ORDER BY priority, available_at, id)
 	SELECT ` + jobColumns + ` FROM claimed`
+}
+
+// claimArgs are claimCTE's parameters, in its order.
+func claimArgs(now time.Time, lease time.Duration, limit int, m any, ids []string) []any {
+	t, n, stale := micros(now), fairTenants(limit), micros(now.Add(-fairRefresh))
+	return []any{n, n, n, n, // considered
+		t, t, m, m, // oldest
+		t, t, // stray
+		limit, limit, // turns
+		limit,      // shares
+		t, t, m, m, // fair
+		t, t, m, m, limit, // fill
+		micros(now.Add(lease)), t, // claimed
+		t, stale, stale, // served
+		ids, t} // ev
 }
 
 // finishBatch ends many attempts in one statement, each under its own
@@ -324,15 +355,7 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	m := s.d.ModelsArg(models)
 	// The lock re-reads a row another claimer changed; availability and
 	// the deadline are checked again on the version it locks.
-	t := micros(now)
-	rows, err := s.query(ctx, nil, s.q.claimCTE, fairTenants(limit),
-		t, t, m, m, // oldest
-		t, t, // stray
-		limit, limit, // turns
-		limit,      // shares
-		t, t, m, m, // fair
-		t, t, m, m, limit, // fill
-		micros(now.Add(lease)), t, t, ids, t)
+	rows, err := s.query(ctx, nil, s.q.claimCTE, claimArgs(now, lease, limit, m, ids)...)
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}
@@ -521,8 +544,9 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			n += len(rs)
 		}
 		// Tenants left with nothing runnable leave the fair claim's table
-		// (fair.go); those served within the last minute stay, being
-		// likely to come back.
+		// (fair.go); those served within the last half minute (their
+		// served_at written at most every fairRefresh) stay, being likely
+		// to come back.
 		if _, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute))); err != nil {
 			return err
 		}
