@@ -52,6 +52,8 @@ type DurableMetrics struct {
 	pendingOK bool
 	// noConsumer: the broker's consumer did not exist yet at the last read.
 	noConsumer bool
+	// readOnce: a read of the broker's lag has succeeded.
+	readOnce bool
 	seen       map[[2]string]bool // class, tenant pairs reported before: 0 once empty
 }
 
@@ -119,12 +121,14 @@ func (d *DurableMetrics) Run(ctx context.Context) error {
 	}
 }
 
-// awaitingPending reports whether the broker's consumer does not exist yet
-// (an error reading it waits for the next period instead).
+// awaitingPending reports whether the broker's lag has not been read yet:
+// its consumer does not exist yet, or no read has succeeded since the
+// start (the broker may still be starting). Once one has, an error
+// reading it waits for the next period.
 func (d *DurableMetrics) awaitingPending() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.noConsumer
+	return d.cfg.Pending != nil && (d.noConsumer || !d.readOnce)
 }
 
 // Refresh collects once.
@@ -161,6 +165,7 @@ func (d *DurableMetrics) refreshPending(ctx context.Context) {
 	d.mu.Lock()
 	d.pending, d.pendingOK = float64(n), ok && err == nil
 	d.noConsumer = !ok && err == nil
+	d.readOnce = d.readOnce || d.pendingOK
 	d.mu.Unlock()
 }
 

@@ -191,3 +191,33 @@ func gauge(t *testing.T, g prometheus.Gatherer, name, labels string) float64 {
 	}
 	return v
 }
+
+// TestDurableMetricsLagBeforeFirstPeriod: while the broker's lag has never
+// been read (its consumer not there yet, or the broker still starting and
+// answering errors), the collector tries again within a fraction of its
+// period, so the gauge appears long before the first period ends.
+func TestDurableMetricsLagBeforeFirstPeriod(t *testing.T) {
+	var calls atomic.Int64
+	d := NewDurableMetrics(DurableMetricsConfig{Every: time.Hour,
+		Pending: func(ctx context.Context) (uint64, bool, error) {
+			switch calls.Add(1) {
+			case 1:
+				return 0, false, errors.New("broker starting")
+			case 2:
+				return 0, false, nil // no consumer yet
+			}
+			return 7, true, nil
+		}})
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(d.Collectors()...)
+	runBG(t, d.Run)
+	eventually.True(t, "the lag is read after an error and a missing consumer", func() bool {
+		v, ok := find(t, reg, "kvgate_inbox_pending", "")
+		return ok && v == 7
+	})
+	n := calls.Load()
+	time.Sleep(600 * time.Millisecond) // once read, nothing more until the period
+	if got := calls.Load(); got != n {
+		t.Errorf("%d reads after the first success within the period, want none", got-n)
+	}
+}
