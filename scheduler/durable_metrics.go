@@ -54,7 +54,7 @@ type DurableMetrics struct {
 	noConsumer bool
 	// readOnce: a read of the broker's lag has succeeded.
 	readOnce bool
-	seen       map[[2]string]bool // class, tenant pairs reported before: 0 once empty
+	seen     map[[2]string]bool // class, tenant pairs reported before: 0 once empty
 }
 
 var (
