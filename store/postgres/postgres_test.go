@@ -238,8 +238,68 @@ func TestRenewalsAreHOT(t *testing.T) {
 // never reads the reaper's index of deadlines (migration 19), which the
 // generic plan had chosen, reading every runnable job per probe.
 func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
-	ctx := context.Background()
 	s := migratedFresh(t)
+	staleStatistics(t, s, "VACUUM ANALYZE jobs", 20, 400, 3000)
+	before := indexReads(t, s)["jobs_runnable_deadline"]
+	claimed := 0
+	for range 5 {
+		js, err := s.Claim(context.Background(), time.Now(), time.Minute, 16, "m")
+		if err != nil || len(js) != 16 {
+			t.Fatalf("claimed %d, %v", len(js), err)
+		}
+		claimed += len(js)
+	}
+	after := indexReads(t, s)["jobs_runnable_deadline"]
+	for i := 0; i < 30 && after == before; i++ { // reports may come late under load
+		after = indexReads(t, s)["jobs_runnable_deadline"]
+	}
+	if after-before > int64(claimed) {
+		t.Errorf("claims of %d jobs read %d entries of the deadlines' index", claimed, after-before)
+	}
+}
+
+// TestFairProbesWalkTenantIndexOnStaleStatistics: with statistics taken
+// at the end of a drain (an ANALYZE without a vacuum, as autovacuum's
+// analyze runs apart from its vacuum), a fair claim's head probes still
+// take each tenant's share through jobs_runnable_tenant. Before migration
+// 21 the generic plan filtered the head of jobs_runnable, the whole
+// queue in claim order, for each tenant: ten claims of 32 read 14,369 of
+// its entries and none of the tenants' index.
+func TestFairProbesWalkTenantIndexOnStaleStatistics(t *testing.T) {
+	s := migratedFresh(t)
+	staleStatistics(t, s, "ANALYZE jobs", 16, 2000, 4000)
+	claim := func() int {
+		js, err := s.Claim(context.Background(), time.Now(), time.Minute, 32, "m")
+		if err != nil || len(js) != 32 {
+			t.Fatalf("claimed %d, %v", len(js), err)
+		}
+		return len(js)
+	}
+	claim() // steps once over the drained jobs' entries, which it marks dead
+	before := indexReads(t, s)
+	claimed := 0
+	for range 10 { // past the five custom plans of a prepared statement
+		claimed += claim()
+	}
+	after := indexReads(t, s)
+	for i := 0; i < 30 && after["jobs_runnable_tenant"] == before["jobs_runnable_tenant"]; i++ {
+		after = indexReads(t, s)
+	}
+	ordered, heads := after["jobs_runnable"]-before["jobs_runnable"], after["jobs_runnable_tenant"]-before["jobs_runnable_tenant"]
+	// The oldest-job probe steps over the previous claim's entries once.
+	if ordered > 2*int64(claimed) || heads < int64(claimed) {
+		t.Errorf("claims of %d jobs read %d entries of jobs_runnable and %d of jobs_runnable_tenant", claimed, ordered, heads)
+	}
+}
+
+// staleStatistics accepts drained jobs over the tenants, claims and
+// completes them all, runs analyze (an ANALYZE with or without VACUUM)
+// while nothing is runnable, then accepts runnable jobs more: the
+// statistics say the runnable-jobs indexes are empty while they hold a
+// backlog. Jobs are for model m.
+func staleStatistics(t *testing.T, s *sqlstore.Store, analyze string, tenants, drained, runnable int) {
+	t.Helper()
+	ctx := context.Background()
 	now := time.Now()
 	accept := func(from, n int) {
 		var wg sync.WaitGroup
@@ -247,7 +307,7 @@ func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
 			wg.Go(func() {
 				for i := from + w; i < from+n; i += 8 {
 					if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-						Tenant: fmt.Sprint("t", i%20), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions",
+						Tenant: fmt.Sprint("t", i%tenants), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions",
 						Model: "m", Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
 						t.Error(err)
 						return
@@ -257,7 +317,7 @@ func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
 		}
 		wg.Wait()
 	}
-	accept(0, 400)
+	accept(0, drained)
 	for {
 		js, err := s.Claim(ctx, now, time.Minute, 64, "m")
 		if err != nil {
@@ -273,35 +333,39 @@ func TestClaimWalksClaimOrderOnStaleStatistics(t *testing.T) {
 			}
 		}
 	}
-	if _, err := s.DB().ExecContext(ctx, `VACUUM ANALYZE jobs`); err != nil {
+	if _, err := s.DB().ExecContext(ctx, analyze); err != nil {
 		t.Fatal(err)
 	}
-	accept(400, 3000)
-	read := func() (n int64) {
-		s.DB().SetMaxIdleConns(0) // a server process reports its counts when it exits
-		s.DB().SetMaxIdleConns(2)
-		time.Sleep(100 * time.Millisecond)
-		if err := s.DB().QueryRowContext(ctx, `SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'jobs_runnable_deadline'`).Scan(&n); err != nil {
+	accept(drained, runnable)
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
+// indexReads is each index of jobs and the entries read from it so far.
+func indexReads(t *testing.T, s *sqlstore.Store) map[string]int64 {
+	t.Helper()
+	s.DB().SetMaxIdleConns(0) // a server process reports its counts when it exits
+	s.DB().SetMaxIdleConns(2)
+	time.Sleep(100 * time.Millisecond)
+	rows, err := s.DB().QueryContext(context.Background(), `SELECT indexrelname, idx_tup_read FROM pg_stat_user_indexes WHERE relname = 'jobs'`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	reads := map[string]int64{}
+	for rows.Next() {
+		var name string
+		var n int64
+		if err := rows.Scan(&name, &n); err != nil {
 			t.Fatal(err)
 		}
-		return n
+		reads[name] = n
 	}
-	before := read()
-	claimed := 0
-	for range 5 {
-		js, err := s.Claim(ctx, now, time.Minute, 16, "m")
-		if err != nil || len(js) != 16 {
-			t.Fatalf("claimed %d, %v", len(js), err)
-		}
-		claimed += len(js)
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
 	}
-	after := read()
-	for i := 0; i < 30 && after == before; i++ { // reports may come late under load
-		after = read()
-	}
-	if after-before > int64(claimed) {
-		t.Errorf("claims of %d jobs read %d entries of the deadlines' index", claimed, after-before)
-	}
+	return reads
 }
 
 // migratedFresh opens a fresh database with every migration applied,

@@ -119,9 +119,9 @@ var (
 		LEFT JOIN tenants tn ON tn.name = o.tenant ORDER BY o.pos`
 	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND ` + runnable("jobs", "?") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT ?`
-	fairOldest = `SELECT id, tenant FROM jobs WHERE ` + runnable("jobs", "?") + ` AND %s
+	fairOldest = `SELECT id, tenant FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT 1`
-	fairFill = `SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND %s
+	fairFill = `SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT ?`
 	fairClaimOne = `UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = ?, state_version = state_version + 1, updated_at = ?
 		WHERE id = ? AND ` + runnable("jobs", "?") + `

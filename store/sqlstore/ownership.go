@@ -106,10 +106,21 @@ func eventTypeSQL(col string) string {
 // statistics once made it the claims' choice).
 const deadlineIndexed = `(deadline_at >= 0 OR deadline_at < 0)`
 
+// claimOrderIndexed is the condition, true of every job, that the index
+// of runnable jobs in claim order (jobs_runnable, migration 21) adds to
+// its predicate, for job row t: the statements that take or count jobs
+// across tenants in claim order state it and so may use the index; a
+// fair claim's head probe of one tenant does not, and so walks
+// jobs_runnable_tenant (stale statistics had made it filter the whole
+// queue's head for its tenant instead).
+func claimOrderIndexed(t string) string {
+	return "(" + t + ".priority >= 0 OR " + t + ".priority < 0)"
+}
+
 // ownershipQueries fills the ownership statements of q.
 func ownershipQueries(d Dialect, q *queries) {
 	r := func(s string) string { return rebind(d, s) }
-	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
+	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
 	q.heartbeat = r(`UPDATE jobs SET lease_until = ? WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	q.ownedBy = r(`SELECT 1 FROM jobs WHERE id = ? AND ` + owned("jobs", "?", "?"))
@@ -171,13 +182,14 @@ func ownershipQueries(d Dialect, q *queries) {
 // one index probe per considered tenant and the cursor's one row.
 func claimCTE(d Dialect) string {
 	run := runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model")
+	ordered := run + ` AND ` + claimOrderIndexed("jobs")
 	return `WITH cur AS (SELECT COALESCE((SELECT tenant FROM fair_cursor WHERE id = 1), '') AS tenant),
 	considered AS MATERIALIZED (
 		SELECT o.tenant, o.served_at, o.pos, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
 		FROM (` + fairOrder("(SELECT tenant FROM cur)") + `) o
 		LEFT JOIN tenants tn ON tn.name = o.tenant),
 	oldest AS (
-		SELECT id, tenant, priority, available_at FROM jobs WHERE ` + run + `
+		SELECT id, tenant, priority, available_at FROM jobs WHERE ` + ordered + `
 		ORDER BY priority, available_at, id LIMIT 1),
 	stray AS MATERIALIZED (
 		-- The oldest job by every key of the runnable jobs' indexes, as
@@ -201,7 +213,7 @@ func claimCTE(d Dialect) string {
 			SELECT id FROM jobs WHERE jobs.tenant = s.tenant AND ` + run + `
 			ORDER BY priority, available_at, id LIMIT s.n FOR UPDATE SKIP LOCKED) f),
 	fill AS MATERIALIZED (
-		SELECT id FROM jobs WHERE ` + run + `
+		SELECT id FROM jobs WHERE ` + ordered + `
 			AND id NOT IN (SELECT id FROM fair) AND id NOT IN (SELECT id FROM stray)
 		ORDER BY priority, available_at, id
 		LIMIT GREATEST(?::int - (SELECT count(*) FROM fair) - (SELECT count(*) FROM stray), 0)

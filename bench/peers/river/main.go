@@ -331,10 +331,12 @@ func preload(ctx context.Context, s store.Store, n int) error {
 // plainClaim is an oldest-first claim with the same writes as kvgate's
 // fair one (the lease, the fence, a job.running event per job in claim
 // order), the same models condition and the same rows returned (the jobs
-// whole), and no fairness: what the fair claim is measured against.
+// whole), and no fairness: what the fair claim is measured against. It
+// states jobs_runnable's whole predicate (migration 21), as kvgate's
+// statements in claim order do.
 const plainClaim = `WITH picked AS (
 		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
-			AND array_position($5::text[], model) IS NOT NULL
+			AND (priority >= 0 OR priority < 0) AND array_position($5::text[], model) IS NOT NULL
 		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
