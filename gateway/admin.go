@@ -398,6 +398,7 @@ func (s *Server) handleUsage(w http.ResponseWriter, r *http.Request) int {
 	if r.URL.Path != "/v1/usage" {
 		tenant = q.Get("tenant")
 	}
+	s.permitsBehind.settle(r.Context()) // this replica's ended requests, all of them
 	us, err := s.cfg.Tenants.Store.Usage(r.Context(), tenant, from, to)
 	if err != nil {
 		return writeError(w, s.log, err)

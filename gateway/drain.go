@@ -98,7 +98,8 @@ func (d *drainState) wait(ctx context.Context) bool {
 
 // Drain begins the shutdown (see above) and returns once no API request is
 // in flight, or when ctx ends: it then ends the requests still running and
-// returns once they have, or after a few seconds' grace. It returns how
+// returns once they have, or after a few seconds' grace; the permits
+// written behind the requests then commit (quota.go). It returns how
 // many requests it had to end. Calling it again waits again; it is safe
 // for concurrent use.
 func (s *Server) Drain(ctx context.Context) (ended int) {
@@ -108,6 +109,7 @@ func (s *Server) Drain(ctx context.Context) (ended int) {
 		close(d.begun)
 	})
 	if d.wait(ctx) {
+		s.permitsBehind.settle(ctx)
 		return 0
 	}
 	ended = int(d.active.Load())
@@ -115,6 +117,7 @@ func (s *Server) Drain(ctx context.Context) (ended int) {
 	grace, cancel := context.WithTimeout(context.Background(), drainGrace)
 	defer cancel()
 	d.wait(grace)
+	s.permitsBehind.settle(grace)
 	return ended
 }
 

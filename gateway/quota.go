@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -34,6 +35,24 @@ import (
 // When the store does not answer, the request is refused with 503 (fail
 // closed), or, with Tenants.FailOpen, admitted without a permit and
 // without usage recorded.
+//
+// A permit that nothing can refuse (store.Acquisition.Unrefusable: no
+// limit on the tenant or the key that a request counts against) is
+// written behind the request: the request goes on while the permit
+// commits, and its release, once the response has ended, is queued
+// behind the acquisition instead of waited for. Such a request does not
+// wait for the store at all, which is most of what a gateway without
+// limits adds to a request. The usage is the same once the writes
+// commit (a batch, milliseconds): this replica's usage endpoint and its
+// drain wait for the writes of the requests that ended before them, and
+// another replica reads them a batch later. Two things change at the edges. A
+// crash loses the permits not yet committed, so a request that began in
+// the last few milliseconds before it leaves no uncertain usage behind.
+// A write-behind write that fails makes the replica acquire for every
+// request first again (and so fail closed) until an acquisition
+// succeeds; the request that met the failure is served, and its
+// acquisition is tried once more at its release, or counted as admitted
+// without a permit (kvgate_gateway_quota_fail_open_total).
 
 // Tenants configures store-backed keys, quotas and usage. Zero values take
 // the defaults in brackets.
@@ -100,6 +119,7 @@ func (s *Server) initTenants(reg prometheus.Registerer) error {
 	if t.Now == nil {
 		t.Now = time.Now
 	}
+	s.permitsBehind = &permitsBehind{releasing: map[*permit]struct{}{}}
 	s.keys = &keyCache{ttl: t.CacheTTL, now: t.Now, m: map[string]keyEntry{}}
 	s.limits = &tenantCache{m: map[string]tenantEntry{}}
 	return nil
@@ -146,6 +166,78 @@ type permit struct {
 	s     *Server
 	p     store.Permit
 	price Price // of the request's model: its release charges the usage's price
+	// A permit written behind its request (see above): acquired closes
+	// once its acquisition returned, p and err then hold what it
+	// returned; settled closes once its release committed too. Both are
+	// nil for a permit acquired before the request went on.
+	a        store.Acquisition
+	err      error
+	acquired chan struct{}
+	settled  chan struct{}
+}
+
+// permitsBehind tracks the permits written behind their requests.
+type permitsBehind struct {
+	n         atomic.Int64 // written behind and not settled
+	mu        sync.Mutex
+	releasing map[*permit]struct{} // their requests ended, their releases not committed
+	// failed: a write-behind acquisition failed; every acquisition is
+	// waited for until one succeeds.
+	failed atomic.Bool
+}
+
+// maxBehind bounds the permits written behind and not yet settled: past
+// it (a store slower than the requests), requests wait for their
+// acquisitions again, as they would without write-behind.
+const maxBehind = 4096
+
+// writeBehind starts a's acquisition and returns its permit at once; nil
+// when maxBehind permits are pending already.
+func (s *Server) writeBehind(a store.Acquisition, price Price) *permit {
+	b := s.permitsBehind
+	if b.n.Add(1) > maxBehind {
+		b.n.Add(-1)
+		return nil
+	}
+	p := &permit{s: s, price: price, a: a, acquired: make(chan struct{}), settled: make(chan struct{})}
+	go func() {
+		defer close(p.acquired)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if p.p, p.err = s.cfg.Tenants.Store.Acquire(ctx, a); p.err != nil {
+			b.failed.Store(true)
+			s.log.Warn("quota store unreachable: a permit written behind its request failed; acquiring first from now on", "tenant", a.Tenant, "err", p.err)
+		}
+	}()
+	return p
+}
+
+// SettleUsage waits for the permits written behind requests and job
+// attempts that ended before it was called to commit their releases, or
+// for ctx to end: a shutdown's last step before it closes the store.
+func (s *Server) SettleUsage(ctx context.Context) { s.permitsBehind.settle(ctx) }
+
+// settle waits for the permits of the requests that ended before it was
+// called to commit their releases, or for ctx to end: a read of the
+// usage through this replica then sees every request that ended before
+// it. Requests still running are not waited for.
+func (b *permitsBehind) settle(ctx context.Context) {
+	if b == nil {
+		return
+	}
+	b.mu.Lock()
+	waits := make([]chan struct{}, 0, len(b.releasing))
+	for p := range b.releasing {
+		waits = append(waits, p.settled)
+	}
+	b.mu.Unlock()
+	for _, w := range waits {
+		select {
+		case <-w:
+		case <-ctx.Done():
+			return
+		}
+	}
 }
 
 // acquireQuota admits a request reserving prompt and maxOut tokens at
@@ -169,10 +261,18 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	t, _, err := s.tenant(ctx, tenant)
 	var p store.Permit
 	if err == nil {
-		p, err = s.cfg.Tenants.Store.Acquire(ctx, store.Acquisition{
+		a := store.Acquisition{
 			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, KeyID: keyID, Tokens: int64(tokens), Cost: price.micros(prompt, maxOut),
 			Limits: t.Limits, KeyLimits: keyLimits, Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease,
-		})
+		}
+		if a.Unrefusable() && !s.permitsBehind.failed.Load() {
+			if p := s.writeBehind(a, price); p != nil {
+				return p, nil
+			}
+		}
+		if p, err = s.cfg.Tenants.Store.Acquire(ctx, a); err == nil {
+			s.permitsBehind.failed.Store(false)
+		}
 	}
 	var qe *store.QuotaError
 	switch {
@@ -192,9 +292,10 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	return nil, errQuotaUnavailable
 }
 
-// headers sets OpenAI's x-ratelimit-* headers for the permit's window.
+// headers sets OpenAI's x-ratelimit-* headers for the permit's window
+// (none for a permit written behind: nothing limits it).
 func (p *permit) headers(h http.Header) {
-	if p != nil {
+	if p != nil && p.acquired == nil {
 		rateLimitHeaders(h, p.p.Window)
 	}
 }
@@ -215,11 +316,51 @@ func rateLimitHeaders(h http.Header, w store.Window) {
 
 // release gives the permit back with how its request ended. It runs after
 // the client may have left, so it does not take the request's context.
+//
+// A permit written behind its request is released behind it too: after
+// its acquisition, in a goroutine of its own, and settle waits for it.
 func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *usage) {
 	if p == nil {
 		return
 	}
-	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: p.s.cfg.Tenants.Now()}
+	now := p.s.cfg.Tenants.Now()
+	if p.acquired == nil {
+		p.releaseNow(ctx, o, attempts, u, now)
+		return
+	}
+	ctx = context.WithoutCancel(ctx)
+	b := p.s.permitsBehind
+	b.mu.Lock()
+	b.releasing[p] = struct{}{}
+	b.mu.Unlock()
+	go func() {
+		defer func() {
+			b.mu.Lock()
+			delete(b.releasing, p)
+			b.mu.Unlock()
+			b.n.Add(-1)
+			close(p.settled)
+		}()
+		<-p.acquired
+		if p.err != nil {
+			// Once more, now that the request has ended: its usage is
+			// recorded if the store answers again.
+			actx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			p.p, p.err = p.s.cfg.Tenants.Store.Acquire(actx, p.a)
+			cancel()
+			if p.err != nil {
+				p.s.log.Warn("quota store unreachable: a request served without a permit", "tenant", p.a.Tenant, "err", p.err)
+				p.s.quota.failOpen.Inc()
+				return
+			}
+		}
+		p.releaseNow(ctx, o, attempts, u, now)
+	}()
+}
+
+// releaseNow gives the acquired permit back, as release says, at now.
+func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, u *usage, now time.Time) {
+	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: now}
 	if u != nil {
 		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
 		r.Cost = p.price.micros(u.PromptTokens, u.CompletionTokens)

@@ -373,3 +373,134 @@ func TestQuotaStreamUsage(t *testing.T) {
 		t.Errorf("ledger after a stream: %+v", u)
 	}
 }
+
+// heldAcquisitions is a real store whose acquisitions can be held, or
+// fail, as the test says: fail is read when an acquisition begins, and a
+// held one then waits until the test lets it return.
+type heldAcquisitions struct {
+	store.Tenants
+	fail    atomic.Bool
+	hold    atomic.Bool
+	entered chan struct{} // a held acquisition began
+	release chan struct{} // lets a held acquisition return
+}
+
+func (h *heldAcquisitions) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
+	fail := h.fail.Load()
+	if h.hold.Load() {
+		h.entered <- struct{}{}
+		<-h.release
+	}
+	if fail {
+		return store.Permit{}, fmt.Errorf("acquire quota: %w: connection refused", store.ErrUnavailable)
+	}
+	return h.Tenants.Acquire(ctx, a)
+}
+
+// TestPermitsWrittenBehind: a tenant without limits is served while its
+// permit commits, its usage is exact once this replica's writes settle,
+// a write-behind acquisition that failed is tried again at the release,
+// and after a failure the gateway acquires first (and fails closed) until
+// an acquisition succeeds.
+func TestPermitsWrittenBehind(t *testing.T) {
+	st := sqliteStore(t)
+	h := &heldAcquisitions{Tenants: st, entered: make(chan struct{}), release: make(chan struct{})}
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: h, Now: func() time.Time { return quotaT0 }}}})
+	key := newTenant(t, st, "free", store.Limits{}, store.RoleUser)
+	ctx := context.Background()
+	ledger := func(want int64) {
+		t.Helper()
+		f.api.SettleUsage(ctx)
+		us, err := st.Usage(ctx, "free", quotaT0, quotaT0)
+		if err != nil || len(us) != 1 {
+			t.Fatalf("usage: %v %v", us, err)
+		}
+		if u := us[0]; u.Requests != want || u.Attempts != want || u.CompletionTokens != 4*want || u.ReservedTokens != 0 || u.Uncertain != 0 {
+			t.Errorf("ledger after %d requests: %+v", want, u)
+		}
+	}
+	type answer struct {
+		status int
+		body   []byte
+	}
+	start := func() chan answer {
+		done := make(chan answer, 1)
+		go func() {
+			resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4))
+			done <- answer{resp.StatusCode, b}
+		}()
+		return done
+	}
+
+	// served waits for an answer given while an acquisition is held; a
+	// request that waited for it would never be answered.
+	served := func(done chan answer, what string) {
+		t.Helper()
+		select {
+		case a := <-done:
+			if a.status != http.StatusOK {
+				t.Fatalf("%s: %d %s", what, a.status, a.body)
+			}
+		case <-time.After(10 * time.Second):
+			h.hold.Store(false)
+			close(h.release)
+			t.Fatalf("%s: not answered while its permit's acquisition was held", what)
+		}
+	}
+
+	// Served while its acquisition is held: the request did not wait.
+	h.hold.Store(true)
+	done := start()
+	<-h.entered
+	served(done, "while its permit commits")
+	h.hold.Store(false)
+	h.release <- struct{}{}
+	ledger(1)
+
+	// An acquisition that fails after the request went on is tried again
+	// once the request has ended: the store answers again, and the
+	// usage is recorded.
+	h.fail.Store(true)
+	h.hold.Store(true)
+	done = start()
+	<-h.entered
+	h.fail.Store(false)
+	h.hold.Store(false)
+	served(done, "a request whose permit then fails")
+	h.release <- struct{}{}
+	ledger(2)
+
+	// The failure made the gateway acquire first: with the store down, a
+	// request is refused (fail closed) instead of served unrecorded.
+	h.fail.Store(true)
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4)); resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("store down after a write-behind failure: %d %s", resp.StatusCode, b)
+	}
+	// Until an acquisition succeeds, each is waited for.
+	h.fail.Store(false)
+	h.hold.Store(true)
+	done = start()
+	<-h.entered
+	select {
+	case a := <-done:
+		t.Errorf("answered (%d) before its acquisition returned, after a failure", a.status)
+	default:
+	}
+	h.hold.Store(false)
+	h.release <- struct{}{}
+	if a := <-done; a.status != http.StatusOK {
+		t.Fatalf("after the store came back: %d %s", a.status, a.body)
+	}
+	// And then written behind again.
+	h.hold.Store(true)
+	done = start()
+	<-h.entered
+	served(done, "written behind again")
+	h.hold.Store(false)
+	h.release <- struct{}{}
+	// The usage endpoint waits for this replica's writes itself.
+	if resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", newKey(t, st, "free", store.RoleOperator), ""); resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"requests":4`) {
+		t.Errorf("usage: %d %s", resp.StatusCode, b)
+	}
+	ledger(4)
+}

@@ -125,6 +125,9 @@ type Server struct {
 	limits  *tenantCache // nil without Tenants.Store
 	quota   *quotaMetrics
 	drain   *drainState
+	// permitsBehind tracks the permits written behind their requests
+	// (quota.go); nil without Tenants.Store.
+	permitsBehind *permitsBehind
 	// accessLevel is the access log's level (requestid.go).
 	accessLevel slog.Level
 	accepted    prometheus.Histogram

@@ -112,6 +112,23 @@ type Acquisition struct {
 	Lease time.Duration
 }
 
+// KeyLimited says whether an acquisition's key has limits of its own.
+func (a Acquisition) KeyLimited() bool {
+	return a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
+}
+
+// Unrefusable says whether nothing can refuse an acquisition: neither its
+// tenant nor its key has a limit that a request counts against (the
+// pending-job limits count jobs). A store serialises such acquisitions
+// with nothing (sqlstore takes no rate window for most of them; a tenant
+// given limits later counts its window from the acquisitions after the
+// change), and the gateway does not wait for them (gateway/quota.go).
+func (a Acquisition) Unrefusable() bool {
+	l := a.Limits
+	return !a.KeyLimited() && l.RPM <= 0 && l.TPM <= 0 && l.MaxConcurrency <= 0 && l.DailyTokens <= 0 &&
+		l.MonthlyTokens <= 0 && l.DailySpend <= 0 && l.MonthlySpend <= 0
+}
+
 // Window is a scope's rate window after an acquisition: what the
 // x-ratelimit-* headers report. A zero limit means none.
 type Window struct {

@@ -363,6 +363,7 @@ func serveAPI(ctx, life context.Context, ln net.Listener, api *gateway.Server, d
 	<-d.jobsDone
 	shut, cancelShut := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancelShut()
+	api.SettleUsage(shut) // the last attempts' permits, written behind them
 	if err := srv.Shutdown(shut); err != nil {
 		_ = srv.Close()
 	}

@@ -85,7 +85,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 	// zero, and its release gives none back), but one in 64 takes the
 	// tenant's window after all, to sweep the tenant's expired permits
 	// under the lock that keeps two sweeps apart.
-	c := &quotaCall{acquire: &a, windowless: unlimited(a) && rand.IntN(64) != 0}
+	c := &quotaCall{acquire: &a, windowless: a.Unrefusable() && rand.IntN(64) != 0}
 	if err := s.quotaDo(ctx, c); err != nil {
 		return store.Permit{}, err
 	}
@@ -98,7 +98,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, windowless bool) (store.Permit, error) {
 	start := a.Now.Truncate(time.Minute)
 	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Cost: a.Cost, Day: store.DayOf(a.Now)}
-	keyScoped := keyLimited(a)
+	keyScoped := a.KeyLimited()
 	err := func() error {
 		if windowless {
 			return s.recordPermit(ctx, tx, a, p)
@@ -127,7 +127,7 @@ func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, 
 		// elsewhere only to the ledger, swept now and then.
 		l := a.Limits
 		if l.MaxConcurrency > 0 || l.DailyTokens > 0 || l.MonthlyTokens > 0 || l.DailySpend > 0 || l.MonthlySpend > 0 ||
-			a.KeyLimits.MaxConcurrency > 0 || unlimited(a) || rand.IntN(64) == 0 {
+			a.KeyLimits.MaxConcurrency > 0 || a.Unrefusable() || rand.IntN(64) == 0 {
 			if err := s.sweepPermits(ctx, tx, a.Tenant, a.Now); err != nil {
 				return err
 			}
@@ -405,22 +405,6 @@ func (s *Store) reservePending(ctx context.Context, op, id, tenant string, jobs,
 func (s *Store) EndJobReservation(ctx context.Context, id string) error {
 	_, err := s.db.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE id = ?`), id)
 	return s.err("end job reservation", err)
-}
-
-// keyLimited says whether an acquisition's key has limits of its own.
-func keyLimited(a store.Acquisition) bool {
-	return a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
-}
-
-// unlimited says whether nothing can refuse an acquisition: neither its
-// tenant nor its key has a limit that a request counts against (the
-// pending-job limits count jobs). Such an acquisition mostly takes no
-// window (Acquire); a tenant given limits later counts its window from the
-// acquisitions after the change.
-func unlimited(a store.Acquisition) bool {
-	l := a.Limits
-	return !keyLimited(a) && l.RPM <= 0 && l.TPM <= 0 && l.MaxConcurrency <= 0 && l.DailyTokens <= 0 &&
-		l.MonthlyTokens <= 0 && l.DailySpend <= 0 && l.MonthlySpend <= 0
 }
 
 // recordPermit charges an admitted acquisition's reservation to the

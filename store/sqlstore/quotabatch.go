@@ -182,7 +182,7 @@ var errQuotaBatch = errors.New("a call of the batch failed")
 // some limit): it runs under a savepoint, so that its refusal undoes its
 // writes alone. The others (a release, an acquisition without limits)
 // fail only when the database does, and take no savepoint.
-func (c *quotaCall) refusable() bool { return c.acquire != nil && !unlimited(*c.acquire) }
+func (c *quotaCall) refusable() bool { return c.acquire != nil && !c.acquire.Unrefusable() }
 
 // compareBool orders false before true.
 func compareBool(a, b bool) int {
