@@ -199,6 +199,7 @@ func (s *Server) writeBehind(a store.Acquisition, price Price) *permit {
 		b.n.Add(-1)
 		return nil
 	}
+	a.Behind = true
 	p := &permit{s: s, price: price, a: a, acquired: make(chan struct{}), settled: make(chan struct{})}
 	go func() {
 		defer close(p.acquired)
@@ -360,7 +361,7 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 
 // releaseNow gives the acquired permit back, as release says, at now.
 func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, u *usage, now time.Time) {
-	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: now}
+	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: now, Behind: p.acquired != nil}
 	if u != nil {
 		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
 		r.Cost = p.price.micros(u.PromptTokens, u.CompletionTokens)

@@ -110,6 +110,10 @@ type Acquisition struct {
 	Now       time.Time
 	// Lease bounds how long the permit counts if it is never released.
 	Lease time.Duration
+	// Behind: no request waits for this call (the gateway writes an
+	// Unrefusable permit behind its request), so a store may hold it a
+	// few milliseconds to commit it with others.
+	Behind bool
 }
 
 // KeyLimited says whether an acquisition's key has limits of its own.
@@ -172,6 +176,7 @@ type Release struct {
 	CompletionTokens int64
 	Cost             int64 // the reported usage's price, micro-units
 	Now              time.Time
+	Behind           bool // as Acquisition.Behind
 }
 
 // UsageDay is one tenant's usage ledger for one UTC day.

@@ -3,6 +3,7 @@ package sqlstore
 import (
 	"context"
 	"sync"
+	"time"
 )
 
 // group is group commit: it coalesces calls that arrive together from
@@ -16,6 +17,10 @@ import (
 // together. Each call still gets its own result: run must give every
 // call of a batch its outcome, and it does so in a way that a problem
 // with one call (a conflict, a bad value) does not fail the others.
+//
+// A group with a linger is the exception, for calls that no caller's
+// client waits for: the first call of a batch waits up to linger for
+// others (or for the batch to fill) before the batch takes a slot.
 //
 // A group is safe for concurrent use and starts no goroutines: the first
 // caller of a batch runs it.
@@ -35,9 +40,10 @@ const (
 )
 
 type group[C any] struct {
-	max   int                                // calls in a batch, at most
-	slots chan struct{}                      // one per batch running
-	run   func(ctx context.Context, cs []*C) // gives each call its outcome
+	max    int                                // calls in a batch, at most
+	slots  chan struct{}                      // one per batch running
+	run    func(ctx context.Context, cs []*C) // gives each call its outcome
+	linger time.Duration                      // a batch's wait for more calls: 0, none
 
 	mu      sync.Mutex
 	pending *batch[C] // the batch calls join; nil when none is open
@@ -50,6 +56,7 @@ type batch[C any] struct {
 	left   int  // callers still waiting, under group.mu
 	ran    bool // run was called, set before done closes
 	done   chan struct{}
+	full   chan struct{} // closed when the batch has max calls (a group with a linger)
 }
 
 func newGroup[C any](slots, max int, run func(context.Context, []*C)) *group[C] {
@@ -66,7 +73,7 @@ func (g *group[C]) do(ctx context.Context, c *C) error {
 	b := g.pending // never cancelled: see leave
 	leader := b == nil
 	if leader {
-		b = &batch[C]{done: make(chan struct{})}
+		b = &batch[C]{done: make(chan struct{}), full: make(chan struct{})}
 		// The leader's values, not its cancellation: the batch is
 		// everyone's.
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -76,6 +83,7 @@ func (g *group[C]) do(ctx context.Context, c *C) error {
 	b.left++
 	if len(b.calls) == g.max {
 		g.pending = nil // full: the next call opens another
+		close(b.full)
 	}
 	g.mu.Unlock()
 
@@ -94,6 +102,15 @@ func (g *group[C]) do(ctx context.Context, c *C) error {
 		}
 	}
 	defer b.cancel()
+	if g.linger > 0 {
+		t := time.NewTimer(g.linger)
+		select {
+		case <-t.C:
+		case <-b.full:
+		case <-b.ctx.Done():
+		}
+		t.Stop()
+	}
 	select {
 	case g.slots <- struct{}{}:
 		defer func() { <-g.slots }()

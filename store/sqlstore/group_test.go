@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 	"testing/synctest"
+	"time"
 )
 
 type call struct {
@@ -115,6 +116,53 @@ func TestGroupCancel(t *testing.T) {
 		}
 		if c1.out != -1 || c2.out != 0 || c3.out != -1 {
 			t.Errorf("outcomes %d, %d, %d; want -1 (ran, cancelled), 0 (never ran), -1 (ran)", c1.out, c2.out, c3.out)
+		}
+	})
+}
+
+// TestGroupLinger: in a group with a linger, the calls that arrive within
+// it share the first call's batch, and a batch that fills runs at once
+// (synctest's clock: the times are exact).
+func TestGroupLinger(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		type run struct {
+			calls int
+			at    time.Duration
+		}
+		var mu sync.Mutex
+		var runs []run
+		start := time.Now()
+		g := newGroup(1, 4, func(_ context.Context, cs []*call) {
+			mu.Lock()
+			runs = append(runs, run{len(cs), time.Since(start)})
+			mu.Unlock()
+			for _, c := range cs {
+				c.out = c.in * 2
+			}
+		})
+		g.linger = 2 * time.Millisecond
+		ctx := context.Background()
+		var wg sync.WaitGroup
+		for i := range 3 {
+			wg.Go(func() { _ = g.do(ctx, &call{in: i}) })
+		}
+		synctest.Wait()
+		time.Sleep(time.Millisecond)                  // within the linger
+		wg.Go(func() { _ = g.do(ctx, &call{in: 3}) }) // fills the batch
+		wg.Wait()
+		time.Sleep(5 * time.Millisecond)
+		for i := range 5 { // the first four fill a batch; the fifth lingers alone
+			wg.Go(func() { _ = g.do(ctx, &call{in: i}) })
+		}
+		wg.Wait()
+		want := []run{{4, time.Millisecond}, {4, 6 * time.Millisecond}, {1, 8 * time.Millisecond}}
+		if len(runs) != len(want) {
+			t.Fatalf("batches %v, want %v", runs, want)
+		}
+		for i := range want {
+			if runs[i] != want[i] {
+				t.Errorf("batch %d: %v, want %v (all: %v)", i, runs[i], want[i], runs)
+			}
 		}
 	})
 }

@@ -76,6 +76,7 @@ type Store struct {
 	renews   *group[renewCall]
 	stages   *group[stageCall]
 	quotas   *group[quotaCall] // every dialect: quotabatch.go
+	behind   *group[quotaCall] // the calls no request waits for: quotabatch.go
 }
 
 // New returns a store over db, whose schema is already migrated.
@@ -83,6 +84,8 @@ func New(db *sql.DB, d Dialect) *Store {
 	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}}
 	s.q = buildQueries(d)
 	s.quotas = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
+	s.behind = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
+	s.behind.linger = behindLinger
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
 		s.finishes = newGroup(workerSlots, workerMax, s.finishGroup)

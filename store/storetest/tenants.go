@@ -392,7 +392,9 @@ func testJobReservations(t *testing.T, s store.Store) {
 // testQuotaTogether: acquisitions and releases of several tenants and keys
 // made at once (which a store may commit together) each keep their own
 // outcome: a key's refusals, a call that fails (a permit id used twice)
-// and the others' successes, and the ledger counts each exactly once.
+// and the others' successes, and the ledger counts each exactly once;
+// some calls say that no caller waits for them (Behind), as the gateway's
+// write-behind permits do.
 func testQuotaTogether(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	const tenants, callers, keyRPM = 4, 40, 15
@@ -411,6 +413,7 @@ func testQuotaTogether(t *testing.T, s store.Store) {
 			if duplicate {
 				a.PermitID = dup
 			}
+			a.Behind = a.KeyID == "" && i%3 == 0 // unrefusable, and no caller waits: a store may hold it (the duplicates apart)
 			p, err := s.Acquire(ctx, a)
 			mu.Lock()
 			defer mu.Unlock()
@@ -443,6 +446,7 @@ func testQuotaTogether(t *testing.T, s store.Store) {
 			if i%5 == 0 {
 				r = store.Release{Permit: p, Outcome: store.NotSent, Now: t0}
 			}
+			r.Behind = i%2 == 0
 			if err := s.Release(ctx, r); err != nil {
 				t.Errorf("release %d: %v", i, err)
 			}
