@@ -750,6 +750,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		}
 	}
 	if done {
+		readTail(br, watchdog)
 		return result{status: http.StatusOK, usage: u, wrote: true, up: upstream{class: upstreamOK, status: http.StatusOK}}
 	}
 	if readErr == io.EOF {

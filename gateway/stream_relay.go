@@ -21,6 +21,26 @@ func petWatchdog(t *time.Timer, idle time.Duration, last time.Time) time.Time {
 	return now
 }
 
+// After its [DONE] (or a Responses stream's final event), a backend's
+// HTTP/1.1 response still has its end to send: the last, empty chunk,
+// which vLLM and the simulator write after the flushed event, often in a
+// packet of its own. A body closed before its end closes its connection,
+// so every stream cost a new connection to the backend (a dial, an
+// accept and a close on both sides, 4% of a gateway's CPU at a thousand
+// streams a second). The relay reads that end, at most streamTail bytes
+// and for at most streamTailWait (the watchdog then cuts the read, as it
+// cuts a stall), and the connection goes back to the pool.
+const (
+	streamTail     = 4 << 10
+	streamTailWait = 100 * time.Millisecond
+)
+
+// readTail reads what is left of a stream that ended, as above.
+func readTail(br *bufio.Reader, watchdog *time.Timer) {
+	watchdog.Reset(streamTailWait)
+	_, _ = io.CopyN(io.Discard, br, streamTail)
+}
+
 // relayBuffers are a stream relay's read buffer and the event it gathers,
 // reused across streams so that a stream allocates neither.
 type relayBuffers struct {
