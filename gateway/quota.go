@@ -184,6 +184,9 @@ type permitsBehind struct {
 	// failed: a write-behind acquisition failed; every acquisition is
 	// waited for until one succeeds.
 	failed atomic.Bool
+	// settling, when set (tests), is called as a settle begins to wait;
+	// under mu.
+	settling func()
 }
 
 // maxBehind bounds the permits written behind and not yet settled: past
@@ -231,7 +234,11 @@ func (b *permitsBehind) settle(ctx context.Context) {
 	for p := range b.releasing {
 		waits = append(waits, p.settled)
 	}
+	hook := b.settling
 	b.mu.Unlock()
+	if hook != nil {
+		hook()
+	}
 	for _, w := range waits {
 		select {
 		case <-w:

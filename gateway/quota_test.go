@@ -383,13 +383,25 @@ type heldAcquisitions struct {
 	hold    atomic.Bool
 	entered chan struct{} // a held acquisition began
 	release chan struct{} // lets a held acquisition return
+	held    atomic.Int32  // acquisitions held now
+	// usageWhileHeld: the usage was read while an acquisition was held.
+	usageWhileHeld atomic.Bool
+}
+
+func (h *heldAcquisitions) Usage(ctx context.Context, tenant string, from, to time.Time) ([]store.UsageDay, error) {
+	if h.held.Load() > 0 {
+		h.usageWhileHeld.Store(true)
+	}
+	return h.Tenants.Usage(ctx, tenant, from, to)
 }
 
 func (h *heldAcquisitions) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
 	fail := h.fail.Load()
 	if h.hold.Load() {
+		h.held.Add(1)
 		h.entered <- struct{}{}
 		<-h.release
+		h.held.Add(-1)
 	}
 	if fail {
 		return store.Permit{}, fmt.Errorf("acquire quota: %w: connection refused", store.ErrUnavailable)
@@ -408,6 +420,17 @@ func TestPermitsWrittenBehind(t *testing.T) {
 	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: h, Now: func() time.Time { return quotaT0 }}}})
 	key := newTenant(t, st, "free", store.Limits{}, store.RoleUser)
 	ctx := context.Background()
+	// ended waits for n requests' releases to be under way: a response
+	// with a length reaches the client before its handler's end releases.
+	ended := func(n int) {
+		t.Helper()
+		b := f.api.permitsBehind
+		eventually.True(t, fmt.Sprint(n, " releases under way"), func() bool {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			return len(b.releasing) == n
+		})
+	}
 	ledger := func(want int64) {
 		t.Helper()
 		f.api.SettleUsage(ctx)
@@ -453,6 +476,7 @@ func TestPermitsWrittenBehind(t *testing.T) {
 	done := start()
 	<-h.entered
 	served(done, "while its permit commits")
+	ended(1)
 	h.hold.Store(false)
 	h.release <- struct{}{}
 	ledger(1)
@@ -467,6 +491,7 @@ func TestPermitsWrittenBehind(t *testing.T) {
 	h.fail.Store(false)
 	h.hold.Store(false)
 	served(done, "a request whose permit then fails")
+	ended(1)
 	h.release <- struct{}{}
 	ledger(2)
 
@@ -496,11 +521,30 @@ func TestPermitsWrittenBehind(t *testing.T) {
 	done = start()
 	<-h.entered
 	served(done, "written behind again")
-	h.hold.Store(false)
-	h.release <- struct{}{}
-	// The usage endpoint waits for this replica's writes itself.
-	if resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", newKey(t, st, "free", store.RoleOperator), ""); resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"requests":4`) {
-		t.Errorf("usage: %d %s", resp.StatusCode, b)
+	ended(1)
+	// The usage endpoint waits for this replica's writes itself: the held
+	// acquisition goes on once the endpoint's settle waits for it, and
+	// the usage is not read before.
+	operator := newKey(t, st, "free", store.RoleOperator)
+	var let sync.Once
+	letGo := func() {
+		let.Do(func() {
+			h.hold.Store(false)
+			h.release <- struct{}{}
+		})
+	}
+	pb := f.api.permitsBehind
+	setSettling := func(f func()) {
+		pb.mu.Lock()
+		pb.settling = f
+		pb.mu.Unlock()
+	}
+	setSettling(letGo)
+	resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/usage", operator, "")
+	letGo() // if the endpoint did not settle
+	setSettling(nil)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"requests":4`) || h.usageWhileHeld.Load() {
+		t.Errorf("usage read while a permit was being written (%v): %d %s", h.usageWhileHeld.Load(), resp.StatusCode, b)
 	}
 	ledger(4)
 }
