@@ -356,10 +356,16 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	)
 	defer health.settle(s.pool)
 	defer func() {
+		o, u := outcome(attempts, last, usage{PromptTokens: prompt, CompletionTokens: maxOut})
+		if permit.writtenBehind() {
+			// Under way before the answer's last bytes leave: a usage
+			// read made once the client has them waits for it (quota.go).
+			permit.release(ctx, o, attempts, u)
+			return
+		}
 		if permit != nil && last != nil && last.wrote {
 			_ = http.NewResponseController(w).Flush() // the client need not wait for the release
 		}
-		o, u := outcome(attempts, last, usage{PromptTokens: prompt, CompletionTokens: maxOut})
 		permit.release(ctx, o, attempts, u)
 	}()
 	ticket := &scheduler.Ticket{

@@ -300,10 +300,13 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	return nil, errQuotaUnavailable
 }
 
+// writtenBehind says whether the permit is written behind its request.
+func (p *permit) writtenBehind() bool { return p != nil && p.acquired != nil }
+
 // headers sets OpenAI's x-ratelimit-* headers for the permit's window
 // (none for a permit written behind: nothing limits it).
 func (p *permit) headers(h http.Header) {
-	if p != nil && p.acquired == nil {
+	if p != nil && !p.writtenBehind() {
 		rateLimitHeaders(h, p.p.Window)
 	}
 }
@@ -332,7 +335,7 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 		return
 	}
 	now := p.s.cfg.Tenants.Now()
-	if p.acquired == nil {
+	if !p.writtenBehind() {
 		p.releaseNow(ctx, o, attempts, u, now)
 		return
 	}
@@ -368,7 +371,7 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 
 // releaseNow gives the acquired permit back, as release says, at now.
 func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, u *usage, now time.Time) {
-	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: now, Behind: p.acquired != nil}
+	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: now, Behind: p.writtenBehind()}
 	if u != nil {
 		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
 		r.Cost = p.price.micros(u.PromptTokens, u.CompletionTokens)
