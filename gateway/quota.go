@@ -119,7 +119,7 @@ func (s *Server) initTenants(reg prometheus.Registerer) error {
 	if t.Now == nil {
 		t.Now = time.Now
 	}
-	s.permitsBehind = &permitsBehind{releasing: map[*permit]struct{}{}}
+	s.permitsBehind = &permitsBehind{releasing: map[*permit]struct{}{}, delay: behindDelay}
 	s.keys = &keyCache{ttl: t.CacheTTL, now: t.Now, m: map[string]keyEntry{}}
 	s.limits = &tenantCache{m: map[string]tenantEntry{}}
 	return nil
@@ -174,6 +174,7 @@ type permit struct {
 	err      error
 	acquired chan struct{}
 	settled  chan struct{}
+	start    *time.Timer // starts the acquisition after permitsBehind.delay; nil: started at once
 }
 
 // permitsBehind tracks the permits written behind their requests.
@@ -187,7 +188,18 @@ type permitsBehind struct {
 	// settling, when set (tests), is called as a settle begins to wait;
 	// under mu.
 	settling func()
+	// delay is how long a permit's acquisition waits for its request to
+	// end first [behindDelay]: a request that ends within it is recorded
+	// with one write (store.Tenants.RecordUsage) instead of an
+	// acquisition and a release.
+	delay time.Duration
 }
+
+// behindDelay is permitsBehind's delay: about the time a permit's
+// acquisition would linger in its batch anyway (sqlstore's behindLinger),
+// so that what a crash may lose stays the same few milliseconds, and long
+// enough for a short request (an embedding, a few tokens) to end first.
+const behindDelay = 2 * time.Millisecond
 
 // maxBehind bounds the permits written behind and not yet settled: past
 // it (a store slower than the requests), requests wait for their
@@ -204,7 +216,7 @@ func (s *Server) writeBehind(a store.Acquisition, price Price) *permit {
 	}
 	a.Behind = true
 	p := &permit{s: s, price: price, a: a, acquired: make(chan struct{}), settled: make(chan struct{})}
-	go func() {
+	acquire := func() {
 		defer close(p.acquired)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -212,7 +224,12 @@ func (s *Server) writeBehind(a store.Acquisition, price Price) *permit {
 			b.failed.Store(true)
 			s.log.Warn("quota store unreachable: a permit written behind its request failed; acquiring first from now on", "tenant", a.Tenant, "err", p.err)
 		}
-	}()
+	}
+	if b.delay <= 0 {
+		go acquire()
+	} else {
+		p.start = time.AfterFunc(b.delay, acquire)
+	}
 	return p
 }
 
@@ -352,6 +369,19 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 			b.n.Add(-1)
 			close(p.settled)
 		}()
+		if p.start != nil && p.start.Stop() {
+			// The acquisition never began: the request's usage in one
+			// write, and no permit.
+			r := p.ended(p.a.Permit(), o, attempts, u, now)
+			rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			if err := p.s.cfg.Tenants.Store.RecordUsage(rctx, r); err != nil {
+				b.failed.Store(true)
+				p.s.log.Warn("quota store unreachable: a request's usage went unrecorded; acquiring first from now on", "tenant", p.a.Tenant, "err", err)
+				p.s.quota.failOpen.Inc()
+			}
+			return
+		}
 		<-p.acquired
 		if p.err != nil {
 			// Once more, now that the request has ended: its usage is
@@ -369,13 +399,19 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 	}()
 }
 
-// releaseNow gives the acquired permit back, as release says, at now.
-func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, u *usage, now time.Time) {
-	r := store.Release{Permit: p.p, Outcome: o, Attempts: attempts, Now: now, Behind: p.writtenBehind()}
+// ended is how the request of permit pp ended, at now.
+func (p *permit) ended(pp store.Permit, o store.Outcome, attempts int, u *usage, now time.Time) store.Release {
+	r := store.Release{Permit: pp, Outcome: o, Attempts: attempts, Now: now, Behind: p.writtenBehind()}
 	if u != nil {
 		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
 		r.Cost = p.price.micros(u.PromptTokens, u.CompletionTokens)
 	}
+	return r
+}
+
+// releaseNow gives the acquired permit back, as release says, at now.
+func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, u *usage, now time.Time) {
+	r := p.ended(p.p, o, attempts, u, now)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if err := p.s.cfg.Tenants.Store.Release(ctx, r); err != nil {

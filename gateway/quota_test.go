@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/kvgate/kvgate/bench/eventually"
 
 	"github.com/kvgate/kvgate/store"
@@ -384,6 +386,8 @@ type heldAcquisitions struct {
 	entered chan struct{} // a held acquisition began
 	release chan struct{} // lets a held acquisition return
 	held    atomic.Int32  // acquisitions held now
+	// acquired and recorded count the calls of Acquire and RecordUsage.
+	acquired, recorded atomic.Int32
 	// usageWhileHeld: the usage was read while an acquisition was held.
 	usageWhileHeld atomic.Bool
 }
@@ -395,7 +399,16 @@ func (h *heldAcquisitions) Usage(ctx context.Context, tenant string, from, to ti
 	return h.Tenants.Usage(ctx, tenant, from, to)
 }
 
+func (h *heldAcquisitions) RecordUsage(ctx context.Context, r store.Release) error {
+	h.recorded.Add(1)
+	if h.fail.Load() {
+		return fmt.Errorf("record usage: %w: connection refused", store.ErrUnavailable)
+	}
+	return h.Tenants.RecordUsage(ctx, r)
+}
+
 func (h *heldAcquisitions) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
+	h.acquired.Add(1)
 	fail := h.fail.Load()
 	if h.hold.Load() {
 		h.held.Add(1)
@@ -418,6 +431,7 @@ func TestPermitsWrittenBehind(t *testing.T) {
 	st := sqliteStore(t)
 	h := &heldAcquisitions{Tenants: st, entered: make(chan struct{}), release: make(chan struct{})}
 	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: h, Now: func() time.Time { return quotaT0 }}}})
+	f.api.permitsBehind.delay = 0 // acquisitions begin at once: the test holds them
 	key := newTenant(t, st, "free", store.Limits{}, store.RoleUser)
 	ctx := context.Background()
 	// ended waits for n requests' releases to be under way: a response
@@ -547,4 +561,48 @@ func TestPermitsWrittenBehind(t *testing.T) {
 		t.Errorf("usage read while a permit was being written (%v): %d %s", h.usageWhileHeld.Load(), resp.StatusCode, b)
 	}
 	ledger(4)
+}
+
+// TestShortRequestsRecordedInOneWrite: a request without limits that ends
+// before its permit's acquisition begins is recorded with one write and
+// no permit; when that write fails, the next request waits for its
+// acquisition (and is refused while the store is down).
+func TestShortRequestsRecordedInOneWrite(t *testing.T) {
+	st := sqliteStore(t)
+	h := &heldAcquisitions{Tenants: st}
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, gateway: Config{Tenants: Tenants{Store: h, Now: func() time.Time { return quotaT0 }}}})
+	f.api.permitsBehind.delay = time.Hour // every request ends first
+	key := newTenant(t, st, "short", store.Limits{}, store.RoleUser)
+	ctx := context.Background()
+	for range 3 {
+		if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4)); resp.StatusCode != http.StatusOK {
+			t.Fatalf("%d %s", resp.StatusCode, b)
+		}
+	}
+	eventually.True(t, "three usages recorded", func() bool {
+		f.api.SettleUsage(ctx)
+		us, _ := st.Usage(ctx, "short", quotaT0, quotaT0)
+		return len(us) == 1 && us[0].Requests == 3
+	})
+	us, _ := st.Usage(ctx, "short", quotaT0, quotaT0)
+	if u := us[0]; u.Attempts != 3 || u.CompletionTokens != 12 || u.PromptTokens == 0 || u.ReservedTokens != 0 || u.Uncertain != 0 {
+		t.Errorf("ledger: %+v", u)
+	}
+	if a, r := h.acquired.Load(), h.recorded.Load(); a != 0 || r != 3 {
+		t.Errorf("%d acquisitions and %d recorded usages for 3 short requests; want 0 and 3", a, r)
+	}
+	var permits int
+	if err := st.DB().QueryRowContext(ctx, `SELECT count(*) FROM quota_permits`).Scan(&permits); err != nil || permits != 0 {
+		t.Errorf("%d permits stored (%v)", permits, err)
+	}
+
+	h.fail.Store(true)
+	before := testutil.ToFloat64(f.api.quota.failOpen)
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4)); resp.StatusCode != http.StatusOK {
+		t.Fatalf("served before the failure is known: %d %s", resp.StatusCode, b)
+	}
+	eventually.True(t, "the failed record counted", func() bool { return testutil.ToFloat64(f.api.quota.failOpen) == before+1 })
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", key, chatReq(4)); resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("store down after a failed record: %d %s", resp.StatusCode, b)
+	}
 }

@@ -116,6 +116,12 @@ type Acquisition struct {
 	Behind bool
 }
 
+// Permit is the permit an acquisition is given, before any window counts
+// it (WindowStart and Window zero).
+func (a Acquisition) Permit() Permit {
+	return Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Cost: a.Cost, Day: DayOf(a.Now)}
+}
+
 // KeyLimited says whether an acquisition's key has limits of its own.
 func (a Acquisition) KeyLimited() bool {
 	return a.KeyID != "" && (a.KeyLimits.RPM > 0 || a.KeyLimits.TPM > 0 || a.KeyLimits.MaxConcurrency > 0)
@@ -272,6 +278,12 @@ type Tenants interface {
 	// twice changes nothing more; a permit that expired first is
 	// reconciled from the uncertain usage it was moved to.
 	Release(ctx context.Context, r Release) error
+	// RecordUsage charges the ledger with an ended request as Acquire and
+	// then Release would have, with no permit ever stored: for a request
+	// that nothing could refuse (Acquisition.Unrefusable) and that ended
+	// before its permit was written. r.Permit is its acquisition's
+	// Acquisition.Permit.
+	RecordUsage(ctx context.Context, r Release) error
 	// ReserveJob holds room for one job of tokens under the tenant's
 	// pending-job limits until the job is accepted (EndJobReservation) or
 	// the lease ends: a *QuotaError when the pending jobs or tokens are

@@ -97,7 +97,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 // writing to the windows: the caller rolls back.
 func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, windowless bool) (store.Permit, error) {
 	start := a.Now.Truncate(time.Minute)
-	p := store.Permit{ID: a.PermitID, Tenant: a.Tenant, KeyID: a.KeyID, Tokens: a.Tokens, Cost: a.Cost, Day: store.DayOf(a.Now)}
+	p := a.Permit()
 	keyScoped := a.KeyLimited()
 	err := func() error {
 		if windowless {
@@ -277,6 +277,43 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 		return err
 	}
 	return c.err
+}
+
+// RecordUsage implements store.Store. It commits with the acquisitions
+// and releases that arrive with it (quotabatch.go).
+func (s *Store) RecordUsage(ctx context.Context, r store.Release) error {
+	c := &quotaCall{release: &r, record: true}
+	if err := s.quotaDo(ctx, c); err != nil {
+		return err
+	}
+	return c.err
+}
+
+// recordIn is one RecordUsage in tx: the ledger row as recordPermit and
+// then releaseIn would leave it, in one upsert (nothing at all for a
+// request never sent).
+func (s *Store) recordIn(ctx context.Context, tx *sql.Tx, r store.Release) error {
+	p := r.Permit
+	var requests, uncertain, uncertainTokens, uncertainCost, prompt, completion, cost int64
+	switch r.Outcome {
+	case store.NotSent:
+		if r.Attempts == 0 {
+			return nil
+		}
+	case store.Reported:
+		requests, prompt, completion, cost = 1, r.PromptTokens, r.CompletionTokens, r.Cost
+	case store.Uncertain:
+		requests, uncertain, uncertainTokens, uncertainCost = 1, 1, p.Tokens, p.Cost
+	}
+	_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
+		reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, 0, ?)
+		ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + excluded.requests,
+			attempts = usage_days.attempts + excluded.attempts, prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens,
+			completion_tokens = usage_days.completion_tokens + excluded.completion_tokens, uncertain = usage_days.uncertain + excluded.uncertain,
+			uncertain_tokens = usage_days.uncertain_tokens + excluded.uncertain_tokens, cost = usage_days.cost + excluded.cost,
+			uncertain_cost = usage_days.uncertain_cost + excluded.uncertain_cost`),
+		p.Tenant, p.Day, requests, r.Attempts, prompt, completion, uncertain, uncertainTokens, cost, uncertainCost)
+	return err
 }
 
 // releaseIn is one release in tx.

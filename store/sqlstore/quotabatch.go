@@ -43,12 +43,13 @@ import (
 // quotaWait bounds how long a call waits for its batch.
 const quotaWait = 10 * time.Second
 
-// quotaCall is one Acquire (acquire set; permit its result) or Release
-// (release set) in a batch.
+// quotaCall is one Acquire (acquire set; permit its result), Release
+// (release set) or RecordUsage (release and record set) in a batch.
 type quotaCall struct {
 	acquire    *store.Acquisition
 	windowless bool // an acquisition that takes no window (Acquire)
 	release    *store.Release
+	record     bool
 	permit     store.Permit
 	err        error
 }
@@ -58,7 +59,7 @@ func (c *quotaCall) windowed() bool {
 	if c.acquire != nil {
 		return !c.windowless
 	}
-	return !c.release.Permit.WindowStart.IsZero()
+	return !c.record && !c.release.Permit.WindowStart.IsZero()
 }
 
 // day is the ledger day the call charges.
@@ -91,12 +92,18 @@ func (s *Store) quotaIn(ctx context.Context, tx *sql.Tx, c *quotaCall) error {
 		c.permit = p
 		return err
 	}
+	if c.record {
+		return s.recordIn(ctx, tx, *c.release)
+	}
 	return s.releaseIn(ctx, tx, *c.release)
 }
 
 func (c *quotaCall) op() string {
-	if c.acquire != nil {
+	switch {
+	case c.acquire != nil:
 		return "acquire quota"
+	case c.record:
+		return "record usage"
 	}
 	return "release quota"
 }

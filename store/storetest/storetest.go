@@ -60,6 +60,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"SpendBudgets", testSpendBudgets},
 		{"QuotaRace", testQuotaRace},
 		{"QuotaTogether", testQuotaTogether},
+		{"RecordUsage", testRecordUsage},
 		{"JobReservations", testJobReservations},
 		{"Stats", testStats},
 	}

@@ -464,3 +464,49 @@ func testQuotaTogether(t *testing.T, s store.Store) {
 			requests, prompt, completion, reserved, reported, 3*reported, 4*reported)
 	}
 }
+
+// testRecordUsage: RecordUsage leaves the ledger as an acquisition and
+// its release would have, for each way a request ends, twice over on one
+// day (the first creates the ledger row, the second adds to it; a request
+// never sent may leave no row at all), and stores no permit: a release of
+// that permit changes nothing.
+func testRecordUsage(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	ends := map[string]store.Release{
+		"reported":  {Outcome: store.Reported, Attempts: 2, PromptTokens: 7, CompletionTokens: 5, Cost: 40},
+		"uncertain": {Outcome: store.Uncertain, Attempts: 1},
+		"not-sent":  {Outcome: store.NotSent},
+	}
+	for name, end := range ends {
+		for range 2 {
+			a := acquisition("acquired-"+name, 30, store.Limits{}, t0)
+			a.Cost = 90
+			p, err := s.Acquire(ctx, a)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := end
+			r.Permit, r.Now = p, t0
+			if err := s.Release(ctx, r); err != nil {
+				t.Fatal(err)
+			}
+			b := acquisition("recorded-"+name, 30, store.Limits{}, t0)
+			b.Cost = 90
+			r.Permit, r.Behind = b.Permit(), true
+			if err := s.RecordUsage(ctx, r); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Release(ctx, r); err != nil { // no permit was stored: nothing to release
+				t.Fatal(err)
+			}
+		}
+		want, got := usageOn(t, s, "acquired-"+name, t0), usageOn(t, s, "recorded-"+name, t0)
+		want.Tenant, got.Tenant = "", ""
+		if end.Outcome == store.NotSent {
+			want.Day, got.Day = time.Time{}, time.Time{} // a row of zeros, or none
+		}
+		if got != want {
+			t.Errorf("%s: recorded %+v, want %+v as acquired and released", name, got, want)
+		}
+	}
+}
