@@ -42,7 +42,9 @@ import (
 // commits, and its release, once the response has ended, is queued
 // behind the acquisition instead of waited for. Such a request does not
 // wait for the store at all, which is most of what a gateway without
-// limits adds to a request. The usage is the same once the writes
+// limits adds to a request. The acquisition waits behindDelay for the
+// request to end first: a request that does is recorded with one ledger
+// write and no permit (store.Tenants.RecordUsage). The usage is the same once the writes
 // commit (a batch, milliseconds): this replica's usage endpoint and its
 // drain wait for the writes of the requests that ended before them, and
 // another replica reads them a batch later. Two things change at the edges. A
