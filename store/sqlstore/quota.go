@@ -282,7 +282,10 @@ func (s *Store) Release(ctx context.Context, r store.Release) error {
 // RecordUsage implements store.Store. It commits with the acquisitions
 // and releases that arrive with it (quotabatch.go).
 func (s *Store) RecordUsage(ctx context.Context, r store.Release) error {
-	c := &quotaCall{release: &r, record: true}
+	// As an unlimited acquisition: one in 64 takes the tenant's window,
+	// to sweep its expired permits (a tenant whose requests all end
+	// quickly may never acquire one).
+	c := &quotaCall{release: &r, record: true, windowless: rand.IntN(64) != 0}
 	if err := s.quotaDo(ctx, c); err != nil {
 		return err
 	}
@@ -291,9 +294,18 @@ func (s *Store) RecordUsage(ctx context.Context, r store.Release) error {
 
 // recordIn is one RecordUsage in tx: the ledger row as recordPermit and
 // then releaseIn would leave it, in one upsert (nothing at all for a
-// request never sent).
-func (s *Store) recordIn(ctx context.Context, tx *sql.Tx, r store.Release) error {
+// request never sent); windowless, or first the tenant's window and the
+// sweep of its expired permits.
+func (s *Store) recordIn(ctx context.Context, tx *sql.Tx, r store.Release, windowless bool) error {
 	p := r.Permit
+	if !windowless {
+		if _, _, _, err := s.lockWindow(ctx, tx, "t:"+p.Tenant, r.Now.Truncate(time.Minute), 0, 0); err != nil {
+			return err
+		}
+		if err := s.sweepPermits(ctx, tx, p.Tenant, r.Now); err != nil {
+			return err
+		}
+	}
 	var requests, uncertain, uncertainTokens, uncertainCost, prompt, completion, cost int64
 	switch r.Outcome {
 	case store.NotSent:

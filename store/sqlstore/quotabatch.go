@@ -47,7 +47,7 @@ const quotaWait = 10 * time.Second
 // (release set) or RecordUsage (release and record set) in a batch.
 type quotaCall struct {
 	acquire    *store.Acquisition
-	windowless bool // an acquisition that takes no window (Acquire)
+	windowless bool // an acquisition or a record that takes no window (Acquire, RecordUsage)
 	release    *store.Release
 	record     bool
 	permit     store.Permit
@@ -59,7 +59,10 @@ func (c *quotaCall) windowed() bool {
 	if c.acquire != nil {
 		return !c.windowless
 	}
-	return !c.record && !c.release.Permit.WindowStart.IsZero()
+	if c.record {
+		return !c.windowless
+	}
+	return !c.release.Permit.WindowStart.IsZero()
 }
 
 // day is the ledger day the call charges.
@@ -93,7 +96,7 @@ func (s *Store) quotaIn(ctx context.Context, tx *sql.Tx, c *quotaCall) error {
 		return err
 	}
 	if c.record {
-		return s.recordIn(ctx, tx, *c.release)
+		return s.recordIn(ctx, tx, *c.release, c.windowless)
 	}
 	return s.releaseIn(ctx, tx, *c.release)
 }

@@ -469,7 +469,7 @@ func testQuotaTogether(t *testing.T, s store.Store) {
 // its release would have, for each way a request ends, twice over on one
 // day (the first creates the ledger row, the second adds to it; a request
 // never sent may leave no row at all), and stores no permit: a release of
-// that permit changes nothing.
+// that permit changes nothing. Records also sweep expired permits.
 func testRecordUsage(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	ends := map[string]store.Release{
@@ -508,5 +508,31 @@ func testRecordUsage(t *testing.T, s store.Store) {
 		if got != want {
 			t.Errorf("%s: recorded %+v, want %+v as acquired and released", name, got, want)
 		}
+	}
+
+	// Records sweep their tenant's expired permits now and then, as
+	// acquisitions do: a permit whose replica died (never released) of a
+	// tenant whose later requests are all recorded still becomes
+	// uncertain usage. One record in 64 sweeps; 1,000 leave a chance of
+	// about 1e-7 that none did.
+	if _, err := s.Acquire(ctx, acquisition("recorded-only", 30, store.Limits{}, t0)); err != nil {
+		t.Fatal(err)
+	}
+	later := t0.Add(2 * time.Minute) // past the permit's lease
+	var wg sync.WaitGroup
+	for w := range 8 {
+		wg.Go(func() {
+			for range 125 {
+				b := acquisition("recorded-only", 30, store.Limits{}, later)
+				if err := s.RecordUsage(ctx, store.Release{Permit: b.Permit(), Outcome: store.NotSent, Now: later, Behind: w%2 == 0}); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if u := usageOn(t, s, "recorded-only", t0); u.Uncertain != 1 || u.UncertainTokens != 30 || u.ReservedTokens != 0 {
+		t.Errorf("the expired permit after 1,000 records: %+v, want it swept into uncertain usage", u)
 	}
 }
