@@ -44,17 +44,18 @@ import (
 // wait for the store at all, which is most of what a gateway without
 // limits adds to a request. The acquisition waits behindDelay for the
 // request to end first: a request that does is recorded with one ledger
-// write and no permit (store.Tenants.RecordUsage). The usage is the same once the writes
-// commit (a batch, milliseconds): this replica's usage endpoint and its
-// drain wait for the writes of the requests that ended before them, and
-// another replica reads them a batch later. Two things change at the edges. A
-// crash loses the permits not yet committed, so a request that began in
-// the last few milliseconds before it leaves no uncertain usage behind.
-// A write-behind write that fails makes the replica acquire for every
-// request first again (and so fail closed) until an acquisition
-// succeeds; the request that met the failure is served, and its
-// acquisition is tried once more at its release, or counted as admitted
-// without a permit (kvgate_gateway_quota_fail_open_total).
+// write and no permit (store.Tenants.RecordUsage). The usage is the same
+// once the writes commit (a batch, milliseconds): this replica's usage
+// endpoint and its drain wait for the writes of the requests that ended
+// before them, and another replica reads them a batch later. Two things
+// change at the edges. A crash loses the writes not yet committed: a
+// request that began or ended in the last few milliseconds before it may
+// leave no trace in the ledger (not even uncertain usage). A write-behind
+// write that fails makes the replica acquire for every request first
+// again (and so fail closed) until an acquisition succeeds; the request
+// that met the failure is served, and its acquisition is tried once more
+// at its release, or counted as admitted without a permit
+// (kvgate_gateway_quota_fail_open_total).
 
 // Tenants configures store-backed keys, quotas and usage. Zero values take
 // the defaults in brackets.

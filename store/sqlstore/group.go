@@ -73,7 +73,10 @@ func (g *group[C]) do(ctx context.Context, c *C) error {
 	b := g.pending // never cancelled: see leave
 	leader := b == nil
 	if leader {
-		b = &batch[C]{done: make(chan struct{}), full: make(chan struct{})}
+		b = &batch[C]{done: make(chan struct{})}
+		if g.linger > 0 {
+			b.full = make(chan struct{})
+		}
 		// The leader's values, not its cancellation: the batch is
 		// everyone's.
 		b.ctx, b.cancel = context.WithCancel(context.WithoutCancel(ctx))
@@ -83,7 +86,9 @@ func (g *group[C]) do(ctx context.Context, c *C) error {
 	b.left++
 	if len(b.calls) == g.max {
 		g.pending = nil // full: the next call opens another
-		close(b.full)
+		if b.full != nil {
+			close(b.full)
+		}
 	}
 	g.mu.Unlock()
 
