@@ -89,6 +89,7 @@ func New(db *sql.DB, d Dialect) *Store {
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
 		s.finishes = newGroup(workerSlots, workerMax, s.finishGroup)
+		s.finishes.linger = finishLinger
 		s.renews = newGroup(workerSlots, workerMax, s.renewGroup)
 		s.stages = newGroup(workerSlots, workerMax, s.stageGroup)
 	}
