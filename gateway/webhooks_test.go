@@ -220,14 +220,23 @@ func (c *simClock) advance(t *testing.T, f *fleet, disp *Dispatcher, rc *receive
 		// Quiet first: nothing in flight may see the clock jump, at
 		// either end (an attempt that timed out at kvgate may still be
 		// in the receiver's hands, to be verified against its clock).
+		// The dispatcher is read before and after the count of due
+		// deliveries: a claim made while the count ran has moved its
+		// deliveries' due_at to their lease's end, so the count misses
+		// them, and only the second read sees the send it started.
 		eventually.True(t, "the deliveries due to be sent", func() bool {
-			disp.mu.Lock()
-			busy := disp.inflight > 0 || rc.active.Load() > 0
-			disp.mu.Unlock()
+			busy := func() bool {
+				disp.mu.Lock()
+				defer disp.mu.Unlock()
+				return disp.inflight > 0 || rc.active.Load() > 0
+			}
+			if busy() {
+				return false
+			}
 			var n int
 			err := f.store.DB().QueryRowContext(context.Background(), fmt.Sprintf(`SELECT COUNT(*) FROM webhook_deliveries
 				WHERE state IN ('PENDING', 'RETRY_SCHEDULED', 'SENDING') AND due_at <= %d`, c.Now().UnixMicro())).Scan(&n)
-			return err == nil && n == 0 && !busy
+			return err == nil && n == 0 && !busy()
 		})
 		if moved >= d || done() {
 			return
