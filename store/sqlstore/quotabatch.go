@@ -56,10 +56,7 @@ type quotaCall struct {
 
 // windowed says whether the call locks its tenant's window.
 func (c *quotaCall) windowed() bool {
-	if c.acquire != nil {
-		return !c.windowless
-	}
-	if c.record {
+	if c.acquire != nil || c.record {
 		return !c.windowless
 	}
 	return !c.release.Permit.WindowStart.IsZero()
