@@ -88,15 +88,20 @@ func openStore(t *testing.T) store.Store {
 	return st
 }
 
-// startRunnerOn runs a runner over st with backends from src.
-func startRunnerOn(t *testing.T, st store.Store, src snapshotSource, exec Executor, lease time.Duration) *runnerFixture {
+// startRunnerOn runs a runner over st with backends from src; tune, if
+// any, changes its configuration first.
+func startRunnerOn(t *testing.T, st store.Store, src snapshotSource, exec Executor, lease time.Duration, tune ...func(*RunnerConfig)) *runnerFixture {
 	t.Helper()
 	sched, err := New(src, Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := NewRunner(st, sched, exec, RunnerConfig{Concurrency: 4, Lease: lease, Poll: 10 * time.Millisecond,
-		ReapEvery: time.Hour, Backoff: Backoff{Base: time.Millisecond, Max: 5 * time.Millisecond}})
+	cfg := RunnerConfig{Concurrency: 4, Lease: lease, Poll: 10 * time.Millisecond,
+		ReapEvery: time.Hour, Backoff: Backoff{Base: time.Millisecond, Max: 5 * time.Millisecond}}
+	for _, f := range tune {
+		f(&cfg)
+	}
+	r := NewRunner(st, sched, exec, cfg)
 	ctx, cancel := context.WithCancel(context.Background())
 	f := &runnerFixture{st: st, runner: r, cancel: cancel, done: make(chan struct{})}
 	go func() { _ = r.Run(ctx); close(f.done) }()

@@ -292,6 +292,10 @@ func (noop) Kind() string { return "noop" }
 
 var seq atomic.Int64
 
+// claimLinger is scheduler.DefaultClaimLinger, the runner's default,
+// copied: this module does not build kvgate's scheduler.
+const claimLinger = time.Millisecond
+
 // models are the models a runner serves: scheduler.Runner always claims
 // for the models its backends serve.
 var models = []string{"m"}
@@ -385,7 +389,8 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 
 // kvgate drains a backlog of n jobs as scheduler.Runner would: two
 // runners of slots/2 slots each claim as many jobs as they have free
-// slots, and each job ends in its own goroutine under its fence (with the
+// slots, once those in flight have freed theirs or claimLinger has gone
+// by, and each job ends in its own goroutine under its fence (with the
 // runner's read of the claim's facts and each job's sent mark first when
 // full is set).
 func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, plain, full bool) (float64, error) {
@@ -410,6 +415,22 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, pla
 				if free == 0 {
 					<-freed
 					continue
+				}
+				if free < cap(busy) {
+					// As the runner lingers (scheduler.Runner's linger) for
+					// the attempts in flight to free their slots into this
+					// claim.
+					t := time.NewTimer(claimLinger)
+				linger:
+					for len(busy) > 0 {
+						select {
+						case <-freed:
+						case <-t.C:
+							break linger
+						}
+					}
+					t.Stop()
+					free = cap(busy) - len(busy)
 				}
 				var js []store.Job
 				var err error
