@@ -139,6 +139,11 @@ const benchModel = "meta-llama/Llama-3.1-8B-Instruct"
 //
 //	go test -run '^$' -bench GatewayOverhead -benchtime 1x ./cmd/kvgate/
 //
+// Where nginx is installed (Debian's nginx-light), it runs as a third
+// proxy in front of the same backend, in a slice of its own
+// (nginxfloor_test.go): the nginx-added-* figures, a floor not written in
+// Go.
+//
 // With KVGATE_OVERHEAD_BEFORE naming another kvgate binary (an older
 // build), that one runs too, in front of the same backend, and takes its
 // own slice in each round: before-added-p50/p99-ms are its figures, side
@@ -147,6 +152,7 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 	direct, via := startStack(b)
 	bare := child(b, "bare-proxy", "--backend", direct)
 	waitReady(b, bare+"/readyz")
+	ngx, ngxCPU := startNginx(b, direct)
 	before := ""
 	if bin := os.Getenv("KVGATE_OVERHEAD_BEFORE"); bin != "" {
 		before = startOverheadGateway(b, bin, direct)
@@ -155,14 +161,17 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 	for _, stream := range []bool{false, true} {
 		b.Run(fmt.Sprintf("stream=%v", stream), func(b *testing.B) {
 			body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":4,"ignore_eos":true,"stream":%v}`, benchModel, stream)
-			var d, v, f, o bench.Result
+			var d, v, f, o, n bench.Result
 			// Each proxy's CPU over its own slices: a figure the
 			// machine's load moves far less than its latency.
-			var vCPU, fCPU, oCPU time.Duration
-			slice := func(url string, into *bench.Result, cpu *time.Duration) {
-				c0 := childCPU(b, url)
+			var vCPU, fCPU, oCPU, nCPU time.Duration
+			sliceOf := func(url string, into *bench.Result, cpu *time.Duration, read func() time.Duration) {
+				c0 := read()
 				into.Merge(bench.OpenLoop(context.Background(), client, url+"/v1/completions", body, 1000, time.Second))
-				*cpu += childCPU(b, url) - c0
+				*cpu += read() - c0
+			}
+			slice := func(url string, into *bench.Result, cpu *time.Duration) {
+				sliceOf(url, into, cpu, func() time.Duration { return childCPU(b, url) })
 			}
 			for range 5 {
 				d.Merge(bench.OpenLoop(context.Background(), client, direct+"/v1/completions", body, 1000, time.Second))
@@ -170,6 +179,9 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 				slice(bare, &f, &fCPU)
 				if before != "" {
 					slice(before, &o, &oCPU)
+				}
+				if ngx != "" {
+					sliceOf(ngx, &n, &nCPU, ngxCPU)
 				}
 			}
 			// The bare proxy loses a stream now and then (httputil's
@@ -196,6 +208,12 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 			b.ReportMetric(float64(f.Failed), "bare-failed")
 			if a := added(f, 0.5); a > 0 {
 				b.ReportMetric(added(v, 0.5)/a, "kvgate/bare-added-p50")
+			}
+			if ngx != "" {
+				b.ReportMetric(added(n, 0.5), "nginx-added-p50-ms")
+				b.ReportMetric(added(n, 0.99), "nginx-added-p99-ms")
+				b.ReportMetric(perReq(nCPU, n), "nginx-cpu-us/req")
+				b.ReportMetric(float64(n.Failed), "nginx-failed")
 			}
 			if before != "" {
 				b.ReportMetric(perReq(oCPU, o), "before-cpu-us/req")
