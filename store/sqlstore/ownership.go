@@ -198,7 +198,10 @@ func claimCTE(d Dialect) string {
 		-- to find it (a scan of a partial index, filtered by id).
 		SELECT jobs.id FROM jobs WHERE jobs.id = (SELECT id FROM oldest) AND jobs.tenant = (SELECT tenant FROM oldest)
 			AND jobs.priority = (SELECT priority FROM oldest) AND jobs.available_at = (SELECT available_at FROM oldest)
-			AND NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = jobs.tenant) AND ` + runnable("jobs", "?") + `
+			-- The tenant as a value too: an uncorrelated test, checked once
+			-- before the job is looked up, which it almost never is (the
+			-- tenant is listed).
+			AND NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = (SELECT tenant FROM oldest)) AND ` + runnable("jobs", "?") + `
 		FOR UPDATE OF jobs SKIP LOCKED),
 	turns AS (
 		SELECT t.tenant, t.pos, g / t.weight AS turn

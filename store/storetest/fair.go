@@ -144,3 +144,28 @@ func testClaimFairRelist(t *testing.T, s store.Store) {
 		t.Errorf("tenants listed after the reaper's pass: %d, %v; want 2", n, err)
 	}
 }
+
+// testClaimFairStray: the oldest runnable job of a tenant that job_tenants
+// lost comes first in the next claim, ahead of the listed tenants' turns,
+// and the claim lists its tenant again.
+func testClaimFairStray(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	db, ok := s.(interface{ DB() *sql.DB })
+	if !ok {
+		t.Skip("not a SQL store")
+	}
+	stray := accept(t, s, newJob("zz-lost", "z0")) // the oldest, and last in name order
+	for _, tenant := range []string{"b", "c", "d"} {
+		accept(t, s, newJob(tenant, tenant+"0"))
+	}
+	if _, err := db.DB().ExecContext(ctx, `DELETE FROM job_tenants WHERE tenant = 'zz-lost'`); err != nil {
+		t.Fatal(err)
+	}
+	if j := claimOne(t, s, t0.Add(time.Second)); j.ID != stray.ID {
+		t.Errorf("claimed %s's job %s, want the unlisted tenant's oldest job %s", j.Tenant, j.ID, stray.ID)
+	}
+	var n int
+	if err := db.DB().QueryRowContext(ctx, `SELECT count(*) FROM job_tenants WHERE tenant = 'zz-lost'`).Scan(&n); err != nil || n != 1 {
+		t.Errorf("the stray's tenant listed %d times after its claim (%v), want 1", n, err)
+	}
+}
