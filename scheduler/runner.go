@@ -117,7 +117,7 @@ type RunnerConfig struct {
 // any inference, long beside the end of a job that takes no time (beside
 // River, whose producer fetches at most once a millisecond at its
 // quickest, claims of zero-delay jobs grew from half a runner's slots to
-// all of them, and its claim → complete rate by a sixth to a quarter;
+// all of them, and the claim → complete rate by about a quarter;
 // docs/benchmarks.md).
 const DefaultClaimLinger = time.Millisecond
 
