@@ -36,13 +36,12 @@ func (s *claimLog) log() [][2]int {
 	return slices.Clone(s.claims)
 }
 
-// acceptN puts n jobs in f's store without waking its runner (its poll
-// finds them).
+// acceptN puts n jobs in st without waking a runner (its poll finds
+// them).
 func acceptN(t *testing.T, st store.Store, prefix string, n int) {
 	t.Helper()
-	f := &runnerFixture{st: st, runner: &Runner{wake: make(chan struct{}, 1)}}
 	for i := range n {
-		f.submit(t, fmt.Sprint(prefix, i))
+		acceptJob(t, st, fmt.Sprint(prefix, i))
 	}
 }
 

@@ -116,6 +116,14 @@ func (f *runnerFixture) stop() {
 
 func (f *runnerFixture) submit(t *testing.T, key string, opts ...func(*store.NewJob)) store.Job {
 	t.Helper()
+	j := acceptJob(t, f.st, key, opts...)
+	f.runner.Wake()
+	return j
+}
+
+// acceptJob puts a job of tenant acme in st, waking no runner.
+func acceptJob(t *testing.T, st store.Store, key string, opts ...func(*store.NewJob)) store.Job {
+	t.Helper()
 	n := store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), Tenant: "acme", IdempotencyKey: key, RequestHash: key,
 		Endpoint: "/v1/completions", Model: model, Body: json.RawMessage(`{}`), MaxAttempts: 5,
@@ -124,11 +132,10 @@ func (f *runnerFixture) submit(t *testing.T, key string, opts ...func(*store.New
 	for _, o := range opts {
 		o(&n)
 	}
-	j, _, err := f.st.Accept(context.Background(), n)
+	j, _, err := st.Accept(context.Background(), n)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.runner.Wake()
 	return j
 }
 
