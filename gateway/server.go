@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvgate/kvgate/gateway/hop"
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
@@ -172,12 +173,14 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 		cfg: cfg, pool: pool, sched: sched, retries: retries,
 		log: log.With("component", "gateway"),
 		// The dispatching client never retries on its own: kvgate decides.
-		client: &http.Client{Transport: &http.Transport{
+		// hop runs each exchange on the request's goroutine (its package
+		// comment says why), and hands the rest to net/http.
+		client: &http.Client{Transport: hop.New(&http.Transport{
 			MaxIdleConns:        1024,
 			MaxIdleConnsPerHost: 512,
 			IdleConnTimeout:     90 * time.Second,
 			DisableCompression:  true,
-		}},
+		}, 512, 90*time.Second)},
 		est:         newEstimator(),
 		jobs:        cfg.Jobs,
 		m:           newMetrics(),

@@ -12,6 +12,9 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/gateway/hop"
 )
 
 // bareProxy is the floor that BenchmarkGatewayOverhead sets kvgate beside:
@@ -19,15 +22,18 @@ import (
 // standard library's httputil.ReverseProxy, flushing every write as a
 // stream needs, with the same idle pool as the load generator), doing
 // nothing but forward. Whatever it adds over calling the backend directly
-// is the cost of a hop through Go's HTTP server and client on the machine
-// at hand, which no gateway written in Go pays less than; what kvgate adds
-// beyond it is kvgate's own work (admission, tenancy, usage, metrics).
+// is the cost of a hop through net/http's server and client on the
+// machine at hand; what kvgate adds beyond it is kvgate's own work
+// (admission, tenancy, usage, metrics) less what its client saves.
 //
 // It runs as a child of the test binary (`bare-proxy --backend URL`) and
-// prints its address as kvgate does.
+// prints its address as kvgate does. With --hop it forwards through
+// gateway/hop's Transport, kvgate's backend client, instead: the same
+// floor with the client that kvgate uses.
 func bareProxy(args []string, stdout io.Writer) int {
 	fs := flag.NewFlagSet("bare-proxy", flag.ContinueOnError)
 	backend := fs.String("backend", "", "the backend's base URL")
+	useHop := fs.Bool("hop", false, "forward with gateway/hop's Transport instead of net/http's")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -39,6 +45,9 @@ func bareProxy(args []string, stdout io.Writer) int {
 	rp := httputil.NewSingleHostReverseProxy(u)
 	rp.FlushInterval = -1
 	rp.Transport = &http.Transport{MaxIdleConnsPerHost: 512}
+	if *useHop {
+		rp.Transport = hop.New(&http.Transport{MaxIdleConnsPerHost: 512}, 512, 90*time.Second)
+	}
 	rp.ErrorLog = log.New(io.Discard, "", 0)
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /readyz", func(http.ResponseWriter, *http.Request) {})
@@ -62,14 +71,16 @@ func TestBareProxyForwards(t *testing.T) {
 		fmt.Fprintf(w, "%s %s %s", r.Method, r.URL.Path, body)
 	}))
 	defer backend.Close()
-	bare := child(t, "bare-proxy", "--backend", backend.URL)
-	resp, err := http.Post(bare+"/v1/completions", "application/json", strings.NewReader(`{"x":1}`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	got, _ := io.ReadAll(resp.Body)
-	if want := `POST /v1/completions {"x":1}`; resp.StatusCode != http.StatusOK || string(got) != want {
-		t.Fatalf("got %d %q, want 200 %q", resp.StatusCode, got, want)
+	for _, flags := range [][]string{nil, {"--hop"}} {
+		bare := child(t, append([]string{"bare-proxy", "--backend", backend.URL}, flags...)...)
+		resp, err := http.Post(bare+"/v1/completions", "application/json", strings.NewReader(`{"x":1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if want := `POST /v1/completions {"x":1}`; resp.StatusCode != http.StatusOK || string(got) != want {
+			t.Fatalf("%v: got %d %q, want 200 %q", flags, resp.StatusCode, got, want)
+		}
 	}
 }

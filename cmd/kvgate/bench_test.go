@@ -135,7 +135,9 @@ const benchModel = "meta-llama/Llama-3.1-8B-Instruct"
 // gateway adds on this machine. Direct, floor and kvgate traffic take
 // turns in one-second slices so all see the same machine; the
 // bare-added-* figures are the floor's, and kvgate/bare-added-p50 the
-// ratio of the two medians.
+// ratio of the two medians. The same bare proxy runs a second time with
+// kvgate's backend client, gateway/hop, in place of net/http's Transport
+// (barehop-added-*): what that client alone saves a hop.
 //
 //	go test -run '^$' -bench GatewayOverhead -benchtime 1x ./cmd/kvgate/
 //
@@ -152,6 +154,8 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 	direct, via := startStack(b)
 	bare := child(b, "bare-proxy", "--backend", direct)
 	waitReady(b, bare+"/readyz")
+	bareHop := child(b, "bare-proxy", "--backend", direct, "--hop")
+	waitReady(b, bareHop+"/readyz")
 	ngx, ngxCPU := startNginx(b, direct)
 	before := ""
 	if bin := os.Getenv("KVGATE_OVERHEAD_BEFORE"); bin != "" {
@@ -161,10 +165,10 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 	for _, stream := range []bool{false, true} {
 		b.Run(fmt.Sprintf("stream=%v", stream), func(b *testing.B) {
 			body := fmt.Sprintf(`{"model":"%s","prompt":"hello","max_tokens":4,"ignore_eos":true,"stream":%v}`, benchModel, stream)
-			var d, v, f, o, n bench.Result
+			var d, v, f, h, o, n bench.Result
 			// Each proxy's CPU over its own slices: a figure the
 			// machine's load moves far less than its latency.
-			var vCPU, fCPU, oCPU, nCPU time.Duration
+			var vCPU, fCPU, hCPU, oCPU, nCPU time.Duration
 			sliceOf := func(url string, into *bench.Result, cpu *time.Duration, read func() time.Duration) {
 				c0 := read()
 				into.Merge(bench.OpenLoop(context.Background(), client, url+"/v1/completions", body, 1000, time.Second))
@@ -177,6 +181,7 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 				d.Merge(bench.OpenLoop(context.Background(), client, direct+"/v1/completions", body, 1000, time.Second))
 				slice(via, &v, &vCPU)
 				slice(bare, &f, &fCPU)
+				slice(bareHop, &h, &hCPU)
 				if before != "" {
 					slice(before, &o, &oCPU)
 				}
@@ -206,6 +211,10 @@ func BenchmarkGatewayOverhead(b *testing.B) {
 			b.ReportMetric(added(f, 0.99), "bare-added-p99-ms")
 			b.ReportMetric(perReq(fCPU, f), "bare-cpu-us/req")
 			b.ReportMetric(float64(f.Failed), "bare-failed")
+			b.ReportMetric(added(h, 0.5), "barehop-added-p50-ms")
+			b.ReportMetric(added(h, 0.99), "barehop-added-p99-ms")
+			b.ReportMetric(perReq(hCPU, h), "barehop-cpu-us/req")
+			b.ReportMetric(float64(h.Failed), "barehop-failed")
 			if a := added(f, 0.5); a > 0 {
 				b.ReportMetric(added(v, 0.5)/a, "kvgate/bare-added-p50")
 			}
