@@ -57,7 +57,8 @@ type Transport struct {
 
 // New returns a Transport with kvgate's settings: up to maxIdlePerHost
 // idle connections a backend, reused for up to idleTimeout, bodies up to
-// 64 KiB on the caller's goroutine. fallback is closed with it.
+// 64 KiB on the caller's goroutine. CloseIdleConnections closes the
+// fallback's idle connections too.
 func New(fallback *http.Transport, maxIdlePerHost int, idleTimeout time.Duration) *Transport {
 	d := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
 	return &Transport{
@@ -68,11 +69,37 @@ func New(fallback *http.Transport, maxIdlePerHost int, idleTimeout time.Duration
 
 type conn struct {
 	nc     net.Conn
-	br     *bufio.Reader
-	bw     *bufio.Writer
-	wrote  int64 // bytes the kernel took, to tell a request that never left
+	br     *bufio.Reader // reads through conn.Read
+	bw     *bufio.Writer // writes through conn.Write
+	wrote  int64         // bytes the kernel took, to tell a request that never left
+	head   int64         // bytes an answer's head may still take; 0 once it is read
 	idleAt time.Time
 	reused bool
+}
+
+// maxHead bounds what an answer's head may take from the wire, 1xx
+// answers included, as net/http's Transport bounds it (there 10 MB): a
+// broken backend's endless header costs an error, not the memory.
+const maxHead = 1 << 20
+
+// errHeadTooLong is what a read past maxHead, while the head is read, fails with.
+var errHeadTooLong = errors.New("backend's answer head is over 1 MiB")
+
+func (c *conn) Read(p []byte) (int, error) {
+	if c.head == 0 {
+		return c.nc.Read(p)
+	}
+	if int64(len(p)) > c.head {
+		p = p[:c.head]
+	}
+	n, err := c.nc.Read(p)
+	c.head -= int64(n)
+	if c.head == 0 && err == nil {
+		// The limit is spent while the head is still being read: the next
+		// read would be unbounded, so this one fails.
+		return n, errHeadTooLong
+	}
+	return n, err
 }
 
 func (c *conn) Write(p []byte) (int, error) {
@@ -160,7 +187,7 @@ func (t *Transport) get(ctx context.Context, key string) (*conn, error) {
 		return nil, err
 	}
 	c := &conn{nc: nc}
-	c.br = bufio.NewReaderSize(nc, 16<<10)
+	c.br = bufio.NewReaderSize(c, 16<<10)
 	c.bw = bufio.NewWriterSize(c, 8<<10)
 	return c, nil
 }
@@ -259,10 +286,15 @@ func (t *Transport) exchange(req *http.Request, c *conn, key string) (*http.Resp
 	// there to read, and is what the caller needs to see.
 	wrote := err
 	var resp *http.Response
-	for {
+	// The head's bound counts what the buffer already holds of it.
+	c.head = maxHead - int64(c.br.Buffered())
+	for informational := 0; ; informational++ {
 		resp, err = http.ReadResponse(c.br, req)
 		if err != nil {
-			if wrote != nil {
+			switch {
+			case c.head == 0: // spent: the parser may have met a cut line first
+				err = errHeadTooLong
+			case wrote != nil:
 				err = wrote
 			}
 			return fail(err)
@@ -270,8 +302,13 @@ func (t *Transport) exchange(req *http.Request, c *conn, key string) (*http.Resp
 		if resp.StatusCode >= 200 || resp.StatusCode == http.StatusSwitchingProtocols {
 			break
 		}
-		// 1xx: informational, with no body; the answer follows.
+		// 1xx: informational, with no body; the answer follows. As many
+		// as net/http's Transport takes.
+		if informational == 5 {
+			return fail(errors.New("backend sent too many 1xx answers"))
+		}
 	}
+	c.head = 0
 	if resp.StatusCode == http.StatusSwitchingProtocols {
 		return fail(errors.New("backend switched protocols unasked"))
 	}

@@ -512,3 +512,64 @@ func TestExpiredIdleConnectionsAreClosed(t *testing.T) {
 		t.Fatalf("pool after the sweep: %v, want one connection to the backend still called", tr.idle)
 	}
 }
+
+// rawBackend answers every connection's first request head with answer.
+func rawBackend(t *testing.T, answer func(nc net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			nc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer nc.Close()
+				br := bufio.NewReader(nc)
+				for {
+					line, err := br.ReadString('\n')
+					if err != nil || line == "\r\n" {
+						break
+					}
+				}
+				answer(nc)
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String()
+}
+
+func TestEndlessHeadIsCut(t *testing.T) {
+	url := rawBackend(t, func(nc net.Conn) {
+		fmt.Fprint(nc, "HTTP/1.1 200 OK\r\n")
+		line := "X-Pad: " + strings.Repeat("a", 1000) + "\r\n"
+		for range 2000 { // 2 MB of header
+			if _, err := fmt.Fprint(nc, line); err != nil {
+				return
+			}
+		}
+	})
+	tr := newTransport(t)
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	if _, err := tr.RoundTrip(req); !errors.Is(err, errHeadTooLong) {
+		t.Fatalf("a 2 MB head: %v, want errHeadTooLong", err)
+	}
+}
+
+func TestInformationalAnswersAreBounded(t *testing.T) {
+	url := rawBackend(t, func(nc net.Conn) {
+		for range 6 {
+			fmt.Fprint(nc, "HTTP/1.1 103 Early Hints\r\n\r\n")
+		}
+		fmt.Fprint(nc, "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+	})
+	tr := newTransport(t)
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	if _, err := tr.RoundTrip(req); err == nil || !strings.Contains(err.Error(), "1xx") {
+		t.Fatalf("six 1xx answers: %v, want an error", err)
+	}
+}
