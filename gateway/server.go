@@ -172,9 +172,10 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	s := &Server{
 		cfg: cfg, pool: pool, sched: sched, retries: retries,
 		log: log.With("component", "gateway"),
-		// The dispatching client never retries on its own: kvgate decides.
-		// hop runs each exchange on the request's goroutine (its package
-		// comment says why), and hands the rest to net/http.
+		// The dispatching client never retries a request that may have
+		// reached a backend: kvgate decides. hop runs each exchange on the
+		// request's goroutine (its package comment says why) and hands the
+		// rest to net/http.
 		client: &http.Client{Transport: hop.New(&http.Transport{
 			MaxIdleConns:        1024,
 			MaxIdleConnsPerHost: 512,
