@@ -27,6 +27,12 @@
 //     default, 100 ms, would cap it at ten fetches a second).
 //   - the same for kvgate with a plain oldest-first claim (the same writes,
 //     no fairness), the fair claim's cost;
+//   - the floor: kvgate's schema and runners with River's writes alone,
+//     the fenced claim and the fenced completion (the result kept) and
+//     nothing else: no job.running or final event, no attempt record. Not
+//     a mode kvgate has: it measures what kvgate's guarantees cost beside
+//     River, and what its schema and its way of claiming cost apart from
+//     them;
 //   - kvgate's full attempt as scheduler.Runner records it for a job
 //     without a policy: the claim, the read of the claim's entities and
 //     policies (one statement a claim), the sent mark, complete (the
@@ -38,6 +44,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"database/sql"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -75,7 +82,7 @@ func main() {
 	rounds := flag.Int("rounds", 5, "rounds, interleaved")
 	slots := flag.Int("slots", 64, "worker slots, for both")
 	inserts := flag.Int("inserts", 1000, "sequential single inserts per round")
-	only := flag.String("only", "", "comma-separated runs to do (all when empty): kvgate, kvgate-plain, kvgate-runner, river, kvgate-insert, sqlite, sqlite-insert, river-insert")
+	only := flag.String("only", "", "comma-separated runs to do (all when empty): kvgate, kvgate-plain, kvgate-floor, kvgate-runner, river, kvgate-insert, sqlite, sqlite-insert, river-insert")
 	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
 	flag.Parse()
@@ -87,18 +94,20 @@ func main() {
 	defer b.close()
 
 	rates := map[string][]float64{}
+	withVac := map[string][]float64{} // drains, their own vacuum's time counted
 	profs := map[string][]prof{}
 	for r := range *rounds {
 		runs := []struct {
 			name string
 			fn   func() (float64, error)
 		}{
-			{"kvgate", func() (float64, error) { return b.kvgate(ctx, b.fair, *jobs, *slots, false, false) }},
-			{"kvgate-plain", func() (float64, error) { return b.kvgate(ctx, b.plain, *jobs, *slots, true, false) }},
-			{"kvgate-runner", func() (float64, error) { return b.kvgate(ctx, b.runner, *jobs, *slots, false, true) }},
+			{"kvgate", func() (float64, error) { return b.kvgate(ctx, b.fair, *jobs, *slots, fairClaim, false) }},
+			{"kvgate-plain", func() (float64, error) { return b.kvgate(ctx, b.plain, *jobs, *slots, plainClaim, false) }},
+			{"kvgate-floor", func() (float64, error) { return b.kvgate(ctx, b.floor, *jobs, *slots, floorClaim, false) }},
+			{"kvgate-runner", func() (float64, error) { return b.kvgate(ctx, b.runner, *jobs, *slots, fairClaim, true) }},
 			{"river", func() (float64, error) { return b.river(ctx, *jobs, *slots) }},
 			{"kvgate-insert", func() (float64, error) { return b.kvgateInserts(ctx, b.inserts, *inserts) }},
-			{"sqlite", func() (float64, error) { return b.kvgate(ctx, b.sqlite, *jobs, *slots, false, false) }},
+			{"sqlite", func() (float64, error) { return b.kvgate(ctx, b.sqlite, *jobs, *slots, fairClaim, false) }},
 			{"sqlite-insert", func() (float64, error) { return b.kvgateInserts(ctx, b.sqliteIns, *inserts) }},
 			{"river-insert", func() (float64, error) { return b.riverInserts(ctx, *inserts) }},
 		}
@@ -132,37 +141,75 @@ func main() {
 					profs[run.name] = append(profs[run.name], p)
 				}
 			}
+			// The run's dead rows are vacuumed before the next run, not
+			// during it: autovacuum of one run's database would otherwise
+			// weigh on the run after it, whichever system that is. A
+			// drain's rate is also reported with the vacuum of its own dead
+			// rows counted in its time: what the work costs once cleaned
+			// up after, as a queue that runs for days pays it.
+			vac, err := b.vacuum(ctx, run.name)
+			if err != nil {
+				log.Fatalf("round %d, vacuum after %s: %v", r+1, run.name, err)
+			}
+			if vac > 0 && !strings.HasSuffix(run.name, "-insert") {
+				n := float64(*jobs)
+				withVac[run.name] = append(withVac[run.name], n/(n/v+vac.Seconds()))
+			}
 		}
 	}
 	if *only != "" {
 		defer printProfiles(profs)
 		for k, v := range rates {
 			slices.Sort(v)
-			fmt.Printf("%-14s median %.0f jobs/s (%.0f-%.0f)\n", k, v[len(v)/2], v[0], v[len(v)-1])
+			fmt.Printf("%-14s median %.0f jobs/s (%.0f-%.0f)", k, v[len(v)/2], v[0], v[len(v)-1])
+			if w := withVac[k]; len(w) > 0 {
+				slices.Sort(w)
+				fmt.Printf("; with its own vacuum %.0f (%.0f-%.0f)", w[len(w)/2], w[0], w[len(w)-1])
+			}
+			fmt.Println()
 		}
 		return
 	}
-	med := func(k string) float64 {
-		v := slices.Clone(rates[k])
+	medOf := func(m map[string][]float64, k string) float64 {
+		v := slices.Clone(m[k])
+		if len(v) == 0 {
+			return 0
+		}
 		slices.Sort(v)
 		return v[len(v)/2]
 	}
-	span := func(k string) string {
-		v := slices.Clone(rates[k])
+	spanOf := func(m map[string][]float64, k string) string {
+		v := slices.Clone(m[k])
+		if len(v) == 0 {
+			return "-"
+		}
 		slices.Sort(v)
 		return fmt.Sprintf("%.0f-%.0f", v[0], v[len(v)-1])
 	}
+	med := func(k string) float64 { return medOf(rates, k) }
+	span := func(k string) string { return spanOf(rates, k) }
 	ratio := func(a, b string) float64 { return med(a) / med(b) }
+	vmed := func(k string) float64 { return medOf(withVac, k) }
+	vspan := func(k string) string { return spanOf(withVac, k) }
+	vratio := func(a, b string) float64 { return vmed(a) / vmed(b) }
 	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog, %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, *slots)
 	fmt.Println("| path | kvgate | River | kvgate / River |")
 	fmt.Println("|---|---|---|---|")
 	fmt.Printf("| claim → complete (fair claim) | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate"), span("kvgate"), med("river"), span("river"), ratio("kvgate", "river"))
 	fmt.Printf("| claim → complete (plain oldest-first claim) | %.0f (%s) | | %.2f× |\n", med("kvgate-plain"), span("kvgate-plain"), ratio("kvgate-plain", "river"))
+	fmt.Printf("| the floor: River's writes alone in kvgate's schema (fenced claim and completion, no events, no attempt records) | %.0f (%s) | | %.2f× |\n", med("kvgate-floor"), span("kvgate-floor"), ratio("kvgate-floor", "river"))
 	fmt.Printf("| claim → facts read → sent mark → complete (the runner's writes) | %.0f (%s) | | %.2f× |\n", med("kvgate-runner"), span("kvgate-runner"), ratio("kvgate-runner", "river"))
 	fmt.Printf("| single inserts, sequential | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate-insert"), span("kvgate-insert"), med("river-insert"), span("river-insert"), ratio("kvgate-insert", "river-insert"))
 	fmt.Printf("\nSQLite (kvgate's embedded default, WAL, synchronous=NORMAL, one writer at a time), same run: claim → complete %.0f jobs/s (%s), single inserts %.0f jobs/s (%s).\n",
 		med("sqlite"), span("sqlite"), med("sqlite-insert"), span("sqlite-insert"))
 	fmt.Printf("\nThe fair claim costs %.1f%% against the plain oldest-first claim (medians).\n", 100*(1-ratio("kvgate", "kvgate-plain")))
+	fmt.Println("\nThe same drains with the VACUUM of each one's own dead rows counted in its time (jobs/s):")
+	fmt.Println("\n| path | kvgate | River | kvgate / River |")
+	fmt.Println("|---|---|---|---|")
+	fmt.Printf("| claim → complete (fair claim) | %.0f (%s) | %.0f (%s) | %.2f× |\n", vmed("kvgate"), vspan("kvgate"), vmed("river"), vspan("river"), vratio("kvgate", "river"))
+	fmt.Printf("| claim → complete (plain oldest-first claim) | %.0f (%s) | | %.2f× |\n", vmed("kvgate-plain"), vspan("kvgate-plain"), vratio("kvgate-plain", "river"))
+	fmt.Printf("| the floor | %.0f (%s) | | %.2f× |\n", vmed("kvgate-floor"), vspan("kvgate-floor"), vratio("kvgate-floor", "river"))
+	fmt.Printf("| the runner's writes | %.0f (%s) | | %.2f× |\n", vmed("kvgate-runner"), vspan("kvgate-runner"), vratio("kvgate-runner", "river"))
 	printProfiles(profs)
 }
 
@@ -172,6 +219,7 @@ type bench struct {
 	dbs       []string
 	fair      *sqlstore.Store // a database each, so that no run inherits another's dead rows
 	plain     *sqlstore.Store
+	floor     *sqlstore.Store // created after River's database (dbOf)
 	runner    *sqlstore.Store
 	inserts   *sqlstore.Store
 	sqlite    *sqlstore.Store // kvgate's embedded default, for its own figures
@@ -189,21 +237,28 @@ func newBench(ctx context.Context, adminURL, pre string) (*bench, error) {
 		return nil, err
 	}
 	b := &bench{adminURL: adminURL, admin: admin}
-	for _, s := range []**sqlstore.Store{&b.fair, &b.plain, &b.runner, &b.inserts} {
+	openPG := func() (*sqlstore.Store, error) {
 		u, err := b.createDB(ctx)
 		if err != nil {
 			return nil, err
 		}
-		if *s, err = postgres.Open(ctx, u); err != nil {
+		s, err := postgres.Open(ctx, u)
+		if err != nil {
 			return nil, err
 		}
-		if _, err := postgres.Migrate(ctx, *s); err != nil {
+		if _, err := postgres.Migrate(ctx, s); err != nil {
 			return nil, err
 		}
 		if pre != "" {
-			if _, err := (*s).DB().ExecContext(ctx, pre); err != nil {
+			if _, err := s.DB().ExecContext(ctx, pre); err != nil {
 				return nil, err
 			}
+		}
+		return s, nil
+	}
+	for _, s := range []**sqlstore.Store{&b.fair, &b.plain, &b.runner, &b.inserts} {
+		if *s, err = openPG(); err != nil {
+			return nil, err
 		}
 	}
 	if b.tmp, err = os.MkdirTemp("", "kvgate-peers-"); err != nil {
@@ -241,6 +296,9 @@ func newBench(ctx context.Context, adminURL, pre string) (*bench, error) {
 	if b.insertC, err = river.NewClient(riverpgxv5.New(b.pool), &river.Config{}); err != nil {
 		return nil, err
 	}
+	if b.floor, err = openPG(); err != nil {
+		return nil, err
+	}
 	return b, nil
 }
 
@@ -259,7 +317,7 @@ func (b *bench) createDB(ctx context.Context) (string, error) {
 }
 
 func (b *bench) close() {
-	for _, s := range []*sqlstore.Store{b.fair, b.plain, b.runner, b.inserts, b.sqlite, b.sqliteIns} {
+	for _, s := range []*sqlstore.Store{b.fair, b.plain, b.floor, b.runner, b.inserts, b.sqlite, b.sqliteIns} {
 		if s != nil {
 			s.Close()
 		}
@@ -332,13 +390,13 @@ func preload(ctx context.Context, s store.Store, n int) error {
 	return <-errs
 }
 
-// plainClaim is an oldest-first claim with the same writes as kvgate's
+// plainClaimSQL is an oldest-first claim with the same writes as kvgate's
 // fair one (the lease, the fence, a job.running event per job in claim
 // order), the same models condition and the same rows returned (the jobs
 // whole), and no fairness: what the fair claim is measured against. It
 // states jobs_runnable's whole predicate (migration 21), as kvgate's
 // statements in claim order do.
-const plainClaim = `WITH picked AS (
+const plainClaimSQL = `WITH picked AS (
 		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
 			AND (priority >= 0 OR priority < 0) AND array_position($5::text[], model) IS NOT NULL
 		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED),
@@ -358,12 +416,44 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 	state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at, created_at, updated_at,
 	error_class, last_error`
 
-func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease time.Duration, limit int) ([]store.Job, error) {
-	ids := make([]string, limit)
-	for i := range ids {
-		ids[i] = uuid.Must(uuid.NewV7()).String()
+// floorClaimSQL is plainClaimSQL without its events: the floor's claim.
+const floorClaimSQL = `WITH picked AS (
+		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
+			AND (priority >= 0 OR priority < 0) AND array_position($4::text[], model) IS NOT NULL
+		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)
+	UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
+	WHERE id = ANY(ARRAY(SELECT id FROM picked))
+	RETURNING ` + jobColumns
+
+// floorComplete is the floor's completion of many jobs, each under its
+// fence: the state and the result, nothing else.
+const floorComplete = `UPDATE jobs SET state = 'SUCCEEDED', state_version = jobs.state_version + 1, updated_at = $1,
+		lease_until = 0, result = input.result
+	FROM unnest($2::text[], $3::bigint[], $4::bytea[]) AS input(id, fence, result)
+	WHERE jobs.id = ANY($2::text[]) AND jobs.id = input.id AND jobs.state = 'RUNNING' AND jobs.fence = input.fence
+		AND jobs.lease_until > $1`
+
+// claimMode is how a drain claims (and, for the floor, completes).
+type claimMode int
+
+const (
+	fairClaim  claimMode = iota // the store's Claim, as scheduler.Runner
+	plainClaim                  // oldest first, the same writes
+	floorClaim                  // oldest first, River's writes alone
+)
+
+func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease time.Duration, limit int, floor bool) ([]store.Job, error) {
+	var rows *sql.Rows
+	var err error
+	if floor {
+		rows, err = s.DB().QueryContext(ctx, floorClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), models)
+	} else {
+		ids := make([]string, limit)
+		for i := range ids {
+			ids[i] = uuid.Must(uuid.NewV7()).String()
+		}
+		rows, err = s.DB().QueryContext(ctx, plainClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), ids, models)
 	}
-	rows, err := s.DB().QueryContext(ctx, plainClaim, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), ids, models)
 	if err != nil {
 		return nil, err
 	}
@@ -393,8 +483,12 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 // by, and each job ends in its own goroutine under its fence (with the
 // runner's read of the claim's facts and each job's sent mark first when
 // full is set).
-func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, plain, full bool) (float64, error) {
+func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, mode claimMode, full bool) (float64, error) {
 	defer idle(s)
+	var fc *floorCompleter
+	if mode == floorClaim {
+		fc = &floorCompleter{db: s.DB(), slots: make(chan struct{}, 2)}
+	}
 	if err := preload(ctx, s, n); err != nil {
 		return 0, err
 	}
@@ -434,8 +528,8 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, pla
 				}
 				var js []store.Job
 				var err error
-				if plain {
-					js, err = claimPlain(ctx, s, time.Now(), time.Minute, free)
+				if mode != fairClaim {
+					js, err = claimPlain(ctx, s, time.Now(), time.Minute, free, mode == floorClaim)
 				} else {
 					js, err = s.Claim(ctx, time.Now(), time.Minute, free, models...)
 				}
@@ -488,8 +582,14 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, pla
 							}
 						}
 						free()
-						if err := s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded,
-							Result: result, Attempt: store.Attempt{Attempt: j.Attempt + 1}, Now: time.Now()}); err != nil {
+						complete := func() error {
+							return s.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Succeeded,
+								Result: result, Attempt: store.Attempt{Attempt: j.Attempt + 1}, Now: time.Now()})
+						}
+						if fc != nil {
+							complete = func() error { return fc.complete(ctx, j.ID, j.Fence, result) }
+						}
+						if err := complete(); err != nil {
 							fail(err)
 							return
 						}
@@ -592,11 +692,33 @@ type counters struct {
 
 // dbOf names the database a run writes to; "" for SQLite.
 func (b *bench) dbOf(run string) string {
-	i := map[string]int{"kvgate": 0, "kvgate-plain": 1, "kvgate-runner": 2, "kvgate-insert": 3, "river": 4, "river-insert": 4}
+	i := map[string]int{"kvgate": 0, "kvgate-plain": 1, "kvgate-runner": 2, "kvgate-insert": 3, "river": 4, "river-insert": 4, "kvgate-floor": 5}
 	if k, ok := i[run]; ok && k < len(b.dbs) {
 		return b.dbs[k]
 	}
 	return ""
+}
+
+// vacuum vacuums the database a run wrote to (none for SQLite) and
+// returns how long the VACUUM took.
+func (b *bench) vacuum(ctx context.Context, run string) (time.Duration, error) {
+	db := b.dbOf(run)
+	if db == "" {
+		return 0, nil
+	}
+	u, err := url.Parse(b.adminURL)
+	if err != nil {
+		return 0, err
+	}
+	u.Path = "/" + db
+	c, err := pgx.Connect(ctx, u.String())
+	if err != nil {
+		return 0, err
+	}
+	defer c.Close(ctx)
+	start := time.Now()
+	_, err = c.Exec(ctx, "VACUUM")
+	return time.Since(start), err
 }
 
 func (b *bench) counters(ctx context.Context, run string) counters {
@@ -727,4 +849,64 @@ func (b *bench) cpu(ctx context.Context) (server, self time.Duration) {
 		}
 	}
 	return time.Duration(total) * time.Second / 100, self // USER_HZ
+}
+
+// floorLinger is sqlstore's finishLinger, copied: how long a batch of
+// the floor's ends waits for more.
+const floorLinger = 5 * time.Millisecond
+
+// floorCompleter ends the floor's jobs as kvgate's store ends attempts
+// (sqlstore's finish group): the ends that arrive within floorLinger share
+// one statement, at most two statements run at once, and each job's
+// goroutine waits for its own. River's completer batches likewise.
+type floorCompleter struct {
+	db    *sql.DB
+	slots chan struct{}
+
+	mu      sync.Mutex
+	pending *floorBatch
+}
+
+type floorBatch struct {
+	ids     []string
+	fences  []int64
+	results [][]byte
+	done    chan struct{}
+	err     error
+}
+
+func (c *floorCompleter) complete(ctx context.Context, id string, fence int64, result []byte) error {
+	c.mu.Lock()
+	b := c.pending
+	leader := b == nil
+	if leader {
+		b = &floorBatch{done: make(chan struct{})}
+		c.pending = b
+	}
+	b.ids, b.fences, b.results = append(b.ids, id), append(b.fences, fence), append(b.results, result)
+	if len(b.ids) == 256 {
+		c.pending = nil
+	}
+	c.mu.Unlock()
+	if !leader {
+		<-b.done
+		return b.err
+	}
+	time.Sleep(floorLinger)
+	c.slots <- struct{}{}
+	c.mu.Lock()
+	if c.pending == b {
+		c.pending = nil
+	}
+	c.mu.Unlock()
+	res, err := c.db.ExecContext(ctx, floorComplete, time.Now().UnixMicro(), b.ids, b.fences, b.results)
+	<-c.slots
+	if err == nil {
+		if n, _ := res.RowsAffected(); n != int64(len(b.ids)) {
+			err = fmt.Errorf("floor: %d of %d jobs completed under their fence", n, len(b.ids))
+		}
+	}
+	b.err = err
+	close(b.done)
+	return err
 }
