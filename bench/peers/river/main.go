@@ -189,27 +189,28 @@ func main() {
 	med := func(k string) float64 { return medOf(rates, k) }
 	span := func(k string) string { return spanOf(rates, k) }
 	ratio := func(a, b string) float64 { return med(a) / med(b) }
-	vmed := func(k string) float64 { return medOf(withVac, k) }
-	vspan := func(k string) string { return spanOf(withVac, k) }
-	vratio := func(a, b string) float64 { return vmed(a) / vmed(b) }
+	// drains prints the drains' rows of a table of rates m.
+	drains := func(m map[string][]float64) {
+		fmt.Println("| path | kvgate | River | kvgate / River |")
+		fmt.Println("|---|---|---|---|")
+		row := func(label, k string) {
+			fmt.Printf("| %s | %.0f (%s) | | %.2f× |\n", label, medOf(m, k), spanOf(m, k), medOf(m, k)/medOf(m, "river"))
+		}
+		fmt.Printf("| claim → complete (fair claim) | %.0f (%s) | %.0f (%s) | %.2f× |\n",
+			medOf(m, "kvgate"), spanOf(m, "kvgate"), medOf(m, "river"), spanOf(m, "river"), medOf(m, "kvgate")/medOf(m, "river"))
+		row("claim → complete (plain oldest-first claim)", "kvgate-plain")
+		row("the floor: River's writes alone in kvgate's schema (fenced claim and completion, no events, no attempt records)", "kvgate-floor")
+		row("claim → facts read → sent mark → complete (the runner's writes)", "kvgate-runner")
+	}
 	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog, %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, *slots)
-	fmt.Println("| path | kvgate | River | kvgate / River |")
-	fmt.Println("|---|---|---|---|")
-	fmt.Printf("| claim → complete (fair claim) | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate"), span("kvgate"), med("river"), span("river"), ratio("kvgate", "river"))
-	fmt.Printf("| claim → complete (plain oldest-first claim) | %.0f (%s) | | %.2f× |\n", med("kvgate-plain"), span("kvgate-plain"), ratio("kvgate-plain", "river"))
-	fmt.Printf("| the floor: River's writes alone in kvgate's schema (fenced claim and completion, no events, no attempt records) | %.0f (%s) | | %.2f× |\n", med("kvgate-floor"), span("kvgate-floor"), ratio("kvgate-floor", "river"))
-	fmt.Printf("| claim → facts read → sent mark → complete (the runner's writes) | %.0f (%s) | | %.2f× |\n", med("kvgate-runner"), span("kvgate-runner"), ratio("kvgate-runner", "river"))
+	drains(rates)
 	fmt.Printf("| single inserts, sequential | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate-insert"), span("kvgate-insert"), med("river-insert"), span("river-insert"), ratio("kvgate-insert", "river-insert"))
 	fmt.Printf("\nSQLite (kvgate's embedded default, WAL, synchronous=NORMAL, one writer at a time), same run: claim → complete %.0f jobs/s (%s), single inserts %.0f jobs/s (%s).\n",
 		med("sqlite"), span("sqlite"), med("sqlite-insert"), span("sqlite-insert"))
 	fmt.Printf("\nThe fair claim costs %.1f%% against the plain oldest-first claim (medians).\n", 100*(1-ratio("kvgate", "kvgate-plain")))
 	fmt.Println("\nThe same drains with the VACUUM of each one's own dead rows counted in its time (jobs/s):")
-	fmt.Println("\n| path | kvgate | River | kvgate / River |")
-	fmt.Println("|---|---|---|---|")
-	fmt.Printf("| claim → complete (fair claim) | %.0f (%s) | %.0f (%s) | %.2f× |\n", vmed("kvgate"), vspan("kvgate"), vmed("river"), vspan("river"), vratio("kvgate", "river"))
-	fmt.Printf("| claim → complete (plain oldest-first claim) | %.0f (%s) | | %.2f× |\n", vmed("kvgate-plain"), vspan("kvgate-plain"), vratio("kvgate-plain", "river"))
-	fmt.Printf("| the floor | %.0f (%s) | | %.2f× |\n", vmed("kvgate-floor"), vspan("kvgate-floor"), vratio("kvgate-floor", "river"))
-	fmt.Printf("| the runner's writes | %.0f (%s) | | %.2f× |\n", vmed("kvgate-runner"), vspan("kvgate-runner"), vratio("kvgate-runner", "river"))
+	fmt.Println()
+	drains(withVac)
 	printProfiles(profs)
 }
 
