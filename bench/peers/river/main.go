@@ -397,19 +397,26 @@ func preload(ctx context.Context, s store.Store, n int) error {
 // whole), and no fairness: what the fair claim is measured against. It
 // states jobs_runnable's whole predicate (migration 21), as kvgate's
 // statements in claim order do.
-const plainClaimSQL = `WITH picked AS (
-		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
-			AND (priority >= 0 OR priority < 0) AND array_position($5::text[], model) IS NOT NULL
-		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED),
-	claimed AS (
-		UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
-		WHERE id = ANY(ARRAY(SELECT id FROM picked))
-		RETURNING ` + jobColumns + `),
+const plainClaimSQL = pickedSQL + `,
+	claimed AS (` + claimUpdateSQL + `),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		SELECT ($4::text[])[row_number() OVER (ORDER BY priority, available_at, id)], id, tenant, 'job.running', state, state_version, $1
+		SELECT ($5::text[])[row_number() OVER (ORDER BY priority, available_at, id)], id, tenant, 'job.running', state, state_version, $1
 		FROM claimed)
 	SELECT ` + jobColumns + ` FROM claimed`
+
+// pickedSQL and claimUpdateSQL are what the plain claim and the floor's
+// share: the jobs taken oldest first ($1 now, $2 limit, $4 models) and
+// their lease ($3 its end).
+const (
+	pickedSQL = `WITH picked AS (
+		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
+			AND (priority >= 0 OR priority < 0) AND array_position($4::text[], model) IS NOT NULL
+		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)`
+	claimUpdateSQL = `UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
+		WHERE id = ANY(ARRAY(SELECT id FROM picked))
+		RETURNING ` + jobColumns
+)
 
 // jobColumns are the columns a claim returns: the job whole, as kvgate's
 // claim returns it to the runner (the body is the work).
@@ -418,13 +425,8 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 	error_class, last_error`
 
 // floorClaimSQL is plainClaimSQL without its events: the floor's claim.
-const floorClaimSQL = `WITH picked AS (
-		SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND available_at <= $1 AND deadline_at > $1
-			AND (priority >= 0 OR priority < 0) AND array_position($4::text[], model) IS NOT NULL
-		ORDER BY priority, available_at, id LIMIT $2 FOR UPDATE SKIP LOCKED)
-	UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = $3, state_version = state_version + 1, updated_at = $1
-	WHERE id = ANY(ARRAY(SELECT id FROM picked))
-	RETURNING ` + jobColumns
+const floorClaimSQL = pickedSQL + `
+	` + claimUpdateSQL
 
 // floorComplete is the floor's completion of many jobs, each under its
 // fence: the state and the result, nothing else.
@@ -453,7 +455,7 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 		for i := range ids {
 			ids[i] = uuid.Must(uuid.NewV7()).String()
 		}
-		rows, err = s.DB().QueryContext(ctx, plainClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), ids, models)
+		rows, err = s.DB().QueryContext(ctx, plainClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), models, ids)
 	}
 	if err != nil {
 		return nil, err
