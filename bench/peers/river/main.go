@@ -309,6 +309,11 @@ func (b *bench) createDB(ctx context.Context) (string, error) {
 		return "", err
 	}
 	b.dbs = append(b.dbs, name)
+	return b.dbURL(name)
+}
+
+// dbURL is the address of database name on the admin URL's server.
+func (b *bench) dbURL(name string) (string, error) {
 	u, err := url.Parse(b.adminURL)
 	if err != nil {
 		return "", err
@@ -445,10 +450,11 @@ const (
 	floorClaim                  // oldest first, River's writes alone
 )
 
-func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease time.Duration, limit int, floor bool) ([]store.Job, error) {
+// claimPlain claims oldest first, as mode says: plainClaim or floorClaim.
+func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease time.Duration, limit int, mode claimMode) ([]store.Job, error) {
 	var rows *sql.Rows
 	var err error
-	if floor {
+	if mode == floorClaim {
 		rows, err = s.DB().QueryContext(ctx, floorClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), models)
 	} else {
 		ids := make([]string, limit)
@@ -532,7 +538,7 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, mod
 				var js []store.Job
 				var err error
 				if mode != fairClaim {
-					js, err = claimPlain(ctx, s, time.Now(), time.Minute, free, mode == floorClaim)
+					js, err = claimPlain(ctx, s, time.Now(), time.Minute, free, mode)
 				} else {
 					js, err = s.Claim(ctx, time.Now(), time.Minute, free, models...)
 				}
@@ -709,12 +715,11 @@ func (b *bench) vacuum(ctx context.Context, run string) (time.Duration, error) {
 	if db == "" {
 		return 0, nil
 	}
-	u, err := url.Parse(b.adminURL)
+	u, err := b.dbURL(db)
 	if err != nil {
 		return 0, err
 	}
-	u.Path = "/" + db
-	c, err := pgx.Connect(ctx, u.String())
+	c, err := pgx.Connect(ctx, u)
 	if err != nil {
 		return 0, err
 	}
