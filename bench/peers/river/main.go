@@ -82,6 +82,7 @@ func main() {
 	rounds := flag.Int("rounds", 5, "rounds, interleaved")
 	slots := flag.Int("slots", 64, "worker slots, for both")
 	inserts := flag.Int("inserts", 1000, "sequential single inserts per round")
+	flag.IntVar(&tenants, "tenants", 100, "tenants the jobs are spread over, in turn (kvgate's fair claim serves them in turn)")
 	only := flag.String("only", "", "comma-separated runs to do (all when empty): kvgate, kvgate-plain, kvgate-floor, kvgate-runner, river, kvgate-insert, sqlite, sqlite-insert, river-insert")
 	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
@@ -202,7 +203,7 @@ func main() {
 		row("the floor: River's writes alone in kvgate's schema (fenced claim and completion, no events, no attempt records)", "kvgate-floor")
 		row("claim → facts read → sent mark → complete (the runner's writes)", "kvgate-runner")
 	}
-	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog, %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, *slots)
+	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog of %d tenants, %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, tenants, *slots)
 	drains(rates)
 	fmt.Printf("| single inserts, sequential | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate-insert"), span("kvgate-insert"), med("river-insert"), span("river-insert"), ratio("kvgate-insert", "river-insert"))
 	fmt.Printf("\nSQLite (kvgate's embedded default, WAL, synchronous=NORMAL, one writer at a time), same run: claim → complete %.0f jobs/s (%s), single inserts %.0f jobs/s (%s).\n",
@@ -364,11 +365,14 @@ const claimLinger = time.Millisecond
 // for the models its backends serve.
 var models = []string{"m"}
 
+// tenants is how many tenants the jobs are spread over (-tenants).
+var tenants = 100
+
 func newJob() store.NewJob {
 	i := seq.Add(1)
 	return store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-		Tenant: fmt.Sprint("t", i%100), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h",
+		Tenant: fmt.Sprint("t", i%int64(tenants)), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h",
 		Endpoint: "/v1/chat/completions", Model: "m",
 		Body:        json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"Extract the line items of this invoice."}],"max_tokens":256}`),
 		MaxAttempts: 5, TokenEstimate: 300, Deadline: time.Now().Add(time.Hour), Now: time.Now(),
