@@ -27,12 +27,7 @@ func TestExplainClaimComplete(t *testing.T) {
 	if url == "" {
 		t.Skip("KVGATE_EXPLAIN_URL not set")
 	}
-	d := Dialect{Name: "postgres", Positional: func(n int) string { return fmt.Sprintf("$%d", n) }, LockRunnable: "FOR UPDATE SKIP LOCKED",
-		WritableCTE: true, LockShared: "FOR SHARE",
-		ModelIn: func(col string) string {
-			return "(cardinality(?::text[]) = 0 OR array_position(?::text[], " + col + ") IS NOT NULL)" // as postgres.Dialect
-		},
-		ModelsArg: func(models []string) any { return append([]string{}, models...) }}
+	d := explainDialect()
 	db, err := sql.Open("pgx", url)
 	if err != nil {
 		t.Fatal(err)
@@ -124,6 +119,16 @@ func TestExplainClaimComplete(t *testing.T) {
 	rows.Close()
 	explain(fmt.Sprintf("finish %d", len(jids)), q.finishBatch, jids, fences, states, spent, sent, nows, avails, results, classes, errs,
 		attempts, backends, outcomes, prompts, completions, starts, ends, events, jids)
+}
+
+// explainDialect is postgres.Dialect, which this package cannot import.
+func explainDialect() Dialect {
+	return Dialect{Name: "postgres", Positional: func(n int) string { return fmt.Sprintf("$%d", n) }, LockRunnable: "FOR UPDATE SKIP LOCKED",
+		WritableCTE: true, LockShared: "FOR SHARE",
+		ModelIn: func(col string) string {
+			return "(cardinality(?::text[]) = 0 OR array_position(?::text[], " + col + ") IS NOT NULL)"
+		},
+		ModelsArg: func(models []string) any { return append([]string{}, models...) }}
 }
 
 // literal renders a value as SQL, for EXPLAIN EXECUTE.

@@ -1,0 +1,152 @@
+package sqlstore
+
+import (
+	"context"
+	"database/sql"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// TestClaimStatementCost times the fair claim's statement beside an
+// oldest-first claim with the same writes, and beside the fair claim
+// without each of its parts in turn, to show what the fairness costs a
+// claim and where (a profiling aid, run by hand, on the database that
+// TestExplainClaimComplete reads):
+//
+//	KVGATE_EXPLAIN_URL=postgres://.../db go test -run TestClaimStatementCost -v ./store/sqlstore/
+//
+// Every statement claims KVGATE_EXPLAIN_LIMIT jobs (32) in a transaction
+// rolled back, the statements interleaved, KVGATE_EXPLAIN_ROUNDS times
+// (300) after 20 untimed, under the generic plan that the store's prepared
+// statements settle on; the times are the client's, round trip included.
+// It first marks every listed tenant served now, committed, as a busy
+// queue's tenants are: otherwise each claim, rolled back, would refresh
+// every considered tenant's record. The variants are cut from claimCTE's
+// text: one whose part is no longer found is reported and skipped.
+func TestClaimStatementCost(t *testing.T) {
+	url := os.Getenv("KVGATE_EXPLAIN_URL")
+	if url == "" {
+		t.Skip("KVGATE_EXPLAIN_URL not set")
+	}
+	limit, rounds := 32, 300
+	if v, err := strconv.Atoi(os.Getenv("KVGATE_EXPLAIN_LIMIT")); err == nil {
+		limit = v
+	}
+	if v, err := strconv.Atoi(os.Getenv("KVGATE_EXPLAIN_ROUNDS")); err == nil {
+		rounds = v
+	}
+	d := explainDialect()
+	db, err := sql.Open("pgx", url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer db.Close()
+	db.SetMaxOpenConns(1)
+	ctx := context.Background()
+	if _, err := db.ExecContext(ctx, "UPDATE job_tenants SET served_at = $1", micros(time.Now())); err != nil {
+		t.Fatal(err)
+	}
+
+	type variant struct {
+		name string
+		sql  string
+		args func(now time.Time, ids []string) []any
+	}
+	m := []string{"m"}
+	fairArgs := func(now time.Time, ids []string) []any { return claimArgs(now, time.Minute, limit, m, ids) }
+	fair := claimCTE(d)
+	vs := []variant{{"fair claim", fair, fairArgs}}
+	add := func(name string, args func(time.Time, []string) []any, cuts ...[3]string) {
+		s := fair
+		for _, c := range cuts {
+			i := strings.Index(s, c[0])
+			j := strings.Index(s[max(i, 0):], c[1])
+			if i < 0 || j < 0 {
+				t.Logf("%s: skipped, claimCTE no longer holds %q", name, c[0])
+				return
+			}
+			s = s[:i] + c[2] + s[i+j:]
+		}
+		vs = append(vs, variant{name, s, args})
+	}
+	// Each cut keeps the placeholders of what it removes, so that the
+	// variant takes claimArgs unchanged.
+	weights := [3]string{"LEFT JOIN tenants tn ON tn.name = o.tenant),", "\n\toldest AS (", "),"}
+	weight := [3]string{"GREATEST(COALESCE(tn.weight, 1), 1)::float8", " AS weight", "1::float8"}
+	shares := [3]string{"turns AS (", "\n\tshares AS (",
+		"turns AS (SELECT tenant, pos, pos::float8 + 0 * ?::int + 0 * ?::int AS turn FROM considered),"}
+	stray := [3]string{"stray AS MATERIALIZED (", "\n\tturns AS (",
+		"stray AS MATERIALIZED (SELECT NULL::text AS id WHERE ?::bigint IS NULL AND ?::bigint IS NULL),"}
+	moved := [3]string{"moved AS (", "\n\tserved AS (", "moved AS (SELECT 1),"}
+	served := [3]string{"served AS (", "\n\thealed AS (", "served AS (SELECT ?::bigint, ?::bigint, ?::bigint),"}
+	healed := [3]string{"healed AS (", "\n\tev AS (", "healed AS (SELECT 1),"}
+	add("without the tenants' weights (all 1)", fairArgs, weights, weight)
+	add("without the shares (one job a tenant)", fairArgs, shares)
+	add("without the stray check", fairArgs, stray)
+	add("without the cursor's move", fairArgs, moved)
+	add("without the served records", fairArgs, served)
+	add("without healing lost tenants", fairArgs, healed)
+	add("without all six", fairArgs, weights, weight, shares, stray, moved, served, healed)
+	// Oldest first: the jobs taken in claim order, with the fair claim's
+	// own update and events.
+	oldestFirst := `WITH picked AS (SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + `
+			ORDER BY priority, available_at, id LIMIT ? FOR UPDATE SKIP LOCKED),`
+	add("oldest-first claim, the same writes", func(now time.Time, ids []string) []any {
+		t := micros(now)
+		return []any{t, t, m, m, limit, micros(now.Add(time.Minute)), t, ids, t}
+	}, [3]string{"WITH cur AS", "\n\tclaimed AS (", oldestFirst},
+		[3]string{"moved AS (", "\n\tev AS (", ""})
+
+	times := make([][]float64, len(vs))
+	for i := range rounds + 20 {
+		for k, v := range vs {
+			ids := make([]string, limit)
+			for i := range ids {
+				ids[i] = uuid.Must(uuid.NewV7()).String()
+			}
+			el, n := func() (time.Duration, int) {
+				tx, err := db.BeginTx(ctx, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer tx.Rollback()
+				if _, err := tx.ExecContext(ctx, "SET LOCAL plan_cache_mode = force_generic_plan"); err != nil {
+					t.Fatal(err)
+				}
+				start := time.Now()
+				rows, err := tx.QueryContext(ctx, rebind(d, v.sql), v.args(time.Now(), ids)...)
+				if err != nil {
+					t.Fatalf("%s: %v", v.name, err)
+				}
+				n := 0
+				for rows.Next() {
+					n++
+				}
+				if err := rows.Err(); err != nil {
+					t.Fatalf("%s: %v", v.name, err)
+				}
+				return time.Since(start), n
+			}()
+			if n != limit {
+				t.Fatalf("%s claimed %d jobs of %d: the database needs more runnable jobs", v.name, n, limit)
+			}
+			if i >= 20 {
+				times[k] = append(times[k], float64(el.Microseconds()))
+			}
+		}
+	}
+	base := slices.Clone(times[len(vs)-1])
+	slices.Sort(base)
+	for k, v := range vs {
+		ts := times[k]
+		slices.Sort(ts)
+		t.Logf("%-40s median %5.0f µs (p10 %5.0f, p90 %5.0f), %.2f× oldest-first",
+			v.name, ts[len(ts)/2], ts[len(ts)/10], ts[len(ts)*9/10], ts[len(ts)/2]/base[len(base)/2])
+	}
+}
