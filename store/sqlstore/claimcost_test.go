@@ -24,7 +24,9 @@ import (
 // Every statement claims KVGATE_EXPLAIN_LIMIT jobs (32) in a transaction
 // rolled back, the statements interleaved, KVGATE_EXPLAIN_ROUNDS times
 // (300) after 20 untimed, under the generic plan that the store's prepared
-// statements settle on; the times are the client's, round trip included.
+// statements settle on (and after KVGATE_EXPLAIN_PRE, as in
+// TestExplainClaimComplete); the times are the client's, round trip
+// included.
 // It first marks every listed tenant served now, committed, as a busy
 // queue's tenants are: otherwise each claim, rolled back, would refresh
 // every considered tenant's record. The variants are cut from claimCTE's
@@ -111,14 +113,8 @@ func TestClaimStatementCost(t *testing.T) {
 				ids[i] = uuid.Must(uuid.NewV7()).String()
 			}
 			el, n := func() (time.Duration, int) {
-				tx, err := db.BeginTx(ctx, nil)
-				if err != nil {
-					t.Fatal(err)
-				}
+				tx := genericTx(ctx, t, db)
 				defer tx.Rollback()
-				if _, err := tx.ExecContext(ctx, "SET LOCAL plan_cache_mode = force_generic_plan"); err != nil {
-					t.Fatal(err)
-				}
 				start := time.Now()
 				rows, err := tx.QueryContext(ctx, rebind(d, v.sql), v.args(time.Now(), ids)...)
 				if err != nil {

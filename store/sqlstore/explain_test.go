@@ -36,20 +36,8 @@ func TestExplainClaimComplete(t *testing.T) {
 	ctx := context.Background()
 	q := buildQueries(d)
 	explain := func(name, stmt string, args ...any) {
-		tx, err := db.BeginTx(ctx, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx := genericTx(ctx, t, db)
 		defer tx.Rollback()
-		if _, err := tx.ExecContext(ctx, "SET LOCAL plan_cache_mode = force_generic_plan"); err != nil {
-			t.Fatal(err)
-		}
-		// Schema experiments, rolled back with the rest.
-		if pre := os.Getenv("KVGATE_EXPLAIN_PRE"); pre != "" {
-			if _, err := tx.ExecContext(ctx, pre); err != nil {
-				t.Fatal(err)
-			}
-		}
 		// Prepared, so that the generic plan the store runs is the one shown.
 		if _, err := tx.ExecContext(ctx, "PREPARE x AS "+stmt); err != nil {
 			t.Fatal(err)
@@ -119,6 +107,27 @@ func TestExplainClaimComplete(t *testing.T) {
 	rows.Close()
 	explain(fmt.Sprintf("finish %d", len(jids)), q.finishBatch, jids, fences, states, spent, sent, nows, avails, results, classes, errs,
 		attempts, backends, outcomes, prompts, completions, starts, ends, events, jids)
+}
+
+// genericTx begins a transaction for the caller to roll back, under the
+// generic plans that the store's prepared statements settle on, with
+// KVGATE_EXPLAIN_PRE run first (schema experiments, rolled back with the
+// rest).
+func genericTx(ctx context.Context, t *testing.T, db *sql.DB) *sql.Tx {
+	t.Helper()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.ExecContext(ctx, "SET LOCAL plan_cache_mode = force_generic_plan"); err != nil {
+		t.Fatal(err)
+	}
+	if pre := os.Getenv("KVGATE_EXPLAIN_PRE"); pre != "" {
+		if _, err := tx.ExecContext(ctx, pre); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return tx
 }
 
 // explainDialect is postgres.Dialect, which this package cannot import.
