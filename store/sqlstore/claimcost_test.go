@@ -100,8 +100,8 @@ func TestClaimStatementCost(t *testing.T) {
 	oldestFirst := `WITH picked AS (SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + `
 			ORDER BY priority, available_at, id LIMIT ? FOR UPDATE SKIP LOCKED),`
 	add("oldest-first claim, the same writes", func(now time.Time, ids []string) []any {
-		t := micros(now)
-		return []any{t, t, m, m, limit, micros(now.Add(time.Minute)), t, ids, t}
+		at := micros(now)
+		return []any{at, at, m, m, limit, micros(now.Add(time.Minute)), at, ids, at}
 	}, [3]string{"WITH cur AS", "\n\tclaimed AS (", oldestFirst},
 		[3]string{"moved AS (", "\n\tev AS (", ""})
 
@@ -109,8 +109,8 @@ func TestClaimStatementCost(t *testing.T) {
 	for i := range rounds + 20 {
 		for k, v := range vs {
 			ids := make([]string, limit)
-			for i := range ids {
-				ids[i] = uuid.Must(uuid.NewV7()).String()
+			for j := range ids {
+				ids[j] = uuid.Must(uuid.NewV7()).String()
 			}
 			el, n := func() (time.Duration, int) {
 				tx := genericTx(ctx, t, db)
