@@ -377,6 +377,14 @@ func TestMetricsExposed(t *testing.T) {
 		return true
 	})
 
+	// The broker's lag appears once its consumer exists and a read of it
+	// has succeeded (retried every quarter second from the start): a run
+	// this quick can be done before that.
+	eventually.Within(t, 30*time.Second, "the broker's lag read (kvgate_inbox_pending)", func() bool {
+		b, err := get(kvURL + "/metrics")
+		return err == nil && exposed(families(b), "kvgate_inbox_pending")
+	})
+
 	kvMetrics, err := get(kvURL + "/metrics")
 	if err != nil {
 		t.Fatal(err)
