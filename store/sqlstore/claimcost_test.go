@@ -130,7 +130,7 @@ func TestClaimStatementCost(t *testing.T) {
 				return time.Since(start), n
 			}()
 			if n != limit {
-				t.Fatalf("%s claimed %d jobs of %d: the database needs more runnable jobs", v.name, n, limit)
+				t.Fatalf("%s claimed %d jobs of %d: the database needs more runnable jobs (before their deadlines)", v.name, n, limit)
 			}
 			if i >= 20 {
 				times[k] = append(times[k], float64(el.Microseconds()))
