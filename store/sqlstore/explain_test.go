@@ -120,10 +120,12 @@ func genericTx(ctx context.Context, t *testing.T, db *sql.DB) *sql.Tx {
 		t.Fatal(err)
 	}
 	if _, err := tx.ExecContext(ctx, "SET LOCAL plan_cache_mode = force_generic_plan"); err != nil {
+		tx.Rollback()
 		t.Fatal(err)
 	}
 	if pre := os.Getenv("KVGATE_EXPLAIN_PRE"); pre != "" {
 		if _, err := tx.ExecContext(ctx, pre); err != nil {
+			tx.Rollback()
 			t.Fatal(err)
 		}
 	}

@@ -87,6 +87,9 @@ func main() {
 	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
 	flag.Parse()
+	if tenants < 1 {
+		log.Fatalf("-tenants %d: at least one tenant", tenants)
+	}
 	ctx := context.Background()
 	b, err := newBench(ctx, *admin, *pre)
 	if err != nil {
