@@ -2,6 +2,7 @@ package postgres_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io/fs"
@@ -440,5 +441,79 @@ func TestClaimLeavesListedTenantRows(t *testing.T) {
 	}
 	if cursor != "t2" {
 		t.Errorf("cursor at %q after six claims of one over three tenants, want t2", cursor)
+	}
+}
+
+// TestInboxBatchReadsNoInbox: the inbox's batch reads no records but the
+// ones it did not insert. It had read every record of the batch's ids in
+// the same statement, and the generic plan made while the inbox was
+// small scanned the whole table for each batch: with 20,000 records, five
+// batches of 40 new events read over 100,000 rows.
+func TestInboxBatchReadsNoInbox(t *testing.T) {
+	s := migratedFresh(t)
+	ctx := context.Background()
+	s.DB().SetMaxOpenConns(1) // one server process, so one prepared statement and its generic plan
+	batch := func() {
+		t.Helper()
+		recs := make([]store.InboxRecord, 40) // as the inbox records them: event ids and SHA-256 digests
+		for i := range recs {
+			id := uuid.Must(uuid.NewV7()).String()
+			recs[i] = store.InboxRecord{EventID: id, Digest: fmt.Sprintf("%x", sha256.Sum256([]byte(id)))}
+		}
+		outs, err := s.RecordInboxBatch(ctx, recs, time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, o := range outs {
+			if o != store.InboxRecorded {
+				t.Fatalf("%s: outcome %v", recs[i].EventID, o)
+			}
+		}
+	}
+	bulk := func(n int) {
+		t.Helper()
+		if _, err := s.DB().ExecContext(ctx, `INSERT INTO inbox (event_id, digest, received_at)
+			SELECT gen_random_uuid()::text, encode(sha256(g::text::bytea), 'hex'), g FROM generate_series(1, $1::int) g`, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The store's statements are planned once per connection, generically,
+	// when first run (config.go): here with a few hundred records, as a
+	// connection opened early in a run plans it.
+	bulk(500)
+	batch()
+	bulk(20000)
+	// Row counts reach the statistics when a server process flushes
+	// them, at most once a second. The connection is kept (a new one
+	// would plan afresh): a count of the inbox, a sequential scan of
+	// known size on the same connection, tells when the batches' reads
+	// have been flushed too.
+	seqRead := func() int64 {
+		t.Helper()
+		var n int64
+		if err := s.DB().QueryRowContext(ctx, `SELECT COALESCE(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = 'inbox'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	time.Sleep(1100 * time.Millisecond)
+	before := seqRead()
+	for range 5 {
+		batch()
+	}
+	var records int64
+	if err := s.DB().QueryRowContext(ctx, `SELECT count(digest) FROM inbox`).Scan(&records); err != nil {
+		t.Fatal(err)
+	}
+	after := seqRead()
+	for i := 0; i < 30 && after-before < records; i++ {
+		time.Sleep(200 * time.Millisecond)
+		after = seqRead()
+	}
+	if after-before < records {
+		t.Fatalf("the count's scan of %d records never reached the statistics (%d rows read)", records, after-before)
+	}
+	if read := after - before - records; read > 0 {
+		t.Errorf("five batches of 40 new events scanned %d rows of the inbox", read)
 	}
 }
