@@ -517,3 +517,62 @@ func TestInboxBatchReadsNoInbox(t *testing.T) {
 		t.Errorf("five batches of 40 new events scanned %d rows of the inbox", read)
 	}
 }
+
+// TestClaimEventIDs: a claim's job.running events take their ids from one
+// UUIDv7 of the claim's, numbered in claim order (claimEventID): each a
+// version 7 UUID, distinct within the claim and from the next claim's.
+func TestClaimEventIDs(t *testing.T) {
+	s := migratedFresh(t)
+	ctx := context.Background()
+	now := time.Now()
+	for i := range 50 {
+		if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions",
+			Model: "m", Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seen := map[string]bool{}
+	for _, limit := range []int{20, 1 << 20} { // the second beyond maxClaim: it takes what is left
+		js, err := s.Claim(ctx, now, time.Minute, limit, "m")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := min(limit, 50-len(seen)); len(js) != want {
+			t.Fatalf("claimed %d of limit %d, want %d", len(js), limit, want)
+		}
+		ids := make([]string, len(js))
+		for i, j := range js {
+			ids[i] = j.ID
+		}
+		rows, err := s.DB().QueryContext(ctx, `SELECT id FROM outbox WHERE type = 'job.running' AND job_id = ANY($1) ORDER BY id`, ids)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var events []string
+		for rows.Next() {
+			var id string
+			if err := rows.Scan(&id); err != nil {
+				t.Fatal(err)
+			}
+			events = append(events, id)
+		}
+		rows.Close()
+		if len(events) != len(js) {
+			t.Fatalf("%d job.running events for %d claimed jobs", len(events), len(js))
+		}
+		for k, id := range events {
+			u, err := uuid.Parse(id)
+			if err != nil || u.Version() != 7 || u.Variant() != uuid.RFC4122 {
+				t.Fatalf("event id %q: not a UUIDv7 (%v)", id, err)
+			}
+			if seen[id] {
+				t.Fatalf("event id %s given twice", id)
+			}
+			seen[id] = true
+			if id[:32] != events[0][:32] || id[32:] != fmt.Sprintf("%04x", k+1) {
+				t.Errorf("event %d of the claim: id %s, want %s%04x", k+1, id, events[0][:32], k+1)
+			}
+		}
+	}
+}

@@ -413,7 +413,8 @@ const plainClaimSQL = pickedSQL + `,
 	claimed AS (` + claimUpdateSQL + `),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		SELECT ($5::text[])[row_number() OVER (ORDER BY priority, available_at, id)], id, tenant, 'job.running', state, state_version, $1
+		SELECT left($5::text, 32) || lpad(to_hex(row_number() OVER (ORDER BY priority, available_at, id)), 4, '0'),
+			id, tenant, 'job.running', state, state_version, $1
 		FROM claimed)
 	SELECT ` + jobColumns + ` FROM claimed`
 
@@ -464,11 +465,9 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 	if mode == floorClaim {
 		rows, err = s.DB().QueryContext(ctx, floorClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), models)
 	} else {
-		ids := make([]string, limit)
-		for i := range ids {
-			ids[i] = uuid.Must(uuid.NewV7()).String()
-		}
-		rows, err = s.DB().QueryContext(ctx, plainClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), models, ids)
+		// The events' ids as the store's claim makes them
+		// (store/sqlstore's claimEventID): one UUIDv7 a claim, numbered.
+		rows, err = s.DB().QueryContext(ctx, plainClaimSQL, now.UnixMicro(), limit, now.Add(lease).UnixMicro(), models, uuid.Must(uuid.NewV7()).String())
 	}
 	if err != nil {
 		return nil, err
