@@ -255,7 +255,8 @@ type Store interface {
 	// served first and round-robin within the batch, so that one tenant's
 	// backlog never holds another's jobs behind it; within a tenant, the
 	// lowest priority value first, then the oldest available. Several
-	// claimers never get the same job.
+	// claimers never get the same job. A store may take fewer than limit
+	// even when more are runnable (PostgreSQL: at most 65,535 a claim).
 	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int, models ...string) ([]Job, error)
 	// Heartbeat extends a lease while the claim owns the job (RUNNING,
 	// the same fence, the lease unexpired at now); ErrLeaseLost otherwise.
