@@ -169,8 +169,8 @@ func ownershipQueries(d Dialect, q *queries) {
 
 // claimCTE leases up to limit runnable jobs, fairly across tenants by
 // their weights (see fair.go), and writes a job.running event for each,
-// in claim order, with ids from the claim's own (claimEventID); claimArgs lists its
-// parameters.
+// in claim order, their ids numbered from the claim's own (claimEventID);
+// claimArgs lists its parameters.
 //
 // Each considered tenant's share of the batch is worked out first, from
 // the weights alone (shares); each tenant's head is then locked through
