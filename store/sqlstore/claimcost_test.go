@@ -61,7 +61,7 @@ func TestClaimStatementCost(t *testing.T) {
 		args func(now time.Time, events string) []any
 	}
 	m := []string{"m"}
-	fairArgs := func(now time.Time, events string) []any { return claimArgs(now, time.Minute, limit, m, events) }
+	fairArgs := func(now time.Time, events string) []any { return claimArgs(now, time.Minute, limit, m, events, "") }
 	fair := claimCTE(d)
 	vs := []variant{{"fair claim", fair, fairArgs}}
 	add := func(name string, args func(time.Time, string) []any, cuts ...[3]string) {
@@ -85,16 +85,14 @@ func TestClaimStatementCost(t *testing.T) {
 		"turns AS (SELECT tenant, pos, pos::float8 + 0 * ?::int + 0 * ?::int AS turn FROM considered),"}
 	stray := [3]string{"stray AS MATERIALIZED (", "\n\tturns AS (",
 		"stray AS MATERIALIZED (SELECT NULL::text AS id WHERE ?::bigint IS NULL AND ?::bigint IS NULL),"}
-	moved := [3]string{"moved AS (", "\n\tserved AS (", "moved AS (SELECT 1),"}
-	served := [3]string{"served AS (", "\n\thealed AS (", "served AS (SELECT ?::bigint, ?::bigint, ?::bigint),"}
+	served := [3]string{"served AS (", "\n\thealed AS (", "served AS (SELECT ?::bigint, ?::bigint, ?::bigint, ?::bigint),"}
 	healed := [3]string{"healed AS (", "\n\tev AS (", "healed AS (SELECT 1),"}
 	add("without the tenants' weights (all 1)", fairArgs, weights, weight)
 	add("without the shares (one job a tenant)", fairArgs, shares)
 	add("without the stray check", fairArgs, stray)
-	add("without the cursor's move", fairArgs, moved)
 	add("without the served records", fairArgs, served)
 	add("without healing lost tenants", fairArgs, healed)
-	add("without all six", fairArgs, weights, weight, shares, stray, moved, served, healed)
+	add("without all five", fairArgs, weights, weight, shares, stray, served, healed)
 	// Oldest first: the jobs taken in claim order, with the fair claim's
 	// own update and events.
 	oldestFirst := `WITH picked AS (SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + `
@@ -103,7 +101,8 @@ func TestClaimStatementCost(t *testing.T) {
 		at := micros(now)
 		return []any{at, at, m, m, limit, micros(now.Add(time.Minute)), at, events, at}
 	}, [3]string{"WITH cur AS", "\n\tclaimed AS (", oldestFirst},
-		[3]string{"moved AS (", "\n\tev AS (", ""})
+		[3]string{"served AS (", "\n\tev AS (", ""},
+		[3]string{", (SELECT tenant FROM considered", " FROM claimed", ", NULL::text"})
 
 	times := make([][]float64, len(vs))
 	for i := range rounds + 20 {

@@ -73,7 +73,7 @@ func TestExplainClaimComplete(t *testing.T) {
 		limit = v
 	}
 	m, tt := []string{"m"}, micros(now)
-	explain("claim", q.claimCTE, claimArgs(now, time.Minute, limit, m, uuid.Must(uuid.NewV7()).String())...)
+	explain("claim", q.claimCTE, claimArgs(now, time.Minute, limit, m, uuid.Must(uuid.NewV7()).String(), "")...)
 
 	rows, err := db.QueryContext(ctx, `SELECT id, fence, attempt FROM jobs WHERE state = 'RUNNING' LIMIT $1`, limit)
 	if err != nil {

@@ -19,7 +19,7 @@ import (
 // tenants that may have runnable work (kept by triggers as jobs become
 // runnable); a claim considers fairTenants(limit) of them in turn order:
 // first the tenants never served (served_at 0, by name), then the others
-// by name from just after the turn cursor (the one row of fair_cursor),
+// by name from just after the turn's cursor (the store's own, below),
 // wrapping round. It splits its batch among them in weighted
 // round-robin: a tenant's k-th job takes turn k/weight (its weight from
 // the tenants table, 1 for a tenant not there), earlier in turn order
@@ -36,17 +36,27 @@ import (
 // table and only the jobs it takes: its cost does not grow with the
 // backlog, nor with the number of tenants beyond fairTenants(limit).
 //
-// The turn record is the cursor, not the tenants' rows: every claim in
-// flight considers the same tenants, and when each one wrote every
-// considered tenant's row (the order by when each was last served, as
-// before migration 20), the claims queued on those rows and followed
-// their versions, a third of the server's time. The cursor is one row
-// that a claim moves only when it can lock it at once (FOR UPDATE SKIP
-// LOCKED) and only from the position it read: the claims racing with the
-// one that moves it take the next jobs of the same tenants (SKIP LOCKED
-// on jobs). A tenant's served_at is written when it is first served and
-// then at most every fairRefresh, for the reaper: tenants with nothing
-// runnable leave the table once their served_at is a minute old.
+// The turn record is a cursor that each store keeps in memory, not a
+// row: every claim in flight considers the same tenants, and when each
+// one wrote every considered tenant's row (the order by when each was
+// last served, before migration 20), the claims queued on those rows and
+// followed their versions, a third of the server's time; the one shared
+// row that replaced them (migration 20) still cost every claim a write
+// and its lock, most of what the fair claim cost beyond its choice
+// (docs/benchmarks.md). A claim moves the cursor only from the position
+// it read (cursor): one that ends after another claim moved it leaves
+// it, and the claims racing with the one that moves it take the next
+// jobs of the same tenants (SKIP LOCKED on jobs). Replicas sharing a
+// database thus turn on their own, each passing over every listed
+// tenant in turn, so that each tenant is served at least once per pass
+// of each replica; a restarted replica begins its pass at the first
+// name, and tenants never served still come first, whoever serves them
+// (served_at is shared). fair_cursor stays in the schema, unread, for
+// binaries of the releases before this one during a rolling upgrade.
+//
+// A tenant's served_at is written when it is first served and then at
+// most every fairRefresh, for the reaper: tenants with nothing runnable
+// leave the table once their served_at is a minute old.
 //
 // The oldest runnable job of all also comes first when its tenant is
 // missing from job_tenants. The reaper drops tenants with nothing
@@ -55,6 +65,17 @@ import (
 // tenant with runnable work again (fairRelist), and a claim that meets
 // such a tenant's job as the oldest puts it back at once: a lost row
 // costs that tenant at most one reaper period, never its jobs.
+
+// cursor returns the fair claim's cursor, the last tenant of the last
+// turn (empty before any), and move, which moves it to next unless another
+// claim moved it since.
+func (s *Store) cursor() (cur string, move func(next string)) {
+	p := s.turn.Load()
+	if p != nil {
+		cur = *p
+	}
+	return cur, func(next string) { s.turn.CompareAndSwap(p, &next) }
+}
 
 // fairTenants is how many tenants one claim of limit jobs considers: as
 // many as it takes jobs, so that with tenants interleaved in the queue a
@@ -112,9 +133,6 @@ const (
 // The fair claim's statements for a database that serialises writers,
 // with ownership.go's conditions.
 var (
-	// fairCursor is the cursor's position: '' before any claim moved it.
-	fairCursor     = `SELECT COALESCE((SELECT tenant FROM fair_cursor WHERE id = 1), '')`
-	fairMove       = `UPDATE fair_cursor SET tenant = ? WHERE id = 1`
 	fairConsidered = `SELECT o.tenant, o.served_at, COALESCE(tn.weight, 1) FROM (` + fairOrder("?") + `) o
 		LEFT JOIN tenants tn ON tn.name = o.tenant ORDER BY o.pos`
 	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND ` + runnable("jobs", "?") + ` AND %s
@@ -167,42 +185,41 @@ type fairTenant struct {
 // claimFairTx is the fair claim as several statements in tx, for a
 // database that serialises writers (SQLite): the same choice as the
 // PostgreSQL statement in claimCTE. m is the dialect's models argument.
-func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any) ([]store.Job, error) {
+//
+// cursor is the turn's cursor; the claim returns where it moves it (empty:
+// it stays), for the caller to move once the claim has committed.
+func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any, cursor string) ([]store.Job, string, error) {
 	head, oldestQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairOldest, s.d.ModelIn("jobs.model"))
 	fillQ := fmt.Sprintf(fairFill, s.d.ModelIn("jobs.model"))
 	var oldest struct{ id, tenant string }
 	switch err := s.queryRow(ctx, tx, rebind(s.d, oldestQ), micros(now), micros(now), m, m).Scan(&oldest.id, &oldest.tenant); {
 	case errors.Is(err, sql.ErrNoRows):
-		return nil, nil // nothing runnable anywhere: write nothing
+		return nil, "", nil // nothing runnable anywhere: write nothing
 	case err != nil:
-		return nil, err
-	}
-	var cursor string
-	if err := s.queryRow(ctx, tx, rebind(s.d, fairCursor)).Scan(&cursor); err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	n := fairTenants(limit)
 	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), n, cursor, n, cursor, n, n)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	var considered []fairTenant
 	for rows.Next() {
 		var t fairTenant
 		if err := rows.Scan(&t.name, &t.served, &t.weight); err != nil {
 			rows.Close()
-			return nil, err
+			return nil, "", err
 		}
 		considered = append(considered, t)
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	var ids []string
 	var listed int
 	if err := s.queryRow(ctx, tx, rebind(s.d, fairListed), oldest.tenant).Scan(&listed); err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	if listed == 0 {
 		ids = append(ids, oldest.id) // a lost row: first, and its tenant is put back
@@ -214,32 +231,32 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		}
 		rows, err := s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, shares[t.name])
 		if err != nil {
-			return nil, err
+			return nil, "", err
 		}
 		for rows.Next() {
 			var id string
 			if err := rows.Scan(&id); err != nil {
 				rows.Close()
-				return nil, err
+				return nil, "", err
 			}
 			ids = append(ids, id)
 		}
 		rows.Close()
 		if err := rows.Err(); err != nil {
-			return nil, err
+			return nil, "", err
 		}
 	}
 	// What the shares could not fill, oldest-first.
 	if len(ids) < limit {
 		rows, err := s.query(ctx, tx, rebind(s.d, fillQ), micros(now), micros(now), m, m, limit)
 		if err != nil {
-			return nil, err
+			return nil, "", err
 		}
 		for rows.Next() && len(ids) < limit {
 			var id string
 			if err := rows.Scan(&id); err != nil {
 				rows.Close()
-				return nil, err
+				return nil, "", err
 			}
 			if !slices.Contains(ids, id) {
 				ids = append(ids, id)
@@ -247,21 +264,19 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		}
 		rows.Close()
 		if err := rows.Err(); err != nil {
-			return nil, err
+			return nil, "", err
 		}
 	}
 	var out []store.Job
-	tenants := map[string]bool{}
 	for _, id := range ids {
 		j, err := scanJob(s.queryRow(ctx, tx, rebind(s.d, fairClaimOne), micros(now.Add(lease)), micros(now), id, micros(now), micros(now)))
 		if errors.Is(err, sql.ErrNoRows) {
 			continue // another claimer's; SQLite serialises them, so only in theory
 		}
 		if err != nil {
-			return nil, err
+			return nil, "", err
 		}
 		out = append(out, j)
-		tenants[j.Tenant] = true
 	}
 	// The turn passes the considered tenants, served or found empty
 	// (their work is not available yet), so that the next claim looks
@@ -273,19 +288,15 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		}
 		if t.served < micros(now.Add(-fairRefresh)) {
 			if _, err := s.exec(ctx, tx, rebind(s.d, fairServed), micros(now), t.name, micros(now.Add(-fairRefresh))); err != nil {
-				return nil, err
+				return nil, "", err
 			}
 		}
 	}
-	if next != "" {
-		if _, err := s.exec(ctx, tx, rebind(s.d, fairMove), next); err != nil {
-			return nil, err
+
+	if listed == 0 {
+		if _, err := s.exec(ctx, tx, rebind(s.d, fairHeal), oldest.tenant); err != nil {
+			return nil, "", err
 		}
 	}
-	for t := range tenants {
-		if _, err := s.exec(ctx, tx, rebind(s.d, fairHeal), t); err != nil {
-			return nil, err
-		}
-	}
-	return out, nil
+	return out, next, nil
 }

@@ -179,11 +179,13 @@ func ownershipQueries(d Dialect, q *queries) {
 // and what the shares could not fill is filled oldest-first (fill),
 // skipping the locked. No job is read that the claim does not take, so
 // a claim costs what an oldest-first claim of the same size costs, plus
-// one index probe per considered tenant and the cursor's one row.
+// one index probe per considered tenant. The statement returns, with each
+// job, where the turn's cursor moves (fair.go): the last considered
+// tenant served before, NULL when none was.
 func claimCTE(d Dialect) string {
 	run := runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model")
 	ordered := run + ` AND ` + claimOrderIndexed("jobs")
-	return `WITH cur AS (SELECT COALESCE((SELECT tenant FROM fair_cursor WHERE id = 1), '') AS tenant),
+	return `WITH cur AS (SELECT ?::text AS tenant),
 	considered AS MATERIALIZED (
 		SELECT o.tenant, o.served_at, o.pos, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
 		FROM (` + fairOrder("(SELECT tenant FROM cur)") + `) o
@@ -228,31 +230,25 @@ func claimCTE(d Dialect) string {
 			lease_until = ?, state_version = state_version + 1, updated_at = ?
 		WHERE jobs.id = ANY(ARRAY(SELECT id FROM picked))
 		RETURNING ` + jobColumns + `),
-	moved AS (
-		-- Only from the position read, and only when no other claim holds
-		-- the row: a claim that finds it moved or locked leaves it.
-		UPDATE fair_cursor SET tenant = (SELECT tenant FROM considered WHERE served_at <> 0 ORDER BY pos DESC LIMIT 1)
-		WHERE id IN (SELECT id FROM fair_cursor WHERE id = 1 AND tenant = (SELECT tenant FROM cur)
-			AND EXISTS (SELECT 1 FROM oldest) AND EXISTS (SELECT 1 FROM considered WHERE served_at <> 0)
-			FOR UPDATE SKIP LOCKED)),
 	served AS (
 		-- New tenants, and those whose record is older than fairRefresh:
 		-- rarely a listed tenant's row.
 		UPDATE job_tenants SET served_at = ?
-		WHERE EXISTS (SELECT 1 FROM oldest) AND tenant IN (
+		WHERE EXISTS (SELECT 1 FROM oldest) AND EXISTS (SELECT 1 FROM considered WHERE served_at < ?) AND tenant IN (
 			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered WHERE served_at < ?) AND served_at < ?
 			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
 	healed AS (
-		-- Only a tenant missing from the table: ON CONFLICT would wait
-		-- for every claim in flight that updates a listed one.
-		INSERT INTO job_tenants (tenant) SELECT DISTINCT tenant FROM claimed
-		WHERE NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = claimed.tenant) ON CONFLICT DO NOTHING),
+		-- Only the stray's tenant, missing from the table (ON CONFLICT
+		-- would wait for every claim in flight that updates a listed
+		-- one); any other unlisted tenant's jobs the fill took are the
+		-- reaper's to list again (fairRelist), and are its stray later.
+		INSERT INTO job_tenants (tenant) SELECT tenant FROM oldest WHERE EXISTS (SELECT 1 FROM stray) ON CONFLICT DO NOTHING),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT ` + claimEventID("?::text", "row_number() OVER (ORDER BY priority, available_at, id)") + `,
 			id, tenant, 'job.running', state, state_version, ?::bigint
 		FROM claimed ORDER BY priority, available_at, id)
-	SELECT ` + jobColumns + ` FROM claimed`
+	SELECT ` + jobColumns + `, (SELECT tenant FROM considered WHERE served_at <> 0 ORDER BY pos DESC LIMIT 1) FROM claimed`
 }
 
 // maxClaim is the most jobs one claim takes on PostgreSQL: the events of
@@ -274,9 +270,10 @@ func claimEventID(base, n string) string {
 
 // claimArgs are claimCTE's parameters, in its order; events is the
 // claim's UUIDv7 base for its events' ids (claimEventID).
-func claimArgs(now time.Time, lease time.Duration, limit int, m any, events string) []any {
+func claimArgs(now time.Time, lease time.Duration, limit int, m any, events, cursor string) []any {
 	t, n, stale := micros(now), fairTenants(limit), micros(now.Add(-fairRefresh))
-	return []any{n, n, n, n, // considered
+	return []any{cursor, // cur
+		n, n, n, n, // considered
 		t, t, m, m, // oldest
 		t, t, // stray
 		limit, limit, // turns
@@ -284,7 +281,7 @@ func claimArgs(now time.Time, lease time.Duration, limit int, m any, events stri
 		t, t, m, m, // fair
 		t, t, m, m, limit, // fill
 		micros(now.Add(lease)), t, // claimed
-		t, stale, stale, // served
+		t, stale, stale, stale, // served
 		events, t} // ev
 }
 
@@ -351,9 +348,11 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 		return nil, s.err("claim jobs", err)
 	}
 	var jobs []store.Job
+	var next string
+	cursor, move := s.cursor()
 	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
 		var err error
-		if jobs, err = s.claimFairTx(ctx, tx, now, lease, limit, m); err != nil {
+		if jobs, next, err = s.claimFairTx(ctx, tx, now, lease, limit, m, cursor); err != nil {
 			return err
 		}
 		sortClaimed(jobs)
@@ -366,6 +365,9 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 	})
 	if err != nil {
 		return nil, err
+	}
+	if next != "" {
+		move(next)
 	}
 	return jobs, nil
 }
@@ -385,7 +387,8 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	m := s.d.ModelsArg(models)
 	// The lock re-reads a row another claimer changed; availability and
 	// the deadline are checked again on the version it locks.
-	rows, err := s.query(ctx, nil, s.q.claimCTE, claimArgs(now, lease, limit, m, uuid.Must(uuid.NewV7()).String())...)
+	cursor, move := s.cursor()
+	rows, err := s.query(ctx, nil, s.q.claimCTE, claimArgs(now, lease, limit, m, uuid.Must(uuid.NewV7()).String(), cursor)...)
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}
@@ -393,8 +396,9 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	// A claim often finds fewer jobs than its limit (a runner asks for
 	// every free slot): the slice grows with what it takes.
 	jobs := make([]store.Job, 0, min(limit, 16))
+	var next sql.NullString
 	for rows.Next() {
-		j, err := scanJob(rows)
+		j, err := scanJob(rows, &next)
 		if err != nil {
 			return nil, s.err("claim jobs", err)
 		}
@@ -402,6 +406,9 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	}
 	if err := rows.Err(); err != nil {
 		return nil, s.err("claim jobs", err)
+	}
+	if next.Valid {
+		move(next.String)
 	}
 	sortClaimed(jobs)
 	return jobs, nil

@@ -77,6 +77,8 @@ type Store struct {
 	stages   *group[stageCall]
 	quotas   *group[quotaCall] // every dialect: quotabatch.go
 	behind   *group[quotaCall] // the calls no request waits for: quotabatch.go
+
+	turn atomic.Pointer[string] // the fair claim's cursor (fair.go); nil before the first move
 }
 
 // New returns a store over db, whose schema is already migrated.
