@@ -42,8 +42,8 @@ import (
 // last served, before migration 20), the claims queued on those rows and
 // followed their versions, a third of the server's time; the one shared
 // row that replaced them (migration 20) still cost every claim a write
-// and its lock, most of what the fair claim cost beyond its choice
-// (docs/benchmarks.md). A claim moves the cursor only from the position
+// and a row lock (docs/benchmarks.md, "The turn in each store's
+// memory"). A claim moves the cursor only from the position
 // it read (cursor): one that ends after another claim moved it leaves
 // it, and the claims racing with the one that moves it take the next
 // jobs of the same tenants (SKIP LOCKED on jobs). Replicas sharing a
