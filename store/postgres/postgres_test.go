@@ -443,6 +443,61 @@ func TestClaimLeavesListedTenantRows(t *testing.T) {
 	}
 }
 
+// TestClaimTurnPerStore: replicas over one database each keep their own
+// turn (fair.go): with claims of one alternating between two stores, each
+// store's claims pass over every backlogged tenant in turn, however the
+// other store's claims interleave with them.
+func TestClaimTurnPerStore(t *testing.T) {
+	ctx := context.Background()
+	url := freshDatabase(t)
+	var stores []*sqlstore.Store
+	for range 2 {
+		s, err := postgres.Open(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		stores = append(stores, s)
+	}
+	if _, err := postgres.Migrate(ctx, stores[0]); err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for i := range 60 { // 20 jobs for each of three tenants: none runs out
+		if _, _, err := stores[0].Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	per := [2][]string{}
+	for i := range 30 {
+		js, err := stores[i%2].Claim(ctx, now.Add(time.Second+time.Duration(i)*time.Millisecond), time.Minute, 1, "m")
+		if err != nil || len(js) != 1 {
+			t.Fatalf("claim %d: %d jobs, %v", i+1, len(js), err)
+		}
+		per[i%2] = append(per[i%2], js[0].Tenant)
+	}
+	// The first three claims serve the new tenants (served_at is shared);
+	// then each store's own claims take the tenants in turn.
+	for k, got := range per {
+		last := got[len(got)-12:]
+		seen := map[string]int{}
+		for _, tenant := range last {
+			seen[tenant]++
+		}
+		if seen["t0"] != 4 || seen["t1"] != 4 || seen["t2"] != 4 {
+			t.Errorf("store %d's last 12 claims: %v, want each tenant 4 times (all its claims: %v)", k, seen, got)
+		}
+		for i := 2; i < len(last); i++ {
+			if last[i] == last[i-1] || last[i] == last[i-2] {
+				t.Errorf("store %d took %v: a tenant again before the others' turns", k, last)
+				break
+			}
+		}
+	}
+}
+
 // TestInboxBatchReadsNoInbox: the inbox's batch reads no records but the
 // ones it did not insert. It had read every record of the batch's ids in
 // the same statement, and the generic plan made while the inbox was
