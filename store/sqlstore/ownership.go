@@ -269,7 +269,8 @@ func claimEventID(base, n string) string {
 }
 
 // claimArgs are claimCTE's parameters, in its order; events is the
-// claim's UUIDv7 base for its events' ids (claimEventID).
+// claim's UUIDv7 base for its events' ids (claimEventID), cursor the
+// turn's cursor the claim read (fair.go).
 func claimArgs(now time.Time, lease time.Duration, limit int, m any, events, cursor string) []any {
 	t, n, stale := micros(now), fairTenants(limit), micros(now.Add(-fairRefresh))
 	return []any{cursor, // cur
