@@ -385,6 +385,19 @@ func migratedFresh(t *testing.T) *sqlstore.Store {
 	return s
 }
 
+// acceptInTurn accepts n jobs of model "m" at now, their tenants t0, t1
+// and t2 in turn.
+func acceptInTurn(t *testing.T, s store.Store, n int, now time.Time) {
+	t.Helper()
+	for i := range n {
+		if _, _, err := s.Accept(context.Background(), store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // TestClaimLeavesListedTenantRows: once every listed tenant has been
 // served, claims pass the turn by the store's cursor alone and write none
 // of job_tenants' rows: claims in flight all consider the same tenants,
@@ -402,13 +415,7 @@ func TestClaimLeavesListedTenantRows(t *testing.T) {
 		t.Fatal(err)
 	}
 	now := time.Now()
-	for i := range 12 {
-		if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
-			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	acceptInTurn(t, s, 12, now)
 	rows := func() (versions string) {
 		if err := s.DB().QueryRowContext(ctx, `SELECT string_agg(tenant || ':' || xmin::text, ',' ORDER BY tenant)
 			|| ' cursor:' || (SELECT xmin::text FROM fair_cursor) FROM job_tenants`).Scan(&versions); err != nil {
@@ -463,13 +470,7 @@ func TestClaimTurnPerStore(t *testing.T) {
 		t.Fatal(err)
 	}
 	now := time.Now()
-	for i := range 60 { // 20 jobs for each of three tenants: none runs out
-		if _, _, err := stores[0].Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
-			Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	acceptInTurn(t, stores[0], 60, now) // 20 jobs for each of three tenants: none runs out
 	per := [2][]string{}
 	for i := range 30 {
 		js, err := stores[i%2].Claim(ctx, now.Add(time.Second+time.Duration(i)*time.Millisecond), time.Minute, 1, "m")
@@ -579,13 +580,7 @@ func TestClaimEventIDs(t *testing.T) {
 	s := migratedFresh(t)
 	ctx := context.Background()
 	now := time.Now()
-	for i := range 50 {
-		if _, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-			Tenant: fmt.Sprint("t", i%3), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h", Endpoint: "/v1/chat/completions",
-			Model: "m", Body: json.RawMessage(`{}`), MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
-			t.Fatal(err)
-		}
-	}
+	acceptInTurn(t, s, 50, now)
 	seen := map[string]bool{}
 	for _, limit := range []int{20, 1 << 20} { // the second beyond maxClaim: it takes what is left
 		js, err := s.Claim(ctx, now, time.Minute, limit, "m")
