@@ -232,7 +232,9 @@ func claimCTE(d Dialect) string {
 		RETURNING ` + jobColumns + `),
 	served AS (
 		-- New tenants, and those whose record is older than fairRefresh:
-		-- rarely a listed tenant's row.
+		-- rarely a listed tenant's row. The first EXISTS on considered is
+		-- checked once, so that a claim with no such tenant (the usual
+		-- one) skips the update's lookups altogether.
 		UPDATE job_tenants SET served_at = ?
 		WHERE EXISTS (SELECT 1 FROM oldest) AND EXISTS (SELECT 1 FROM considered WHERE served_at < ?) AND tenant IN (
 			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered WHERE served_at < ?) AND served_at < ?
