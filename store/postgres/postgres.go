@@ -34,6 +34,9 @@ var Dialect = sqlstore.Dialect{
 	LockFeed:       "SELECT pg_advisory_xact_lock(7403153942)", // and the feed's
 	WritableCTE:    true,
 	LockShared:     "FOR SHARE",
+	// Migration 22's key, which the jobs' triggers hold shared while
+	// they list a tenant.
+	TryPruneTenant: func(t string) string { return "kvgate_try_prune_tenant_key(" + t + ")" },
 	// array_position, not col = ANY(list): the claim's prepared generic
 	// plan is made without the list, and where the table has no
 	// statistics yet (no ANALYZE has run) PostgreSQL takes = ANY for a

@@ -79,20 +79,15 @@ func TestClaimStatementCost(t *testing.T) {
 	}
 	// Each cut keeps the placeholders of what it removes, so that the
 	// variant takes claimArgs unchanged.
-	weights := [3]string{"LEFT JOIN tenants tn ON tn.name = o.tenant),", "\n\toldest AS (", "),"}
+	weights := [3]string{"LEFT JOIN tenants tn ON tn.name = o.tenant),", "\n\tturns AS (", "),"}
 	weight := [3]string{"GREATEST(COALESCE(tn.weight, 1), 1)::float8", " AS weight", "1::float8"}
 	shares := [3]string{"turns AS (", "\n\tshares AS (",
 		"turns AS (SELECT tenant, pos, pos::float8 + 0 * ?::int + 0 * ?::int AS turn FROM considered),"}
-	stray := [3]string{"stray AS MATERIALIZED (", "\n\tturns AS (",
-		"stray AS MATERIALIZED (SELECT NULL::text AS id WHERE ?::bigint IS NULL AND ?::bigint IS NULL),"}
-	served := [3]string{"served AS (", "\n\thealed AS (", "served AS (SELECT ?::bigint, ?::bigint, ?::bigint, ?::bigint),"}
-	healed := [3]string{"healed AS (", "\n\tev AS (", "healed AS (SELECT 1),"}
+	served := [3]string{"served AS (", "\n\tev AS (", "served AS (SELECT ?::bigint, ?::bigint, ?::bigint, ?::bigint),"}
 	add("without the tenants' weights (all 1)", fairArgs, weights, weight)
 	add("without the shares (one job a tenant)", fairArgs, shares)
-	add("without the stray check", fairArgs, stray)
 	add("without the served records", fairArgs, served)
-	add("without healing lost tenants", fairArgs, healed)
-	add("without all five", fairArgs, weights, weight, shares, stray, served, healed)
+	add("without all three", fairArgs, weights, weight, shares, served)
 	// Oldest first: the jobs taken in claim order, with the fair claim's
 	// own update and events.
 	oldestFirst := `WITH picked AS (SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + `

@@ -58,13 +58,19 @@ import (
 // most every fairRefresh, for the reaper: tenants with nothing runnable
 // leave the table once their served_at is a minute old.
 //
-// The oldest runnable job of all also comes first when its tenant is
-// missing from job_tenants. The reaper drops tenants with nothing
-// runnable left, which can race with an acceptance (the row is dropped as
-// the tenant's new job commits); the reaper's next pass lists every
-// tenant with runnable work again (fairRelist), and a claim that meets
-// such a tenant's job as the oldest puts it back at once: a lost row
-// costs that tenant at most one reaper period, never its jobs.
+// The reaper lists again every tenant with runnable jobs that the table
+// lacks (fairRelist), and then drops the tenants with nothing runnable
+// whose served_at is a minute old (pruneTenants). The prune cannot race
+// with a transaction that makes a tenant's job runnable: on PostgreSQL
+// each such transaction holds the tenant's listing key shared from
+// before it looks for the tenant's row until it ends (migration 22's
+// triggers), and the prune takes the key exclusively, without waiting,
+// before it looks for the tenant's runnable jobs in a statement of its
+// own; SQLite serialises the two. The relisting is for rows lost
+// otherwise: removed by hand, or by a release before this one during a
+// rolling upgrade, whose prune took no key. Claims no longer look for
+// such strays (the oldest job of all, its tenant checked, in every
+// claim: nearly a third of the fair claim's reads).
 
 // cursor returns the fair claim's cursor, the last tenant of the last
 // turn (empty before any), and move, which moves it to next unless another
@@ -116,16 +122,13 @@ func fairOrder(cursor string) string {
 }
 
 const (
-	fairListed = `SELECT count(*) FROM job_tenants WHERE tenant = ?`
 	// fairServed records that a tenant was served, when its record is
 	// older than fairRefresh (or it was never served).
 	fairServed = `UPDATE job_tenants SET served_at = ? WHERE tenant = ? AND served_at < ?`
-	fairHeal   = `INSERT INTO job_tenants (tenant) VALUES (?) ON CONFLICT (tenant) DO NOTHING`
 	// fairRelist puts back every tenant with runnable jobs that the table
 	// lacks, found by skipping through jobs_runnable_tenant one tenant at
 	// a time (an index probe per tenant, never the backlog); the reaper
-	// runs it after fairPrune, whose race with an acceptance can drop a
-	// tenant whose new job was not yet committed.
+	// runs it on every pass.
 	fairRelist = `WITH RECURSIVE t(tenant) AS (
 			SELECT min(tenant) FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED')
 			UNION ALL
@@ -133,10 +136,65 @@ const (
 			FROM t WHERE t.tenant IS NOT NULL)
 		INSERT INTO job_tenants (tenant) SELECT tenant FROM t WHERE tenant IS NOT NULL
 		ON CONFLICT (tenant) DO NOTHING`
-	// fairPrune drops tenants with nothing runnable; the reaper runs it.
-	fairPrune = `DELETE FROM job_tenants WHERE served_at < ? AND NOT EXISTS (
+	// fairIdle is the condition that tenant row job_tenants has nothing
+	// runnable and was last served before the placeholder's time.
+	fairIdle = `job_tenants.served_at < ? AND NOT EXISTS (
 		SELECT 1 FROM jobs WHERE jobs.tenant = job_tenants.tenant AND jobs.state IN ('READY', 'RETRY_SCHEDULED'))`
+	// fairPrune drops the idle tenants where writers are serialised.
+	fairPrune = `DELETE FROM job_tenants WHERE ` + fairIdle
+	// fairPruneKeys takes the listing keys of at most fairPruneMax idle
+	// tenants that no listing holds (%s: the dialect's TryPruneTenant of
+	// tenant), and fairPruneKeyed drops those still idle, seen after
+	// their keys.
+	fairPruneKeys = `SELECT tenant FROM (
+			SELECT tenant FROM job_tenants WHERE ` + fairIdle + ` ORDER BY tenant LIMIT ?) idle
+		WHERE %s`
+	fairPruneKeyed = `DELETE FROM job_tenants WHERE tenant = ANY(?::text[]) AND ` + fairIdle
 )
+
+// fairPruneAge is how long ago an idle tenant must have been served for
+// the reaper to drop it: tenants served within it stay, being likely to
+// come back.
+const fairPruneAge = time.Minute
+
+// fairPruneMax is the most tenants one prune drops where it takes their
+// keys: each key is an entry in the database's lock table (PostgreSQL's
+// is shared, sized by max_locks_per_transaction) until the reaper's
+// transaction ends. The rest wait for the reaper's next passes.
+const fairPruneMax = 256
+
+// pruneTenants drops from job_tenants the tenants with nothing runnable
+// that were last served over fairPruneAge before now, in tx (the rule
+// above). Where listings run beside it, it keeps the keys of the tenants
+// it drops until tx ends.
+func (s *Store) pruneTenants(ctx context.Context, tx *sql.Tx, now time.Time) error {
+	before := micros(now.Add(-fairPruneAge))
+	if s.d.TryPruneTenant == nil {
+		_, err := s.exec(ctx, tx, rebind(s.d, fairPrune), before)
+		return err
+	}
+	rows, err := s.query(ctx, tx, rebind(s.d, fmt.Sprintf(fairPruneKeys, s.d.TryPruneTenant("tenant"))), before, fairPruneMax)
+	if err != nil {
+		return err
+	}
+	var keyed []string
+	for rows.Next() {
+		var t string
+		if err := rows.Scan(&t); err != nil {
+			rows.Close()
+			return err
+		}
+		keyed = append(keyed, t)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil || len(keyed) == 0 {
+		return err
+	}
+	// A statement of its own: its snapshot follows the keys, so it sees
+	// every job whose listing had found the tenant's row.
+	_, err = s.exec(ctx, tx, rebind(s.d, fairPruneKeyed), keyed, before)
+	return err
+}
 
 // The fair claim's statements for a database that serialises writers,
 // with ownership.go's conditions.
@@ -145,8 +203,6 @@ var (
 		LEFT JOIN tenants tn ON tn.name = o.tenant ORDER BY o.pos`
 	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND ` + runnable("jobs", "?") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT ?`
-	fairOldest = `SELECT id, tenant FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND %s
-		ORDER BY priority, available_at, id LIMIT 1`
 	fairFill = `SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT ?`
 	fairClaimOne = `UPDATE jobs SET state = 'RUNNING', fence = fence + 1, lease_until = ?, state_version = state_version + 1, updated_at = ?
@@ -197,15 +253,7 @@ type fairTenant struct {
 // cursor is the turn's cursor; the claim returns where it moves it (empty:
 // it stays), for the caller to move once the claim has committed.
 func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any, cursor string) ([]store.Job, string, error) {
-	head, oldestQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairOldest, s.d.ModelIn("jobs.model"))
-	fillQ := fmt.Sprintf(fairFill, s.d.ModelIn("jobs.model"))
-	var oldest struct{ id, tenant string }
-	switch err := s.queryRow(ctx, tx, rebind(s.d, oldestQ), micros(now), micros(now), m, m).Scan(&oldest.id, &oldest.tenant); {
-	case errors.Is(err, sql.ErrNoRows):
-		return nil, "", nil // nothing runnable anywhere: write nothing
-	case err != nil:
-		return nil, "", err
-	}
+	head, fillQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairFill, s.d.ModelIn("jobs.model"))
 	n := fairTenants(limit)
 	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), n, cursor, n, cursor, n, n)
 	if err != nil {
@@ -225,14 +273,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		return nil, "", err
 	}
 	var ids []string
-	var listed int
-	if err := s.queryRow(ctx, tx, rebind(s.d, fairListed), oldest.tenant).Scan(&listed); err != nil {
-		return nil, "", err
-	}
-	if listed == 0 {
-		ids = append(ids, oldest.id) // a lost row: first, and its tenant is put back
-	}
-	shares := fairShares(considered, limit-len(ids))
+	shares := fairShares(considered, limit)
 	for _, t := range considered {
 		if shares[t.name] == 0 {
 			continue
@@ -275,6 +316,9 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 			return nil, "", err
 		}
 	}
+	if len(ids) == 0 {
+		return nil, "", nil // nothing runnable anywhere: write nothing
+	}
 	var out []store.Job
 	for _, id := range ids {
 		j, err := scanJob(s.queryRow(ctx, tx, rebind(s.d, fairClaimOne), micros(now.Add(lease)), micros(now), id, micros(now), micros(now)))
@@ -298,12 +342,6 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 			if _, err := s.exec(ctx, tx, rebind(s.d, fairServed), micros(now), t.name, micros(now.Add(-fairRefresh))); err != nil {
 				return nil, "", err
 			}
-		}
-	}
-
-	if listed == 0 {
-		if _, err := s.exec(ctx, tx, rebind(s.d, fairHeal), oldest.tenant); err != nil {
-			return nil, "", err
 		}
 	}
 	return out, next, nil

@@ -190,28 +190,13 @@ func claimCTE(d Dialect) string {
 		SELECT o.tenant, o.served_at, o.pos, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
 		FROM (` + fairOrder("(SELECT tenant FROM cur)") + `) o
 		LEFT JOIN tenants tn ON tn.name = o.tenant),
-	oldest AS (
-		SELECT id, tenant, priority, available_at FROM jobs WHERE ` + ordered + `
-		ORDER BY priority, available_at, id LIMIT 1),
-	stray AS MATERIALIZED (
-		-- The oldest job by every key of the runnable jobs' indexes, as
-		-- values: joined to oldest, or by id alone, a generic plan made
-		-- with the statistics of an empty queue read every runnable job
-		-- to find it (a scan of a partial index, filtered by id).
-		SELECT jobs.id FROM jobs WHERE jobs.id = (SELECT id FROM oldest) AND jobs.tenant = (SELECT tenant FROM oldest)
-			AND jobs.priority = (SELECT priority FROM oldest) AND jobs.available_at = (SELECT available_at FROM oldest)
-			-- The tenant as a value too: an uncorrelated test, checked once
-			-- before the job is looked up, which it almost never is (the
-			-- tenant is listed).
-			AND NOT EXISTS (SELECT 1 FROM job_tenants jt WHERE jt.tenant = (SELECT tenant FROM oldest)) AND ` + runnable("jobs", "?") + `
-		FOR UPDATE OF jobs SKIP LOCKED),
 	turns AS (
 		SELECT t.tenant, t.pos, g / t.weight AS turn
 		FROM considered t CROSS JOIN LATERAL generate_series(0,
 			LEAST(?::int, CEIL(?::int * t.weight / (SELECT sum(weight) FROM considered))::int + 1) - 1) g),
 	shares AS (
 		SELECT tenant, count(*)::int AS n FROM (
-			SELECT tenant FROM turns ORDER BY turn, pos LIMIT GREATEST(?::int - (SELECT count(*) FROM stray), 0)) s
+			SELECT tenant FROM turns ORDER BY turn, pos LIMIT ?::int) s
 		GROUP BY tenant),
 	fair AS MATERIALIZED (
 		SELECT f.id FROM shares s CROSS JOIN LATERAL (
@@ -219,12 +204,12 @@ func claimCTE(d Dialect) string {
 			ORDER BY priority, available_at, id LIMIT s.n FOR UPDATE SKIP LOCKED) f),
 	fill AS MATERIALIZED (
 		SELECT id FROM jobs WHERE ` + ordered + `
-			AND id NOT IN (SELECT id FROM fair) AND id NOT IN (SELECT id FROM stray)
+			AND id NOT IN (SELECT id FROM fair)
 		ORDER BY priority, available_at, id
-		LIMIT GREATEST(?::int - (SELECT count(*) FROM fair) - (SELECT count(*) FROM stray), 0)
+		LIMIT GREATEST(?::int - (SELECT count(*) FROM fair), 0)
 		FOR UPDATE SKIP LOCKED),
 	picked AS (
-		SELECT id FROM stray UNION ALL SELECT id FROM fair UNION ALL SELECT id FROM fill),
+		SELECT id FROM fair UNION ALL SELECT id FROM fill),
 	claimed AS (
 		UPDATE jobs SET state = 'RUNNING', fence = fence + 1,
 			lease_until = ?, state_version = state_version + 1, updated_at = ?
@@ -232,19 +217,14 @@ func claimCTE(d Dialect) string {
 		RETURNING ` + jobColumns + `),
 	served AS (
 		-- New tenants, and those whose record is older than fairRefresh:
-		-- rarely a listed tenant's row. The first EXISTS on considered is
+		-- rarely a listed tenant's row, and none when the claim took
+		-- nothing (an idle poll writes nothing). The EXISTS tests are
 		-- checked once, so that a claim with no such tenant (the usual
 		-- one) skips the update's lookups altogether.
 		UPDATE job_tenants SET served_at = ?
-		WHERE EXISTS (SELECT 1 FROM oldest) AND EXISTS (SELECT 1 FROM considered WHERE served_at < ?) AND tenant IN (
+		WHERE EXISTS (SELECT 1 FROM picked) AND EXISTS (SELECT 1 FROM considered WHERE served_at < ?) AND tenant IN (
 			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered WHERE served_at < ?) AND served_at < ?
 			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
-	healed AS (
-		-- Only the stray's tenant, missing from the table (ON CONFLICT
-		-- would wait for every claim in flight that updates a listed
-		-- one); any other unlisted tenant's jobs the fill took are the
-		-- reaper's to list again (fairRelist), and are its stray later.
-		INSERT INTO job_tenants (tenant) SELECT tenant FROM oldest WHERE EXISTS (SELECT 1 FROM stray) ON CONFLICT DO NOTHING),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT ` + claimEventID("?::text", "row_number() OVER (ORDER BY priority, available_at, id)") + `,
@@ -277,8 +257,6 @@ func claimArgs(now time.Time, lease time.Duration, limit int, m any, events, cur
 	t, n, stale := micros(now), fairTenants(limit), micros(now.Add(-fairRefresh))
 	return []any{cursor, // cur
 		n, n, n, n, // considered
-		t, t, m, m, // oldest
-		t, t, // stray
 		limit, limit, // turns
 		limit,      // shares
 		t, t, m, m, // fair
@@ -585,15 +563,13 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			}
 			n += len(rs)
 		}
-		// Tenants left with nothing runnable leave the fair claim's table
-		// (fair.go); those served within the last half minute (their
-		// served_at written at most every fairRefresh) stay, being likely
-		// to come back.
-		if _, err := s.exec(ctx, tx, rebind(s.d, fairPrune), micros(now.Add(-time.Minute))); err != nil {
+		// The fair claim's table (fair.go): tenants it lost are listed
+		// again, and tenants left with nothing runnable leave it, last,
+		// so that the prune's keys are held only until the commit.
+		if _, err := s.exec(ctx, tx, rebind(s.d, fairRelist)); err != nil {
 			return err
 		}
-		_, err := s.exec(ctx, tx, rebind(s.d, fairRelist))
-		return err
+		return s.pruneTenants(ctx, tx, now)
 	})
 	return n, err
 }

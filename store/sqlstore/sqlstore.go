@@ -48,6 +48,12 @@ type Dialect struct {
 	// depends on: "FOR SHARE" where a concurrent update must be waited
 	// for and seen, "" where the database serialises writers.
 	LockShared string
+	// TryPruneTenant renders the condition that takes the listing key of
+	// the tenant named by expression t exclusively, without waiting
+	// (true when taken), for the reaper's prune of job_tenants (fair.go);
+	// nil where the database serialises writers, so that no listing can
+	// be in flight during a prune.
+	TryPruneTenant func(t string) string
 	// ModelIn renders the condition that column col is one of a list of
 	// models, or that the list is empty; it takes ModelsArg's value twice.
 	ModelIn   func(col string) string

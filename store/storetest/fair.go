@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -145,27 +146,54 @@ func testClaimFairRelist(t *testing.T, s store.Store) {
 	}
 }
 
-// testClaimFairStray: the oldest runnable job of a tenant that job_tenants
-// lost comes first in the next claim, ahead of the listed tenants' turns,
-// and the claim lists its tenant again.
-func testClaimFairStray(t *testing.T, s store.Store) {
+// testClaimFairPrune: the reaper drops from job_tenants a tenant with
+// nothing runnable once it was last served over a minute ago, and no
+// other; the tenant's next job lists it again, and the next claim takes
+// that job in its turn.
+func testClaimFairPrune(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	db, ok := s.(interface{ DB() *sql.DB })
 	if !ok {
 		t.Skip("not a SQL store")
 	}
-	stray := accept(t, s, newJob("zz-lost", "z0")) // the oldest, and last in name order
-	for _, tenant := range []string{"b", "c", "d"} {
-		accept(t, s, newJob(tenant, tenant+"0"))
+	listed := func(tenant string) bool {
+		t.Helper()
+		var n int
+		if err := db.DB().QueryRowContext(ctx, `SELECT count(*) FROM job_tenants WHERE tenant = '`+tenant+`'`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n == 1
 	}
-	if _, err := db.DB().ExecContext(ctx, `DELETE FROM job_tenants WHERE tenant = 'zz-lost'`); err != nil {
-		t.Fatal(err)
+	reap := func(at time.Time) {
+		t.Helper()
+		if _, err := s.Reap(ctx, at, 100); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if j := claimOne(t, s, t0.Add(time.Second)); j.ID != stray.ID {
-		t.Errorf("claimed %s's job %s, want the unlisted tenant's oldest job %s", j.Tenant, j.ID, stray.ID)
+	accept(t, s, newJob("gone", "g0"))
+	served := t0.Add(time.Second)
+	// A lease longer than the test, so that the reaper leaves the job.
+	if js, err := s.Claim(ctx, served, 2*time.Hour, 1); err != nil || len(js) != 1 || js[0].Tenant != "gone" {
+		t.Fatalf("claim gone's job: %v, %v", js, err)
 	}
-	var n int
-	if err := db.DB().QueryRowContext(ctx, `SELECT count(*) FROM job_tenants WHERE tenant = 'zz-lost'`).Scan(&n); err != nil || n != 1 {
-		t.Errorf("the stray's tenant listed %d times after its claim (%v), want 1", n, err)
+	accept(t, s, newJob("kept", "k0", func(n *store.NewJob) { n.Deadline = t0.Add(2 * time.Hour) }))
+	reap(served.Add(50 * time.Second))
+	if !listed("gone") || !listed("kept") {
+		t.Fatalf("after a reaper's pass 50s after gone was served: gone listed %v, kept %v; want both", listed("gone"), listed("kept"))
+	}
+	reap(served.Add(2 * time.Minute))
+	if listed("gone") || !listed("kept") {
+		t.Fatalf("after a reaper's pass 2m after gone was served: gone listed %v, kept %v; want kept alone", listed("gone"), listed("kept"))
+	}
+	g1 := accept(t, s, newJob("gone", "g1", func(n *store.NewJob) { n.Now = served.Add(2 * time.Minute) }))
+	if !listed("gone") {
+		t.Fatal("gone's new job did not list it again")
+	}
+	js, err := s.Claim(ctx, served.Add(2*time.Minute), time.Minute, 2)
+	if err != nil || len(js) != 2 {
+		t.Fatalf("claim 2: %d jobs, %v", len(js), err)
+	}
+	if !slices.ContainsFunc(js, func(j store.Job) bool { return j.ID == g1.ID }) {
+		t.Errorf("claim of 2 over kept and gone took %v, want gone's new job %s among them", js, g1.ID)
 	}
 }

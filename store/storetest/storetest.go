@@ -32,7 +32,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"ClaimFairNoStall", testClaimFairNoStall},
 		{"ClaimFairWeights", testClaimFairWeights},
 		{"ClaimFairRelist", testClaimFairRelist},
-		{"ClaimFairStray", testClaimFairStray},
+		{"ClaimFairPrune", testClaimFairPrune},
 		{"AcceptConcurrentSameKey", testAcceptConcurrentSameKey},
 		{"ConcurrentAcceptsApart", testConcurrentAcceptsApart},
 		{"ClaimConcurrent", testClaimConcurrent},
