@@ -84,19 +84,19 @@ func (s *Store) cursor() (cur string, move func(next string)) {
 }
 
 // fairTenants is how many tenants one claim of limit jobs considers: one
-// for every two jobs it takes, so that a backlogged tenant's share is
-// two jobs, the second read next to the first in jobs_runnable_tenant.
-// One tenant a job (the rule before) made a claim of 32 over 100 tenants
-// descend the index 32 times; two a tenant halve the descents, and in
-// twelve alternating drains of each (docs/benchmarks.md) the fair claim's
-// cost against the plain claim fell from a median of 19.7% to 13.3%
-// (lower in 9 of the 12 pairs); a claim timed alone, without concurrent
-// claims, was no cheaper. Fewer
-// tenants than that (8 at most) had been measured slower, its shares
-// coming from rows further apart, and would break the rule that one
-// batch serves several tenants in turn (a batch of 6 over three
-// backlogged tenants takes 2 from each).
-func fairTenants(limit int) int { return max((limit+1)/2, 1) }
+// for every four jobs it takes, and at least three (or limit, when
+// smaller), so that a small batch still serves several tenants in turn (a
+// batch of 6 over three backlogged tenants takes 2 from each). Each
+// considered tenant costs the claim a descent of jobs_runnable_tenant and
+// a walk past its own claimed entries: one a job (the first rule) made a
+// claim of 32 over 100 tenants descend 32 times. One for every two jobs
+// took the fair claim's cost against the plain claim from a median of
+// 19.7% to 13.3% in twelve alternating drains; one for every four, with
+// the claim's stray check gone too, from 11.7% to 9.9% in five
+// (docs/benchmarks.md). A tenant's share grows with it (four jobs of 32),
+// and each backlogged tenant is still served once per pass of the
+// cursor.
+func fairTenants(limit int) int { return max((limit+3)/4, min(limit, 3)) }
 
 // fairRefresh is how old a considered tenant's served_at may grow before
 // a claim writes it again: rarely enough that claims seldom write a
