@@ -100,7 +100,7 @@ func fairTenants(limit int) int { return max((limit+3)/4, min(limit, 3)) }
 
 // fairRefresh is how old a considered tenant's served_at may grow before
 // a claim writes it again: rarely enough that claims seldom write a
-// tenant's row, often enough that the reaper's minute (fairPrune) keeps
+// tenant's row, often enough that the reaper's minute (fairPruneAge) keeps
 // every tenant served within the last half minute.
 const fairRefresh = 30 * time.Second
 
