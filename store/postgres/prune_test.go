@@ -54,6 +54,21 @@ func listed(t *testing.T, db *sql.DB, tenant string) bool {
 	return n == 1
 }
 
+// committedListed commits tx, waits for the results in waits, and says
+// whether tenant is listed then.
+func committedListed(t *testing.T, tx *sql.Tx, db *sql.DB, tenant string, waits ...chan error) bool {
+	t.Helper()
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range waits {
+		if err := <-w; err != nil {
+			t.Fatal(err)
+		}
+	}
+	return listed(t, db, tenant)
+}
+
 // TestPruneSkipsTenantBeingListed: a transaction that makes the tenant's
 // job runnable again is in flight (it found the tenant's row, so it lists
 // nothing) when the reaper prunes; the prune, which cannot see that job
@@ -76,10 +91,7 @@ func TestPruneSkipsTenantBeingListed(t *testing.T) {
 	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
 		t.Fatal(err)
 	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	if !listed(t, s.DB(), "late") {
+	if !committedListed(t, tx, s.DB(), "late") {
 		t.Fatal("the prune dropped a tenant whose job a transaction in flight made runnable")
 	}
 }
@@ -117,13 +129,7 @@ func TestListingWaitsForPrune(t *testing.T) {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	if err := tx.Commit(); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-accepted; err != nil {
-		t.Fatal(err)
-	}
-	if !listed(t, s.DB(), "late") {
+	if !committedListed(t, tx, s.DB(), "late", accepted) {
 		t.Fatal("the acceptance that waited for the prune did not list its tenant again")
 	}
 }

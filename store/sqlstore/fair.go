@@ -173,21 +173,8 @@ func (s *Store) pruneTenants(ctx context.Context, tx *sql.Tx, now time.Time) err
 		_, err := s.exec(ctx, tx, rebind(s.d, fairPrune), before)
 		return err
 	}
-	rows, err := s.query(ctx, tx, rebind(s.d, fmt.Sprintf(fairPruneKeys, s.d.TryPruneTenant("tenant"))), before, fairPruneMax)
-	if err != nil {
-		return err
-	}
-	var keyed []string
-	for rows.Next() {
-		var t string
-		if err := rows.Scan(&t); err != nil {
-			rows.Close()
-			return err
-		}
-		keyed = append(keyed, t)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil || len(keyed) == 0 {
+	keyed, err := scanTexts(s.query(ctx, tx, rebind(s.d, fmt.Sprintf(fairPruneKeys, s.d.TryPruneTenant("tenant"))), before, fairPruneMax))
+	if err != nil || len(keyed) == 0 {
 		return err
 	}
 	// A statement of its own: its snapshot follows the keys, so it sees

@@ -503,24 +503,15 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 	}
 	n := 0
 	err := s.tx(ctx, "prune final jobs", func(tx *sql.Tx) error {
-		rows, err := tx.QueryContext(ctx, rebind(s.d, `SELECT id FROM jobs
+		found, err := scanTexts(tx.QueryContext(ctx, rebind(s.d, `SELECT id FROM jobs
 			WHERE state IN `+finalStatesSQL()+` AND updated_at < ?
-			ORDER BY updated_at LIMIT ?`), micros(before), limit)
-		if err != nil {
+			ORDER BY updated_at LIMIT ?`), micros(before), limit))
+		if err != nil || len(found) == 0 {
 			return err
 		}
-		var ids []any
-		for rows.Next() {
-			var id string
-			if err := rows.Scan(&id); err != nil {
-				rows.Close()
-				return err
-			}
-			ids = append(ids, id)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil || len(ids) == 0 {
-			return err
+		ids := make([]any, len(found))
+		for i, id := range found {
+			ids[i] = id
 		}
 		in := `(` + strings.TrimSuffix(strings.Repeat("?, ", len(ids)), ", ") + `)`
 		for _, t := range []string{"audit", "job_outcomes", "job_entities", "stages", "attempts", "outbox"} {

@@ -175,6 +175,24 @@ func (s *Store) query(ctx context.Context, tx *sql.Tx, q string, args ...any) (*
 	return st.QueryContext(ctx, args...)
 }
 
+// scanTexts reads a query's rows of one text column, closing them; err is
+// the query's own, returned as it is.
+func scanTexts(rows *sql.Rows, err error) ([]string, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var v string
+		if err := rows.Scan(&v); err != nil {
+			return nil, err
+		}
+		out = append(out, v)
+	}
+	return out, rows.Err()
+}
+
 // queryRow is QueryRowContext on q prepared; a preparation error comes
 // back from Scan.
 func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any) scanner {
