@@ -5,9 +5,9 @@
 -- the tenant's new job was left out of the fair claim's turns until the
 -- reaper's next pass listed it again. To catch that job sooner, every
 -- claim looked for the oldest runnable job of all and checked that its
--- tenant was listed: a walk of the queue's head in each claim, a fifth
--- of the fair claim's reads, for a race of a few milliseconds every
--- reaper pass.
+-- tenant was listed: a walk of the queue's head in each claim, nearly a
+-- third of the reads that pick a fair claim's jobs under a drain, for a
+-- race of a few milliseconds every reaper pass.
 --
 -- The race is closed instead. A tenant's listing has a key (an advisory
 -- lock, below). A transaction that makes a tenant's job runnable takes
