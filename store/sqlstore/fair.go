@@ -268,42 +268,22 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		if shares[t.name] == 0 {
 			continue
 		}
-		rows, err := s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, shares[t.name])
+		got, err := scanTexts(s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, shares[t.name]))
 		if err != nil {
 			return nil, "", err
 		}
-		for rows.Next() {
-			var id string
-			if err := rows.Scan(&id); err != nil {
-				rows.Close()
-				return nil, "", err
-			}
-			ids = append(ids, id)
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return nil, "", err
-		}
+		ids = append(ids, got...)
 	}
 	// What the shares could not fill, oldest-first.
 	if len(ids) < limit {
-		rows, err := s.query(ctx, tx, rebind(s.d, fillQ), micros(now), micros(now), m, m, limit)
+		oldest, err := scanTexts(s.query(ctx, tx, rebind(s.d, fillQ), micros(now), micros(now), m, m, limit))
 		if err != nil {
 			return nil, "", err
 		}
-		for rows.Next() && len(ids) < limit {
-			var id string
-			if err := rows.Scan(&id); err != nil {
-				rows.Close()
-				return nil, "", err
-			}
-			if !slices.Contains(ids, id) {
+		for _, id := range oldest {
+			if len(ids) < limit && !slices.Contains(ids, id) {
 				ids = append(ids, id)
 			}
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return nil, "", err
 		}
 	}
 	if len(ids) == 0 {
