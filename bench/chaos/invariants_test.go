@@ -30,6 +30,9 @@ type snapshot struct {
 	// Without them every record spent (the claim counted it) and sent
 	// unless it waited for kvgate's own admission or quota.
 	spentColumns bool
+	// keys: each job id's tenant and idempotency key as job_keys holds
+	// them (nil where the store has no job_keys table: an older build).
+	keys map[string][2]string
 }
 
 type jobRec struct {
@@ -115,11 +118,19 @@ func violations(s snapshot) []violation {
 			add(invAccounted, id, "accepted (202, key %s) but not in the store", key)
 		}
 	}
+	for id, k := range s.keys {
+		if byID[id] == nil {
+			add(invAccounted, id, "job_keys holds key %s of tenant %s for a job the store does not have", k[1], k[0])
+		}
+	}
 	recordsThatMaySend, running, succeeded := 0, 0, 0
 	for _, j := range s.jobs {
 		as := s.attempts[j.id]
 		if _, ok := given[j.id]; !ok {
 			add(invAccounted, j.id, "in the store (key %s, %s) but the client was never given it", j.key, j.state)
+		}
+		if k, ok := s.keys[j.id]; s.keys != nil && (!ok || k != [2]string{j.tenant, j.key}) {
+			add(invAccounted, j.id, "its keys (tenant %s, key %s) are not in job_keys (found %q): its key and its tenant's listing cannot find it", j.tenant, j.key, k)
 		}
 		switch j.state {
 		case "SUCCEEDED", "REVIEW_REQUIRED", "FAILED_TERMINAL", "CANCELLED":
@@ -347,6 +358,30 @@ func (e *env) snapshot() (snapshot, error) {
 	rows.Close()
 	if err := rows.Err(); err != nil {
 		return s, err
+	}
+	var keysTable bool
+	if err := e.db.QueryRowContext(ctx, `SELECT to_regclass('job_keys') IS NOT NULL`).Scan(&keysTable); err != nil {
+		return s, err
+	}
+	if keysTable {
+		s.keys = map[string][2]string{}
+		rows, err := e.db.QueryContext(ctx, `SELECT id, tenant, idempotency_key FROM job_keys`)
+		if err != nil {
+			return s, err
+		}
+		for rows.Next() {
+			var id string
+			var k [2]string
+			if err := rows.Scan(&id, &k[0], &k[1]); err != nil {
+				rows.Close()
+				return s, err
+			}
+			s.keys[id] = k
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return s, err
+		}
 	}
 	cols := "TRUE, TRUE"
 	if s.spentColumns {

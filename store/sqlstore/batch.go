@@ -25,17 +25,21 @@ const (
 	groupMax   = 64
 )
 
-const acceptBatch = `WITH input AS (
+var acceptBatch = `WITH input AS (
 		SELECT * FROM unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::bytea[], ?::bytea[],
 			?::integer[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[])
 			WITH ORDINALITY AS t(id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata,
 				priority, token_estimate, max_attempts, deadline_at, now, event_id, ord)),
+	taken AS (
+		INSERT INTO job_keys (tenant, idempotency_key, id)
+		SELECT tenant, idempotency_key, id FROM input ORDER BY tenant, idempotency_key, ord -- one lock order for every batch
+		ON CONFLICT (tenant, idempotency_key) DO NOTHING
+		RETURNING id),
 	ins AS (
 		INSERT INTO jobs (` + jobColumns + `)
-		SELECT id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
+		SELECT input.id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
 			'READY', 1, 0, max_attempts, 0, 0, now, deadline_at, now, now, '', ''
-		FROM input ORDER BY tenant, idempotency_key, ord -- one lock order for every batch
-		ON CONFLICT (tenant, idempotency_key) DO NOTHING
+		FROM input JOIN taken ON taken.id = input.id
 		RETURNING ` + jobColumns + `),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
@@ -43,10 +47,8 @@ const acceptBatch = `WITH input AS (
 		FROM ins JOIN input ON input.id = ins.id ORDER BY input.ord)
 	SELECT ` + jobColumns + `, TRUE FROM ins
 	UNION ALL
-	SELECT ` + "jobs.id, jobs.tenant, jobs.idempotency_key, jobs.request_hash, jobs.endpoint, jobs.model, jobs.body, jobs.metadata, " +
-	"jobs.priority, jobs.token_estimate, jobs.state, jobs.state_version, jobs.attempt, jobs.max_attempts, jobs.fence, " +
-	"jobs.lease_until, jobs.available_at, jobs.deadline_at, jobs.created_at, jobs.updated_at, jobs.error_class, jobs.last_error" + `, FALSE
-	FROM input JOIN jobs ON jobs.tenant = input.tenant AND jobs.idempotency_key = input.idempotency_key
+	SELECT ` + jobsColumns + `, FALSE
+	FROM input JOIN job_keys k ON k.tenant = input.tenant AND k.idempotency_key = input.idempotency_key JOIN jobs ON jobs.id = k.id
 	WHERE NOT EXISTS (SELECT 1 FROM ins WHERE ins.tenant = input.tenant AND ins.idempotency_key = input.idempotency_key)`
 
 // acceptCall is one Accept in a batch, with its outcome.

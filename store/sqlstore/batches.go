@@ -206,14 +206,29 @@ func (s *Store) AcceptBatchLines(ctx context.Context, batchID string, fence int6
 			}
 			return err
 		}
+		key, err := tx.PrepareContext(ctx, rebind(s.d, insertKey))
+		if err != nil {
+			return err
+		}
+		defer key.Close()
 		st, err := tx.PrepareContext(ctx, rebind(s.d, `INSERT INTO jobs (`+jobColumns+`, batch_id, custom_id)
-			VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, 'READY', 1, 0, ?, 0, 0, ?, ?, ?, ?, '', '', ?, ?)
-			ON CONFLICT (tenant, idempotency_key) DO NOTHING`))
+			VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, 'READY', 1, 0, ?, 0, 0, ?, ?, ?, ?, '', '', ?, ?)`))
 		if err != nil {
 			return err
 		}
 		defer st.Close()
 		for i, n := range jobs {
+			// A line whose key is taken was accepted before (a validation
+			// run again after a crash): it stays as it is.
+			res, err := key.ExecContext(ctx, n.Tenant, n.IdempotencyKey, n.ID)
+			if err != nil {
+				return err
+			}
+			if taken, err := res.RowsAffected(); err != nil {
+				return err
+			} else if taken == 0 {
+				continue
+			}
 			now := micros(n.Now)
 			if _, err := st.ExecContext(ctx, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model, []byte(n.Body),
 				n.Priority, n.TokenEstimate, max(n.MaxAttempts, 1), now, micros(n.Deadline), now, now, batchID, customIDs[i]); err != nil {
@@ -241,14 +256,17 @@ func (s *Store) acceptLinesArrays(ctx context.Context, batchID string, fence int
 	}
 	var held bool
 	err := s.db.QueryRowContext(ctx, rebind(s.d, `WITH b AS (SELECT id FROM batches WHERE id = ?::text AND fence = ? FOR SHARE),
-		ins AS (INSERT INTO jobs (`+jobColumns+`, batch_id, custom_id)
-		SELECT t.id, tenant, ikey, hash, endpoint, model, body, NULL, prio, tokens, 'READY', 1, 0, attempts, 0, 0, now, deadline, now, now,
-			'', '', b.id, custom
-		FROM unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::bytea[], ?::integer[], ?::integer[],
+		t AS (SELECT * FROM unnest(?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::text[], ?::bytea[], ?::integer[], ?::integer[],
 			?::integer[], ?::bigint[], ?::bigint[], ?::text[])
-			AS t(id, tenant, ikey, hash, endpoint, model, body, prio, tokens, attempts, deadline, now, custom)
-			CROSS JOIN b
-		ON CONFLICT (tenant, idempotency_key) DO NOTHING)
+			WITH ORDINALITY AS t(id, tenant, ikey, hash, endpoint, model, body, prio, tokens, attempts, deadline, now, custom, ord)),
+		taken AS (INSERT INTO job_keys (tenant, idempotency_key, id)
+			SELECT t.tenant, t.ikey, t.id FROM t CROSS JOIN b ORDER BY t.tenant, t.ikey, t.ord
+			ON CONFLICT (tenant, idempotency_key) DO NOTHING
+			RETURNING id),
+		ins AS (INSERT INTO jobs (`+jobColumns+`, batch_id, custom_id)
+			SELECT t.id, tenant, ikey, hash, endpoint, model, body, NULL, prio, tokens, 'READY', 1, 0, attempts, 0, 0, now, deadline, now, now,
+				'', '', b.id, custom
+			FROM t JOIN taken ON taken.id = t.id CROSS JOIN b)
 		SELECT EXISTS (SELECT 1 FROM b)`),
 		batchID, fence, ids, tenants, keys, hashes, endpoints, models, bodies, prios, tokens, attempts, deadlines, nows, customIDs).Scan(&held)
 	if err == nil && !held {

@@ -22,23 +22,29 @@ import (
 // Parameters are cast where PostgreSQL would otherwise infer text for a
 // value selected into an INSERT.
 
-// acceptCTE inserts the job and its job.accepted event, or, when the key
-// exists, returns the existing job; the last column says which. A job
+// acceptCTE takes the job's idempotency key and inserts the job and its
+// job.accepted event, or, when the key is taken, returns the job that
+// holds it; the last column says which. A job
 // inserted by a transaction that commits while this statement waits on
 // the key is invisible to the statement's snapshot: no row comes back and
 // acceptOne reads it again.
-var acceptCTE = `WITH ins AS (
-		INSERT INTO jobs (` + jobColumns + `)
-		VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+var acceptCTE = `WITH taken AS (
+		INSERT INTO job_keys (tenant, idempotency_key, id) VALUES (?, ?, ?)
 		ON CONFLICT (tenant, idempotency_key) DO NOTHING
+		RETURNING tenant, idempotency_key, id),
+	ins AS (
+		INSERT INTO jobs (` + jobColumns + `)
+		SELECT id, tenant, idempotency_key, ?::text, ?::text, ?::text, ?::bytea, ?::bytea, ?::integer, ?::integer, ?::text,
+			?::bigint, ?::integer, ?::integer, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::text, ?::text
+		FROM taken
 		RETURNING ` + jobColumns + `),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT ?::text, id, tenant, 'job.accepted', state, state_version, created_at FROM ins)
 	SELECT ` + jobColumns + `, TRUE FROM ins
 	UNION ALL
-	SELECT ` + jobColumns + `, FALSE FROM jobs
-	WHERE tenant = ? AND idempotency_key = ? AND NOT EXISTS (SELECT 1 FROM ins)`
+	SELECT ` + jobsColumns + `, FALSE` + fromKeys + `
+	WHERE k.tenant = ? AND k.idempotency_key = ? AND NOT EXISTS (SELECT 1 FROM ins)`
 
 func eventID(id string) string {
 	if id == "" {
@@ -51,7 +57,7 @@ func eventID(id string) string {
 func (s *Store) acceptOne(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
 	now := micros(n.Now)
 	var created bool
-	job, err := scanJob(s.queryRow(ctx, nil, s.q.acceptCTE, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
+	job, err := scanJob(s.queryRow(ctx, nil, s.q.acceptCTE, n.Tenant, n.IdempotencyKey, n.ID, n.RequestHash, n.Endpoint, n.Model,
 		[]byte(n.Body), []byte(n.Metadata), n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
 		0, now, micros(n.Deadline), now, now, "", "",
 		eventID(n.EventID), n.Tenant, n.IdempotencyKey), &created)

@@ -353,7 +353,7 @@ const finalIndexed = ` AND jobs.state IN ('REVIEW_REQUIRED', 'FAILED_TERMINAL')`
 // Reviews implements store.Outcomes.
 func (s *Store) Reviews(ctx context.Context, tenant, after string, limit int) ([]store.Job, []store.Validation, string, error) {
 	limit = pageLimit(limit)
-	q := `SELECT ` + qualifiedRefs("jobs") + `, st.data FROM jobs
+	q := `SELECT ` + qualified("jobs", refColumns) + `, st.data FROM jobs
 		LEFT JOIN stages st ON st.job_id = jobs.id AND st.stage = '` + store.StageValidation + `'
 		WHERE jobs.tenant = ? AND jobs.state = 'REVIEW_REQUIRED'` + finalIndexed
 	args := []any{tenant}
@@ -399,9 +399,10 @@ func pageLimit(n int) int {
 	return n
 }
 
-// qualifiedRefs is refColumns with each job column qualified by t.
-func qualifiedRefs(t string) string {
-	cols := strings.Split(refColumns, ",")
+// qualified is a list of job columns (jobColumns, refColumns) with each
+// column qualified by t.
+func qualified(t, list string) string {
+	cols := strings.Split(list, ",")
 	for i, c := range cols {
 		c = strings.TrimSpace(c)
 		if !strings.HasPrefix(c, "NULL") {
@@ -415,7 +416,7 @@ func qualifiedRefs(t string) string {
 // DeadLetters implements store.Outcomes.
 func (s *Store) DeadLetters(ctx context.Context, f store.DeadLetterFilter) ([]store.DeadLetter, string, error) {
 	limit := pageLimit(f.Limit)
-	q := `SELECT ` + qualifiedRefs("jobs") + `, COALESCE(o.policy_name, ''), COALESCE(o.policy_version, 0),
+	q := `SELECT ` + qualified("jobs", refColumns) + `, COALESCE(o.policy_name, ''), COALESCE(o.policy_version, 0),
 		COALESCE((SELECT a.action FROM audit a WHERE a.job_id = jobs.id ORDER BY a.seq DESC LIMIT 1), '')
 		FROM jobs LEFT JOIN job_outcomes o ON o.job_id = jobs.id WHERE jobs.state = 'FAILED_TERMINAL'` + finalIndexed
 	var args []any
@@ -518,6 +519,12 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 			if _, err := tx.ExecContext(ctx, rebind(s.d, `DELETE FROM `+t+` WHERE job_id IN `+in), ids...); err != nil {
 				return err
 			}
+		}
+		// The jobs' keys, by their primary key: a pruned job's
+		// idempotency key may be used again.
+		if _, err := tx.ExecContext(ctx, rebind(s.d, `DELETE FROM job_keys WHERE (tenant, idempotency_key) IN (
+				SELECT tenant, idempotency_key FROM jobs WHERE id IN `+in+`)`), ids...); err != nil {
+			return err
 		}
 		res, err := tx.ExecContext(ctx, rebind(s.d, `DELETE FROM jobs WHERE id IN `+in), ids...)
 		if err != nil {

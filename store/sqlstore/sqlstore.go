@@ -271,7 +271,7 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 	error_class, last_error`
 
 type queries struct {
-	insertJob, selectByKey, selectJob, insertAttempt, insertEvent,
+	insertKey, insertJob, selectByKey, selectJob, insertAttempt, insertEvent,
 	cancel, result, attempts, stage, unpublished, markPublished,
 	feedHead, events, eventsOfJob, insertInbox, selectInbox string
 	// Ownership (ownership.go).
@@ -282,16 +282,31 @@ type queries struct {
 	recordInboxBatch string
 }
 
-// listJobs starts a List query; the filters complete it per call.
-const listJobs = `SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ?`
+// A job's keys (its tenant, idempotency key and id) are in job_keys,
+// written once when it is accepted (migration 23): insertKey takes the
+// idempotency key, and only the acceptance that took it inserts the job.
+// jobByKey reads a job through its keys; listJobs starts a List query
+// (the filters complete it per call), newest first through the keys'
+// listing index.
+const (
+	insertKey = `INSERT INTO job_keys (tenant, idempotency_key, id) VALUES (?, ?, ?)
+		ON CONFLICT (tenant, idempotency_key) DO NOTHING`
+	fromKeys = ` FROM job_keys k JOIN jobs ON jobs.id = k.id`
+)
+
+var (
+	jobsColumns = qualified("jobs", jobColumns) // jobColumns qualified by the jobs table
+	listJobs    = `SELECT ` + jobsColumns + fromKeys + ` WHERE k.tenant = ?`
+	jobByKey    = `SELECT ` + jobsColumns + fromKeys + ` WHERE k.tenant = ? AND k.idempotency_key = ?`
+)
 
 func buildQueries(d Dialect) queries {
 	r := func(q string) string { return rebind(d, q) }
 	q := queries{
+		insertKey: r(insertKey),
 		insertJob: r(`INSERT INTO jobs (` + jobColumns + `)
-			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-			ON CONFLICT (tenant, idempotency_key) DO NOTHING`),
-		selectByKey: r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND idempotency_key = ?`),
+			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
+		selectByKey: r(jobByKey),
 		selectJob:   r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND id = ?`),
 		insertAttempt: r(`INSERT INTO attempts (job_id, attempt, fence, backend, outcome, spent, sent, error_class, error,
 				prompt_tokens, completion_tokens, started_at, ended_at)
@@ -449,15 +464,20 @@ func (s *Store) acceptTx(ctx context.Context, tx *sql.Tx, n store.NewJob) (store
 	var job store.Job
 	now := micros(n.Now)
 	meta := []byte(n.Metadata)
-	res, err := s.exec(ctx, tx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
-		[]byte(n.Body), meta, n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
-		0, now, micros(n.Deadline), now, now, "", "")
+	res, err := s.exec(ctx, tx, s.q.insertKey, n.Tenant, n.IdempotencyKey, n.ID)
 	if err != nil {
 		return job, false, err
 	}
 	rows, err := res.RowsAffected()
 	if err != nil {
 		return job, false, err
+	}
+	if rows == 1 {
+		if _, err := s.exec(ctx, tx, s.q.insertJob, n.ID, n.Tenant, n.IdempotencyKey, n.RequestHash, n.Endpoint, n.Model,
+			[]byte(n.Body), meta, n.Priority, n.TokenEstimate, string(store.Ready), 1, 0, max(n.MaxAttempts, 1), 0,
+			0, now, micros(n.Deadline), now, now, "", ""); err != nil {
+			return job, false, err
+		}
 	}
 	job, err = scanJob(s.queryRow(ctx, tx, s.q.selectByKey, n.Tenant, n.IdempotencyKey))
 	if err != nil {
@@ -503,20 +523,20 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	q := listJobs
 	args := []any{tenant}
 	if f.After != "" {
-		q += ` AND id < ?`
+		q += ` AND k.id < ?`
 		args = append(args, f.After)
 	}
 	if f.Batch != "" {
-		q += ` AND batch_id = ?`
+		q += ` AND jobs.batch_id = ?`
 		args = append(args, f.Batch)
 	}
 	if len(f.States) > 0 {
-		q += ` AND state IN (` + strings.TrimSuffix(strings.Repeat("?, ", len(f.States)), ", ") + `)`
+		q += ` AND jobs.state IN (` + strings.TrimSuffix(strings.Repeat("?, ", len(f.States)), ", ") + `)`
 		for _, st := range f.States {
 			args = append(args, string(st))
 		}
 	}
-	q += ` ORDER BY id DESC LIMIT ?`
+	q += ` ORDER BY k.id DESC LIMIT ?`
 	args = append(args, limit+1)
 	rows, err := s.db.QueryContext(ctx, rebind(s.d, q), args...)
 	if err != nil {

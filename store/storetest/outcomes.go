@@ -461,5 +461,21 @@ func testPruneFinal(t *testing.T, s store.Store) {
 		if _, err := s.Get(ctx, "acme", j.ID); err != nil {
 			t.Errorf("%s was pruned: %v", j.ID, err)
 		}
+		if got, err := s.GetByKey(ctx, "acme", j.IdempotencyKey); err != nil || got.ID != j.ID {
+			t.Errorf("%s by its key %q: %s, %v", j.ID, j.IdempotencyKey, got.ID, err)
+		}
+	}
+	// A pruned job's keys go with it: the tenant's listing holds the
+	// jobs kept, and its idempotency key accepts a new job.
+	listed, _, err := s.List(ctx, "acme", store.ListFilter{})
+	if err != nil || len(listed) != 2 || listed[0].ID != alive.ID || listed[1].ID != recent.ID {
+		t.Errorf("listing after the prune: %d jobs, %v; want alive, recent", len(listed), err)
+	}
+	if _, err := s.GetByKey(ctx, "acme", "old0"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("pruned job by its key: %v", err)
+	}
+	again := newJob("acme", "old0")
+	if j, created, err := s.Accept(ctx, again); err != nil || !created || j.ID != again.ID {
+		t.Errorf("a pruned job's key accepted again: %s, created %v, %v; want %s created", j.ID, created, err, again.ID)
 	}
 }
