@@ -287,7 +287,8 @@ type queries struct {
 // idempotency key, and only the acceptance that took it inserts the job.
 // jobByKey reads a job through its keys; listJobs starts a List query
 // (the filters complete it per call), newest first through the keys'
-// listing index.
+// listing index, and listBatch one of a batch's lines, through the
+// batch's index (jobs_batch) rather than the tenant's whole listing.
 const (
 	insertKey = `INSERT INTO job_keys (tenant, idempotency_key, id) VALUES (?, ?, ?)
 		ON CONFLICT (tenant, idempotency_key) DO NOTHING`
@@ -297,6 +298,7 @@ const (
 var (
 	jobsColumns = qualified("jobs", jobColumns) // jobColumns qualified by the jobs table
 	listJobs    = `SELECT ` + jobsColumns + fromKeys + ` WHERE k.tenant = ?`
+	listBatch   = `SELECT ` + jobsColumns + ` FROM jobs WHERE jobs.tenant = ? AND jobs.batch_id = ?`
 	jobByKey    = `SELECT ` + jobsColumns + fromKeys + ` WHERE k.tenant = ? AND k.idempotency_key = ?`
 )
 
@@ -520,15 +522,15 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 	if limit <= 0 || limit > 1000 {
 		limit = 100
 	}
-	q := listJobs
+	q, id := listJobs, "k.id"
 	args := []any{tenant}
-	if f.After != "" {
-		q += ` AND k.id < ?`
-		args = append(args, f.After)
-	}
 	if f.Batch != "" {
-		q += ` AND jobs.batch_id = ?`
+		q, id = listBatch, "jobs.id"
 		args = append(args, f.Batch)
+	}
+	if f.After != "" {
+		q += ` AND ` + id + ` < ?`
+		args = append(args, f.After)
 	}
 	if len(f.States) > 0 {
 		q += ` AND jobs.state IN (` + strings.TrimSuffix(strings.Repeat("?, ", len(f.States)), ", ") + `)`
@@ -536,7 +538,7 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 			args = append(args, string(st))
 		}
 	}
-	q += ` ORDER BY k.id DESC LIMIT ?`
+	q += ` ORDER BY ` + id + ` DESC LIMIT ?`
 	args = append(args, limit+1)
 	rows, err := s.db.QueryContext(ctx, rebind(s.d, q), args...)
 	if err != nil {
