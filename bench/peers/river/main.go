@@ -83,12 +83,16 @@ func main() {
 	slots := flag.Int("slots", 64, "worker slots, for both")
 	inserts := flag.Int("inserts", 1000, "sequential single inserts per round")
 	flag.IntVar(&tenants, "tenants", 100, "tenants the jobs are spread over, in turn (kvgate's fair claim serves them in turn)")
+	flag.IntVar(&burst, "burst", 1, "consecutive jobs of one tenant before the next tenant's (1: every job a different tenant's, the jobs of a tenant farthest apart on disk)")
 	only := flag.String("only", "", "comma-separated runs to do (all when empty): kvgate, kvgate-plain, kvgate-floor, kvgate-runner, river, kvgate-insert, sqlite, sqlite-insert, river-insert")
 	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
 	flag.Parse()
 	if tenants < 1 {
 		log.Fatalf("-tenants %d: at least one tenant", tenants)
+	}
+	if burst < 1 {
+		log.Fatalf("-burst %d: at least one job", burst)
 	}
 	ctx := context.Background()
 	b, err := newBench(ctx, *admin, *pre)
@@ -206,7 +210,7 @@ func main() {
 		row("the floor: River's writes alone in kvgate's schema (fenced claim and completion, no events, no attempt records)", "kvgate-floor")
 		row("claim → facts read → sent mark → complete (the runner's writes)", "kvgate-runner")
 	}
-	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog of %d tenants, %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, tenants, *slots)
+	fmt.Printf("Median of %d interleaved rounds, jobs/s (range); %d-job backlog of %d tenants (in runs of %d jobs), %d slots, zero-delay work; one PostgreSQL.\n\n", *rounds, *jobs, tenants, burst, *slots)
 	drains(rates)
 	fmt.Printf("| single inserts, sequential | %.0f (%s) | %.0f (%s) | %.2f× |\n", med("kvgate-insert"), span("kvgate-insert"), med("river-insert"), span("river-insert"), ratio("kvgate-insert", "river-insert"))
 	fmt.Printf("\nSQLite (kvgate's embedded default, WAL, synchronous=NORMAL, one writer at a time), same run: claim → complete %.0f jobs/s (%s), single inserts %.0f jobs/s (%s).\n",
@@ -368,14 +372,15 @@ const claimLinger = time.Millisecond
 // for the models its backends serve.
 var models = []string{"m"}
 
-// tenants is how many tenants the jobs are spread over (-tenants).
-var tenants = 100
+// tenants is how many tenants the jobs are spread over (-tenants), in
+// runs of burst consecutive jobs each (-burst).
+var tenants, burst = 100, 1
 
 func newJob() store.NewJob {
 	i := seq.Add(1)
 	return store.NewJob{
 		ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
-		Tenant: fmt.Sprint("t", i%int64(tenants)), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h",
+		Tenant: fmt.Sprint("t", i/int64(burst)%int64(tenants)), IdempotencyKey: fmt.Sprint("k", i), RequestHash: "h",
 		Endpoint: "/v1/chat/completions", Model: "m",
 		Body:        json.RawMessage(`{"model":"m","messages":[{"role":"user","content":"Extract the line items of this invoice."}],"max_tokens":256}`),
 		MaxAttempts: 5, TokenEstimate: 300, Deadline: time.Now().Add(time.Hour), Now: time.Now(),
