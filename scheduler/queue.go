@@ -192,7 +192,9 @@ func (s *Scheduler) Wake() {
 }
 
 // maxScanMisses bounds the work of one pump over a long queue: after this
-// many tickets in a row fit nowhere, the rest wait for the next event.
+// many tickets of a model in a row fit nowhere, the model's others wait
+// for the next event (those of other models, served by other backends,
+// are still checked).
 const maxScanMisses = 32
 
 // maxPrefixWaits bounds the tickets one pump passes over because they
@@ -210,15 +212,22 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
 	exact := map[string]*load{}
-	misses, prefixWaits := 0, 0
+	var misses map[string]int // by model, since the pass's last admission
+	miss := func(model string) {
+		if misses == nil {
+			misses = map[string]int{}
+		}
+		misses[model]++
+	}
+	prefixWaits := 0
 	defer s.releaseHolds()
 	for c := range s.queues {
 		q := s.queues[c]
 		kept := q[:0]
-		for i, t := range q {
-			if misses >= maxScanMisses {
-				kept = append(kept, q[i:]...)
-				break
+		for _, t := range q {
+			if misses[t.Model] >= maxScanMisses {
+				kept = append(kept, t)
+				continue
 			}
 			if blocked[t.Model] {
 				kept = append(kept, t)
@@ -232,23 +241,29 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				s.dequeuedLocked(t)
 				s.fair[c].admitted(t, s.queued)
 				close(t.done)
-				misses = 0
+				clear(misses)
 				continue
 			}
 			kept = append(kept, t)
 			// A ticket waiting for the backend that holds its prefix
-			// says nothing of the room for the next one: it costs a
-			// scan, not a miss (bounded apart), and once it has waited
-			// the starvation guard it keeps that backend's next room
-			// for itself, not the whole model's (prefix.go).
+			// keeps that backend's next room for itself once it has
+			// waited the starvation guard, not the whole model's
+			// (prefix.go). When it passed over a backend that could
+			// take it, its refusal says nothing of the room for the
+			// next one: it costs a scan, not a miss (bounded apart).
+			// When none could, it is a miss like any other.
 			if t.waitsOn != "" && prefixWaits < maxPrefixWaits {
-				prefixWaits++
 				if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
 					s.holdLocked(t.waitsOn, t.waitsNeed)
 				}
+				if t.waitsPassed {
+					prefixWaits++
+				} else {
+					miss(t.Model)
+				}
 				continue
 			}
-			misses++
+			miss(t.Model)
 			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
 				if blocked == nil {
 					blocked = map[string]bool{}

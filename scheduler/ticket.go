@@ -45,6 +45,9 @@ type Ticket struct {
 	// waitsNeed is the KV the ticket needs on waitsOn (its prompt less
 	// the chunks computed there, plus its output budget).
 	waitsNeed int
+	// waitsPassed says that, waiting on waitsOn, it passed over a
+	// backend that could have taken it.
+	waitsPassed bool
 	// refusals and waitedOn feed the admission record (admittrace.go),
 	// only while an observer is set.
 	refusals map[string]int

@@ -1,0 +1,124 @@
+package scheduler
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/kvgate/kvgate/gpu"
+)
+
+// refusalsCounted sums the refusals the backends counted
+// (kvgate_scheduler_backend_refusals_total): one a backend a check.
+func refusalsCounted(t *testing.T, s *Scheduler) float64 {
+	t.Helper()
+	var n float64
+	ch := make(chan prometheus.Metric, 64)
+	go func() { s.m.blocks.Collect(ch); close(ch) }()
+	for m := range ch {
+		var d dto.Metric
+		if err := m.Write(&d); err != nil {
+			t.Fatal(err)
+		}
+		n += d.GetCounter().GetValue()
+	}
+	return n
+}
+
+// TestPumpPrefixWaitsAndMisses: a ticket waiting for the backend that
+// holds its prefix, while another backend could take it, costs a pass a
+// scan and not a miss, so that a ticket behind more such than
+// maxScanMisses still gets the room it fits; one waiting there while no
+// backend could take it is a miss like any other, so that a saturated
+// fleet's pass stops after maxScanMisses of them instead of checking the
+// whole queue again on every release.
+func TestPumpPrefixWaitsAndMisses(t *testing.T) {
+	for _, saturated := range []bool{false, true} {
+		s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, backendSnap("a", 40_000), backendSnap("b", 40_000))
+		sys := text("one client's system prompt", 24_000) // 6,000 tokens
+		ask := func() *Ticket {
+			prompt := sys + text("the same question", 4_000)
+			return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 500, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		}
+		acquire := func(tk *Ticket, want string) {
+			t.Helper()
+			g, err := s.Acquire(context.Background(), tk)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if g.Backend != want {
+				t.Fatalf("granted on %s, want %s", g.Backend, want)
+			}
+		}
+		acquire(ask(), "a")                                                     // the prefix, on a
+		acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1}, "b") // b, the emptier
+		acquire(&Ticket{Model: model, PromptTokens: 30_000, MaxTokens: 1}, "a") // a full: ~2,500 free
+		if saturated {
+			acquire(&Ticket{Model: model, PromptTokens: 18_000, MaxTokens: 1}, "b") // b full too
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		const waiting = 3 * maxScanMisses
+		for i := range waiting {
+			acquireAsync(ctx, s, ask())
+			waitQueued(t, s, i+1)
+		}
+		small := acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 500, MaxTokens: 10})
+		waitQueued(t, s, waiting+1)
+		before := refusalsCounted(t, s)
+		s.Wake()
+		checks := (refusalsCounted(t, s) - before) / 2 // both backends refuse each
+		if saturated {
+			if checks > maxScanMisses {
+				t.Errorf("saturated fleet: one pass checked %v tickets, want at most maxScanMisses (%d)", checks, maxScanMisses)
+			}
+		} else {
+			select {
+			case o := <-small:
+				if o.err != nil || o.g.Backend != "b" {
+					t.Errorf("the small ticket behind %d waiting for their prefix: %v, %v; want b", waiting, o.g, o.err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Errorf("the small ticket behind %d waiting for their prefix, with room on b, was not admitted", waiting)
+			}
+		}
+		cancel()
+	}
+}
+
+// TestPumpMissesByModel: tickets of a model that fit nowhere end a pass's
+// checks of that model's tickets, not of another model's, whose backend
+// has room again.
+func TestPumpMissesByModel(t *testing.T) {
+	other := backendSnap("c", 40_000)
+	other.Models = []gpu.Model{{ID: "m2", MaxModelLen: 100_000}}
+	s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, backendSnap("a", 40_000), other)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Both backends full.
+	if _, err := s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 39_000, MaxTokens: 1}); err != nil {
+		t.Fatal(err)
+	}
+	hog, err := s.Acquire(ctx, &Ticket{Model: "m2", PromptTokens: 39_000, MaxTokens: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const waiting = 2 * maxScanMisses
+	for i := range waiting {
+		acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 2_000 + i, MaxTokens: 10})
+		waitQueued(t, s, i+1)
+	}
+	m2 := acquireAsync(ctx, s, &Ticket{Model: "m2", PromptTokens: 1_000, MaxTokens: 10})
+	waitQueued(t, s, waiting+1)
+	hog.Release() // room on c: the pass it starts reaches the m2 ticket
+	select {
+	case o := <-m2:
+		if o.err != nil || o.g.Backend != "c" {
+			t.Errorf("the m2 ticket: %v, %v; want c", o.g, o.err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Errorf("the m2 ticket behind %d of m that fit nowhere, with c free, was not admitted", waiting)
+	}
+}
