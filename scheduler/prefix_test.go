@@ -309,20 +309,9 @@ func TestSpillWaitsOnSaturatedFleet(t *testing.T) {
 		prompt := sys + text(q, 4_000)
 		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
 	}
-	acquire := func(tk *Ticket, want string) *Grant {
-		t.Helper()
-		g, err := s.Acquire(context.Background(), tk)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if g.Backend != want {
-			t.Fatalf("granted on %s, want %s", g.Backend, want)
-		}
-		return g
-	}
-	acquire(tk("b0"), "a")
-	acquire(&Ticket{Model: model, PromptTokens: 28_000, MaxTokens: 1}, "b")
-	hog := acquire(&Ticket{Model: model, PromptTokens: 32_490, MaxTokens: 1}, "a")
+	acquireOn(t, s, tk("b0"), "a")
+	acquireOn(t, s, &Ticket{Model: model, PromptTokens: 28_000, MaxTokens: 1}, "b")
+	hog := acquireOn(t, s, &Ticket{Model: model, PromptTokens: 32_490, MaxTokens: 1}, "a")
 	// a: ~39,500 held, no room for 1,000 more; b: 28,000, room for the
 	// whole 7,000-token prompt but only 5,000 left after it.
 	ch := acquireAsync(context.Background(), s, tk("b1"))

@@ -43,21 +43,11 @@ func TestPumpPrefixWaitsAndMisses(t *testing.T) {
 			prompt := sys + text("the same question", 4_000)
 			return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 500, Prefix: NewPrefix(prompt, len(prompt)/4)}
 		}
-		acquire := func(tk *Ticket, want string) {
-			t.Helper()
-			g, err := s.Acquire(context.Background(), tk)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if g.Backend != want {
-				t.Fatalf("granted on %s, want %s", g.Backend, want)
-			}
-		}
-		acquire(ask(), "a")                                                     // the prefix, on a
-		acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1}, "b") // b, the emptier
-		acquire(&Ticket{Model: model, PromptTokens: 30_000, MaxTokens: 1}, "a") // a full: ~2,500 free
+		acquireOn(t, s, ask(), "a")                                                     // the prefix, on a
+		acquireOn(t, s, &Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1}, "b") // b, the emptier
+		acquireOn(t, s, &Ticket{Model: model, PromptTokens: 30_000, MaxTokens: 1}, "a") // a full: ~2,500 free
 		if saturated {
-			acquire(&Ticket{Model: model, PromptTokens: 18_000, MaxTokens: 1}, "b") // b full too
+			acquireOn(t, s, &Ticket{Model: model, PromptTokens: 18_000, MaxTokens: 1}, "b") // b full too
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		const waiting = 3 * maxScanMisses

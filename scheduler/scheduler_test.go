@@ -46,6 +46,19 @@ func newTestScheduler(t *testing.T, p Policy, snaps ...*gpu.Snapshot) *Scheduler
 	return s
 }
 
+// acquireOn acquires tk and fails the test unless it is granted on want.
+func acquireOn(t *testing.T, s *Scheduler, tk *Ticket, want string) *Grant {
+	t.Helper()
+	g, err := s.Acquire(context.Background(), tk)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.Backend != want {
+		t.Fatalf("granted on %s, want %s", g.Backend, want)
+	}
+	return g
+}
+
 // acquireAsync starts an Acquire and returns where its outcome arrives.
 func acquireAsync(ctx context.Context, s *Scheduler, t *Ticket) <-chan outcome {
 	ch := make(chan outcome, 1)
