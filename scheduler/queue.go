@@ -212,19 +212,33 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
 	exact := map[string]*load{}
-	var misses map[string]int // by model, since the pass's last admission
+	// Misses by model since the pass's last admission; once every model
+	// with tickets queued has had maxScanMisses, the pass ends.
+	var misses map[string]int
+	models, spent := 0, 0
+	for _, n := range s.byModel {
+		if slices.ContainsFunc(n[:], func(k int) bool { return k > 0 }) {
+			models++
+		}
+	}
 	miss := func(model string) {
 		if misses == nil {
 			misses = map[string]int{}
 		}
-		misses[model]++
+		if misses[model]++; misses[model] == maxScanMisses {
+			spent++
+		}
 	}
 	prefixWaits := 0
 	defer s.releaseHolds()
 	for c := range s.queues {
 		q := s.queues[c]
 		kept := q[:0]
-		for _, t := range q {
+		for i, t := range q {
+			if spent >= models {
+				kept = append(kept, q[i:]...)
+				break
+			}
 			if misses[t.Model] >= maxScanMisses {
 				kept = append(kept, t)
 				continue
@@ -242,6 +256,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				s.fair[c].admitted(t, s.queued)
 				close(t.done)
 				clear(misses)
+				spent = 0
 				continue
 			}
 			kept = append(kept, t)
