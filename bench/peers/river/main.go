@@ -418,7 +418,8 @@ func preload(ctx context.Context, s store.Store, n int) error {
 
 // fairCosts is the fair claim's cost against the plain claim round by
 // round, and their median, or "" unless both ran in every round. Each
-// round drains both back to back, so its own ratio leaves out what drifts
+// round drains both within minutes of each other (back to back under
+// -only kvgate,kvgate-plain), so its own ratio leaves out what drifts
 // between rounds (the machine's other load).
 func fairCosts(rates map[string][]float64) string {
 	f, p := rates["kvgate"], rates["kvgate-plain"]
