@@ -195,6 +195,13 @@ func (s *Store) AcceptBatchLines(ctx context.Context, batchID string, fence int6
 	if len(customIDs) != len(jobs) {
 		return fmt.Errorf("accept batch lines: %d jobs, %d custom ids", len(jobs), len(customIDs))
 	}
+	defer func() {
+		for i, j := range jobs {
+			if i == 0 || j.Tenant != jobs[i-1].Tenant {
+				s.fair.note(j.Tenant)
+			}
+		}
+	}()
 	if s.d.WritableCTE {
 		return s.acceptLinesArrays(ctx, batchID, fence, jobs, customIDs)
 	}

@@ -61,7 +61,8 @@ func TestClaimStatementCost(t *testing.T) {
 		args func(now time.Time, events string) []any
 	}
 	m := []string{"m"}
-	fairArgs := func(now time.Time, events string) []any { return claimArgs(now, time.Minute, limit, m, events, "") }
+	c := explainChoice(ctx, t, db, d, time.Now(), limit)
+	fairArgs := func(now time.Time, events string) []any { return claimArgs(now, time.Minute, limit, m, events, c) }
 	fair := claimCTE(d)
 	vs := []variant{{"fair claim", fair, fairArgs}}
 	add := func(name string, args func(time.Time, string) []any, cuts ...[3]string) {
@@ -79,15 +80,8 @@ func TestClaimStatementCost(t *testing.T) {
 	}
 	// Each cut keeps the placeholders of what it removes, so that the
 	// variant takes claimArgs unchanged.
-	weights := [3]string{"LEFT JOIN tenants tn ON tn.name = o.tenant),", "\n\tturns AS (", "),"}
-	weight := [3]string{"GREATEST(COALESCE(tn.weight, 1), 1)::float8", " AS weight", "1::float8"}
-	shares := [3]string{"turns AS (", "\n\tshares AS (",
-		"turns AS (SELECT tenant, pos, pos::float8 + 0 * ?::int + 0 * ?::int AS turn FROM considered),"}
-	served := [3]string{"served AS (", "\n\tev AS (", "served AS (SELECT ?::bigint, ?::bigint, ?::bigint, ?::bigint),"}
-	add("without the tenants' weights (all 1)", fairArgs, weights, weight)
-	add("without the shares (one job a tenant)", fairArgs, shares)
+	served := [3]string{"served AS (", "\n\tev AS (", "served AS (SELECT ?::bigint, ?::text[], ?::text[], ?::bigint),"}
 	add("without the served records", fairArgs, served)
-	add("without all three", fairArgs, weights, weight, shares, served)
 	// Oldest first: the jobs taken in claim order, with the fair claim's
 	// own update and events.
 	oldestFirst := `WITH picked AS (SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + `
@@ -95,9 +89,9 @@ func TestClaimStatementCost(t *testing.T) {
 	add("oldest-first claim, the same writes", func(now time.Time, events string) []any {
 		at := micros(now)
 		return []any{at, at, m, m, limit, micros(now.Add(time.Minute)), at, events, at}
-	}, [3]string{"WITH cur AS", "\n\tclaimed AS (", oldestFirst},
+	}, [3]string{"WITH shares AS", "\n\tclaimed AS (", oldestFirst},
 		[3]string{"served AS (", "\n\tev AS (", ""},
-		[3]string{", (SELECT tenant FROM considered", " FROM claimed", ", NULL::text"})
+		[3]string{", (SELECT count(*) FROM job_tenants", " FROM claimed", ", NULL::bigint"})
 
 	times := make([][]float64, len(vs))
 	for i := range rounds + 20 {

@@ -73,7 +73,7 @@ func TestExplainClaimComplete(t *testing.T) {
 		limit = v
 	}
 	m, tt := []string{"m"}, micros(now)
-	explain("claim", q.claimCTE, claimArgs(now, time.Minute, limit, m, uuid.Must(uuid.NewV7()).String(), "")...)
+	explain("claim", q.claimCTE, claimArgs(now, time.Minute, limit, m, uuid.Must(uuid.NewV7()).String(), explainChoice(ctx, t, db, d, now, limit))...)
 
 	rows, err := db.QueryContext(ctx, `SELECT id, fence, attempt FROM jobs WHERE state = 'RUNNING' LIMIT $1`, limit)
 	if err != nil {
@@ -163,4 +163,15 @@ func literal(a any) string {
 		return arr(len(v), func(i int) string { return "convert_to(" + q(string(v[i])) + ", 'UTF8')" }, "bytea")
 	}
 	return fmt.Sprint(a)
+}
+
+// explainChoice is a store's fair choice on db at now for a claim of
+// limit jobs, from the start of the turn.
+func explainChoice(ctx context.Context, t *testing.T, db *sql.DB, d Dialect, now time.Time, limit int) fairChoice {
+	t.Helper()
+	c, err := New(db, d).choose(ctx, nil, now, limit, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvgate/kvgate/store"
@@ -24,17 +26,20 @@ import (
 // round-robin: a tenant's k-th job takes turn k/weight (its weight from
 // the tenants table, 1 for a tenant not there), earlier in turn order
 // first among equal turns, and the first limit turns are the shares.
-// Each tenant's share is then taken from the head of its queue through
-// the index jobs_runnable_tenant, and the cursor moves to the last
-// considered tenant that had been served before. A new tenant's first
-// job thus costs it at most one claim, whatever another tenant's
-// backlog, and the listed tenants are considered in turn, each once per
-// pass of the cursor over the table. What the shares could not
+// The store makes this choice in Go, from its copy of the listing
+// (fairList, below), names by byte order. Each tenant's share is then
+// taken from the head of its queue through the index
+// jobs_runnable_tenant, and the cursor moves to the last considered
+// tenant that had been served before. A new tenant's first job thus
+// costs it at most one claim of the store that accepted it (two of
+// another replica's), whatever another tenant's backlog, and the listed
+// tenants are considered in turn, each once per pass of the cursor over
+// the table. What the shares could not
 // fill (a tenant had fewer runnable jobs than its share, or none
 // available yet) is filled oldest-first from every tenant, so a batch is
-// short only when the queue is. A claim reads the small job_tenants
-// table and only the jobs it takes: its cost does not grow with the
-// backlog, nor with the number of tenants beyond fairTenants(limit).
+// short only when the queue is. A claim reads only the jobs it takes
+// (and, once in fairListAge, the listing): its cost does not grow with
+// the backlog, nor with the number of tenants beyond fairTenants(limit).
 //
 // The turn record is a cursor that each store keeps in memory, not a
 // row: every claim in flight considers the same tenants, and when each
@@ -107,21 +112,193 @@ func fairTenants(limit int) int { return max((limit+7)/8, min(limit, 3)) }
 // every tenant served within the last half minute.
 const fairRefresh = 30 * time.Second
 
-// fairOrder is the query of the tenants a claim considers, in turn order
-// (the rule above): tenant, served_at and pos, the place in that order
-// from 1. cursor is the SQL expression of the cursor's position; the
-// query's placeholders are, in text order, fairTenants(limit), then the
-// cursor's and fairTenants(limit) twice over where cursor is itself a
-// placeholder, then fairTenants(limit) again.
-func fairOrder(cursor string) string {
-	leg := func(k int, cond string) string {
-		return fmt.Sprintf(`SELECT * FROM (SELECT tenant, served_at, %d AS k FROM job_tenants WHERE %s ORDER BY tenant LIMIT ?) l%d`, k, cond, k)
+// fairListAge is how long a store claims from its copy of the listing
+// (fairList) before it reads job_tenants and the tenants' weights again:
+// the copy follows, within it, what other replicas and hands changed
+// (a weight set elsewhere, a tenant pruned). What the store itself
+// accepts, and every claim's count of the tenants never served, make it
+// read the listing sooner.
+const fairListAge = time.Second
+
+// fairList is a store's copy of job_tenants, each listed tenant with its
+// weight (1 for a tenant not in the tenants table): a claim chooses the
+// tenants it considers and their shares from it in Go, by the rule above,
+// so that its statement only takes the shares. Worked out in SQL, the
+// listing's three ordered reads, the tenants' join, the turns and the
+// shares had cost each claim about as much as the rest of the fairness
+// (docs/benchmarks.md, "The fair choice in each store's memory").
+//
+// The copy is read again before the next claim when it is older than
+// fairListAge (by the claims' clock, or from their future); when this
+// store accepts a job of a tenant the copy lacks (note); when a tenant's
+// weight is set through this store (invalidate); and when a claim's
+// statement counts a different number of tenants never served than the
+// copy held (check): a tenant listed by another replica's acceptance, or
+// listed again after the reaper's prune, is new, so the next claim sees
+// it. A new tenant's first job thus costs it at most one claim of the
+// store that accepted it, and two of any other.
+type fairList struct {
+	mu      sync.Mutex
+	at      time.Time    // when it was read, by the claims' clock; zero: never
+	stale   bool         // read it again before the next claim
+	gen     uint64       // counts the times it was made stale
+	tenants []fairTenant // by name, in byte order
+	fresh   int          // how many of them were never served
+}
+
+// find is where name is, or would be, in l.tenants.
+func (l *fairList) find(name string) (int, bool) {
+	return slices.BinarySearchFunc(l.tenants, name, func(t fairTenant, n string) int { return strings.Compare(t.name, n) })
+}
+
+// note is told of a tenant whose job this store accepted: the copy is
+// stale when it lacks the tenant, whose job listed it.
+func (l *fairList) note(tenant string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.find(tenant); !ok {
+		l.stale = true
+		l.gen++
 	}
-	return `SELECT tenant, served_at, row_number() OVER (ORDER BY k, tenant) AS pos FROM (
-		SELECT * FROM (` + leg(0, "served_at = 0") + `
-			UNION ALL ` + leg(1, "served_at <> 0 AND tenant > "+cursor) + `
-			UNION ALL ` + leg(2, "served_at <> 0 AND tenant <= "+cursor) + `) u
-		ORDER BY k, tenant LIMIT ?) o`
+}
+
+// invalidate makes the next claim read the listing again.
+func (l *fairList) invalidate() {
+	l.mu.Lock()
+	l.stale = true
+	l.gen++
+	l.mu.Unlock()
+}
+
+// count is the copy's count of tenants never served.
+func (l *fairList) count() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.fresh
+}
+
+// check compares the count of tenants never served that a claim's
+// statement saw with the copy's count when the claim chose (fresh).
+func (l *fairList) check(fresh, counted int) {
+	if fresh != counted {
+		l.invalidate()
+	}
+}
+
+// fairListQuery reads the listing, with each tenant's weight.
+const fairListQuery = `SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) FROM job_tenants jt
+	LEFT JOIN tenants tn ON tn.name = jt.tenant`
+
+// fairChoice is what a claim of limit jobs takes from whom: the tenants
+// it considers in turn order (the rule above: the never served by name,
+// then the others by name from just after cursor, wrapping round,
+// fairTenants(limit) in all), each with its share (fairShares); next,
+// where the cursor moves once the claim has taken jobs (the last
+// considered tenant served before; empty: it stays); due, the considered
+// tenants whose served record the claim writes (never served, or longer
+// ago than fairRefresh before now); and fresh, the copy's count of
+// tenants never served, for check.
+type fairChoice struct {
+	tenants []string
+	shares  []int32
+	next    string
+	due     []string
+	fresh   int
+}
+
+// choose reads the listing again where it must (fairList), in tx where
+// not nil, and makes the choice of a claim at now of limit jobs.
+func (s *Store) choose(ctx context.Context, tx *sql.Tx, now time.Time, limit int, cursor string) (fairChoice, error) {
+	l := &s.fair
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.stale || l.at.IsZero() || now.Before(l.at) || now.Sub(l.at) >= fairListAge {
+		// Read without the lock, which acceptances take (note); what they
+		// note meanwhile keeps the copy stale.
+		gen := l.gen
+		l.mu.Unlock()
+		ts, err := s.readList(ctx, tx)
+		l.mu.Lock()
+		if err != nil {
+			return fairChoice{}, err
+		}
+		l.tenants, l.at, l.stale, l.fresh = ts, now, l.gen != gen, 0
+		for _, t := range ts {
+			if t.served == 0 {
+				l.fresh++
+			}
+		}
+	}
+	n := fairTenants(limit)
+	considered := make([]fairTenant, 0, n)
+	if l.fresh > 0 {
+		for _, t := range l.tenants {
+			if len(considered) == n {
+				break
+			}
+			if t.served == 0 {
+				considered = append(considered, t)
+			}
+		}
+	}
+	after, _ := slices.BinarySearchFunc(l.tenants, cursor, func(t fairTenant, c string) int {
+		return cmp.Or(strings.Compare(t.name, c), -1) // the first name above the cursor
+	})
+	for k := 0; k < len(l.tenants) && len(considered) < n; k++ {
+		if t := l.tenants[(after+k)%len(l.tenants)]; t.served != 0 {
+			considered = append(considered, t)
+		}
+	}
+	c := fairChoice{fresh: l.fresh}
+	shares := fairShares(considered, limit)
+	stale := micros(now.Add(-fairRefresh))
+	for _, t := range considered {
+		if shares[t.name] > 0 {
+			c.tenants, c.shares = append(c.tenants, t.name), append(c.shares, int32(shares[t.name]))
+		}
+		if t.served != 0 {
+			c.next = t.name
+		}
+		if t.served < stale {
+			c.due = append(c.due, t.name)
+		}
+	}
+	return c, nil
+}
+
+// readList reads the listing, by name in byte order (the cursor's
+// order, whatever the database's collation).
+func (s *Store) readList(ctx context.Context, tx *sql.Tx) ([]fairTenant, error) {
+	rows, err := s.query(ctx, tx, s.q.fairList)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var ts []fairTenant
+	for rows.Next() {
+		var t fairTenant
+		if err := rows.Scan(&t.name, &t.served, &t.weight); err != nil {
+			return nil, err
+		}
+		ts = append(ts, t)
+	}
+	slices.SortFunc(ts, func(a, b fairTenant) int { return strings.Compare(a.name, b.name) })
+	return ts, rows.Err()
+}
+
+// served records in the copy that a claim at now, which took jobs, wrote
+// the served records of c.due.
+func (l *fairList) served(c fairChoice, now time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, name := range c.due {
+		if i, ok := l.find(name); ok {
+			if l.tenants[i].served == 0 {
+				l.fresh--
+			}
+			l.tenants[i].served = micros(now)
+		}
+	}
 }
 
 const (
@@ -189,8 +366,6 @@ func (s *Store) pruneTenants(ctx context.Context, tx *sql.Tx, now time.Time) err
 // The fair claim's statements for a database that serialises writers,
 // with ownership.go's conditions.
 var (
-	fairConsidered = `SELECT o.tenant, o.served_at, COALESCE(tn.weight, 1) FROM (` + fairOrder("?") + `) o
-		LEFT JOIN tenants tn ON tn.name = o.tenant ORDER BY o.pos`
 	fairHead = `SELECT id FROM jobs WHERE tenant = ? AND ` + runnable("jobs", "?") + ` AND %s
 		ORDER BY priority, available_at, id LIMIT ?`
 	fairFill = `SELECT id FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND %s
@@ -203,7 +378,7 @@ var (
 // fairShares is each considered tenant's share of a batch of limit jobs:
 // the first limit turns of the weighted round-robin, a tenant's k-th job
 // taking turn k/weight, earlier in turn order (considered's order) first
-// among equal turns. claimCTE's turns and shares are the same rule in SQL.
+// among equal turns.
 func fairShares(considered []fairTenant, limit int) map[string]int {
 	type turn struct {
 		t   float64
@@ -240,37 +415,27 @@ type fairTenant struct {
 // database that serialises writers (SQLite): the same choice as the
 // PostgreSQL statement in claimCTE. m is the dialect's models argument.
 //
-// cursor is the turn's cursor; the claim returns where it moves it (empty:
-// it stays), for the caller to move once the claim has committed.
-func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any, cursor string) ([]store.Job, string, error) {
+// cursor is the turn's cursor; the claim returns its choice, for the
+// caller to move the cursor and to note the served records once the
+// claim has committed.
+func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any, cursor string) ([]store.Job, fairChoice, error) {
 	head, fillQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairFill, s.d.ModelIn("jobs.model"))
-	n := fairTenants(limit)
-	rows, err := s.query(ctx, tx, rebind(s.d, fairConsidered), n, cursor, n, cursor, n, n)
+	// Writers are serialised: the count is exact, and a tenant listed
+	// since the copy was read is considered by this very claim.
+	var fresh int
+	if err := s.queryRow(ctx, tx, s.q.fairFresh).Scan(&fresh); err != nil {
+		return nil, fairChoice{}, err
+	}
+	s.fair.check(s.fair.count(), fresh)
+	c, err := s.choose(ctx, tx, now, limit, cursor)
 	if err != nil {
-		return nil, "", err
-	}
-	var considered []fairTenant
-	for rows.Next() {
-		var t fairTenant
-		if err := rows.Scan(&t.name, &t.served, &t.weight); err != nil {
-			rows.Close()
-			return nil, "", err
-		}
-		considered = append(considered, t)
-	}
-	rows.Close()
-	if err := rows.Err(); err != nil {
-		return nil, "", err
+		return nil, fairChoice{}, err
 	}
 	var ids []string
-	shares := fairShares(considered, limit)
-	for _, t := range considered {
-		if shares[t.name] == 0 {
-			continue
-		}
-		got, err := scanTexts(s.query(ctx, tx, rebind(s.d, head), t.name, micros(now), micros(now), m, m, shares[t.name]))
+	for i, t := range c.tenants {
+		got, err := scanTexts(s.query(ctx, tx, rebind(s.d, head), t, micros(now), micros(now), m, m, c.shares[i]))
 		if err != nil {
-			return nil, "", err
+			return nil, fairChoice{}, err
 		}
 		ids = append(ids, got...)
 	}
@@ -278,7 +443,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 	if len(ids) < limit {
 		oldest, err := scanTexts(s.query(ctx, tx, rebind(s.d, fillQ), micros(now), micros(now), m, m, limit))
 		if err != nil {
-			return nil, "", err
+			return nil, fairChoice{}, err
 		}
 		for _, id := range oldest {
 			if len(ids) < limit && !slices.Contains(ids, id) {
@@ -287,7 +452,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		}
 	}
 	if len(ids) == 0 {
-		return nil, "", nil // nothing runnable anywhere: write nothing
+		return nil, fairChoice{}, nil // nothing runnable anywhere: write nothing
 	}
 	var out []store.Job
 	for _, id := range ids {
@@ -296,23 +461,17 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 			continue // another claimer's; SQLite serialises them, so only in theory
 		}
 		if err != nil {
-			return nil, "", err
+			return nil, fairChoice{}, err
 		}
 		out = append(out, j)
 	}
 	// The turn passes the considered tenants, served or found empty
 	// (their work is not available yet), so that the next claim looks
 	// further; the new among them join the turn order.
-	next := ""
-	for _, t := range considered {
-		if t.served != 0 {
-			next = t.name
-		}
-		if t.served < micros(now.Add(-fairRefresh)) {
-			if _, err := s.exec(ctx, tx, rebind(s.d, fairServed), micros(now), t.name, micros(now.Add(-fairRefresh))); err != nil {
-				return nil, "", err
-			}
+	for _, t := range c.due {
+		if _, err := s.exec(ctx, tx, rebind(s.d, fairServed), micros(now), t, micros(now.Add(-fairRefresh))); err != nil {
+			return nil, fairChoice{}, err
 		}
 	}
-	return out, next, nil
+	return out, c, nil
 }

@@ -120,6 +120,7 @@ func claimOrderIndexed(t string) string {
 // ownershipQueries fills the ownership statements of q.
 func ownershipQueries(d Dialect, q *queries) {
 	r := func(s string) string { return rebind(d, s) }
+	q.fairList, q.fairFresh = r(fairListQuery), r(`SELECT count(*) FROM job_tenants WHERE served_at = 0`)
 	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
 	q.heartbeat = r(`UPDATE jobs SET lease_until = ? WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence WHERE id = ? AND ` + owned("jobs", "?", "?"))
@@ -172,32 +173,19 @@ func ownershipQueries(d Dialect, q *queries) {
 // in claim order, their ids numbered from the claim's own (claimEventID);
 // claimArgs lists its parameters.
 //
-// Each considered tenant's share of the batch is worked out first, from
-// the weights alone (shares); each tenant's head is then locked through
-// jobs_runnable_tenant, exactly its share (LIMIT above FOR UPDATE SKIP
-// LOCKED: claimers racing for the same heads each get their own jobs),
-// and what the shares could not fill is filled oldest-first (fill),
-// skipping the locked. No job is read that the claim does not take, so
-// a claim costs what an oldest-first claim of the same size costs, plus
-// one index probe per considered tenant. The statement returns, with each
-// job, where the turn's cursor moves (fair.go): the last considered
-// tenant served before, NULL when none was.
+// The store chooses the tenants and their shares (fair.go's choose);
+// each tenant's head is locked through jobs_runnable_tenant, exactly its
+// share (LIMIT above FOR UPDATE SKIP LOCKED: claimers racing for the same
+// heads each get their own jobs), and what the shares could not fill is
+// filled oldest-first (fill), skipping the locked. No job is read that
+// the claim does not take, so a claim costs what an oldest-first claim of
+// the same size costs, plus one index probe per tenant with a share. The
+// statement returns, with each job, how many listed tenants were never
+// served, for the store's copy of the listing (fairList's check).
 func claimCTE(d Dialect) string {
 	run := runnable("jobs", "?") + ` AND ` + d.ModelIn("jobs.model")
 	ordered := run + ` AND ` + claimOrderIndexed("jobs")
-	return `WITH cur AS (SELECT ?::text AS tenant),
-	considered AS MATERIALIZED (
-		SELECT o.tenant, o.served_at, o.pos, GREATEST(COALESCE(tn.weight, 1), 1)::float8 AS weight
-		FROM (` + fairOrder("(SELECT tenant FROM cur)") + `) o
-		LEFT JOIN tenants tn ON tn.name = o.tenant),
-	turns AS (
-		SELECT t.tenant, t.pos, g / t.weight AS turn
-		FROM considered t CROSS JOIN LATERAL generate_series(0,
-			LEAST(?::int, CEIL(?::int * t.weight / (SELECT sum(weight) FROM considered))::int + 1) - 1) g),
-	shares AS (
-		SELECT tenant, count(*)::int AS n FROM (
-			SELECT tenant FROM turns ORDER BY turn, pos LIMIT ?::int) s
-		GROUP BY tenant),
+	return `WITH shares AS (SELECT tenant, n FROM unnest(?::text[], ?::int[]) AS s(tenant, n)),
 	fair AS MATERIALIZED (
 		SELECT f.id FROM shares s CROSS JOIN LATERAL (
 			SELECT id FROM jobs WHERE jobs.tenant = s.tenant AND ` + run + `
@@ -216,21 +204,21 @@ func claimCTE(d Dialect) string {
 		WHERE jobs.id = ANY(ARRAY(SELECT id FROM picked))
 		RETURNING ` + jobColumns + `),
 	served AS (
-		-- New tenants, and those whose record is older than fairRefresh:
-		-- rarely a listed tenant's row, and none when the claim took
-		-- nothing (an idle poll writes nothing). The EXISTS tests are
-		-- checked once, so that a claim with no such tenant (the usual
-		-- one) skips the update's lookups altogether.
+		-- The considered tenants never served, or not for fairRefresh:
+		-- rarely any, and none written when the claim took nothing (an
+		-- idle poll writes nothing). The tests of the array and of picked
+		-- are checked once, so that a claim with no such tenant (the
+		-- usual one) skips the update's lookups altogether.
 		UPDATE job_tenants SET served_at = ?
-		WHERE EXISTS (SELECT 1 FROM picked) AND EXISTS (SELECT 1 FROM considered WHERE served_at < ?) AND tenant IN (
-			SELECT tenant FROM job_tenants WHERE tenant IN (SELECT tenant FROM considered WHERE served_at < ?) AND served_at < ?
+		WHERE cardinality(?::text[]) > 0 AND EXISTS (SELECT 1 FROM picked) AND tenant IN (
+			SELECT tenant FROM job_tenants WHERE tenant = ANY(?::text[]) AND served_at < ?
 			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
 	ev AS (
 		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT ` + claimEventID("?::text", "row_number() OVER (ORDER BY priority, available_at, id)") + `,
 			id, tenant, 'job.running', state, state_version, ?::bigint
 		FROM claimed ORDER BY priority, available_at, id)
-	SELECT ` + jobColumns + `, (SELECT tenant FROM considered WHERE served_at <> 0 ORDER BY pos DESC LIMIT 1) FROM claimed`
+	SELECT ` + jobColumns + `, (SELECT count(*) FROM job_tenants WHERE served_at = 0) FROM claimed`
 }
 
 // maxClaim is the most jobs one claim takes on PostgreSQL: the events of
@@ -250,19 +238,16 @@ func claimEventID(base, n string) string {
 	return "left(" + base + ", 32) || lpad(to_hex(" + n + "), 4, '0')"
 }
 
-// claimArgs are claimCTE's parameters, in its order; events is the
-// claim's UUIDv7 base for its events' ids (claimEventID), cursor the
-// turn's cursor the claim read (fair.go).
-func claimArgs(now time.Time, lease time.Duration, limit int, m any, events, cursor string) []any {
-	t, n, stale := micros(now), fairTenants(limit), micros(now.Add(-fairRefresh))
-	return []any{cursor, // cur
-		n, n, n, n, // considered
-		limit, limit, // turns
-		limit,      // shares
+// claimArgs are claimCTE's parameters, in its order, for the store's
+// choice c (fair.go); events is the claim's UUIDv7 base for its events'
+// ids (claimEventID).
+func claimArgs(now time.Time, lease time.Duration, limit int, m any, events string, c fairChoice) []any {
+	t := micros(now)
+	return []any{c.tenants, c.shares, // shares
 		t, t, m, m, // fair
 		t, t, m, m, limit, // fill
 		micros(now.Add(lease)), t, // claimed
-		t, stale, stale, stale, // served
+		t, c.due, c.due, micros(now.Add(-fairRefresh)), // served
 		events, t} // ev
 }
 
@@ -329,11 +314,11 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 		return nil, s.err("claim jobs", err)
 	}
 	var jobs []store.Job
-	var next string
+	var c fairChoice
 	cursor, move := s.cursor()
 	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
 		var err error
-		if jobs, next, err = s.claimFairTx(ctx, tx, now, lease, limit, m, cursor); err != nil {
+		if jobs, c, err = s.claimFairTx(ctx, tx, now, lease, limit, m, cursor); err != nil {
 			return err
 		}
 		sortClaimed(jobs)
@@ -347,8 +332,11 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 	if err != nil {
 		return nil, err
 	}
-	if next != "" {
-		move(next)
+	if len(c.due) > 0 {
+		s.fair.served(c, now)
+	}
+	if c.next != "" {
+		move(c.next)
 	}
 	return jobs, nil
 }
@@ -369,7 +357,11 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	// The lock re-reads a row another claimer changed; availability and
 	// the deadline are checked again on the version it locks.
 	cursor, move := s.cursor()
-	rows, err := s.query(ctx, nil, s.q.claimCTE, claimArgs(now, lease, limit, m, uuid.Must(uuid.NewV7()).String(), cursor)...)
+	c, err := s.choose(ctx, nil, now, limit, cursor)
+	if err != nil {
+		return nil, s.err("claim jobs", err)
+	}
+	rows, err := s.query(ctx, nil, s.q.claimCTE, claimArgs(now, lease, limit, m, uuid.Must(uuid.NewV7()).String(), c)...)
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}
@@ -377,9 +369,9 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	// A claim often finds fewer jobs than its limit (a runner asks for
 	// every free slot): the slice grows with what it takes.
 	jobs := make([]store.Job, 0, min(limit, 16))
-	var next sql.NullString
+	var fresh int
 	for rows.Next() {
-		j, err := scanJob(rows, &next)
+		j, err := scanJob(rows, &fresh)
 		if err != nil {
 			return nil, s.err("claim jobs", err)
 		}
@@ -388,8 +380,12 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	if err := rows.Err(); err != nil {
 		return nil, s.err("claim jobs", err)
 	}
-	if next.Valid {
-		move(next.String)
+	if len(jobs) > 0 {
+		s.fair.served(c, now)
+		s.fair.check(c.fresh, fresh)
+		if c.next != "" {
+			move(c.next)
+		}
 	}
 	sortClaimed(jobs)
 	return jobs, nil

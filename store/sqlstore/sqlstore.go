@@ -85,6 +85,7 @@ type Store struct {
 	behind   *group[quotaCall] // the calls no request waits for: quotabatch.go
 
 	turn atomic.Pointer[string] // the fair claim's cursor (fair.go); nil before the first move
+	fair fairList               // the fair claim's copy of the listing (fair.go)
 }
 
 // New returns a store over db, whose schema is already migrated.
@@ -276,6 +277,8 @@ type queries struct {
 	feedHead, events, eventsOfJob, insertInbox, selectInbox string
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
+	// The fair claim's listing (fair.go).
+	fairList, fairFresh string
 	// One-statement forms, where the dialect has writable CTEs (else "").
 	acceptCTE, claimCTE, acceptBatch, finishBatch, renewBatch, saveStageBatch, markPublishedBatch, recordInbox string
 	// The inbox's batch (inbox_batch.go).
@@ -444,6 +447,7 @@ func (s *Store) addEvent(ctx context.Context, tx *sql.Tx, id, jobID, tenant stri
 // entity is accepted in a transaction of its own, which writes its
 // outcome and entity rows too (outcomes.go, outcomes_entities.go).
 func (s *Store) Accept(ctx context.Context, n store.NewJob) (store.Job, bool, error) {
+	defer s.fair.note(n.Tenant)
 	if s.accepts != nil && n.Outcome == nil && n.Entity == nil {
 		c := &acceptCall{n: n}
 		if err := s.accepts.do(ctx, c); err != nil {

@@ -30,6 +30,7 @@ func scanTenant(r scanner) (store.Tenant, error) {
 
 // CreateTenant implements store.Store.
 func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
+	defer s.fair.invalidate() // its weight
 	l := t.Limits
 	now := micros(t.CreatedAt)
 	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO tenants (`+tenantColumns+`) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
@@ -48,6 +49,7 @@ func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
 
 // UpdateTenant implements store.Store.
 func (s *Store) UpdateTenant(ctx context.Context, t store.Tenant) error {
+	defer s.fair.invalidate() // its weight
 	l := t.Limits
 	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE tenants SET weight = ?, rpm = ?, tpm = ?, max_concurrency = ?,
 		max_pending_jobs = ?, max_pending_tokens = ?, daily_tokens = ?, monthly_tokens = ?, daily_spend = ?, monthly_spend = ?,
@@ -74,6 +76,7 @@ func (s *Store) affected(op string, res sql.Result, err error) error {
 
 // DeleteTenant implements store.Store.
 func (s *Store) DeleteTenant(ctx context.Context, name string, now time.Time) error {
+	defer s.fair.invalidate() // its weight
 	return s.tx(ctx, "delete tenant", func(tx *sql.Tx) error {
 		res, err := tx.ExecContext(ctx, s.rb(`DELETE FROM tenants WHERE name = ?`), name)
 		if err := s.affected("delete tenant", res, err); err != nil {
