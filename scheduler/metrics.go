@@ -25,6 +25,12 @@ type metrics struct {
 	blocks   *prometheus.CounterVec
 	share    prometheus.Gauge
 	s        *Scheduler
+
+	// refusals are blocks' counters by backend and reason, looked up once
+	// each (under Scheduler.mu, where every admission check runs): a
+	// saturated fleet's pass refuses tens of checks a release, and each
+	// lookup by label values hashed and validated both strings again.
+	refusals map[[2]string]prometheus.Counter
 }
 
 func newMetrics(s *Scheduler) *metrics {
@@ -54,7 +60,20 @@ func (m *metrics) outcome(c Class, o string) { m.outcomes.WithLabelValues(c.Stri
 func (m *metrics) waited(c Class, d time.Duration) {
 	m.wait.WithLabelValues(c.String()).Observe(d.Seconds())
 }
-func (m *metrics) blocked(backend, reason string) { m.blocks.WithLabelValues(backend, reason).Inc() }
+
+// blocked counts a refused check; the caller holds Scheduler.mu.
+func (m *metrics) blocked(backend, reason string) {
+	k := [2]string{backend, reason}
+	c := m.refusals[k]
+	if c == nil {
+		if m.refusals == nil {
+			m.refusals = map[[2]string]prometheus.Counter{}
+		}
+		c = m.blocks.WithLabelValues(backend, reason)
+		m.refusals[k] = c
+	}
+	c.Inc()
+}
 
 var (
 	descQueue    = prometheus.NewDesc("kvgate_scheduler_queue_depth", "Tickets waiting in kvgate, by class.", []string{"class"}, nil)

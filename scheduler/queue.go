@@ -211,7 +211,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	}
 	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
-	exact := map[string]*load{}
+	loads := newPassLoads()
 	// Misses by model since the pass's last admission; once every model
 	// with tickets queued has had maxScanMisses, the pass ends.
 	var misses map[string]int
@@ -250,7 +250,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			if t.PromptEstimate != nil {
 				t.PromptTokens = t.PromptEstimate()
 			}
-			if g := s.tryAdmit(t, snaps, now, true, exact); g != nil {
+			if g := s.tryAdmit(t, snaps, now, true, loads); g != nil {
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
 				s.fair[c].admitted(t, s.queued)

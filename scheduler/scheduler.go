@@ -114,7 +114,46 @@ func (s *Scheduler) Share() float64 {
 // Policy returns the effective policy.
 func (s *Scheduler) Policy() Policy { return s.policy }
 
-func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, exact map[string]*load) *Grant {
+// passLoads are the loads of one pass's backends (loadOf), each
+// assembled once in the pass and kept until the pass admits a ticket to
+// that backend (tryAdmit drops both of its loads then); the plain form
+// is dropped too when the exact one is assembled, which may re-estimate
+// the ledger's prompts. Nothing else changes a ledger under the pass's
+// lock, and now is the pass's. A saturated fleet's pass checks tens of
+// tickets a release against every backend: assembling a plain load, a
+// walk over the grants since the backend's last scrape, was a quarter of
+// those checks' time.
+type passLoads struct{ plain, exact map[string]*load }
+
+func newPassLoads() *passLoads {
+	return &passLoads{plain: map[string]*load{}, exact: map[string]*load{}}
+}
+
+// load is loadOf through p (nil: no pass, assembled each time). The
+// caller may set the per-ticket fields (paced, class.capped, holdNeed)
+// of what it gets: a kept load is shared by the pass's checks, which all
+// set them before they decide.
+func (s *Scheduler) load(p *passLoads, sn *gpu.Snapshot, l *ledger, now time.Time, exact bool) *load {
+	if p == nil {
+		ld := s.loadOf(sn, l, now, exact)
+		return &ld
+	}
+	kept := p.plain
+	if exact {
+		kept = p.exact
+	}
+	if ld := kept[sn.Name]; ld != nil {
+		return ld
+	}
+	ld := s.loadOf(sn, l, now, exact)
+	kept[sn.Name] = &ld
+	if exact {
+		delete(p.plain, sn.Name)
+	}
+	return &ld
+}
+
+func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, paced bool, pass *passLoads) *Grant {
 	var (
 		best     *gpu.Snapshot
 		bestHit  float64
@@ -157,18 +196,11 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// (Scheduler.hold): decide lets t take room only where it does not
 		// delay that one (delaysHolder).
 		holdNeed := s.hold[sn.Name]
-		ld := s.loadOf(sn, l, now, false)
+		ld := s.load(pass, sn, l, now, false)
 		ld.paced, ld.class.capped, ld.holdNeed = paced, capped, holdNeed
-		v := decide(&ld, prompt, t.MaxTokens, &s.policy)
+		v := decide(ld, prompt, t.MaxTokens, &s.policy)
 		if v.needExact {
-			ex := exact[sn.Name]
-			if ex == nil {
-				e := s.loadOf(sn, l, now, true)
-				ex = &e
-				if exact != nil {
-					exact[sn.Name] = ex
-				}
-			}
+			ex := s.load(pass, sn, l, now, true)
 			ex.paced, ex.class.capped, ex.holdNeed = paced, capped, holdNeed
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
@@ -215,7 +247,10 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	}
 	s.observeAdmit(t, snaps, best.Name, bestHit, now)
 	s.noteWork(best.Name, float64(t.PromptTokens)*(1-bestHit)+float64(t.MaxTokens))
-	delete(exact, best.Name)
+	if pass != nil {
+		delete(pass.plain, best.Name)
+		delete(pass.exact, best.Name)
+	}
 	l := s.ledgers[best.Name]
 	if l == nil {
 		l = &ledger{lastAdmitStep: -1, lastPassStep: -1}
