@@ -338,12 +338,18 @@ func buildQueries(d Dialect) queries {
 		q.acceptCTE, q.acceptBatch = r(acceptCTE), r(acceptBatch)
 		// MarkPublished in one statement: the events not yet published
 		// take the places after head in the order given (the first
-		// mention of an id counts), under the feed's lock.
+		// mention of an id counts), under the feed's lock. Each id is
+		// looked up through outbox's key on id (the lateral join): as a
+		// plain join, the generic plan (a row or two estimated on each
+		// side) read the unpublished events and joined each to every
+		// id given, the pairs a batch's size squared: 8 of the 11 ms of
+		// a relay's batch of 133 in the acceptance test.
 		q.markPublishedBatch = r(`WITH input AS (
-				SELECT DISTINCT ON (id) id, ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) ORDER BY id, ord),
+				SELECT id, min(ord) AS ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) GROUP BY id),
 			todo AS (
 				SELECT o.seq, row_number() OVER (ORDER BY input.ord) AS n
-				FROM input JOIN outbox o ON o.id = input.id WHERE o.id = ANY(?::text[]) AND o.published_at = 0)
+				FROM input CROSS JOIN LATERAL (
+					SELECT seq FROM outbox WHERE outbox.id = input.id AND outbox.published_at = 0) o)
 			UPDATE outbox SET published_at = ?, feed_seq = ?::bigint + todo.n FROM todo WHERE outbox.seq = todo.seq`)
 		// RecordInbox in one statement: the record, or the digest of the
 		// one there (a record inserted by a transaction that commits while
@@ -668,7 +674,7 @@ func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) e
 			return err
 		}
 		if s.q.markPublishedBatch != "" {
-			_, err := s.exec(ctx, tx, s.q.markPublishedBatch, ids, ids, micros(at), head)
+			_, err := s.exec(ctx, tx, s.q.markPublishedBatch, ids, micros(at), head)
 			return err
 		}
 		for _, id := range ids {
