@@ -44,6 +44,21 @@ func claimTenants(t *testing.T, s store.Store, now time.Time, limit int) map[str
 	return per
 }
 
+// oldBacklog accepts 20 jobs of tenant old through a, and has b claim
+// one of them, which reads b's copy of the listing; it returns the
+// instant of both.
+func oldBacklog(t *testing.T, a, b store.Store) time.Time {
+	t.Helper()
+	now := time.Now()
+	for i := range 20 {
+		acceptAt(t, a, "old", fmt.Sprint("o", i), now)
+	}
+	if per := claimTenants(t, b, now, 1); per["old"] != 1 {
+		t.Fatalf("the first claim: %v", per)
+	}
+	return now
+}
+
 // TestFairListNewTenantOfAnotherStore: a store claiming from its copy of
 // the listing considers a tenant first listed by another store's
 // acceptance (a replica's) by its second claim after it, at the same
@@ -51,13 +66,7 @@ func claimTenants(t *testing.T, s store.Store, now time.Time, limit int) map[str
 // served differs from the copy's.
 func TestFairListNewTenantOfAnotherStore(t *testing.T) {
 	a, b := twoStores(t)
-	now := time.Now()
-	for i := range 20 {
-		acceptAt(t, a, "old", fmt.Sprint("o", i), now)
-	}
-	if per := claimTenants(t, b, now, 1); per["old"] != 1 {
-		t.Fatalf("b's first claim: %v", per)
-	}
+	now := oldBacklog(t, a, b)
 	acceptAt(t, a, "new", "n0", now)
 	first := claimTenants(t, b, now, 1)
 	second := claimTenants(t, b, now, 1)
@@ -71,13 +80,7 @@ func TestFairListNewTenantOfAnotherStore(t *testing.T) {
 // instant (no refresh by age, no count seen yet).
 func TestFairListNewTenantOfItsOwn(t *testing.T) {
 	s := migratedFresh(t)
-	now := time.Now()
-	for i := range 20 {
-		acceptAt(t, s, "old", fmt.Sprint("o", i), now)
-	}
-	if per := claimTenants(t, s, now, 1); per["old"] != 1 {
-		t.Fatalf("the first claim: %v", per)
-	}
+	now := oldBacklog(t, s, s)
 	acceptAt(t, s, "new", "n0", now)
 	if per := claimTenants(t, s, now, 1); per["new"] != 1 {
 		t.Errorf("the claim after the store listed tenant new behind old's backlog: %v, want new's job", per)
