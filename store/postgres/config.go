@@ -36,11 +36,11 @@ func pgconnConfig(url string) (*pgx.ConnConfig, error) {
 	// No sequential scan where an index serves: a generic plan is made
 	// once a connection, from the table's size when the statement first
 	// runs, and kept until an analyze of the table. On a new database the
-	// jobs table is a page or two then, so the claim's update of the
-	// picked jobs by id, the relay's marks and the ends of attempts were
-	// planned as scans of the whole table, and stayed so while it grew:
-	// in the acceptance test (docs/benchmarks.md) a claim of 14 jobs
-	// filtered 4,000 rows, 3.0 ms a claim against 1.3 ms with the index.
+	// jobs table is a page or two then, and a connection's claim found
+	// its picked jobs by a scan of the whole table, and kept doing so
+	// while the table grew: in the acceptance test (docs/benchmarks.md) a
+	// claim of 14 jobs filtered 4,000 rows, 3.0 ms a claim against 1.3 ms
+	// with the index.
 	// Every statement of the store's is an index lookup or walk (the
 	// premise of the generic plan, above); one that no index serves
 	// still scans. An enable_seqscan in the URL wins.
