@@ -185,6 +185,10 @@ func (l *fairList) check(fresh, counted int) {
 	}
 }
 
+// fairFreshQuery counts the listed tenants never served: the copy's
+// check, in the PostgreSQL claim's statement and before SQLite's claim.
+const fairFreshQuery = `SELECT count(*) FROM job_tenants WHERE served_at = 0`
+
 // fairListQuery reads the listing, with each tenant's weight.
 const fairListQuery = `SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) FROM job_tenants jt
 	LEFT JOIN tenants tn ON tn.name = jt.tenant`

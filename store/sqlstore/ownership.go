@@ -120,7 +120,7 @@ func claimOrderIndexed(t string) string {
 // ownershipQueries fills the ownership statements of q.
 func ownershipQueries(d Dialect, q *queries) {
 	r := func(s string) string { return rebind(d, s) }
-	q.fairList, q.fairFresh = r(fairListQuery), r(`SELECT count(*) FROM job_tenants WHERE served_at = 0`)
+	q.fairList, q.fairFresh = r(fairListQuery), r(fairFreshQuery)
 	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
 	q.heartbeat = r(`UPDATE jobs SET lease_until = ? WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence WHERE id = ? AND ` + owned("jobs", "?", "?"))
@@ -218,7 +218,7 @@ func claimCTE(d Dialect) string {
 		SELECT ` + claimEventID("?::text", "row_number() OVER (ORDER BY priority, available_at, id)") + `,
 			id, tenant, 'job.running', state, state_version, ?::bigint
 		FROM claimed ORDER BY priority, available_at, id)
-	SELECT ` + jobColumns + `, (SELECT count(*) FROM job_tenants WHERE served_at = 0) FROM claimed`
+	SELECT ` + jobColumns + `, (` + fairFreshQuery + `) FROM claimed`
 }
 
 // maxClaim is the most jobs one claim takes on PostgreSQL: the events of
@@ -332,9 +332,7 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 	if err != nil {
 		return nil, err
 	}
-	if len(c.due) > 0 {
-		s.fair.served(c, now)
-	}
+	s.fair.served(c, now)
 	if c.next != "" {
 		move(c.next)
 	}
