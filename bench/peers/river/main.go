@@ -39,6 +39,10 @@
 //     inference is such a job's last stage: no checkpoint before its end);
 //   - single inserts, one after another: kvgate's Accept (job row and
 //     job.accepted event) against River's Insert.
+//
+// With -paired N and -pre SQL it compares instead two kvgate databases,
+// one with the SQL run after its migrations and one without, draining
+// N chunks of -jobs jobs each in alternation (pairedDrains).
 package main
 
 import (
@@ -87,7 +91,17 @@ func main() {
 	only := flag.String("only", "", "comma-separated runs to do (all when empty): kvgate, kvgate-plain, kvgate-floor, kvgate-runner, river, kvgate-insert, sqlite, sqlite-insert, river-insert")
 	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
+	paired := flag.Int("paired", 0, "with -pre: drain this many chunks of -jobs jobs from each of two databases, one with -pre and one without, in alternation, and compare them chunk by chunk (experiments)")
 	flag.Parse()
+	if *paired > 0 {
+		if *pre == "" {
+			log.Fatal("-paired needs -pre: the change to compare")
+		}
+		if err := pairedDrains(context.Background(), *admin, *pre, *paired, *jobs, *slots); err != nil {
+			log.Fatal(err)
+		}
+		return
+	}
 	if tenants < 1 {
 		log.Fatalf("-tenants %d: at least one tenant", tenants)
 	}
@@ -533,15 +547,31 @@ func claimPlain(ctx context.Context, s *sqlstore.Store, now time.Time, lease tim
 // full is set).
 func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, mode claimMode, full bool) (float64, error) {
 	defer idle(s)
-	var fc *floorCompleter
-	if mode == floorClaim {
-		fc = &floorCompleter{db: s.DB(), slots: make(chan struct{}, 2)}
-	}
 	if err := preload(ctx, s, n); err != nil {
 		return 0, err
 	}
 	b.started()
-	var done atomic.Int64
+	return drain(ctx, s, n, slots, mode, full)
+}
+
+// drain ends n jobs of the store's backlog as kvgate does (see kvgate),
+// and returns their rate; the backlog may hold more.
+func drain(ctx context.Context, s *sqlstore.Store, n, slots int, mode claimMode, full bool) (float64, error) {
+	var fc *floorCompleter
+	if mode == floorClaim {
+		fc = &floorCompleter{db: s.DB(), slots: make(chan struct{}, 2)}
+	}
+	var done, left atomic.Int64
+	left.Store(int64(n))
+	take := func(k int) int {
+		for {
+			l := left.Load()
+			t := min(int64(k), l)
+			if left.CompareAndSwap(l, l-t) {
+				return int(t)
+			}
+		}
+	}
 	var failed atomic.Value
 	fail := func(err error) { failed.CompareAndSwap(nil, err) }
 	start := time.Now()
@@ -552,7 +582,7 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, mod
 			freed := make(chan struct{}, slots/2)
 			var work sync.WaitGroup
 			defer work.Wait()
-			for failed.Load() == nil && done.Load()+int64(len(busy)) < int64(n) {
+			for failed.Load() == nil {
 				free := cap(busy) - len(busy)
 				if free == 0 {
 					<-freed
@@ -574,6 +604,15 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, mod
 					t.Stop()
 					free = cap(busy) - len(busy)
 				}
+				// The jobs this claim may take, of the n left to both runners.
+				free = take(free)
+				if free == 0 {
+					if len(busy) == 0 {
+						return // n jobs claimed, nothing running
+					}
+					<-freed
+					continue
+				}
 				var js []store.Job
 				var err error
 				if mode != fairClaim {
@@ -585,6 +624,7 @@ func (b *bench) kvgate(ctx context.Context, s *sqlstore.Store, n, slots int, mod
 					fail(err)
 					return
 				}
+				left.Add(int64(free - len(js)))
 				if full && len(js) > 0 {
 					// As the runner reads what its attempts need of their
 					// jobs: once per claim.
@@ -956,4 +996,67 @@ func (c *floorCompleter) complete(ctx context.Context, id string, fence int64, r
 	b.err = err
 	close(b.done)
 	return err
+}
+
+// pairedDrains compares two databases on one server, alike but for the
+// SQL pre run on one of them after its migrations: each gets a backlog
+// of chunks×n jobs, then the two drain n jobs each in turn (the order
+// swapped every pair), so that whatever drifts on the host in the
+// meantime weighs on both alike. It prints the median rate of each and
+// the median of the chunk-by-chunk ratios.
+func pairedDrains(ctx context.Context, adminURL, pre string, chunks, n, slots int) error {
+	b, err := newBench(ctx, adminURL, "")
+	if err != nil {
+		return err
+	}
+	defer b.close()
+	var ss [2]*sqlstore.Store // without pre, with it
+	for i := range ss {
+		u, err := b.createDB(ctx)
+		if err != nil {
+			return err
+		}
+		s, err := postgres.Open(ctx, u)
+		if err != nil {
+			return err
+		}
+		defer s.Close()
+		if _, err := postgres.Migrate(ctx, s); err != nil {
+			return err
+		}
+		if i == 1 {
+			if _, err := s.DB().ExecContext(ctx, pre); err != nil {
+				return err
+			}
+		}
+		if err := preload(ctx, s, chunks*n); err != nil {
+			return err
+		}
+		if _, err := s.DB().ExecContext(ctx, "VACUUM ANALYZE"); err != nil {
+			return err
+		}
+		ss[i] = s
+	}
+	var rates [2][]float64
+	var ratios []float64
+	for c := range chunks {
+		var r [2]float64
+		for k := range 2 {
+			i := (k + c) % 2
+			if r[i], err = drain(ctx, ss[i], n, slots, fairClaim, false); err != nil {
+				return err
+			}
+		}
+		fmt.Fprintf(os.Stderr, "chunk %d: without %6.0f, with %6.0f jobs/s (%.3f)\n", c+1, r[0], r[1], r[1]/r[0])
+		rates[0], rates[1] = append(rates[0], r[0]), append(rates[1], r[1])
+		ratios = append(ratios, r[1]/r[0])
+	}
+	med := func(v []float64) float64 {
+		v = slices.Clone(v)
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	fmt.Printf("%d chunks of %d jobs, fair claim → complete, %d slots: without -pre median %.0f jobs/s, with it %.0f; chunk by chunk, with/without median %.3f (%.3f-%.3f)\n",
+		chunks, n, slots, med(rates[0]), med(rates[1]), med(ratios), slices.Min(ratios), slices.Max(ratios))
+	return nil
 }
