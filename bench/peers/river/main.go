@@ -93,6 +93,12 @@ func main() {
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
 	paired := flag.Int("paired", 0, "with -pre: drain this many chunks of -jobs jobs from each of two databases, one with -pre and one without, in alternation, and compare them chunk by chunk (experiments)")
 	flag.Parse()
+	if tenants < 1 {
+		log.Fatalf("-tenants %d: at least one tenant", tenants)
+	}
+	if burst < 1 {
+		log.Fatalf("-burst %d: at least one job", burst)
+	}
 	if *paired > 0 {
 		if *pre == "" {
 			log.Fatal("-paired needs -pre: the change to compare")
@@ -101,12 +107,6 @@ func main() {
 			log.Fatal(err)
 		}
 		return
-	}
-	if tenants < 1 {
-		log.Fatalf("-tenants %d: at least one tenant", tenants)
-	}
-	if burst < 1 {
-		log.Fatalf("-burst %d: at least one job", burst)
 	}
 	ctx := context.Background()
 	b, err := newBench(ctx, *admin, *pre)
@@ -1005,10 +1005,11 @@ func (c *floorCompleter) complete(ctx context.Context, id string, fence int64, r
 // meantime weighs on both alike. It prints the median rate of each and
 // the median of the chunk-by-chunk ratios.
 func pairedDrains(ctx context.Context, adminURL, pre string, chunks, n, slots int) error {
-	b, err := newBench(ctx, adminURL, "")
+	admin, err := pgx.Connect(ctx, adminURL)
 	if err != nil {
 		return err
 	}
+	b := &bench{adminURL: adminURL, admin: admin} // for its databases alone
 	defer b.close()
 	var ss [2]*sqlstore.Store // without pre, with it
 	for i := range ss {
