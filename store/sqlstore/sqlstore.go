@@ -343,14 +343,16 @@ func buildQueries(d Dialect) queries {
 		// plain join, the generic plan (a row or two estimated on each
 		// side) read the unpublished events and joined each to every
 		// id given, the pairs a batch's size squared: 8 of the 11 ms of
-		// a relay's batch of 133 in the acceptance test.
+		// a relay's batch of 133 in the acceptance test. The update
+		// finds its rows through the same key, the primary key since
+		// migration 25 (seq has none).
 		q.markPublishedBatch = r(`WITH input AS (
 				SELECT id, min(ord) AS ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) GROUP BY id),
 			todo AS (
-				SELECT o.seq, row_number() OVER (ORDER BY input.ord) AS n
+				SELECT o.id, row_number() OVER (ORDER BY input.ord) AS n
 				FROM input CROSS JOIN LATERAL (
-					SELECT seq FROM outbox WHERE outbox.id = input.id AND outbox.published_at = 0) o)
-			UPDATE outbox SET published_at = ?, feed_seq = ?::bigint + todo.n FROM todo WHERE outbox.seq = todo.seq`)
+					SELECT id FROM outbox WHERE outbox.id = input.id AND outbox.published_at = 0) o)
+			UPDATE outbox SET published_at = ?, feed_seq = ?::bigint + todo.n FROM todo WHERE outbox.id = todo.id`)
 		// RecordInbox in one statement: the record, or the digest of the
 		// one there (a record inserted by a transaction that commits while
 		// this one waits is not seen: RecordInbox reads again).
