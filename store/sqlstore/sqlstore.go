@@ -345,7 +345,7 @@ func buildQueries(d Dialect) queries {
 		// id given, the pairs a batch's size squared: 8 of the 11 ms of
 		// a relay's batch of 133 in the acceptance test. The update
 		// finds its rows through the same key, the primary key since
-		// migration 25 (seq has none).
+		// migration 24 (seq has none).
 		q.markPublishedBatch = r(`WITH input AS (
 				SELECT id, min(ord) AS ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) GROUP BY id),
 			todo AS (
