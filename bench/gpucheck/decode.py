@@ -3,7 +3,7 @@ graphs) for a grid of batch sizes and context lengths, and the HBM read
 bandwidth: what the simulator's step-time model is checked against
 (docs/simulator.md, "Checked on a real H200"). Prints one JSON object per
 line. PyTorch's own kernels, not vLLM's: no fused norms, no paged KV."""
-import json, sys, time, traceback
+import json
 import torch
 import torch.nn.functional as F
 

@@ -26,3 +26,4 @@ done
 wait $PY; echo "python rc=$?"; tail -3 "$OUT/python.err"
 cat "$OUT/decode.jsonl" "$OUT/prefill.jsonl" "$OUT/gpus_load.txt"
 kill -INT $SERVE; wait $SERVE; grep -i 'nvml\|xid' "$OUT/serve.log"
+rm -rf "$DATA"
