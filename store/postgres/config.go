@@ -47,5 +47,14 @@ func pgconnConfig(url string) (*pgx.ConnConfig, error) {
 	if _, ok := cfg.RuntimeParams["enable_seqscan"]; !ok {
 		cfg.RuntimeParams["enable_seqscan"] = "off"
 	}
+	// This release's statements make the webhook deliveries of the
+	// events they write (store/sqlstore/fanout.go); migration 25's row
+	// trigger makes them only for connections that do not say so, an
+	// earlier release's. Not a setting: it says what this code does.
+	cfg.RuntimeParams[fanoutSetting] = "inline"
 	return cfg, nil
 }
+
+// fanoutSetting is the session setting by which the store's connections
+// tell migration 25's trigger that their statements fan out themselves.
+const fanoutSetting = "kvgate.fanout"

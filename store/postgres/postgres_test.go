@@ -80,14 +80,15 @@ func TestUnavailable(t *testing.T) {
 }
 
 // TestSessionSettings: the store's sessions plan its statements
-// generically and never JIT-compile them (config.go).
+// generically, never JIT-compile them, and say that they fan out webhook
+// deliveries themselves (config.go).
 func TestSessionSettings(t *testing.T) {
 	s, err := postgres.Open(context.Background(), freshDatabase(t))
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	for name, want := range map[string]string{"jit": "off", "plan_cache_mode": "force_generic_plan"} {
+	for name, want := range map[string]string{"jit": "off", "plan_cache_mode": "force_generic_plan", "kvgate.fanout": "inline"} {
 		var got string
 		if err := s.DB().QueryRowContext(context.Background(), "SELECT current_setting($1)", name).Scan(&got); err != nil {
 			t.Fatal(err)

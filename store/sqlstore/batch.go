@@ -41,10 +41,9 @@ var acceptBatch = `WITH input AS (
 			'READY', 1, 0, max_attempts, 0, 0, now, deadline_at, now, now, '', ''
 		FROM input JOIN taken ON taken.id = input.id
 		RETURNING ` + jobColumns + `),
-	ev AS (
-		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+	` + eventsCTE("job.accepted", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT input.event_id, ins.id, ins.tenant, 'job.accepted', ins.state, ins.state_version, ins.created_at
-		FROM ins JOIN input ON input.id = ins.id ORDER BY input.ord)
+		FROM ins JOIN input ON input.id = ins.id ORDER BY input.ord`) + `
 	SELECT ` + jobColumns + `, TRUE FROM ins
 	UNION ALL
 	SELECT ` + jobsColumns + `, FALSE

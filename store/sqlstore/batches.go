@@ -308,8 +308,8 @@ func (s *Store) FailBatch(ctx context.Context, tenant, id string, fence int64, e
 }
 
 func (s *Store) batchEvent(ctx context.Context, tx *sql.Tx, evID, id, tenant, status string, fence int64, now time.Time) error {
-	_, err := tx.ExecContext(ctx, rebind(s.d, `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		VALUES (?, ?, ?, ?, ?, ?, ?)`), eventID(evID), id, tenant, "batch."+status, status, fence, micros(now))
+	_, err := tx.ExecContext(ctx, rebind(s.d, eventsStatement(s.d, "batch."+status, `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		VALUES (?, ?, ?, ?, ?, ?, ?)`)), eventID(evID), id, tenant, "batch."+status, status, fence, micros(now))
 	return err
 }
 
@@ -351,16 +351,16 @@ func (s *Store) CancelBatchLines(ctx context.Context, id string, running bool, n
 		err := s.db.QueryRowContext(ctx, rebind(s.d, `WITH c AS (
 				UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
 				WHERE batch_id = ? AND state IN (`+states+`) RETURNING id, tenant, state_version),
-			ev AS (INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-				SELECT `+evID+`, id, tenant, 'job.cancelled', 'CANCELLED', state_version, ? FROM c)
+			`+eventsCTE("job.cancelled", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+				SELECT `+evID+`, id, tenant, 'job.cancelled', 'CANCELLED', state_version, ? FROM c`)+`
 			SELECT count(*) FROM c`), micros(now), id, micros(now)).Scan(&n)
 		return n, s.err("cancel batch lines", err)
 	}
 	var n int64
 	err := s.tx(ctx, "cancel batch lines", func(tx *sql.Tx) error {
-		if _, err := tx.ExecContext(ctx, rebind(s.d, `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		if _, err := tx.ExecContext(ctx, rebind(s.d, eventsStatement(s.d, "job.cancelled", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 			SELECT `+strings.ReplaceAll(evID, "state_version AS", "state_version + 1 AS")+`, id, tenant, 'job.cancelled', 'CANCELLED',
-				state_version + 1, ? FROM jobs WHERE batch_id = ? AND state IN (`+states+`)`), micros(now), id); err != nil {
+				state_version + 1, ? FROM jobs WHERE batch_id = ? AND state IN (`+states+`)`)), micros(now), id); err != nil {
 			return err
 		}
 		res, err := tx.ExecContext(ctx, rebind(s.d, `UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1,

@@ -38,9 +38,8 @@ var acceptCTE = `WITH taken AS (
 			?::bigint, ?::integer, ?::integer, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::text, ?::text
 		FROM taken
 		RETURNING ` + jobColumns + `),
-	ev AS (
-		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		SELECT ?::text, id, tenant, 'job.accepted', state, state_version, created_at FROM ins)
+	` + eventsCTE("job.accepted", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT ?::text, id, tenant, 'job.accepted', state, state_version, created_at FROM ins`) + `
 	SELECT ` + jobColumns + `, TRUE FROM ins
 	UNION ALL
 	SELECT ` + jobsColumns + `, FALSE` + fromKeys + `

@@ -213,11 +213,10 @@ func claimCTE(d Dialect) string {
 		WHERE cardinality(?::text[]) > 0 AND EXISTS (SELECT 1 FROM picked) AND tenant IN (
 			SELECT tenant FROM job_tenants WHERE tenant = ANY(?::text[]) AND served_at < ?
 			ORDER BY tenant FOR UPDATE SKIP LOCKED)),
-	ev AS (
-		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		SELECT ` + claimEventID("?::text", "row_number() OVER (ORDER BY priority, available_at, id)") + `,
+	` + eventsCTE("job.running", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT `+claimEventID("?::text", "row_number() OVER (ORDER BY priority, available_at, id)")+`,
 			id, tenant, 'job.running', state, state_version, ?::bigint
-		FROM claimed ORDER BY priority, available_at, id)
+		FROM claimed ORDER BY priority, available_at, id`) + `
 	SELECT ` + jobColumns + `, (` + fairFreshQuery + `) FROM claimed`
 }
 
@@ -276,10 +275,9 @@ var finishBatch = `WITH input AS (
 		SELECT f.id, input.attempt, f.fence, input.backend, input.outcome, input.spent, input.sent, input.error_class, input.error,
 			input.prompt_tokens, input.completion_tokens, input.started_at, input.ended_at
 		FROM f JOIN input ON input.ord = f.ord),
-	ev AS (
-		INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-		SELECT input.event_id, f.id, f.tenant, ` + eventTypeSQL("f.state") + `, f.state, f.state_version, input.now
-		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord)
+	` + eventsCTE("", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+		SELECT input.event_id, f.id, f.tenant, `+eventTypeSQL("f.state")+`, f.state, f.state_version, input.now
+		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord`) + `
 	SELECT ord FROM f`
 
 // finishOne is one attempt's end, for a dialect without writable CTEs

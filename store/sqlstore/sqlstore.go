@@ -316,8 +316,8 @@ func buildQueries(d Dialect) queries {
 		insertAttempt: r(`INSERT INTO attempts (job_id, attempt, fence, backend, outcome, spent, sent, error_class, error,
 				prompt_tokens, completion_tokens, started_at, ended_at)
 			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
-		insertEvent: r(`INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-			VALUES (?, ?, ?, ?, ?, ?, ?)`),
+		insertEvent: r(eventsStatement(d, "", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+			VALUES (?, ?, ?, ?, ?, ?, ?)`)),
 		cancel: r(`UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
 			WHERE tenant = ? AND id = ? AND state NOT IN ` + finalStatesSQL() + `
 			RETURNING ` + jobColumns),

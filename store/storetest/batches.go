@@ -242,7 +242,9 @@ func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
 		Attempt: store.Attempt{JobID: claimed[0].ID, Attempt: 1, Fence: claimed[0].Fence, Outcome: store.OutcomeSucceeded, Spent: true, Sent: true}, Now: t0}); err != nil {
 		t.Fatal(err)
 	}
-	// Cancel: the queued lines at once, the running ones finish.
+	// Cancel: the queued lines at once, the running ones finish; each
+	// line's job.cancelled makes its webhook deliveries.
+	hook := endpoint(t, s, "acme", "job.cancelled")
 	bt, err = b.CancelBatch(ctx, "acme", "batch_1", t0)
 	if err != nil || bt.Status != store.BatchCancelling || !bt.CancellingAt.Equal(t0) {
 		t.Fatalf("cancel: %+v, %v", bt, err)
@@ -273,8 +275,14 @@ func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
 	if cancelled != 7 {
 		t.Errorf("%d job.cancelled events, want 7", cancelled)
 	}
+	if ds := deliveriesOf(t, s, store.DeliveryFilter{EndpointID: hook.ID}); len(ds) != 7 || ds[0].Type != "job.cancelled" {
+		t.Errorf("%d deliveries of the cancelled lines (%+v), want 7", len(ds), ds)
+	}
 	if n, _ := b.CancelBatchLines(ctx, "batch_1", true, t0); n != 2 {
 		t.Errorf("cancelled %d running lines, want 2", n)
+	}
+	if ds := deliveriesOf(t, s, store.DeliveryFilter{EndpointID: hook.ID}); len(ds) != 9 {
+		t.Errorf("%d deliveries of the cancelled lines, want 9", len(ds))
 	}
 	if open, _ := b.BatchOpen(ctx, "batch_1"); open {
 		t.Error("lines still open")

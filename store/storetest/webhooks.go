@@ -112,6 +112,19 @@ func testWebhookFanout(t *testing.T, s store.Store) {
 	if n, err := s.PendingDeliveries(ctx); err != nil || n != 3 {
 		t.Errorf("pending: %d, %v; want 3", n, err)
 	}
+	// A cancel's event (written apart from the ends of attempts) fans out
+	// too, to each subscribed endpoint in the endpoints' order; a claim's
+	// and an acceptance's events made none above.
+	c1, c2 := endpoint(t, s, "acme", "job.cancelled"), endpoint(t, s, "acme", "job.cancelled", "job.succeeded")
+	j3 := accept(t, s, newJob("acme", "k3"))
+	if _, err := s.Cancel(ctx, "acme", j3.ID, uuid.Must(uuid.NewV7()).String(), t0); err != nil {
+		t.Fatal(err)
+	}
+	ds = deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme", JobID: j3.ID})
+	if len(ds) != 2 || ds[0].Type != "job.cancelled" || ds[1].Type != "job.cancelled" || ds[0].JobState != store.Cancelled ||
+		min(c1.ID, c2.ID) != ds[0].EndpointID || max(c1.ID, c2.ID) != ds[1].EndpointID {
+		t.Errorf("deliveries of the cancel: %+v", ds)
+	}
 }
 
 // testWebhookFencing: a claim leases; an expired lease is claimed again
