@@ -36,6 +36,12 @@ func deliveredAs(t string) string {
 	return t
 }
 
+// mayFanOut reports whether events of type typ ("" when it varies by
+// row) may make deliveries.
+func mayFanOut(typ string) bool {
+	return typ == "" || store.ValidWebhookEvent(deliveredAs(typ))
+}
+
 // deliveredAsSQL is deliveredAs in SQL, of a type column.
 func deliveredAsSQL(col string) string {
 	return "CASE " + col + " WHEN 'job.dead_lettered' THEN 'job.failed' ELSE " + col + " END"
@@ -48,7 +54,7 @@ func deliveredAsSQL(col string) string {
 // the CTE that fans them out. typ is the events' type where the statement
 // writes one, "" where it varies.
 func eventsCTE(typ, insert string) string {
-	if typ != "" && !store.ValidWebhookEvent(deliveredAs(typ)) {
+	if !mayFanOut(typ) {
 		return "ev AS (" + insert + ")"
 	}
 	return "ev AS (" + insert + eventsReturning + "),\n\tev_deliveries AS (" + fanout + ")"
@@ -59,7 +65,7 @@ func eventsCTE(typ, insert string) string {
 // fans them out; without them (SQLite) it is insert, and the outbox's
 // trigger fans out. Its rows affected are not the events'.
 func eventsStatement(d Dialect, typ, insert string) string {
-	if !d.WritableCTE || (typ != "" && !store.ValidWebhookEvent(deliveredAs(typ))) {
+	if !d.WritableCTE || !mayFanOut(typ) {
 		return insert
 	}
 	return "WITH ev AS (" + insert + eventsReturning + ")\n" + fanout
