@@ -169,7 +169,7 @@ func literal(a any) string {
 // limit jobs, from the start of the turn.
 func explainChoice(ctx context.Context, t *testing.T, db *sql.DB, d Dialect, now time.Time, limit int) fairChoice {
 	t.Helper()
-	c, err := New(db, d).choose(ctx, nil, now, limit, "")
+	c, err := New(db, d).choose(ctx, nil, now, limit)
 	if err != nil {
 		t.Fatal(err)
 	}

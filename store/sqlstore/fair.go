@@ -42,17 +42,23 @@ import (
 // the backlog, nor with the number of tenants beyond fairTenants(limit).
 //
 // The turn record is a cursor that each store keeps in memory, not a
-// row: every claim in flight considers the same tenants, and when each
-// one wrote every considered tenant's row (the order by when each was
-// last served, before migration 20), the claims queued on those rows and
-// followed their versions, a third of the server's time; the one shared
-// row that replaced them (migration 20) still cost every claim a write
-// and a row lock (docs/benchmarks.md, "The turn in each store's
-// memory"). A claim moves the cursor only from the position
-// it read (cursor): one that ends after another claim moved it leaves
-// it, and the claims racing with the one that moves it take the next
-// jobs of the same tenants (SKIP LOCKED on jobs). Replicas sharing a
-// database thus turn on their own, each passing over every listed
+// row: when each claim wrote every considered tenant's row (the order by
+// when each was last served, before migration 20), the claims in flight
+// queued on those rows and followed their versions, a third of the
+// server's time; the one shared row that replaced them (migration 20)
+// still cost every claim a write and a row lock (docs/benchmarks.md,
+// "The turn in each store's memory"). A claim moves the cursor as it
+// chooses (choose, under the copy's lock), before its statement runs, so
+// the claims of one store in flight at the same moment consider the
+// tenants after each other's, each taking the heads of its own tenants.
+// When the cursor moved only once a claim had taken its jobs, every claim
+// in flight considered the same tenants and walked past the heads the
+// others had locked: with two runners sharing a store, the fair claim
+// cost 17-32% of the plain claim's rate instead of 6-8%
+// (docs/benchmarks.md, "Claims in flight take their turns one after
+// another"). A claim that fails, or finds nothing, has passed its tenants
+// all the same: they come round again in the cursor's next pass. Replicas
+// sharing a database turn on their own, each passing over every listed
 // tenant in turn, so that each tenant is served at least once per pass
 // of each replica; a restarted replica begins its pass at the first
 // name, and tenants never served still come first, whoever serves them
@@ -76,17 +82,6 @@ import (
 // rolling upgrade, whose prune took no key. Claims no longer look for
 // such strays (the oldest job of all, its tenant checked, in every
 // claim: nearly a third of the fair claim's reads).
-
-// cursor returns the fair claim's cursor, the last tenant of the last
-// turn (empty before any), and move, which moves it to next unless another
-// claim moved it since.
-func (s *Store) cursor() (cur string, move func(next string)) {
-	p := s.turn.Load()
-	if p != nil {
-		cur = *p
-	}
-	return cur, func(next string) { s.turn.CompareAndSwap(p, &next) }
-}
 
 // fairTenants is how many tenants one claim of limit jobs considers: one
 // for every eight jobs it takes, and at least three (or limit, when
@@ -139,6 +134,7 @@ const fairListAge = time.Second
 // store that accepted it, and two of any other.
 type fairList struct {
 	mu      sync.Mutex
+	cursor  string       // the turn's: the last tenant of the last choice (empty before any)
 	at      time.Time    // when it was read, by the claims' clock; zero: never
 	stale   bool         // read it again before the next claim
 	gen     uint64       // counts the times it was made stale
@@ -195,24 +191,24 @@ const fairListQuery = `SELECT jt.tenant, jt.served_at, COALESCE(tn.weight, 1) FR
 
 // fairChoice is what a claim of limit jobs takes from whom: the tenants
 // it considers in turn order (the rule above: the never served by name,
-// then the others by name from just after cursor, wrapping round,
-// fairTenants(limit) in all), each with its share (fairShares); next,
-// where the cursor moves once the claim has taken jobs (the last
-// considered tenant served before; empty: it stays); due, the considered
-// tenants whose served record the claim writes (never served, or longer
-// ago than fairRefresh before now); and fresh, the copy's count of
-// tenants never served, for check.
+// then the others by name from just after the cursor, wrapping round,
+// fairTenants(limit) in all), each with its share (fairShares); due, the
+// considered tenants whose served record the claim writes (never served,
+// or longer ago than fairRefresh before now); and fresh, the copy's count
+// of tenants never served, for check.
 type fairChoice struct {
 	tenants []string
 	shares  []int32
-	next    string
 	due     []string
 	fresh   int
 }
 
 // choose reads the listing again where it must (fairList), in tx where
-// not nil, and makes the choice of a claim at now of limit jobs.
-func (s *Store) choose(ctx context.Context, tx *sql.Tx, now time.Time, limit int, cursor string) (fairChoice, error) {
+// not nil, and makes the choice of a claim at now of limit jobs. It
+// moves the cursor to the last considered tenant served before (where
+// there is one), so that the next claim, even one in flight beside this
+// one, considers the tenants after these.
+func (s *Store) choose(ctx context.Context, tx *sql.Tx, now time.Time, limit int) (fairChoice, error) {
 	l := &s.fair
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -245,7 +241,7 @@ func (s *Store) choose(ctx context.Context, tx *sql.Tx, now time.Time, limit int
 			}
 		}
 	}
-	after, _ := slices.BinarySearchFunc(l.tenants, cursor, func(t fairTenant, c string) int {
+	after, _ := slices.BinarySearchFunc(l.tenants, l.cursor, func(t fairTenant, c string) int {
 		return cmp.Or(strings.Compare(t.name, c), -1) // the first name above the cursor
 	})
 	for k := 0; k < len(l.tenants) && len(considered) < n; k++ {
@@ -261,7 +257,7 @@ func (s *Store) choose(ctx context.Context, tx *sql.Tx, now time.Time, limit int
 			c.tenants, c.shares = append(c.tenants, t.name), append(c.shares, int32(shares[t.name]))
 		}
 		if t.served != 0 {
-			c.next = t.name
+			l.cursor = t.name
 		}
 		if t.served < stale {
 			c.due = append(c.due, t.name)
@@ -419,10 +415,9 @@ type fairTenant struct {
 // database that serialises writers (SQLite): the same choice as the
 // PostgreSQL statement in claimCTE. m is the dialect's models argument.
 //
-// cursor is the turn's cursor; the claim returns its choice, for the
-// caller to move the cursor and to note the served records once the
-// claim has committed.
-func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any, cursor string) ([]store.Job, fairChoice, error) {
+// The claim returns its choice, for the caller to note the served
+// records once the claim has committed.
+func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, lease time.Duration, limit int, m any) ([]store.Job, fairChoice, error) {
 	head, fillQ := fmt.Sprintf(fairHead, s.d.ModelIn("jobs.model")), fmt.Sprintf(fairFill, s.d.ModelIn("jobs.model"))
 	// Writers are serialised: the count is exact, and a tenant listed
 	// since the copy was read is considered by this very claim.
@@ -431,7 +426,7 @@ func (s *Store) claimFairTx(ctx context.Context, tx *sql.Tx, now time.Time, leas
 		return nil, fairChoice{}, err
 	}
 	s.fair.check(s.fair.count(), fresh)
-	c, err := s.choose(ctx, tx, now, limit, cursor)
+	c, err := s.choose(ctx, tx, now, limit)
 	if err != nil {
 		return nil, fairChoice{}, err
 	}

@@ -313,10 +313,9 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 	}
 	var jobs []store.Job
 	var c fairChoice
-	cursor, move := s.cursor()
 	err = s.tx(ctx, "claim jobs", func(tx *sql.Tx) error {
 		var err error
-		if jobs, c, err = s.claimFairTx(ctx, tx, now, lease, limit, m, cursor); err != nil {
+		if jobs, c, err = s.claimFairTx(ctx, tx, now, lease, limit, m); err != nil {
 			return err
 		}
 		sortClaimed(jobs)
@@ -331,9 +330,6 @@ func (s *Store) Claim(ctx context.Context, now time.Time, lease time.Duration, l
 		return nil, err
 	}
 	s.fair.served(c, now)
-	if c.next != "" {
-		move(c.next)
-	}
 	return jobs, nil
 }
 
@@ -352,8 +348,7 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	m := s.d.ModelsArg(models)
 	// The lock re-reads a row another claimer changed; availability and
 	// the deadline are checked again on the version it locks.
-	cursor, move := s.cursor()
-	c, err := s.choose(ctx, nil, now, limit, cursor)
+	c, err := s.choose(ctx, nil, now, limit)
 	if err != nil {
 		return nil, s.err("claim jobs", err)
 	}
@@ -379,9 +374,6 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 	if len(jobs) > 0 {
 		s.fair.served(c, now)
 		s.fair.check(c.fresh, fresh)
-		if c.next != "" {
-			move(c.next)
-		}
 	}
 	sortClaimed(jobs)
 	return jobs, nil

@@ -84,7 +84,6 @@ type Store struct {
 	quotas   *group[quotaCall] // every dialect: quotabatch.go
 	behind   *group[quotaCall] // the calls no request waits for: quotabatch.go
 
-	turn atomic.Pointer[string] // the fair claim's cursor (fair.go); nil before the first move
 	fair fairList               // the fair claim's copy of the listing (fair.go)
 }
 

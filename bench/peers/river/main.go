@@ -58,6 +58,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -92,7 +93,23 @@ func main() {
 	pre := flag.String("pre", "", "SQL run on each kvgate PostgreSQL database after its migrations (experiments)")
 	profile := flag.Bool("profile", false, "print each run's commits, WAL bytes and statements per job (WAL is the server's, whoever writes it; statements need pg_stat_statements)")
 	paired := flag.Int("paired", 0, "with -pre: drain this many chunks of -jobs jobs from each of two databases, one with -pre and one without, in alternation, and compare them chunk by chunk (experiments)")
+	cpuProfile := flag.String("cpuprofile", "", "write the bench process's CPU profile of the whole run to this file (its own side: the store's Go code, River's, the drivers')")
 	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			log.Fatal(err)
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			log.Fatal(err)
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			if err := f.Close(); err != nil {
+				log.Print(err)
+			}
+		}()
+	}
 	if tenants < 1 {
 		log.Fatalf("-tenants %d: at least one tenant", tenants)
 	}
@@ -855,6 +872,8 @@ func (b *bench) report(ctx context.Context, run string, before counters, n float
 	if p.hasStmts {
 		line += fmt.Sprintf(", %.2f statements", p.stmts)
 	}
+	// The run's WAL, for pg_waldump --stats=record --start --end.
+	line += fmt.Sprintf(" (WAL %s to %s)", before.lsn, after.lsn)
 	fmt.Fprintln(os.Stderr, line)
 	return p, true
 }
