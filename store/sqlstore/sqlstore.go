@@ -84,7 +84,7 @@ type Store struct {
 	quotas   *group[quotaCall] // every dialect: quotabatch.go
 	behind   *group[quotaCall] // the calls no request waits for: quotabatch.go
 
-	fair fairList               // the fair claim's copy of the listing (fair.go)
+	fair fairList // the fair claim's copy of the listing (fair.go)
 }
 
 // New returns a store over db, whose schema is already migrated.
