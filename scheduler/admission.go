@@ -103,6 +103,21 @@ const (
 	reasonAlone      = "needs_backend_alone"
 )
 
+// refusesAll reports whether decide refuses for a reason of the backend's
+// load alone, whatever the ticket (its size, class, prefix, pacing or a
+// hold): while that load stands, every ticket is refused there. Within a
+// pass it stands until the pass admits a ticket there, which a backend
+// refusing all never does; so the pass stops checking a model once every
+// backend serving it refuses all (pumpLocked). decide checks each of these
+// before anything that could admit (TestRefusesAllWhateverTheTicket).
+func refusesAll(reason string) bool {
+	switch reason {
+	case reasonUnroutable, reasonCooldown, reasonStale, reasonNoCapacity, reasonPreempting, reasonWaiting:
+		return true
+	}
+	return false
+}
+
 // decide reports whether a ticket needing prompt + maxOut tokens fits on a
 // backend with load l under the policy p. It is pure: the table tests
 // drive it directly. prompt is the KV the request adds: its prompt less

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"math/rand/v2"
 	"testing"
 	"time"
 )
@@ -404,5 +405,53 @@ func TestDecideHeld(t *testing.T) {
 	l.holdNeed = 0
 	if v := decide(&l, 1_500, 50, &p); !v.ok {
 		t.Errorf("no holder: %+v, want admitted", v)
+	}
+}
+
+// TestRefusesAllWhateverTheTicket: a load that decide refuses for a reason
+// refusesAll names refuses every other ticket too, whatever its size, its
+// class, its pacing, a hold and the exact form of the load: the pass that
+// stops checking a model at such backends (pumpLocked) passes over no
+// ticket that could have been admitted.
+func TestRefusesAllWhateverTheTicket(t *testing.T) {
+	p := Policy{}
+	p.defaults()
+	r := rand.New(rand.NewPCG(11, 0))
+	found := map[string]int{}
+	for range 20_000 {
+		l := load{
+			routable: r.IntN(8) > 0, cooling: r.IntN(8) == 0, stale: r.IntN(8) == 0, preempting: r.IntN(8) == 0,
+			degraded: r.IntN(4) == 0, late: r.IntN(4) == 0, lateness: r.Float64(),
+			capacity: r.IntN(4) * 50_000, maxNumSeqs: 1 + r.IntN(64), share: []float64{1, 0.5, 0.25}[r.IntN(3)],
+			measuredUsed: r.IntN(150_000), measuredRunning: r.IntN(64), measuredWaiting: r.IntN(4),
+			blockSize: 16, inflight: r.IntN(8), newSinceScrape: r.IntN(4), unscheduled: r.IntN(3),
+			stepsSinceAdmit: float64(r.IntN(20) - 1), meanOut: float64(r.IntN(1000)), meanFinal: float64(r.IntN(5000)),
+		}
+		l.reserved = l.inflight * r.IntN(10_000)
+		l.class.inflight = r.IntN(l.inflight + 1)
+		l.paced, l.class.capped, l.holdNeed = r.IntN(2) == 0, r.IntN(2) == 0, r.IntN(3)*1000
+		first := decide(&l, r.IntN(20_000), 1+r.IntN(2_000), &p)
+		if first.ok || !refusesAll(first.reason) {
+			continue
+		}
+		found[first.reason]++
+		for range 20 {
+			o := l
+			o.exact = r.IntN(2) == 0
+			if o.exact {
+				o.flights = []flight{{held: r.IntN(50_000), remaining: r.IntN(2_000)}}
+				o.heldBeforeScrape = r.IntN(50_000)
+			}
+			o.paced, o.class.capped, o.holdNeed = r.IntN(2) == 0, r.IntN(2) == 0, r.IntN(3)*1000
+			prompt, out := r.IntN(200_000), r.IntN(4_000)
+			if v := decide(&o, prompt, out, &p); v.ok {
+				t.Fatalf("decide refused %+v for %s, then admitted a ticket of %d+%d tokens (%+v)", l, first.reason, prompt, out, o)
+			}
+		}
+	}
+	for _, reason := range []string{reasonUnroutable, reasonCooldown, reasonStale, reasonNoCapacity, reasonPreempting, reasonWaiting} {
+		if found[reason] == 0 {
+			t.Errorf("no load refused for %s: the cases do not cover it", reason)
+		}
 	}
 }

@@ -46,3 +46,35 @@ func BenchmarkWakeSaturated(b *testing.B) {
 		s.Wake()
 	}
 }
+
+// BenchmarkWakeBackendQueue measures one pass over a queue whose backends
+// all refuse for their load alone: vLLM's own queue on both of the
+// model's 2 backends is over max_backend_waiting, with 64 tickets
+// waiting, as in the acceptance test at 1,000 jobs/s.
+//
+//	go test -run '^$' -bench WakeBackendQueue -benchmem ./scheduler/
+func BenchmarkWakeBackendQueue(b *testing.B) {
+	var snaps []*gpu.Snapshot
+	for i := range 2 {
+		sn := backendSnap(fmt.Sprint("b", i), 275_000)
+		sn.Metrics.Waiting = 3
+		snaps = append(snaps, sn)
+	}
+	s, err := New(&staticSource{snaps: snaps}, Options{Policy: Policy{MaxQueueWait: time.Hour}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for range 64 {
+		go func() { _, _ = s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 500, MaxTokens: 100}) }()
+	}
+	for s.Queued()[Interactive] < 64 {
+		time.Sleep(time.Millisecond)
+	}
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		s.Wake()
+	}
+}

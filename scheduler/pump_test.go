@@ -112,3 +112,45 @@ func TestPumpMissesByModel(t *testing.T) {
 		t.Errorf("the m2 ticket behind %d of m that fit nowhere, with c free, was not admitted", waiting)
 	}
 }
+
+// TestPumpStopsAtBackendsThatRefuseAll: once every backend serving a
+// model refuses for a reason of its load alone (here vLLM's own queue), a
+// pass checks none of the model's other tickets, where it used to check
+// maxScanMisses of them against every backend on each release; another
+// model's ticket behind them is still checked and admitted.
+func TestPumpStopsAtBackendsThatRefuseAll(t *testing.T) {
+	a, b := backendSnap("a", 40_000), backendSnap("b", 40_000)
+	a.Metrics.Waiting, b.Metrics.Waiting = 3, 3 // over max_backend_waiting (2)
+	other := backendSnap("c", 40_000)
+	other.Models = []gpu.Model{{ID: "m2", MaxModelLen: 100_000}}
+	s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, a, b, other)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	hog, err := s.Acquire(ctx, &Ticket{Model: "m2", PromptTokens: 39_000, MaxTokens: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const waiting = 2 * maxScanMisses
+	for i := range waiting {
+		acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 2_000 + i, MaxTokens: 10})
+		waitQueued(t, s, i+1)
+	}
+	m2 := acquireAsync(ctx, s, &Ticket{Model: "m2", PromptTokens: 1_000, MaxTokens: 10})
+	waitQueued(t, s, waiting+1)
+	before := refusalsCounted(t, s)
+	hog.Release() // room on c: a pass
+	if checks := refusalsCounted(t, s) - before; checks != 2 {
+		t.Errorf("the pass counted %v refusals, want 2: one check of the first ticket on a and on b, none of the %d behind it", checks, waiting-1)
+	}
+	select {
+	case o := <-m2:
+		if o.err != nil || o.g.Backend != "c" {
+			t.Errorf("the m2 ticket: %v, %v; want c", o.g, o.err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Errorf("the m2 ticket behind %d of m whose backends refuse all was not admitted", waiting)
+	}
+	if q := s.Queued(); q[Interactive] != waiting {
+		t.Errorf("%d tickets queued, want the %d of m", q[Interactive], waiting)
+	}
+}

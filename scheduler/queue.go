@@ -204,7 +204,9 @@ const maxPrefixWaits = 512
 // pumpLocked admits queued tickets in priority order, each class in its
 // weighted fair order, while they fit. A
 // ticket that does not fit is passed over by later ones of its model until
-// it has waited StarvationGuard; then it blocks them.
+// it has waited StarvationGuard; then it blocks them. A model whose every
+// backend refuses for its load alone (refusesAll) is blocked for the rest
+// of the pass too: its other tickets would be refused there as well.
 func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	if s.queued == 0 || s.closed {
 		return
@@ -213,7 +215,8 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	var blocked map[string]bool
 	loads := newPassLoads()
 	// Misses by model since the pass's last admission; once every model
-	// with tickets queued has had maxScanMisses, the pass ends.
+	// with tickets queued has had maxScanMisses or is blocked, the pass
+	// ends. An admission does not unblock a model.
 	var misses map[string]int
 	models, spent := 0, 0
 	for _, n := range s.byModel {
@@ -227,6 +230,17 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 		}
 		if misses[model]++; misses[model] == maxScanMisses {
 			spent++
+		}
+	}
+	block := func(model string) {
+		if blocked == nil {
+			blocked = map[string]bool{}
+		}
+		if !blocked[model] {
+			blocked[model] = true
+			if misses[model] < maxScanMisses {
+				spent++
+			}
 		}
 	}
 	prefixWaits := 0
@@ -256,10 +270,14 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				s.fair[c].admitted(t, s.queued)
 				close(t.done)
 				clear(misses)
-				spent = 0
+				spent = len(blocked)
 				continue
 			}
 			kept = append(kept, t)
+			if loads.shutFor(t.Model, snaps) {
+				block(t.Model)
+				continue
+			}
 			// A ticket waiting for the backend that holds its prefix
 			// keeps that backend's next room for itself once it has
 			// waited the starvation guard, not the whole model's
@@ -280,10 +298,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			}
 			miss(t.Model)
 			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
-				if blocked == nil {
-					blocked = map[string]bool{}
-				}
-				blocked[t.Model] = true
+				block(t.Model)
 			}
 		}
 		clear(q[len(kept):])

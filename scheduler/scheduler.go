@@ -122,11 +122,31 @@ func (s *Scheduler) Policy() Policy { return s.policy }
 // lock, and now is the pass's. A saturated fleet's pass checks tens of
 // tickets a release against every backend: assembling a plain load, a
 // walk over the grants since the backend's last scrape, was a quarter of
-// those checks' time.
-type passLoads struct{ plain, exact map[string]*load }
+// those checks' time. shut holds the backends that refused a ticket for
+// a reason of their load alone (refusesAll): they refuse every other
+// ticket for the rest of the pass.
+type passLoads struct {
+	plain, exact map[string]*load
+	shut         map[string]bool
+}
 
 func newPassLoads() *passLoads {
-	return &passLoads{plain: map[string]*load{}, exact: map[string]*load{}}
+	return &passLoads{plain: map[string]*load{}, exact: map[string]*load{}, shut: map[string]bool{}}
+}
+
+// shutFor reports whether every backend serving model refuses all for the
+// rest of the pass (false when none serves it).
+func (p *passLoads) shutFor(model string, snaps []*gpu.Snapshot) bool {
+	serving := false
+	for _, sn := range snaps {
+		if _, ok := sn.Serves(model); ok {
+			if !p.shut[sn.Name] {
+				return false
+			}
+			serving = true
+		}
+	}
+	return serving
 }
 
 // load is loadOf through p (nil: no pass, assembled each time). The
@@ -205,6 +225,9 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 			v = decide(ex, prompt, t.MaxTokens, &s.policy)
 		}
 		if !v.ok {
+			if pass != nil && refusesAll(v.reason) {
+				pass.shut[sn.Name] = true
+			}
 			s.m.blocked(sn.Name, v.reason)
 			s.noteRefusal(t, v.reason)
 			if busy(v.reason) && t.Prefix != nil {
