@@ -2,6 +2,7 @@ package scheduler
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -326,6 +327,54 @@ func TestSpillWaitsOnSaturatedFleet(t *testing.T) {
 	}
 }
 
+// TestShortPromptsSpillPastBusyBackend: short chat prompts share their
+// first chunk (the chat template's head), most of each prompt in share
+// but a few dozen tokens. While the backend that has it refuses for a
+// moment only (vLLM's queue at its bound), the next one goes to the idle
+// backend rather than wait for it; a request whose 6,000-token system
+// prompt is there still waits.
+func TestShortPromptsSpillPastBusyBackend(t *testing.T) {
+	head := "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nsummarise the doc" // 64+ bytes
+	sys := text("a tenant's system prompt", 24_000)
+	for _, tc := range []struct {
+		name   string
+		prompt func(i int) string
+		spills bool
+	}{
+		{"short prompts, a shared chat template head", func(i int) string { return head + fmt.Sprint(" key-", i) }, true},
+		{"a 6,000-token system prompt", func(i int) string { return sys + text(fmt.Sprint("q", i), 400) }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a, b := backendSnap("a", 40_000), backendSnap("b", 40_000)
+			s := newTestScheduler(t, Policy{KVTarget: 1}, a, b)
+			tk := func(i int) *Ticket {
+				prompt := tc.prompt(i)
+				return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 8, Prefix: NewPrefix(prompt, len(prompt)/4)}
+			}
+			acquireOn(t, s, tk(0), "a").Progress(1)
+			if hit := s.expectedHit(a, tk(1), 0); hit < spillHit {
+				t.Fatalf("expected hit of the next prompt on a: %.2f, want at least spillHit", hit)
+			}
+			a.Metrics.Waiting = 3 // vLLM's queue on a over max_backend_waiting (2)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			ch := acquireAsync(ctx, s, tk(1))
+			if !tc.spills {
+				waitQueued(t, s, 1) // waits for a, where its system prompt is
+				return
+			}
+			select {
+			case o := <-ch:
+				if o.err != nil || o.g.Backend != "b" {
+					t.Errorf("the next short prompt: %v, %v; want b", o.g, o.err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Errorf("the next short prompt waited for a few dozen tokens on a, with b idle")
+			}
+		})
+	}
+}
+
 func TestRouteScore(t *testing.T) {
 	tests := []struct {
 		name  string
@@ -429,22 +478,27 @@ func TestSpills(t *testing.T) {
 		name      string
 		hasPrefix bool
 		lost      float64 // hit+held given up
+		tokens    float64 // the prompt's tokens it stands for
 		headroom  float64 // left on the other backend after admission
 		transient bool
 		waited    bool // half the starvation guard
 		want      bool
 	}{
-		{"no prefix: anywhere", false, 0.9, 0.01, true, false, true},
-		{"little prefix lost: anywhere", true, 0.1, 0.05, true, false, true},
-		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 0.9, true, true, false},
-		{"pacing, idle fleet: waits", true, 0.8, 0.9, true, true, false},
-		{"saturated for a while, room to spare elsewhere: spills", true, 0.8, 0.5, false, true, true},
-		{"saturated just now, room to spare elsewhere: waits", true, 0.8, 0.5, false, false, false},
-		{"saturated, little room elsewhere: waits", true, 0.8, 0.1, false, true, false},
+		{"no prefix: anywhere", false, 0.9, 5400, 0.01, true, false, true},
+		{"little prefix lost: anywhere", true, 0.1, 600, 0.05, true, false, true},
+		{"vLLM's queue at its bound, idle fleet: waits", true, 0.8, 4800, 0.9, true, true, false},
+		{"pacing, idle fleet: waits", true, 0.8, 4800, 0.9, true, true, false},
+		{"saturated for a while, room to spare elsewhere: spills", true, 0.8, 4800, 0.5, false, true, true},
+		{"saturated just now, room to spare elsewhere: waits", true, 0.8, 4800, 0.5, false, false, false},
+		{"saturated, little room elsewhere: waits", true, 0.8, 4800, 0.1, false, true, false},
+		// A short chat prompt: the template's head is most of it.
+		{"a few tokens lost, vLLM's queue at its bound: anywhere", true, 0.6, 40, 0.9, true, false, true},
+		{"a few tokens lost, saturated just now: anywhere", true, 0.6, 40, 0.05, false, false, true},
+		{"just over spillTokens lost, vLLM's queue at its bound: waits", true, 0.6, spillTokens, 0.9, true, true, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := spills(tc.hasPrefix, tc.lost, tc.headroom, tc.transient, tc.waited); got != tc.want {
+			if got := spills(tc.hasPrefix, tc.lost, tc.tokens, tc.headroom, tc.transient, tc.waited); got != tc.want {
 				t.Errorf("spills = %v, want %v", got, tc.want)
 			}
 		})

@@ -259,7 +259,8 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 	// room anywhere: no backend can take it, or only one that would
 	// have to copy the prefix with little room left after it.
 	t.waitsOn, t.waitsNeed, t.waitsPassed = "", 0, false
-	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, bestBusy.value-bestHit-bestHeld, bestHead, bestBusy.transient, now.Sub(t.enqueued) >= s.policy.StarvationGuard/2)) {
+	lost := bestBusy.value - bestHit - bestHeld
+	if bestBusy.value >= spillHit && (best == nil || !spills(t.Prefix != nil, lost, lost*float64(t.PromptTokens), bestHead, bestBusy.transient, now.Sub(t.enqueued) >= s.policy.StarvationGuard/2)) {
 		t.waitsOn, t.waitsNeed, t.waitsPassed = bestBusy.where, bestBusy.need, best != nil
 	}
 	if best == nil || t.waitsOn != "" {
