@@ -32,12 +32,21 @@ func BenchmarkWakeSaturated(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithCancel(ctx)
+	benchWake(b, s, 40, &Ticket{Model: model, PromptTokens: 5000, MaxTokens: 5000})
+}
+
+// benchWake queues n tickets like tk on s, then measures one pass over
+// them.
+func benchWake(b *testing.B, s *Scheduler, n int, tk *Ticket) {
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	for range 40 {
-		go func() { _, _ = s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 5000, MaxTokens: 5000}) }()
+	for range n {
+		go func() {
+			t := *tk
+			_, _ = s.Acquire(ctx, &t)
+		}()
 	}
-	for s.Queued()[Interactive] < 40 {
+	for s.Queued()[Interactive] < n {
 		time.Sleep(time.Millisecond)
 	}
 	b.ReportAllocs()
@@ -64,17 +73,5 @@ func BenchmarkWakeBackendQueue(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	for range 64 {
-		go func() { _, _ = s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 500, MaxTokens: 100}) }()
-	}
-	for s.Queued()[Interactive] < 64 {
-		time.Sleep(time.Millisecond)
-	}
-	b.ReportAllocs()
-	b.ResetTimer()
-	for b.Loop() {
-		s.Wake()
-	}
+	benchWake(b, s, 64, &Ticket{Model: model, PromptTokens: 500, MaxTokens: 100})
 }

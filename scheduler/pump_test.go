@@ -82,34 +82,56 @@ func TestPumpPrefixWaitsAndMisses(t *testing.T) {
 // checks of that model's tickets, not of another model's, whose backend
 // has room again.
 func TestPumpMissesByModel(t *testing.T) {
-	other := backendSnap("c", 40_000)
-	other.Models = []gpu.Model{{ID: "m2", MaxModelLen: 100_000}}
-	s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, backendSnap("a", 40_000), other)
+	s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, backendSnap("a", 40_000), m2Snap("c"))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	// Both backends full.
 	if _, err := s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 39_000, MaxTokens: 1}); err != nil {
 		t.Fatal(err)
 	}
+	hog, m2 := m2BehindModel(ctx, t, s)
+	hog.Release() // room on c: the pass it starts reaches the m2 ticket
+	wantOnC(t, m2, "the m2 ticket behind tickets of m that fit nowhere, with c free")
+}
+
+// m2Snap is a backend serving model m2 alone.
+func m2Snap(name string) *gpu.Snapshot {
+	sn := backendSnap(name, 40_000)
+	sn.Models = []gpu.Model{{ID: "m2", MaxModelLen: 100_000}}
+	return sn
+}
+
+// waitingOfModel is how many tickets of model m2BehindModel queues.
+const waitingOfModel = 2 * maxScanMisses
+
+// m2BehindModel fills the m2 backend with a hog, then queues
+// waitingOfModel tickets of model and one of m2 behind them; it returns
+// the hog and the m2 ticket's outcome.
+func m2BehindModel(ctx context.Context, t *testing.T, s *Scheduler) (*Grant, <-chan outcome) {
+	t.Helper()
 	hog, err := s.Acquire(ctx, &Ticket{Model: "m2", PromptTokens: 39_000, MaxTokens: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	const waiting = 2 * maxScanMisses
-	for i := range waiting {
+	for i := range waitingOfModel {
 		acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 2_000 + i, MaxTokens: 10})
 		waitQueued(t, s, i+1)
 	}
 	m2 := acquireAsync(ctx, s, &Ticket{Model: "m2", PromptTokens: 1_000, MaxTokens: 10})
-	waitQueued(t, s, waiting+1)
-	hog.Release() // room on c: the pass it starts reaches the m2 ticket
+	waitQueued(t, s, waitingOfModel+1)
+	return hog, m2
+}
+
+// wantOnC fails unless the ticket of ch is admitted on backend c.
+func wantOnC(t *testing.T, ch <-chan outcome, what string) {
+	t.Helper()
 	select {
-	case o := <-m2:
+	case o := <-ch:
 		if o.err != nil || o.g.Backend != "c" {
-			t.Errorf("the m2 ticket: %v, %v; want c", o.g, o.err)
+			t.Errorf("%s: %v, %v; want c", what, o.g, o.err)
 		}
 	case <-time.After(10 * time.Second):
-		t.Errorf("the m2 ticket behind %d of m that fit nowhere, with c free, was not admitted", waiting)
+		t.Errorf("%s was not admitted", what)
 	}
 }
 
@@ -121,36 +143,17 @@ func TestPumpMissesByModel(t *testing.T) {
 func TestPumpStopsAtBackendsThatRefuseAll(t *testing.T) {
 	a, b := backendSnap("a", 40_000), backendSnap("b", 40_000)
 	a.Metrics.Waiting, b.Metrics.Waiting = 3, 3 // over max_backend_waiting (2)
-	other := backendSnap("c", 40_000)
-	other.Models = []gpu.Model{{ID: "m2", MaxModelLen: 100_000}}
-	s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, a, b, other)
+	s := newTestScheduler(t, Policy{KVTarget: 1, MaxQueueWait: time.Minute}, a, b, m2Snap("c"))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	hog, err := s.Acquire(ctx, &Ticket{Model: "m2", PromptTokens: 39_000, MaxTokens: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	const waiting = 2 * maxScanMisses
-	for i := range waiting {
-		acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 2_000 + i, MaxTokens: 10})
-		waitQueued(t, s, i+1)
-	}
-	m2 := acquireAsync(ctx, s, &Ticket{Model: "m2", PromptTokens: 1_000, MaxTokens: 10})
-	waitQueued(t, s, waiting+1)
+	hog, m2 := m2BehindModel(ctx, t, s)
 	before := refusalsCounted(t, s)
 	hog.Release() // room on c: a pass
 	if checks := refusalsCounted(t, s) - before; checks != 2 {
-		t.Errorf("the pass counted %v refusals, want 2: one check of the first ticket on a and on b, none of the %d behind it", checks, waiting-1)
+		t.Errorf("the pass counted %v refusals, want 2: one check of the first ticket on a and on b, none of the %d behind it", checks, waitingOfModel-1)
 	}
-	select {
-	case o := <-m2:
-		if o.err != nil || o.g.Backend != "c" {
-			t.Errorf("the m2 ticket: %v, %v; want c", o.g, o.err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Errorf("the m2 ticket behind %d of m whose backends refuse all was not admitted", waiting)
-	}
-	if q := s.Queued(); q[Interactive] != waiting {
-		t.Errorf("%d tickets queued, want the %d of m", q[Interactive], waiting)
+	wantOnC(t, m2, "the m2 ticket behind tickets of m whose backends refuse all")
+	if q := s.Queued(); q[Interactive] != waitingOfModel {
+		t.Errorf("%d tickets queued, want the %d of m", q[Interactive], waitingOfModel)
 	}
 }
