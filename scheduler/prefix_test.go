@@ -494,7 +494,7 @@ func TestSpills(t *testing.T) {
 		// A short chat prompt: the template's head is most of it.
 		{"a few tokens lost, vLLM's queue at its bound: anywhere", true, 0.6, 40, 0.9, true, false, true},
 		{"a few tokens lost, saturated just now: anywhere", true, 0.6, 40, 0.05, false, false, true},
-		{"just over spillTokens lost, vLLM's queue at its bound: waits", true, 0.6, spillTokens, 0.9, true, true, false},
+		{"spillTokens lost, vLLM's queue at its bound: waits", true, 0.6, spillTokens, 0.9, true, true, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
