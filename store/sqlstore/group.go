@@ -33,7 +33,8 @@ import (
 // slots a drain of zero-delay jobs ended about 6 attempts a statement,
 // 0.27 commits a job in all; with two, 0.15-0.18. A sent mark, which its
 // slot does wait for, waits for at most the batches in flight. Acceptances
-// keep groupSlots: their callers wait for each.
+// have as many slots (groupSlots) but smaller batches (groupMax): a caller
+// waits for its whole batch.
 const (
 	workerSlots = 2
 	workerMax   = 256
