@@ -22,6 +22,17 @@ const TracerName = "github.com/kvgate/kvgate"
 // kvgate serve installs an OTLP exporter (tracing.otlp_endpoint).
 func Tracer() trace.Tracer { return otel.Tracer(TracerName) }
 
+// untraced is the global provider before one is installed, which records
+// nothing.
+var untraced = otel.GetTracerProvider()
+
+// tracing reports whether a provider is installed. The spans only a job's
+// trace holds (its events' ways through the outbox and the inbox, its
+// root) are not built without one: with no caller's trace to carry, they
+// would be a few allocations an event for nothing (about 7% of the
+// process's allocations in the acceptance test).
+func tracing() bool { return otel.GetTracerProvider() != untraced }
+
 // A durable job's trace is named by the job: its trace id is the job id's
 // 16 bytes and its root span's id is derived from it, so that every
 // process that touches the job (the replica that accepted it, the relay
@@ -72,6 +83,9 @@ func JobAttrs(jobID, tenant string, attempt int, fence int64) []attribute.KeyVal
 // job's final event, which it receives once fleet-wide. The root's id is
 // JobSpanContext's when the provider was built with IDGenerator.
 func EndJobTrace(e Event) {
+	if !tracing() {
+		return
+	}
 	sc, ok := JobSpanContext(e.JobID)
 	id, err := uuid.Parse(e.JobID)
 	if !ok || err != nil || id.Version() != 7 || !e.State.Final() {
@@ -124,6 +138,9 @@ func randomID(b []byte) {
 // tracePublished adds to each event's job trace the event's way through
 // the outbox: from its commit to the broker's acknowledgement.
 func tracePublished(evs []store.Event, at time.Time) {
+	if !tracing() {
+		return
+	}
 	for _, e := range evs {
 		_, span := Tracer().Start(JobContext(context.Background(), e.JobID), "outbox.publish "+e.Type,
 			trace.WithTimestamp(e.CreatedAt), trace.WithSpanKind(trace.SpanKindProducer),
@@ -139,6 +156,9 @@ func tracePublished(evs []store.Event, at time.Time) {
 // the inbox's record: the broker lag of that event. A final event also
 // ends the job's root span.
 func traceReceived(e Event, stored, at time.Time) {
+	if !tracing() {
+		return
+	}
 	start := stored
 	if start.IsZero() || start.After(at) {
 		start = at
