@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"time"
 
@@ -72,10 +73,104 @@ func tighter(a, b store.Window) store.Window {
 	return a
 }
 
-const ledgerDelta = `UPDATE usage_days SET requests = requests + ?, attempts = attempts + ?, prompt_tokens = prompt_tokens + ?,
-	completion_tokens = completion_tokens + ?, reserved_tokens = reserved_tokens + ?, uncertain = uncertain + ?,
-	uncertain_tokens = uncertain_tokens + ?, cost = cost + ?, reserved_cost = reserved_cost + ?,
-	uncertain_cost = uncertain_cost + ? WHERE tenant = ? AND day = ?`
+// ledgerChange is what a call adds to a tenant's usage_days row for one
+// day (each field its column's delta). Every write to the ledger goes
+// through it: acquiredChange, recordedChange, releasedChange and the sweep
+// say what changes, charge (one call) and chargeAll (a batch's, summed)
+// write it.
+type ledgerChange struct {
+	requests, attempts, prompt, completion, reserved, uncertain, uncertainTokens, cost, reservedCost, uncertainCost int64
+}
+
+// ledgerUpsert adds a ledgerChange to its row, which it creates at the
+// day's first charge.
+const ledgerUpsert = `INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
+		reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) %s
+		ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + excluded.requests,
+			attempts = usage_days.attempts + excluded.attempts, prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens,
+			completion_tokens = usage_days.completion_tokens + excluded.completion_tokens,
+			reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens, uncertain = usage_days.uncertain + excluded.uncertain,
+			uncertain_tokens = usage_days.uncertain_tokens + excluded.uncertain_tokens, cost = usage_days.cost + excluded.cost,
+			reserved_cost = usage_days.reserved_cost + excluded.reserved_cost, uncertain_cost = usage_days.uncertain_cost + excluded.uncertain_cost`
+
+var chargeOne = fmt.Sprintf(ledgerUpsert, "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+
+// charge adds d to tenant's ledger row of day.
+func (s *Store) charge(ctx context.Context, tx *sql.Tx, tenant string, day int, d ledgerChange) error {
+	_, err := tx.ExecContext(ctx, s.rb(chargeOne), tenant, day, d.requests, d.attempts, d.prompt, d.completion, d.reserved,
+		d.uncertain, d.uncertainTokens, d.cost, d.reservedCost, d.uncertainCost)
+	return err
+}
+
+func (d *ledgerChange) add(o ledgerChange) {
+	d.requests += o.requests
+	d.attempts += o.attempts
+	d.prompt += o.prompt
+	d.completion += o.completion
+	d.reserved += o.reserved
+	d.uncertain += o.uncertain
+	d.uncertainTokens += o.uncertainTokens
+	d.cost += o.cost
+	d.reservedCost += o.reservedCost
+	d.uncertainCost += o.uncertainCost
+}
+
+// acquiredChange: an admitted acquisition counts a request and holds its
+// reservation.
+func acquiredChange(a store.Acquisition) ledgerChange {
+	return ledgerChange{requests: 1, reserved: a.Tokens, reservedCost: a.Cost}
+}
+
+// recordedChange: a request recorded when it ended (RecordUsage), as its
+// acquisition and release would have left the ledger; false for one
+// never sent, which leaves nothing.
+func recordedChange(r store.Release) (ledgerChange, bool) {
+	d := ledgerChange{attempts: int64(r.Attempts)}
+	switch r.Outcome {
+	case store.NotSent:
+		return d, r.Attempts != 0
+	case store.Reported:
+		d.requests, d.prompt, d.completion, d.cost = 1, r.PromptTokens, r.CompletionTokens, r.Cost
+	case store.Uncertain:
+		d.requests, d.uncertain, d.uncertainTokens, d.uncertainCost = 1, 1, r.Permit.Tokens, r.Permit.Cost
+	}
+	return d, true
+}
+
+// releasedChange: a permit's release gives back its reservation and
+// charges what was used. A swept permit's reservation is uncertain usage
+// already (sweptChange): it is taken back from there.
+func releasedChange(r store.Release, swept bool) ledgerChange {
+	p := r.Permit
+	d := ledgerChange{attempts: int64(r.Attempts)}
+	held, heldCost, heldCount := &d.reserved, &d.reservedCost, int64(0) // where the reservation sits
+	if swept {
+		held, heldCost, heldCount = &d.uncertainTokens, &d.uncertainCost, 1
+	}
+	switch r.Outcome {
+	case store.NotSent:
+		d.requests = -1
+		*held -= p.Tokens
+		*heldCost -= p.Cost
+		d.uncertain -= heldCount
+	case store.Reported:
+		d.prompt, d.completion, d.cost = r.PromptTokens, r.CompletionTokens, r.Cost
+		*held -= p.Tokens
+		*heldCost -= p.Cost
+		d.uncertain -= heldCount
+	case store.Uncertain:
+		if !swept {
+			d.reserved, d.uncertain, d.uncertainTokens = -p.Tokens, 1, p.Tokens
+			d.reservedCost, d.uncertainCost = -p.Cost, p.Cost
+		}
+	}
+	return d
+}
+
+// sweptChange: an expired permit's reservation becomes uncertain usage.
+func sweptChange(tokens, cost int64) ledgerChange {
+	return ledgerChange{reserved: -tokens, uncertain: 1, uncertainTokens: tokens, reservedCost: -cost, uncertainCost: cost}
+}
 
 // Acquire implements store.Store. Concurrent acquisitions and releases
 // commit together (quotabatch.go).
@@ -183,7 +278,7 @@ func (s *Store) sweepPermits(ctx context.Context, tx *sql.Tx, tenant string, now
 		return nil
 	}
 	for _, e := range ex {
-		if _, err := tx.ExecContext(ctx, s.rb(ledgerDelta), 0, 0, 0, 0, -e.tokens, 1, e.tokens, 0, -e.cost, e.cost, tenant, e.day); err != nil {
+		if err := s.charge(ctx, tx, tenant, int(e.day), sweptChange(e.tokens, e.cost)); err != nil {
 			return err
 		}
 	}
@@ -306,26 +401,11 @@ func (s *Store) recordIn(ctx context.Context, tx *sql.Tx, r store.Release, windo
 			return err
 		}
 	}
-	var requests, uncertain, uncertainTokens, uncertainCost, prompt, completion, cost int64
-	switch r.Outcome {
-	case store.NotSent:
-		if r.Attempts == 0 {
-			return nil
-		}
-	case store.Reported:
-		requests, prompt, completion, cost = 1, r.PromptTokens, r.CompletionTokens, r.Cost
-	case store.Uncertain:
-		requests, uncertain, uncertainTokens, uncertainCost = 1, 1, p.Tokens, p.Cost
+	d, ok := recordedChange(r)
+	if !ok {
+		return nil
 	}
-	_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
-		reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, 0, ?)
-		ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + excluded.requests,
-			attempts = usage_days.attempts + excluded.attempts, prompt_tokens = usage_days.prompt_tokens + excluded.prompt_tokens,
-			completion_tokens = usage_days.completion_tokens + excluded.completion_tokens, uncertain = usage_days.uncertain + excluded.uncertain,
-			uncertain_tokens = usage_days.uncertain_tokens + excluded.uncertain_tokens, cost = usage_days.cost + excluded.cost,
-			uncertain_cost = usage_days.uncertain_cost + excluded.uncertain_cost`),
-		p.Tenant, p.Day, requests, r.Attempts, prompt, completion, uncertain, uncertainTokens, cost, uncertainCost)
-	return err
+	return s.charge(ctx, tx, p.Tenant, p.Day, d)
 }
 
 // releaseIn is one release in tx.
@@ -364,35 +444,7 @@ func (s *Store) releaseIn(ctx context.Context, tx *sql.Tx, r store.Release) erro
 	if err != nil {
 		return err
 	}
-	// Ledger deltas: requests, attempts, prompt, completion, reserved,
-	// uncertain, uncertain tokens; cost, reserved and uncertain cost.
-	// A swept permit's reservation is already uncertain usage: take it
-	// back from there.
-	var d [10]int64
-	held, heldCount, heldCost := 4, int64(0), 8 // where the reservation sits: reserved_tokens, reserved_cost
-	if swept == 1 {
-		held, heldCount, heldCost = 6, 1, 9 // uncertain_tokens and cost, one uncertain request
-	}
-	d[1] = int64(r.Attempts)
-	switch r.Outcome {
-	case store.NotSent:
-		d[0] = -1
-		d[held] -= p.Tokens
-		d[heldCost] -= p.Cost
-		d[5] -= heldCount
-	case store.Reported:
-		d[2], d[3], d[7] = r.PromptTokens, r.CompletionTokens, r.Cost
-		d[held] -= p.Tokens
-		d[heldCost] -= p.Cost
-		d[5] -= heldCount
-	case store.Uncertain:
-		if swept == 0 {
-			d[4], d[5], d[6] = -p.Tokens, 1, p.Tokens
-			d[8], d[9] = -p.Cost, p.Cost
-		}
-	}
-	_, err = tx.ExecContext(ctx, s.rb(ledgerDelta), d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], p.Tenant, p.Day)
-	return err
+	return s.charge(ctx, tx, p.Tenant, p.Day, releasedChange(r, swept == 1))
 }
 
 // pendingCount counts a tenant's pending jobs (READY, RUNNING or
@@ -459,11 +511,7 @@ func (s *Store) EndJobReservation(ctx context.Context, id string) error {
 // recordPermit charges an admitted acquisition's reservation to the
 // ledger and stores its permit.
 func (s *Store) recordPermit(ctx context.Context, tx *sql.Tx, a store.Acquisition, p store.Permit) error {
-	if _, err := tx.ExecContext(ctx, s.rb(`INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
-		reserved_tokens, uncertain, uncertain_tokens, cost, reserved_cost, uncertain_cost) VALUES (?, ?, 1, 0, 0, 0, ?, 0, 0, 0, ?, 0)
-		ON CONFLICT (tenant, day) DO UPDATE SET requests = usage_days.requests + 1,
-			reserved_tokens = usage_days.reserved_tokens + excluded.reserved_tokens,
-			reserved_cost = usage_days.reserved_cost + excluded.reserved_cost`), a.Tenant, p.Day, a.Tokens, a.Cost); err != nil {
+	if err := s.charge(ctx, tx, a.Tenant, p.Day, acquiredChange(a)); err != nil {
 		return err
 	}
 	_, err := tx.ExecContext(ctx, s.rb(`INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)

@@ -5,6 +5,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -157,7 +159,15 @@ func (s *Store) quotaGroup(ctx context.Context, cs []*quotaCall) {
 	}
 	slices.SortStableFunc(cs, compareCalls)
 	err := s.tx(ctx, "quota batch", func(tx *sql.Tx) error {
-		for _, c := range cs {
+		for i := 0; i < len(cs); i++ {
+			if n := s.plainRun(cs[i:]); n > 1 {
+				if err := s.quotaPlain(ctx, tx, cs[i:i+n]); err != nil {
+					return errQuotaBatch
+				}
+				i += n - 1
+				continue
+			}
+			c := cs[i]
 			refusable := c.refusable()
 			if refusable {
 				if _, err := tx.ExecContext(ctx, "SAVEPOINT quota_call"); err != nil {
@@ -226,4 +236,146 @@ func compareBool(a, b bool) int {
 func isQuotaErr(err error) bool {
 	var qe *store.QuotaError
 	return errors.As(err, &qe)
+}
+
+// plain says whether the call writes nothing but its permit and its
+// tenant's ledger: it takes no window and nothing can refuse it (an
+// unlimited acquisition, a release of its permit, a record of usage).
+func (c *quotaCall) plain() bool { return !c.windowed() && !c.refusable() }
+
+// plainRun is how many calls at the head of cs (sorted) are plain and of
+// the first one's tenant: quotaPlain writes them together, where the
+// database takes arrays. On SQLite, where a statement is a function call,
+// each runs on its own.
+func (s *Store) plainRun(cs []*quotaCall) int {
+	if !s.d.WritableCTE {
+		return 0
+	}
+	tenant, _ := cs[0].tenant()
+	acquired := map[string]bool{}
+	n := 0
+	for _, c := range cs {
+		if t, _ := c.tenant(); t != tenant || !c.plain() {
+			break
+		}
+		// quotaPlain's statement does not see the permits it inserts: a
+		// release of one of them starts a run of its own.
+		if c.acquire != nil {
+			acquired[c.acquire.PermitID] = true
+		} else if !c.record && acquired[c.release.Permit.ID] {
+			break
+		}
+		n++
+	}
+	return n
+}
+
+// Set-based writes of a run of plain calls: the permits inserted and
+// deleted by one statement, then the ledger charged by a second, one row a
+// day with the run's changes summed. A batch of n such calls takes two
+// statements instead of two each (the permit, then the ledger row: the
+// same row again and again, a new version of it each time). The run's
+// place in the sorted batch keeps the batch's lock order: its tenant's
+// windowed calls went before it, and the ledger rows are charged in the
+// order of their days.
+var (
+	plainPermits = `WITH acquired AS (
+		INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)
+		SELECT id, tenant, key_id, day, 0, tokens, cost, expires_at, 0
+		FROM unnest(?::text[], ?::text[], ?::text[], ?::integer[], ?::bigint[], ?::bigint[], ?::bigint[])
+			AS t(id, tenant, key_id, day, tokens, cost, expires_at))
+	DELETE FROM quota_permits WHERE id = ANY(?::text[]) RETURNING id, swept`
+	chargeAll = fmt.Sprintf(ledgerUpsert, `SELECT tenant, day, requests, attempts, prompt, completion, reserved, uncertain,
+			uncertain_tokens, cost, reserved_cost, uncertain_cost
+		FROM unnest(?::text[], ?::integer[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[],
+			?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[])
+			WITH ORDINALITY AS t(tenant, day, requests, attempts, prompt, completion, reserved, uncertain,
+				uncertain_tokens, cost, reserved_cost, uncertain_cost, ord)
+		ORDER BY ord`)
+)
+
+// quotaPlain writes a run of plain calls of one tenant in tx (see
+// chargeAll). A release whose permit is gone (released before) charges
+// nothing, as releaseIn.
+func (s *Store) quotaPlain(ctx context.Context, tx *sql.Tx, cs []*quotaCall) error {
+	var acq struct {
+		id, tenant, key       []string
+		day                   []int32
+		tokens, cost, expires []int64
+	}
+	var released []string
+	for _, c := range cs {
+		switch {
+		case c.acquire != nil:
+			a := c.acquire
+			c.permit = a.Permit()
+			acq.id, acq.tenant, acq.key = append(acq.id, a.PermitID), append(acq.tenant, a.Tenant), append(acq.key, a.KeyID)
+			acq.day, acq.tokens, acq.cost = append(acq.day, int32(c.permit.Day)), append(acq.tokens, a.Tokens), append(acq.cost, a.Cost)
+			acq.expires = append(acq.expires, micros(a.Now.Add(a.Lease)))
+		case !c.record:
+			released = append(released, c.release.Permit.ID)
+		}
+	}
+	swept := map[string]bool{} // the released permits found, by id
+	if len(acq.id) > 0 || len(released) > 0 {
+		rows, err := tx.QueryContext(ctx, s.rb(plainPermits), acq.id, acq.tenant, acq.key, acq.day, acq.tokens, acq.cost, acq.expires,
+			released)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var id string
+			var sw int
+			if err := rows.Scan(&id, &sw); err != nil {
+				rows.Close()
+				return err
+			}
+			swept[id] = sw == 1
+		}
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			return err
+		}
+	}
+	changes := map[int]*ledgerChange{} // by day
+	charge := func(day int, d ledgerChange) {
+		if changes[day] == nil {
+			changes[day] = &ledgerChange{}
+		}
+		changes[day].add(d)
+	}
+	for _, c := range cs {
+		switch {
+		case c.acquire != nil:
+			charge(c.permit.Day, acquiredChange(*c.acquire))
+		case c.record:
+			if d, ok := recordedChange(*c.release); ok {
+				charge(c.release.Permit.Day, d)
+			}
+		default:
+			if sw, ok := swept[c.release.Permit.ID]; ok {
+				charge(c.release.Permit.Day, releasedChange(*c.release, sw))
+			}
+		}
+	}
+	if len(changes) == 0 {
+		return nil
+	}
+	tenant, _ := cs[0].tenant()
+	var col [11][]int64 // day, then ledgerChange's fields in ledgerUpsert's order
+	var tenants []string
+	for _, day := range slices.Sorted(maps.Keys(changes)) {
+		d := changes[day]
+		tenants = append(tenants, tenant)
+		for i, v := range []int64{int64(day), d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain,
+			d.uncertainTokens, d.cost, d.reservedCost, d.uncertainCost} {
+			col[i] = append(col[i], v)
+		}
+	}
+	args := []any{tenants}
+	for _, c := range col {
+		args = append(args, c)
+	}
+	_, err := tx.ExecContext(ctx, s.rb(chargeAll), args...)
+	return err
 }

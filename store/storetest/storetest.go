@@ -62,6 +62,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaRace", testQuotaRace},
 		{"QuotaTogether", testQuotaTogether},
 		{"RecordUsage", testRecordUsage},
+		{"QuotaPlainTogether", testQuotaPlainTogether},
 		{"JobReservations", testJobReservations},
 		{"Stats", testStats},
 	}

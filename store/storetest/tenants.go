@@ -536,3 +536,111 @@ func testRecordUsage(t *testing.T, s store.Store) {
 		t.Errorf("the expired permit after 1,000 records: %+v, want it swept into uncertain usage", u)
 	}
 }
+
+// testQuotaPlainTogether: calls that take no window (unlimited
+// acquisitions, releases of every outcome, one of a permit swept since and
+// one of yesterday's, records of usage), arriving together and written
+// behind their requests, so that a store may batch them, leave one
+// tenant's ledger as the same calls one at a time leave another's.
+func testQuotaPlainTogether(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const n = 48
+	yesterday, later := t0.Add(-24*time.Hour), t0.Add(2*time.Minute)
+	// run makes the calls for tenant, each step's calls at once when
+	// together is set, else one after another.
+	run := func(tenant string, together bool) {
+		step := func(calls []func(behind bool) error) {
+			var wg sync.WaitGroup
+			for i, call := range calls {
+				if !together {
+					if err := call(false); err != nil {
+						t.Fatalf("%s: call %d: %v", tenant, i, err)
+					}
+					continue
+				}
+				wg.Go(func() {
+					if err := call(true); err != nil {
+						t.Errorf("%s: call %d: %v", tenant, i, err)
+					}
+				})
+			}
+			wg.Wait()
+		}
+		acquire := func(a store.Acquisition, into *store.Permit) func(bool) error {
+			return func(behind bool) (err error) {
+				a.Behind = behind && a.Unrefusable()
+				*into, err = s.Acquire(ctx, a)
+				return err
+			}
+		}
+		release := func(p *store.Permit, r store.Release) func(bool) error {
+			return func(behind bool) error {
+				r.Permit, r.Behind = *p, behind
+				return s.Release(ctx, r)
+			}
+		}
+		ends := []store.Release{
+			{Outcome: store.Reported, Attempts: 1, PromptTokens: 3, CompletionTokens: 8, Cost: 11, Now: later},
+			{Outcome: store.NotSent, Now: later},
+			{Outcome: store.NotSent, Attempts: 2, Now: later},
+			{Outcome: store.Uncertain, Attempts: 1, Now: later},
+		}
+		// A permit whose lease will have ended, one of yesterday's, and
+		// n of today's with long leases.
+		var expired, old store.Permit
+		a := acquisition(tenant, 30, store.Limits{}, t0)
+		a.Cost = 70
+		b := acquisition(tenant, 20, store.Limits{}, yesterday)
+		b.Cost, b.Lease = 50, 48*time.Hour
+		step([]func(bool) error{acquire(a, &expired), acquire(b, &old)})
+		ps := make([]store.Permit, n)
+		var calls []func(bool) error
+		for i := range ps {
+			a := acquisition(tenant, int64(10+i), store.Limits{}, t0)
+			a.Cost, a.Lease = int64(i), time.Hour
+			calls = append(calls, acquire(a, &ps[i]))
+		}
+		step(calls)
+		// A limited acquisition sweeps the expired permit.
+		var limited store.Permit
+		step([]func(bool) error{acquire(acquisition(tenant, 5, store.Limits{MaxConcurrency: 1000}, later), &limited)})
+		// Half of today's permits end, each way; the swept one, yesterday's
+		// and the limited one end too; usage is recorded; more permits are
+		// acquired.
+		calls = []func(bool) error{release(&expired, ends[0]), release(&old, ends[0]), release(&limited, ends[3])}
+		for i := range n / 2 {
+			calls = append(calls, release(&ps[i], ends[i%len(ends)]))
+		}
+		more := make([]store.Permit, n/4)
+		for i := range more {
+			a := acquisition(tenant, 7, store.Limits{}, later)
+			a.Cost, a.Lease = 3, time.Hour
+			calls = append(calls, acquire(a, &more[i]))
+			r := ends[i%len(ends)]
+			p := acquisition(tenant, 9, store.Limits{}, later).Permit()
+			p.Cost = 4
+			calls = append(calls, func(behind bool) error {
+				r.Permit, r.Behind = p, behind
+				return s.RecordUsage(ctx, r)
+			})
+		}
+		step(calls)
+		calls = nil
+		for i := n / 2; i < n; i++ {
+			calls = append(calls, release(&ps[i], ends[i%len(ends)]))
+		}
+		for i := range more {
+			calls = append(calls, release(&more[i], ends[0]))
+		}
+		step(calls)
+	}
+	run("plain-alone", false)
+	run("plain-together", true)
+	for _, day := range []time.Time{yesterday, t0} {
+		want, got := usageOn(t, s, "plain-alone", day), usageOn(t, s, "plain-together", day)
+		want.Tenant, got.Tenant = "", ""
+		if got != want || want.Requests == 0 {
+			t.Errorf("%s: together %+v, want %+v as one at a time", day.Format(time.DateOnly), got, want)
+		}
+	}
+}
