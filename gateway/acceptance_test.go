@@ -22,7 +22,8 @@ import (
 
 // TestAcceptanceOpenLoop: durable acceptance through POST /v1/jobs under
 // an open-loop load, with the runner executing the jobs on simulators
-// meanwhile (PostgreSQL, NATS JetStream, the runner kvgate serve runs).
+// meanwhile (PostgreSQL, NATS JetStream, the usage ledger, the runner
+// kvgate serve runs).
 // Each request is sent at its own time whether or not earlier ones have
 // answered, with a unique Idempotency-Key, and its latency is taken from
 // when it was due, so that a stall counts against every request it
@@ -61,7 +62,11 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 	// tests' fast intervals (a scrape of each backend every 20 ms) spent a
 	// tenth of this process's CPU encoding and parsing the simulators'
 	// metrics, which a deployment's GPU servers encode on their own CPUs.
-	f := startFleet(t, fleetOpts{backends: 2, jobs: true, pg: pg, signals: true, speedup: 100, production: true})
+	// The tenants' store beside the jobs', as kvgate serve has it: each
+	// attempt's permit is written to the usage ledger (behind it, for a
+	// tenant without limits).
+	st := openStore(t, pg)
+	f := startFleet(t, fleetOpts{backends: 2, store: st, signals: true, speedup: 100, production: true, gateway: Config{Tenants: Tenants{Store: st}}})
 	exec := &countingExec{Server: f.api}
 	runRunner(t, f, f.store, exec, 30*time.Second, 256)
 	// As a load generator keeps its connections: a fresh TCP connection
@@ -166,7 +171,7 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 	if pg {
 		pgcpu := (backendsCPU(f.store.DB(), pg) - pgcpu00) / time.Duration(total)
 		time.Sleep(1500 * time.Millisecond) // the statistics' flush
-		t.Logf("%.2f transactions committed per job over the whole run (%d jobs; read-only ones included: the acceptance, the claim, the attempt, the relay, the inbox); CPU per job: %s in this process, %s in PostgreSQL's backends",
+		t.Logf("%.2f transactions committed per job over the whole run (%d jobs; read-only ones included: the acceptance, the claim, the attempt, the ledger, the relay, the inbox); CPU per job: %s in this process, %s in PostgreSQL's backends",
 			float64(commits()-c00)/float64(total), total, cpu.Round(time.Microsecond), pgcpu.Round(time.Microsecond))
 	} else {
 		t.Logf("CPU per job over the whole run (%d jobs): %s in this process (SQLite runs in it)", total, cpu.Round(time.Microsecond))
