@@ -243,19 +243,17 @@ func isQuotaErr(err error) bool {
 // unlimited acquisition, a release of its permit, a record of usage).
 func (c *quotaCall) plain() bool { return !c.windowed() && !c.refusable() }
 
-// plainRun is how many calls at the head of cs (sorted) are plain and of
-// the first one's tenant: quotaPlain writes them together, where the
-// database takes arrays. On SQLite, where a statement is a function call,
-// each runs on its own.
+// plainRun is how many calls at the head of cs (sorted) are plain:
+// quotaPlain writes them together, where the database takes arrays. On
+// SQLite, where a statement is a function call, each runs on its own.
 func (s *Store) plainRun(cs []*quotaCall) int {
 	if !s.d.WritableCTE {
 		return 0
 	}
-	tenant, _ := cs[0].tenant()
 	acquired := map[string]bool{}
 	n := 0
 	for _, c := range cs {
-		if t, _ := c.tenant(); t != tenant || !c.plain() {
+		if !c.plain() {
 			break
 		}
 		// quotaPlain's statement does not see the permits it inserts: a
@@ -272,12 +270,16 @@ func (s *Store) plainRun(cs []*quotaCall) int {
 
 // Set-based writes of a run of plain calls: the permits inserted and
 // deleted by one statement, then the ledger charged by a second, one row a
-// day with the run's changes summed. A batch of n such calls takes two
-// statements instead of two each (the permit, then the ledger row: the
-// same row again and again, a new version of it each time). The run's
-// place in the sorted batch keeps the batch's lock order: its tenant's
-// windowed calls went before it, and the ledger rows are charged in the
-// order of their days.
+// tenant and day with the run's changes summed. A batch of n such calls
+// takes two statements instead of two each (the permit, then the ledger
+// row: the same row again and again, a new version of it each time).
+// The run keeps the batch's lock order: it lies between the windowed
+// calls of the tenants before it and after it (each tenant's windowed
+// calls come before its plain ones), and it charges the ledger rows by
+// tenant, then day. Its permits are deleted first, by id: a permit row
+// is contended only by a sweep of its tenant, which skips the permits
+// that a release holds and, once it holds one, locks nothing of the
+// tenants before its own, which are all this run may already hold.
 var (
 	plainPermits = `WITH acquired AS (
 		INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)
@@ -294,8 +296,7 @@ var (
 		ORDER BY ord`)
 )
 
-// quotaPlain writes a run of plain calls of one tenant in tx (see
-// chargeAll). A release whose permit is gone (released before) charges
+// quotaPlain writes a run of plain calls in tx (see chargeAll). A release whose permit is gone (released before) charges
 // nothing, as releaseIn.
 func (s *Store) quotaPlain(ctx context.Context, tx *sql.Tx, cs []*quotaCall) error {
 	var acq struct {
@@ -337,37 +338,43 @@ func (s *Store) quotaPlain(ctx context.Context, tx *sql.Tx, cs []*quotaCall) err
 			return err
 		}
 	}
-	changes := map[int]*ledgerChange{} // by day
-	charge := func(day int, d ledgerChange) {
-		if changes[day] == nil {
-			changes[day] = &ledgerChange{}
+	type row struct {
+		tenant string
+		day    int
+	}
+	changes := map[row]*ledgerChange{}
+	charge := func(tenant string, day int, d ledgerChange) {
+		r := row{tenant, day}
+		if changes[r] == nil {
+			changes[r] = &ledgerChange{}
 		}
-		changes[day].add(d)
+		changes[r].add(d)
 	}
 	for _, c := range cs {
+		tenant, _ := c.tenant()
 		switch {
 		case c.acquire != nil:
-			charge(c.permit.Day, acquiredChange(*c.acquire))
+			charge(tenant, c.permit.Day, acquiredChange(*c.acquire))
 		case c.record:
 			if d, ok := recordedChange(*c.release); ok {
-				charge(c.release.Permit.Day, d)
+				charge(tenant, c.release.Permit.Day, d)
 			}
 		default:
 			if sw, ok := swept[c.release.Permit.ID]; ok {
-				charge(c.release.Permit.Day, releasedChange(*c.release, sw))
+				charge(tenant, c.release.Permit.Day, releasedChange(*c.release, sw))
 			}
 		}
 	}
 	if len(changes) == 0 {
 		return nil
 	}
-	tenant, _ := cs[0].tenant()
+	rows := slices.SortedFunc(maps.Keys(changes), func(a, b row) int { return cmp.Or(cmp.Compare(a.tenant, b.tenant), cmp.Compare(a.day, b.day)) })
 	var col [11][]int64 // day, then ledgerChange's fields in ledgerUpsert's order
 	var tenants []string
-	for _, day := range slices.Sorted(maps.Keys(changes)) {
-		d := changes[day]
-		tenants = append(tenants, tenant)
-		for i, v := range []int64{int64(day), d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain,
+	for _, r := range rows {
+		d := changes[r]
+		tenants = append(tenants, r.tenant)
+		for i, v := range []int64{int64(r.day), d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain,
 			d.uncertainTokens, d.cost, d.reservedCost, d.uncertainCost} {
 			col[i] = append(col[i], v)
 		}

@@ -540,8 +540,9 @@ func testRecordUsage(t *testing.T, s store.Store) {
 // testQuotaPlainTogether: calls that take no window (unlimited
 // acquisitions, releases of every outcome, one of a permit swept since and
 // one of yesterday's, records of usage), arriving together and written
-// behind their requests, so that a store may batch them, leave one
-// tenant's ledger as the same calls one at a time leave another's.
+// behind their requests, so that a store may batch them (two tenants'
+// at once), leave each tenant's ledger as the same calls one at a time
+// leave another's.
 func testQuotaPlainTogether(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	const n = 48
@@ -635,12 +636,19 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 		step(calls)
 	}
 	run("plain-alone", false)
-	run("plain-together", true)
-	for _, day := range []time.Time{yesterday, t0} {
-		want, got := usageOn(t, s, "plain-alone", day), usageOn(t, s, "plain-together", day)
-		want.Tenant, got.Tenant = "", ""
-		if got != want || want.Requests == 0 {
-			t.Errorf("%s: together %+v, want %+v as one at a time", day.Format(time.DateOnly), got, want)
+	var wg sync.WaitGroup
+	together := []string{"plain-together-a", "plain-together-b"} // two tenants' calls in the same batches
+	for _, tenant := range together {
+		wg.Go(func() { run(tenant, true) })
+	}
+	wg.Wait()
+	for _, tenant := range together {
+		for _, day := range []time.Time{yesterday, t0} {
+			want, got := usageOn(t, s, "plain-alone", day), usageOn(t, s, tenant, day)
+			want.Tenant, got.Tenant = "", ""
+			if got != want || want.Requests == 0 {
+				t.Errorf("%s, %s: together %+v, want %+v as one at a time", tenant, day.Format(time.DateOnly), got, want)
+			}
 		}
 	}
 }
