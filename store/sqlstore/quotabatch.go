@@ -6,7 +6,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"maps"
 	"slices"
 	"time"
 
@@ -152,15 +151,39 @@ func (c *quotaCall) behind() bool {
 
 // quotaGroup runs a batch of limiter calls.
 func (s *Store) quotaGroup(ctx context.Context, cs []*quotaCall) {
+	slices.SortStableFunc(cs, compareCalls)
+	if s.plainRun(cs) == len(cs) {
+		// Nothing but plain calls: one statement, its own transaction.
+		err := s.ready(ctx)
+		if err == nil {
+			err = s.quotaPlain(ctx, s.db, cs)
+		}
+		switch {
+		case err == nil:
+			return
+		case s.lostTouch(err):
+			// Written or not: running the calls again could charge a
+			// record twice.
+			for _, c := range cs {
+				c.permit, c.err = store.Permit{}, s.err(c.op(), err)
+			}
+			return
+		}
+		// Nothing was written (a permit's id taken, say): each call alone.
+		for _, c := range cs {
+			c.permit = store.Permit{}
+			c.err = s.tx(ctx, c.op(), func(tx *sql.Tx) error { return s.quotaIn(ctx, tx, c) })
+		}
+		return
+	}
 	if len(cs) == 1 {
 		c := cs[0]
 		c.err = s.tx(ctx, c.op(), func(tx *sql.Tx) error { return s.quotaIn(ctx, tx, c) })
 		return
 	}
-	slices.SortStableFunc(cs, compareCalls)
 	err := s.tx(ctx, "quota batch", func(tx *sql.Tx) error {
 		for i := 0; i < len(cs); i++ {
-			if n := s.plainRun(cs[i:]); n > 1 {
+			if n := s.plainRun(cs[i:]); n > 0 {
 				if err := s.quotaPlain(ctx, tx, cs[i:i+n]); err != nil {
 					return errQuotaBatch
 				}
@@ -268,11 +291,18 @@ func (s *Store) plainRun(cs []*quotaCall) int {
 	return n
 }
 
-// Set-based writes of a run of plain calls: the permits inserted and
-// deleted by one statement, then the ledger charged by a second, one row a
-// tenant and day with the run's changes summed. A batch of n such calls
-// takes two statements instead of two each (the permit, then the ledger
-// row: the same row again and again, a new version of it each time).
+// Set-based writes of a run of plain calls, in one statement: the
+// permits inserted and deleted, and the ledger charged, one row a tenant
+// and day with the run's changes summed. A batch of n such calls takes
+// one statement instead of two each (the permit, then the ledger row: the
+// same row again and again, a new version of it each time), and a batch
+// of nothing else no explicit transaction either: one round trip.
+//
+// A release's change depends on whether a sweep had taken its permit's
+// reservation into uncertain usage: the statement is given the change
+// both ways and keeps the one that matches the permit it deleted (none
+// when the permit is gone: released before, as releaseIn).
+//
 // The run keeps the batch's lock order: it lies between the windowed
 // calls of the tenants before it and after it (each tenant's windowed
 // calls come before its plain ones), and it charges the ledger rows by
@@ -280,32 +310,54 @@ func (s *Store) plainRun(cs []*quotaCall) int {
 // is contended only by a sweep of its tenant, which skips the permits
 // that a release holds and, once it holds one, locks nothing of the
 // tenants before its own, which are all this run may already hold.
-var (
-	plainPermits = `WITH acquired AS (
+var plainCalls = fmt.Sprintf(`WITH acquired AS (
 		INSERT INTO quota_permits (id, tenant, key_id, day, window_start, tokens, cost, expires_at, swept)
 		SELECT id, tenant, key_id, day, 0, tokens, cost, expires_at, 0
 		FROM unnest(?::text[], ?::text[], ?::text[], ?::integer[], ?::bigint[], ?::bigint[], ?::bigint[])
-			AS t(id, tenant, key_id, day, tokens, cost, expires_at))
-	DELETE FROM quota_permits WHERE id = ANY(?::text[]) RETURNING id, swept`
-	chargeAll = fmt.Sprintf(ledgerUpsert, `SELECT tenant, day, requests, attempts, prompt, completion, reserved, uncertain,
-			uncertain_tokens, cost, reserved_cost, uncertain_cost
-		FROM unnest(?::text[], ?::integer[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[],
-			?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[])
-			WITH ORDINALITY AS t(tenant, day, requests, attempts, prompt, completion, reserved, uncertain,
-				uncertain_tokens, cost, reserved_cost, uncertain_cost, ord)
-		ORDER BY ord`)
-)
+			AS t(id, tenant, key_id, day, tokens, cost, expires_at)),
+	released AS (
+		DELETE FROM quota_permits WHERE id = ANY(?::text[]) RETURNING id, swept),
+	changes AS (
+		SELECT * FROM unnest(?::text[], ?::integer[], ?::text[], ?::integer[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[],
+			?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[])
+			AS c(tenant, day, permit, swept, requests, attempts, prompt, completion, reserved, uncertain, uncertain_tokens,
+				cost, reserved_cost, uncertain_cost)
+		WHERE c.permit = '' OR EXISTS (SELECT 1 FROM released r WHERE r.id = c.permit AND r.swept = c.swept))
+	`+ledgerUpsert, `SELECT tenant, day, sum(requests)::bigint, sum(attempts)::bigint, sum(prompt)::bigint,
+			sum(completion)::bigint, sum(reserved)::bigint, sum(uncertain)::bigint, sum(uncertain_tokens)::bigint,
+			sum(cost)::bigint, sum(reserved_cost)::bigint, sum(uncertain_cost)::bigint
+		FROM changes GROUP BY tenant, day ORDER BY tenant, day`)
 
-// quotaPlain writes a run of plain calls in tx (see chargeAll). A release whose permit is gone (released before) charges
-// nothing, as releaseIn.
-func (s *Store) quotaPlain(ctx context.Context, tx *sql.Tx, cs []*quotaCall) error {
+// quotaPlain writes a run of plain calls by ex: a transaction, or the
+// database for a batch of nothing else (see plainCalls).
+func (s *Store) quotaPlain(ctx context.Context, ex interface {
+	ExecContext(context.Context, string, ...any) (sql.Result, error)
+}, cs []*quotaCall) error {
 	var acq struct {
 		id, tenant, key       []string
 		day                   []int32
 		tokens, cost, expires []int64
 	}
 	var released []string
+	var ch struct {
+		tenant, permit []string
+		day, swept     []int32
+		col            [10][]int64 // ledgerChange's fields in ledgerUpsert's order
+	}
+	change := func(tenant string, day int, permit string, swept bool, d ledgerChange) {
+		ch.tenant, ch.day, ch.permit = append(ch.tenant, tenant), append(ch.day, int32(day)), append(ch.permit, permit)
+		sw := int32(0)
+		if swept {
+			sw = 1
+		}
+		ch.swept = append(ch.swept, sw)
+		for i, v := range []int64{d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain, d.uncertainTokens,
+			d.cost, d.reservedCost, d.uncertainCost} {
+			ch.col[i] = append(ch.col[i], v)
+		}
+	}
 	for _, c := range cs {
+		tenant, _ := c.tenant()
 		switch {
 		case c.acquire != nil:
 			a := c.acquire
@@ -313,76 +365,23 @@ func (s *Store) quotaPlain(ctx context.Context, tx *sql.Tx, cs []*quotaCall) err
 			acq.id, acq.tenant, acq.key = append(acq.id, a.PermitID), append(acq.tenant, a.Tenant), append(acq.key, a.KeyID)
 			acq.day, acq.tokens, acq.cost = append(acq.day, int32(c.permit.Day)), append(acq.tokens, a.Tokens), append(acq.cost, a.Cost)
 			acq.expires = append(acq.expires, micros(a.Now.Add(a.Lease)))
-		case !c.record:
-			released = append(released, c.release.Permit.ID)
-		}
-	}
-	swept := map[string]bool{} // the released permits found, by id
-	if len(acq.id) > 0 || len(released) > 0 {
-		rows, err := tx.QueryContext(ctx, s.rb(plainPermits), acq.id, acq.tenant, acq.key, acq.day, acq.tokens, acq.cost, acq.expires,
-			released)
-		if err != nil {
-			return err
-		}
-		for rows.Next() {
-			var id string
-			var sw int
-			if err := rows.Scan(&id, &sw); err != nil {
-				rows.Close()
-				return err
-			}
-			swept[id] = sw == 1
-		}
-		rows.Close()
-		if err := rows.Err(); err != nil {
-			return err
-		}
-	}
-	type row struct {
-		tenant string
-		day    int
-	}
-	changes := map[row]*ledgerChange{}
-	charge := func(tenant string, day int, d ledgerChange) {
-		r := row{tenant, day}
-		if changes[r] == nil {
-			changes[r] = &ledgerChange{}
-		}
-		changes[r].add(d)
-	}
-	for _, c := range cs {
-		tenant, _ := c.tenant()
-		switch {
-		case c.acquire != nil:
-			charge(tenant, c.permit.Day, acquiredChange(*c.acquire))
+			change(tenant, c.permit.Day, "", false, acquiredChange(*a))
 		case c.record:
 			if d, ok := recordedChange(*c.release); ok {
-				charge(tenant, c.release.Permit.Day, d)
+				change(tenant, c.release.Permit.Day, "", false, d)
 			}
 		default:
-			if sw, ok := swept[c.release.Permit.ID]; ok {
-				charge(tenant, c.release.Permit.Day, releasedChange(*c.release, sw))
-			}
+			p := c.release.Permit
+			released = append(released, p.ID)
+			change(tenant, p.Day, p.ID, false, releasedChange(*c.release, false))
+			change(tenant, p.Day, p.ID, true, releasedChange(*c.release, true))
 		}
 	}
-	if len(changes) == 0 {
-		return nil
-	}
-	rows := slices.SortedFunc(maps.Keys(changes), func(a, b row) int { return cmp.Or(cmp.Compare(a.tenant, b.tenant), cmp.Compare(a.day, b.day)) })
-	var col [11][]int64 // day, then ledgerChange's fields in ledgerUpsert's order
-	var tenants []string
-	for _, r := range rows {
-		d := changes[r]
-		tenants = append(tenants, r.tenant)
-		for i, v := range []int64{int64(r.day), d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain,
-			d.uncertainTokens, d.cost, d.reservedCost, d.uncertainCost} {
-			col[i] = append(col[i], v)
-		}
-	}
-	args := []any{tenants}
-	for _, c := range col {
+	args := []any{acq.id, acq.tenant, acq.key, acq.day, acq.tokens, acq.cost, acq.expires, released,
+		ch.tenant, ch.day, ch.permit, ch.swept}
+	for _, c := range ch.col {
 		args = append(args, c)
 	}
-	_, err := tx.ExecContext(ctx, s.rb(chargeAll), args...)
+	_, err := ex.ExecContext(ctx, s.rb(plainCalls), args...)
 	return err
 }

@@ -539,17 +539,58 @@ func testRecordUsage(t *testing.T, s store.Store) {
 
 // testQuotaPlainTogether: calls that take no window (unlimited
 // acquisitions, releases of every outcome, one of a permit swept since and
-// one of yesterday's, records of usage), arriving together and written
-// behind their requests, so that a store may batch them (two tenants'
-// at once), leave each tenant's ledger as the same calls one at a time
-// leave another's.
+// one of yesterday's, records of usage), made one at a time, and again
+// arriving together and written behind their requests, so that a store
+// may batch them (two tenants' at once), leave the ledger that
+// store.Tenants describes, worked out here call by call.
 func testQuotaPlainTogether(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	const n = 48
 	yesterday, later := t0.Add(-24*time.Hour), t0.Add(2*time.Minute)
+	// The ledger the calls should leave, by day.
+	want := map[int]*store.UsageDay{}
+	day := func(d int) *store.UsageDay {
+		if want[d] == nil {
+			want[d] = &store.UsageDay{}
+		}
+		return want[d]
+	}
+	acquired := func(a store.Acquisition) {
+		u := day(store.DayOf(a.Now))
+		u.Requests++
+		u.ReservedTokens += a.Tokens
+		u.ReservedCost += a.Cost
+	}
+	sweep := func(p store.Permit) { // its reservation becomes uncertain usage
+		u := day(p.Day)
+		u.ReservedTokens, u.ReservedCost = u.ReservedTokens-p.Tokens, u.ReservedCost-p.Cost
+		u.Uncertain, u.UncertainTokens, u.UncertainCost = u.Uncertain+1, u.UncertainTokens+p.Tokens, u.UncertainCost+p.Cost
+	}
+	ended := func(r store.Release, stored, swept bool) { // a release (stored), or a record
+		u := day(r.Permit.Day)
+		u.Attempts += int64(r.Attempts)
+		p := r.Permit
+		if stored && swept { // back from uncertain usage, then as if never swept
+			u.Uncertain, u.UncertainTokens, u.UncertainCost = u.Uncertain-1, u.UncertainTokens-p.Tokens, u.UncertainCost-p.Cost
+			u.ReservedTokens, u.ReservedCost = u.ReservedTokens+p.Tokens, u.ReservedCost+p.Cost
+		}
+		if stored {
+			u.Requests--
+			u.ReservedTokens, u.ReservedCost = u.ReservedTokens-p.Tokens, u.ReservedCost-p.Cost
+		}
+		switch r.Outcome {
+		case store.Reported:
+			u.Requests++
+			u.PromptTokens, u.CompletionTokens, u.Cost = u.PromptTokens+r.PromptTokens, u.CompletionTokens+r.CompletionTokens, u.Cost+r.Cost
+		case store.Uncertain:
+			u.Requests++
+			u.Uncertain, u.UncertainTokens, u.UncertainCost = u.Uncertain+1, u.UncertainTokens+p.Tokens, u.UncertainCost+p.Cost
+		}
+	}
 	// run makes the calls for tenant, each step's calls at once when
-	// together is set, else one after another.
+	// together is set, else one after another and into want.
 	run := func(tenant string, together bool) {
+		var swept *store.Permit // the permit the limited acquisition sweeps
 		step := func(calls []func(behind bool) error) {
 			var wg sync.WaitGroup
 			for i, call := range calls {
@@ -570,14 +611,20 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 		acquire := func(a store.Acquisition, into *store.Permit) func(bool) error {
 			return func(behind bool) (err error) {
 				a.Behind = behind && a.Unrefusable()
-				*into, err = s.Acquire(ctx, a)
+				if *into, err = s.Acquire(ctx, a); err == nil && !together {
+					acquired(a)
+				}
 				return err
 			}
 		}
 		release := func(p *store.Permit, r store.Release) func(bool) error {
 			return func(behind bool) error {
 				r.Permit, r.Behind = *p, behind
-				return s.Release(ctx, r)
+				err := s.Release(ctx, r)
+				if err == nil && !together {
+					ended(r, true, p == swept)
+				}
+				return err
 			}
 		}
 		ends := []store.Release{
@@ -605,6 +652,9 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 		// A limited acquisition sweeps the expired permit.
 		var limited store.Permit
 		step([]func(bool) error{acquire(acquisition(tenant, 5, store.Limits{MaxConcurrency: 1000}, later), &limited)})
+		if swept = &expired; !together {
+			sweep(expired)
+		}
 		// Half of today's permits end, each way; the swept one, yesterday's
 		// and the limited one end too; usage is recorded; more permits are
 		// acquired.
@@ -622,7 +672,11 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 			p.Cost = 4
 			calls = append(calls, func(behind bool) error {
 				r.Permit, r.Behind = p, behind
-				return s.RecordUsage(ctx, r)
+				err := s.RecordUsage(ctx, r)
+				if err == nil && !together {
+					ended(r, false, false)
+				}
+				return err
 			})
 		}
 		step(calls)
@@ -642,12 +696,12 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 		wg.Go(func() { run(tenant, true) })
 	}
 	wg.Wait()
-	for _, tenant := range together {
-		for _, day := range []time.Time{yesterday, t0} {
-			want, got := usageOn(t, s, "plain-alone", day), usageOn(t, s, tenant, day)
-			want.Tenant, got.Tenant = "", ""
-			if got != want || want.Requests == 0 {
-				t.Errorf("%s, %s: together %+v, want %+v as one at a time", tenant, day.Format(time.DateOnly), got, want)
+	for _, tenant := range append(together, "plain-alone") {
+		for _, d := range []time.Time{yesterday, t0} {
+			got, w := usageOn(t, s, tenant, d), *day(store.DayOf(d))
+			got.Tenant, got.Day = "", time.Time{}
+			if got != w || w.Requests == 0 {
+				t.Errorf("%s, %s: %+v, want %+v", tenant, d.Format(time.DateOnly), got, w)
 			}
 		}
 	}
