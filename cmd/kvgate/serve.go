@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"runtime/debug"
 	"strings"
 	"sync/atomic"
 	"text/tabwriter"
@@ -31,12 +30,6 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		"With no backend configured, starts simulated ones in-process.", args, getenv, stderr)
 	if err != nil {
 		return err
-	}
-	if getenv("GOGC") == "" {
-		// A gateway's heap is small and short-lived: collecting it four
-		// times less often costs little memory and takes most garbage
-		// collection out of the latency tail.
-		debug.SetGCPercent(400)
 	}
 	keys, operators, err := cfg.keyMaps()
 	if err != nil {
