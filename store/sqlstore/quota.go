@@ -76,7 +76,7 @@ func tighter(a, b store.Window) store.Window {
 // ledgerChange is what a call adds to a tenant's usage_days row for one
 // day (each field its column's delta). Every write to the ledger goes
 // through it: acquiredChange, recordedChange, releasedChange and the sweep
-// say what changes; charge or chargePermit (one call) and chargeAll (a
+// say what changes; charge or chargePermit (one call) and plainCalls (a
 // batch's, summed) write it.
 type ledgerChange struct {
 	requests, attempts, prompt, completion, reserved, uncertain, uncertainTokens, cost, reservedCost, uncertainCost int64
@@ -114,19 +114,6 @@ func (s *Store) chargePermit(ctx context.Context, tx *sql.Tx, tenant string, day
 	_, err := tx.ExecContext(ctx, s.rb(ledgerUpdate), d.requests, d.attempts, d.prompt, d.completion, d.reserved,
 		d.uncertain, d.uncertainTokens, d.cost, d.reservedCost, d.uncertainCost, tenant, day)
 	return err
-}
-
-func (d *ledgerChange) add(o ledgerChange) {
-	d.requests += o.requests
-	d.attempts += o.attempts
-	d.prompt += o.prompt
-	d.completion += o.completion
-	d.reserved += o.reserved
-	d.uncertain += o.uncertain
-	d.uncertainTokens += o.uncertainTokens
-	d.cost += o.cost
-	d.reservedCost += o.reservedCost
-	d.uncertainCost += o.uncertainCost
 }
 
 // acquiredChange: an admitted acquisition counts a request and holds its
