@@ -62,11 +62,7 @@ func TestAcceptanceOpenLoop(t *testing.T) {
 	// tests' fast intervals (a scrape of each backend every 20 ms) spent a
 	// tenth of this process's CPU encoding and parsing the simulators'
 	// metrics, which a deployment's GPU servers encode on their own CPUs.
-	// The tenants' store beside the jobs', as kvgate serve has it: each
-	// attempt's permit is written to the usage ledger (behind it, for a
-	// tenant without limits).
-	st := openStore(t, pg)
-	f := startFleet(t, fleetOpts{backends: 2, store: st, signals: true, speedup: 100, production: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	f := startFleet(t, fleetOpts{backends: 2, jobs: true, pg: pg, signals: true, speedup: 100, production: true, ledger: true})
 	exec := &countingExec{Server: f.api}
 	runRunner(t, f, f.store, exec, 30*time.Second, 256)
 	// As a load generator keeps its connections: a fresh TCP connection

@@ -19,13 +19,14 @@ import (
 // run). Every one is accepted, runs exactly once on the simulated fleet
 // and succeeds; acceptance latency and completion latency are logged as
 // separate figures. The store is PostgreSQL, the events go through NATS
-// JetStream, and the runner is what kvgate serve runs.
+// JetStream, each attempt is charged to the usage ledger, and the runner
+// is what kvgate serve runs.
 func TestJobBurst(t *testing.T) {
 	n := 1_000 // a quick check; the experiment's full size
 	if experiments() {
 		n = 10_000
 	}
-	f := startFleet(t, fleetOpts{backends: 2, jobs: true, pg: true, signals: true, speedup: 100})
+	f := startFleet(t, fleetOpts{backends: 2, jobs: true, pg: true, signals: true, speedup: 100, ledger: true})
 	exec := &countingExec{Server: f.api}
 	runRunner(t, f, f.store, exec, 30*time.Second, 256)
 

@@ -64,6 +64,11 @@ type fleetOpts struct {
 	// store puts them on the given store (and implies jobs).
 	pg    bool
 	store *sqlstore.Store
+	// ledger puts the tenants' store (limits and the usage ledger) on the
+	// jobs' store, as kvgate serve has it: each attempt's permit is then
+	// written to the ledger (behind the attempt, for a tenant without
+	// limits).
+	ledger bool
 	// keysRequired runs the gateway outside development mode: every
 	// caller needs a key.
 	keysRequired bool
@@ -135,6 +140,9 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		f.store = o.store
 		if f.store == nil {
 			f.store = openStore(t, o.pg)
+		}
+		if o.ledger {
+			o.gateway.Tenants.Store = f.store
 		}
 		o.gateway.Jobs.Store = f.store
 		o.gateway.Jobs.Wake = func() {
