@@ -137,9 +137,19 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	reg.MustRegister(f.sched.Collectors()...)
 	var runner *scheduler.Runner
 	if o.jobs || o.store != nil {
-		f.store = o.store
-		if f.store == nil {
-			f.store = openStore(t, o.pg)
+		switch {
+		case o.store != nil:
+			f.store = o.store
+		case o.pg:
+			f.store = pgtest.Open(t)
+		default:
+			f.store, err = sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := sqlite.Migrate(context.Background(), f.store); err != nil {
+				t.Fatal(err)
+			}
 		}
 		if o.ledger {
 			o.gateway.Tenants.Store = f.store
@@ -210,23 +220,6 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		time.Sleep(5 * time.Millisecond)
 	}
 	return f
-}
-
-// openStore opens a fresh store for a fleet: a PostgreSQL database of its
-// own when pg is set, else SQLite in a temporary directory.
-func openStore(t testing.TB, pg bool) *sqlstore.Store {
-	t.Helper()
-	if pg {
-		return pgtest.Open(t)
-	}
-	st, err := sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := sqlite.Migrate(context.Background(), st); err != nil {
-		t.Fatal(err)
-	}
-	return st
 }
 
 func (f *fleet) client(key string) *openai.Client {
