@@ -78,44 +78,54 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 		p    *permit
 		once sync.Once
 	)
+	price := s.priceOf(model.ID, c.alias)
 	release := func(o store.Outcome, attempts int, u *usage) {
 		once.Do(func() { p.release(ctx, o, attempts, u) })
 	}
-	return &scheduler.Call{
-		Ticket: t,
-		Admit: func(ctx context.Context) error {
-			var err error
-			if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt, maxOut, s.priceOf(model.ID, c.alias)); err != nil {
-				return jobQuotaError(err)
+	call := &scheduler.Call{Ticket: t}
+	call.Admit = func(ctx context.Context) error {
+		if call.Carry {
+			// The runner charges the usage with the attempt's writes.
+			if ch := s.carriedCharge(ctx, j.Tenant, prompt, maxOut, price); ch != nil {
+				call.Charge = ch
+				return nil
 			}
-			return nil
-		},
-		Release: func() { release(store.NotSent, 0, nil); endAttempt() },
-		Run: func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
-			admission.SetAttributes(attribute.String("kvgate.backend", g.Backend))
-			admission.End()
-			ctx, cancel := context.WithTimeout(trace.ContextWithSpan(ctx, attempt), s.cfg.RequestTimeout)
-			defer cancel()
-			out, sent, err := s.execute(ctx, j, c, g, sending)
-			runErr, backend = err, g.Backend
-			attempt.SetAttributes(attribute.String("kvgate.backend", g.Backend))
-			o, attempts, u := store.NotSent, 0, (*usage)(nil)
-			switch {
-			case sent == sentNothing:
-			case err == nil:
-				o, attempts, u = store.Reported, 1, &usage{PromptTokens: out.PromptTokens, CompletionTokens: out.CompletionTokens}
-				if !out.reported {
-					u = &usage{PromptTokens: prompt, CompletionTokens: maxOut} // served without a report: charge what was reserved
-				}
-			case sent == sentRefused:
-				o, attempts, u = store.Reported, 1, &usage{} // the backend refused it
-			default:
-				o, attempts = store.Uncertain, 1 // sent, and how much it used is unknown
+		}
+		var err error
+		if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt, maxOut, price); err != nil {
+			return jobQuotaError(err)
+		}
+		return nil
+	}
+	call.Release = func() { release(store.NotSent, 0, nil); endAttempt() }
+	call.Run = func(ctx context.Context, g *scheduler.Grant, sending func() error) (scheduler.Outcome, error) {
+		admission.SetAttributes(attribute.String("kvgate.backend", g.Backend))
+		admission.End()
+		ctx, cancel := context.WithTimeout(trace.ContextWithSpan(ctx, attempt), s.cfg.RequestTimeout)
+		defer cancel()
+		out, sent, err := s.execute(ctx, j, c, g, sending)
+		runErr, backend = err, g.Backend
+		attempt.SetAttributes(attribute.String("kvgate.backend", g.Backend))
+		o, attempts, u := store.NotSent, 0, (*usage)(nil)
+		switch {
+		case sent == sentNothing:
+		case err == nil:
+			o, attempts, u = store.Reported, 1, &usage{PromptTokens: out.PromptTokens, CompletionTokens: out.CompletionTokens}
+			if !out.reported {
+				u = &usage{PromptTokens: prompt, CompletionTokens: maxOut} // served without a report: charge what was reserved
 			}
-			release(o, attempts, u)
-			return out.Outcome, err
-		},
-	}, nil
+		case sent == sentRefused:
+			o, attempts, u = store.Reported, 1, &usage{} // the backend refused it
+		default:
+			o, attempts = store.Uncertain, 1 // sent, and how much it used is unknown
+		}
+		if call.Charge != nil {
+			chargeEnded(call.Charge, o, attempts, u, price)
+		}
+		release(o, attempts, u)
+		return out.Outcome, err
+	}
+	return call, nil
 }
 
 // jobQuotaError turns acquireQuotaFor's refusal into a job attempt's.

@@ -56,11 +56,11 @@ func (d *dyingStore) Heartbeat(ctx context.Context, id string, fence int64, now 
 	return d.Store.Heartbeat(ctx, id, fence, now, lease)
 }
 
-func (d *dyingStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+func (d *dyingStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, reserved *store.Charge) error {
 	if err := d.check(); err != nil {
 		return err
 	}
-	return d.Store.MarkSent(ctx, id, fence, now, lease)
+	return d.Store.MarkSent(ctx, id, fence, now, lease, reserved)
 }
 
 func (d *dyingStore) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
@@ -162,7 +162,10 @@ func outcomes(t *testing.T, st store.Store, id string) (map[string]int, []store.
 // policy) writes no checkpoint: its end holds the answer, and a death at
 // the end costs what a death before the checkpoint costs. Either way the
 // job succeeds once, and its attempts show the lost lease, then the
-// success.
+// success. The tenant's ledger holds each attempt once: the lost one as
+// its reservation, uncertain (charged by the reap: the attempt held no
+// permit, its usage was to land with its end), and the next one's
+// inference, if it paid for one, as reported.
 func TestWorkerKilledAfterBackendAnswered(t *testing.T) {
 	for _, tc := range []struct {
 		name          string
@@ -175,7 +178,7 @@ func TestWorkerKilledAfterBackendAnswered(t *testing.T) {
 		{"at the end, no stage after the inference", true, false, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f := startFleet(t, fleetOpts{backends: 1, jobs: true, pg: true, speedup: 50})
+			f := startFleet(t, fleetOpts{backends: 1, jobs: true, pg: true, speedup: 50, ledger: true})
 			job := chatJob("die after answering", 4)
 			if tc.policy {
 				if resp, b := f.post(t, "/v1/validation-policies", `{"name":"invoice","rules":[{"rule":"json"},{"rule":"schema"}]}`); resp.StatusCode != http.StatusCreated {
@@ -205,6 +208,13 @@ func TestWorkerKilledAfterBackendAnswered(t *testing.T) {
 			by, as := outcomes(t, f.store, v.ID)
 			if by["succeeded"] != 1 || by["lease_expired"] < 1 || as[0].Outcome != "lease_expired" || as[len(as)-1].Outcome != "succeeded" {
 				t.Errorf("attempts %+v: want the lost lease first and one success last", as)
+			}
+			last := as[len(as)-1]
+			if u := ledgerOf(t, f.store, ""); u.Requests != 1+tc.wantSecondRun || u.Attempts != 1+tc.wantSecondRun ||
+				u.Uncertain != 1 || u.UncertainTokens <= 0 || u.ReservedTokens != 0 ||
+				u.PromptTokens != int64(last.PromptTokens) || u.CompletionTokens != int64(last.CompletionTokens) ||
+				(tc.wantSecondRun == 1) != (last.PromptTokens > 0) {
+				t.Errorf("ledger %+v, last attempt %+v: want the lost attempt uncertain and %d inference reported", u, last, tc.wantSecondRun)
 			}
 		})
 	}
@@ -252,8 +262,8 @@ func (p *pausedStore) Heartbeat(context.Context, string, int64, time.Time, time.
 	return nil // never reaches the database
 }
 
-func (p *pausedStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
-	err := p.Store.MarkSent(ctx, id, fence, now, lease)
+func (p *pausedStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, reserved *store.Charge) error {
+	err := p.Store.MarkSent(ctx, id, fence, now, lease, reserved)
 	if errors.Is(err, store.ErrLeaseLost) {
 		p.refused.Add(1)
 	}

@@ -273,3 +273,50 @@ func TestJobsTimeoutsChargeUncertainUsage(t *testing.T) {
 		t.Errorf("usage %+v, want 2 requests, attempts and uncertain requests, charged as uncertain", u)
 	}
 }
+
+// countingTenants counts the limiter's writes that reach the tenants'
+// store.
+type countingTenants struct {
+	store.Tenants
+	acquires, releases, records atomic.Int64
+}
+
+func (c *countingTenants) Acquire(ctx context.Context, a store.Acquisition) (store.Permit, error) {
+	c.acquires.Add(1)
+	return c.Tenants.Acquire(ctx, a)
+}
+
+func (c *countingTenants) Release(ctx context.Context, r store.Release) error {
+	c.releases.Add(1)
+	return c.Tenants.Release(ctx, r)
+}
+
+func (c *countingTenants) RecordUsage(ctx context.Context, r store.Release) error {
+	c.records.Add(1)
+	return c.Tenants.RecordUsage(ctx, r)
+}
+
+// The jobs of a tenant that nothing limits take no permits: each
+// attempt's usage is charged by the transaction that records its end
+// (store.Charge), so the ledger holds a job's usage the moment the job is
+// SUCCEEDED, with nothing written behind it and nothing to settle. Every
+// attempt in the ledger is one of the jobs' attempt records.
+func TestJobsChargeWithTheirAttempts(t *testing.T) {
+	st := sqliteStore(t)
+	user := newTenant(t, st, "acme", store.Limits{MaxPendingJobs: 100}, store.RoleUser) // limits jobs, not requests
+	counted := &countingTenants{Tenants: st}
+	f := startFleet(t, fleetOpts{store: st, runner: true, speedup: 50, gateway: Config{Tenants: Tenants{Store: counted}}})
+
+	ids := submitJobs(t, f, user, "c", chatJob("summarise the document", 16), 8)
+	for _, id := range ids {
+		waitJob(t, f, "acme", id, store.Succeeded)
+	}
+	prompt, completion := attemptsOf(t, f, "acme", ids)
+	if u := ledgerOf(t, st, "acme"); u.Requests != 8 || u.Attempts != 8 || u.PromptTokens != prompt ||
+		u.CompletionTokens != completion || completion == 0 || u.ReservedTokens != 0 || u.Uncertain != 0 {
+		t.Errorf("ledger %+v as the jobs succeeded, want 8 requests and attempts, %d prompt and %d completion tokens", u, prompt, completion)
+	}
+	if a, r, rec := counted.acquires.Load(), counted.releases.Load(), counted.records.Load(); a+r+rec != 0 {
+		t.Errorf("%d acquisitions, %d releases and %d records of the limiter, want none", a, r, rec)
+	}
+}

@@ -280,7 +280,6 @@ func (s *Server) acquireQuota(ctx context.Context, prompt, maxOut int, price Pri
 // keyID is set ("" for a durable job, which runs under its tenant's quotas
 // only); it returns what acquireQuota does.
 func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyLimits store.Limits, prompt, maxOut int, price Price) (*permit, error) {
-	tokens := prompt + maxOut
 	if s.cfg.Tenants.Store == nil {
 		return nil, nil
 	}
@@ -289,10 +288,8 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	t, _, err := s.tenant(ctx, tenant)
 	var p store.Permit
 	if err == nil {
-		a := store.Acquisition{
-			PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, KeyID: keyID, Tokens: int64(tokens), Cost: price.micros(prompt, maxOut),
-			Limits: t.Limits, KeyLimits: keyLimits, Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease,
-		}
+		a := s.acquisition(tenant, t.Limits, prompt, maxOut, price)
+		a.PermitID, a.KeyID, a.KeyLimits = uuid.Must(uuid.NewV7()).String(), keyID, keyLimits
 		if a.Unrefusable() && !s.permitsBehind.failed.Load() {
 			if p := s.writeBehind(a, price); p != nil {
 				return p, nil
@@ -318,6 +315,13 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	}
 	s.log.Warn("quota store unreachable: refusing", "tenant", tenant, "err", err)
 	return nil, errQuotaUnavailable
+}
+
+// acquisition asks for a tenant's request reserving prompt and maxOut
+// tokens at price, under its limits l, now; without a permit id or a key.
+func (s *Server) acquisition(tenant string, l store.Limits, prompt, maxOut int, price Price) store.Acquisition {
+	return store.Acquisition{Tenant: tenant, Tokens: int64(prompt + maxOut), Cost: price.micros(prompt, maxOut), Limits: l,
+		Now: s.cfg.Tenants.Now(), Lease: s.cfg.Tenants.PermitLease}
 }
 
 // writtenBehind says whether the permit is written behind its request.
@@ -404,12 +408,54 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 
 // ended is how the request of permit pp ended, at now.
 func (p *permit) ended(pp store.Permit, o store.Outcome, attempts int, u *usage, now time.Time) store.Release {
-	r := store.Release{Permit: pp, Outcome: o, Attempts: attempts, Now: now, Behind: p.writtenBehind()}
+	r := ending(o, attempts, u, p.price)
+	r.Permit, r.Now, r.Behind = pp, now, p.writtenBehind()
+	return r
+}
+
+// ending is how a request ended, priced: the part of a permit's release
+// that a carried charge records too.
+func ending(o store.Outcome, attempts int, u *usage, price Price) store.Release {
+	r := store.Release{Outcome: o, Attempts: attempts}
 	if u != nil {
 		r.PromptTokens, r.CompletionTokens = int64(u.PromptTokens), int64(u.CompletionTokens)
-		r.Cost = p.price.micros(u.PromptTokens, u.CompletionTokens)
+		r.Cost = price.micros(u.PromptTokens, u.CompletionTokens)
 	}
 	return r
+}
+
+// carriedCharge is a job attempt's charge that the runner carries with
+// the attempt's own writes (store.Charge), its reservation filled in, when
+// nothing can refuse the attempt (store.Acquisition.Unrefusable): no
+// permit, and no write of the gateway's own. Nil when the attempt needs a
+// permit, or when the tenant's limits cannot be read (acquireQuotaFor
+// then decides, failing open or closed).
+//
+// Beside a permit written behind, the attempt's usage is in the ledger
+// from its end only (a permit's reservation shows from its acquisition),
+// and a crash cannot lose it: a sent attempt whose end is never recorded
+// is charged its reservation as uncertain usage by the reap (or cancel)
+// that takes its job, in that statement's transaction.
+func (s *Server) carriedCharge(ctx context.Context, tenant string, prompt, maxOut int, price Price) *store.Charge {
+	if s.cfg.Tenants.Store == nil {
+		return nil
+	}
+	t, _, err := s.tenant(ctx, tenant)
+	if err != nil {
+		return nil
+	}
+	a := s.acquisition(tenant, t.Limits, prompt, maxOut, price)
+	if !a.Unrefusable() {
+		return nil
+	}
+	return &store.Charge{Tokens: a.Tokens, Cost: a.Cost}
+}
+
+// chargeEnded records in ch how its attempt's request ended.
+func chargeEnded(ch *store.Charge, o store.Outcome, attempts int, u *usage, price Price) {
+	r := ending(o, attempts, u, price)
+	ch.Outcome, ch.Attempts = r.Outcome, r.Attempts
+	ch.PromptTokens, ch.CompletionTokens, ch.UsageCost = r.PromptTokens, r.CompletionTokens, r.Cost
 }
 
 // releaseNow gives the acquired permit back, as release says, at now.

@@ -38,6 +38,8 @@ func ledgerOf(t *testing.T, st store.Tenants, tenant string) store.UsageDay {
 	var sum store.UsageDay
 	for _, d := range days {
 		sum.Requests += d.Requests
+		sum.Attempts += d.Attempts
+		sum.Uncertain += d.Uncertain
 		sum.PromptTokens += d.PromptTokens
 		sum.CompletionTokens += d.CompletionTokens
 		sum.ReservedTokens += d.ReservedTokens

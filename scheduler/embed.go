@@ -76,15 +76,15 @@ func batchStage(i int) string { return fmt.Sprintf("%s/batch/%05d", store.StageI
 // stage's output with the tokens this attempt spent.
 func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func()) (Outcome, error) {
 	if j.Endpoint != "/v1/embeddings" {
-		return r.infer(ctx, j, a, admitted, sent)
+		return r.infer(ctx, j, a, admitted, sent, true)
 	}
 	req, inputs, ok := splitEmbeddings(j.Body)
 	if !ok {
-		return r.infer(ctx, j, a, admitted, sent)
+		return r.infer(ctx, j, a, admitted, sent, true)
 	}
 	batches := embedBatches(inputs)
 	if len(batches) == 1 {
-		return r.infer(ctx, j, a, admitted, sent)
+		return r.infer(ctx, j, a, admitted, sent, true)
 	}
 	wctx := context.WithoutCancel(ctx)
 	parts := make([][]byte, len(batches))
@@ -102,7 +102,10 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		sub := j
 		req["input"], _ = json.Marshal(inputs[b.lo:b.hi])
 		sub.Body, _ = json.Marshal(req)
-		out, err := r.infer(ctx, sub, a, admitted, sent)
+		// Each batch's usage is charged as it ends (a permit), not with
+		// the attempt's end: a checkpointed batch is never paid again, so
+		// a lost attempt must not take its usage with it.
+		out, err := r.infer(ctx, sub, a, admitted, sent, false)
 		if err != nil {
 			return Outcome{}, err
 		}

@@ -208,7 +208,7 @@ func TestRunnerReusesCheckpointedInference(t *testing.T) {
 		t.Fatal(claimed, err)
 	}
 	c := claimed[0]
-	if err := f.st.MarkSent(ctx, c.ID, c.Fence, time.Now(), time.Second); err != nil {
+	if err := f.st.MarkSent(ctx, c.ID, c.Fence, time.Now(), time.Second, nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := f.st.SaveStage(ctx, c.ID, c.Fence, stageInference, []byte(`{"answer":"saved"}`), time.Now()); err != nil {
@@ -427,11 +427,11 @@ func (s *flakyStore) Complete(ctx context.Context, c store.Completion) error {
 	return s.Store.Complete(ctx, c)
 }
 
-func (s *flakyStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+func (s *flakyStore) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, reserved *store.Charge) error {
 	if s.marks.Add(-1) >= 0 {
 		return fmt.Errorf("mark sent: %w: connection refused", store.ErrUnavailable)
 	}
-	return s.Store.MarkSent(ctx, id, fence, now, lease)
+	return s.Store.MarkSent(ctx, id, fence, now, lease, reserved)
 }
 
 // TestRunnerOutlastsAStoreRestart: the store out of reach when the answer

@@ -22,7 +22,7 @@ import (
 type jobStore interface {
 	Claim(ctx context.Context, now time.Time, lease time.Duration, limit int, models ...string) ([]store.Job, error)
 	Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
-	MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
+	MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, reserved *store.Charge) error
 	Complete(ctx context.Context, c store.Completion) error
 	Fail(ctx context.Context, f store.Failure) error
 	Reap(ctx context.Context, now time.Time, limit int) (int, error)
@@ -63,6 +63,15 @@ type Call struct {
 	// Release gives back what Prepare took; it is idempotent, and needed
 	// whether Run ran or not.
 	Release func()
+	// Carry, set by the runner before Admit, says that the runner can
+	// charge the call's usage to its tenant with the attempt's own writes
+	// (store.Charge): the attempt makes this one backend call. Admit may
+	// then take no permit and set Charge instead.
+	Carry bool
+	// Charge, when Admit set it, is the usage the runner charges: Admit
+	// fills in the reservation, which the runner's sent mark holds, and
+	// Run how the request ended, which the attempt's end charges.
+	Charge *store.Charge
 }
 
 // Outcome is a backend's successful answer to a job's request.
@@ -536,12 +545,13 @@ func (r *Runner) lastStage(ctx context.Context, j store.Job, f *facts) bool {
 // reset (see quotaPause), admits it through the scheduler as the batch
 // class, marks it sent and runs it on the granted backend. It records the
 // backend and whether the request may have left in a.
-func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func()) (Outcome, error) {
+func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func(), carry bool) (Outcome, error) {
 	call, err := r.exec.Prepare(ctx, j)
 	if err != nil {
 		return Outcome{}, err
 	}
 	defer call.Release()
+	call.Carry = carry
 	var waited time.Duration
 	for {
 		err := call.Admit(ctx)
@@ -576,8 +586,12 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 	}
 	defer g.Release()
 	a.Backend = g.Backend
+	if call.Charge != nil {
+		// Run fills in how the request ended; the attempt's end charges it.
+		defer func() { a.Charge = call.Charge }()
+	}
 	return call.Run(ctx, g, func() error {
-		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease); errors.Is(err, store.ErrLeaseLost) {
+		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease, call.Charge); errors.Is(err, store.ErrLeaseLost) {
 			return err
 		} else if err != nil {
 			// Unmarked, the request must not leave: a wait, not an attempt.

@@ -143,6 +143,30 @@ type Attempt struct {
 	CompletionTokens int
 	StartedAt        time.Time
 	EndedAt          time.Time
+	// Charge, when set, is the attempt's usage, charged to its job's
+	// tenant's ledger (the day of the end's Now) by the transaction that records the
+	// attempt's end (Complete, Fail): the attempt held no permit.
+	Charge *Charge
+}
+
+// Charge is a job attempt's usage that its tenant's ledger takes with the
+// attempt's own writes instead of through a permit (Tenants.Acquire and
+// Release): for an attempt nothing can refuse (Acquisition.Unrefusable),
+// which then writes nothing of its own. The claim's MarkSent holds the
+// reservation, which Reap charges as uncertain usage when the lease of an
+// attempt marked sent expires; the attempt's end charges how its request
+// ended, as RecordUsage would have. An attempt's usage is so charged
+// exactly once, whatever crashes: with the end that commits, or with the
+// reap that takes the job from a claim that never recorded one.
+type Charge struct {
+	Tokens int64 // the reservation: prompt plus output budget
+	Cost   int64 // its price, micro-units
+	// How the request ended, as in Release.
+	Outcome          Outcome
+	Attempts         int
+	PromptTokens     int64
+	CompletionTokens int64
+	UsageCost        int64 // the reported usage's price, micro-units
 }
 
 // Completion is a worker's successful (or review-required) end of a job.
@@ -264,8 +288,10 @@ type Store interface {
 	// MarkSent records, under the same ownership as Heartbeat (whose
 	// lease it also extends), that the claim is about to send the job's
 	// request to a backend: from then on, a lease that expires counts the
-	// attempt. The request must not be sent unless it returned nil.
-	MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
+	// attempt. The request must not be sent unless it returned nil. A
+	// reservation, when given, is the attempt's Charge: a reap of the
+	// lease charges it as uncertain usage.
+	MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, reserved *Charge) error
 	// Complete ends an attempt with a result, under the fence; the
 	// attempt counts.
 	Complete(ctx context.Context, c Completion) error
@@ -274,7 +300,8 @@ type Store interface {
 	Fail(ctx context.Context, f Failure) error
 	// Reap returns expired leases to RETRY_SCHEDULED with a new fence, by
 	// Failure's rule: the lost attempt counts when its claim had marked
-	// the request sent. It also fails runnable jobs whose deadline
+	// the request sent, and its Charge, when the mark held one, lands in
+	// the tenant's ledger as uncertain usage. It also fails runnable jobs whose deadline
 	// passed. It returns how many jobs it changed.
 	Reap(ctx context.Context, now time.Time, limit int) (int, error)
 	// Cancel moves a tenant's non-final job to CANCELLED; ErrFinal when

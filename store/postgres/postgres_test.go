@@ -217,7 +217,7 @@ func TestRenewalsAreHOT(t *testing.T) {
 		if err := s.Heartbeat(ctx, j.ID, j.Fence, now.Add(time.Second), time.Minute); err != nil {
 			t.Fatal(err)
 		}
-		if err := s.MarkSent(ctx, j.ID, j.Fence, now.Add(2*time.Second), time.Minute); err != nil {
+		if err := s.MarkSent(ctx, j.ID, j.Fence, now.Add(2*time.Second), time.Minute, nil); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -156,9 +156,21 @@ func (s *Store) finishGroup(ctx context.Context, cs []*end) {
 			spent, sent                                            []bool
 			fences, nows, avails, starts, ends                     []int64
 			results                                                [][]byte
-			attempts, prompts, completions                         []int32
+			attempts, prompts, completions, days                   []int32
+			charges                                                [10][]int64 // ledgerChange.columns
 		)
 		for _, c := range cs {
+			day, d := 0, ledgerChange{}
+			if c.a.Charge != nil {
+				var ok bool
+				if d, ok = chargedChange(*c.a.Charge); ok {
+					day = store.DayOf(c.now)
+				}
+			}
+			days = append(days, int32(day))
+			for i, v := range d.columns() {
+				charges[i] = append(charges[i], v)
+			}
 			ids, fences, states = append(ids, c.id), append(fences, c.fence), append(states, string(c.state))
 			spent, sent = append(spent, c.a.Spent), append(sent, c.a.Sent)
 			nows, avails, results = append(nows, micros(c.now)), append(avails, micros(c.avail)), append(results, c.result)
@@ -168,8 +180,12 @@ func (s *Store) finishGroup(ctx context.Context, cs []*end) {
 			starts, ends = append(starts, micros(c.a.StartedAt)), append(ends, micros(c.a.EndedAt))
 			events = append(events, eventID(c.eventID))
 		}
-		rows, err := s.query(ctx, nil, s.q.finishBatch, ids, fences, states, spent, sent, nows, avails, results, classes, errs,
-			attempts, backends, outcomes, prompts, completions, starts, ends, events, ids)
+		args := []any{ids, fences, states, spent, sent, nows, avails, results, classes, errs,
+			attempts, backends, outcomes, prompts, completions, starts, ends, events, days}
+		for _, c := range charges {
+			args = append(args, c)
+		}
+		rows, err := s.query(ctx, nil, s.q.finishBatch, append(args, ids)...)
 		if err != nil {
 			return err
 		}
@@ -213,12 +229,13 @@ func (s *Store) finishGroup(ctx context.Context, cs []*end) {
 	}
 }
 
-// renewCall is one Heartbeat or MarkSent (mark) in a batch.
+// renewCall is one Heartbeat or MarkSent (mark, with its reservation).
 type renewCall struct {
 	op, id     string
 	fence      int64
 	now, until time.Time
 	mark       bool
+	reserved   *store.Charge
 	err        error
 }
 
@@ -227,12 +244,17 @@ type renewCall struct {
 // gets ErrLeaseLost and changes nothing, the others land.
 func (s *Store) renewGroup(ctx context.Context, cs []*renewCall) {
 	run := func(cs []*renewCall) error {
-		ids, fences, nows, untils, marks := make([]string, len(cs)), make([]int64, len(cs)), make([]int64, len(cs)),
-			make([]int64, len(cs)), make([]bool, len(cs))
+		n := len(cs)
+		ids, fences, nows, untils, marks := make([]string, n), make([]int64, n), make([]int64, n), make([]int64, n), make([]bool, n)
+		tokens, costs := make([]int64, n), make([]int64, n)
 		for i, c := range cs {
 			ids[i], fences[i], nows[i], untils[i], marks[i] = c.id, c.fence, micros(c.now), micros(c.until), c.mark
+			tokens[i] = -1
+			if c.reserved != nil {
+				tokens[i], costs[i] = c.reserved.Tokens, c.reserved.Cost
+			}
 		}
-		ok, err := s.batchOrds(ctx, s.q.renewBatch, len(cs), ids, fences, nows, untils, marks, ids)
+		ok, err := s.batchOrds(ctx, s.q.renewBatch, n, ids, fences, nows, untils, marks, tokens, costs, ids)
 		if err != nil {
 			return err
 		}

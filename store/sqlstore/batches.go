@@ -346,32 +346,47 @@ func (s *Store) CancelBatchLines(ctx context.Context, id string, running bool, n
 	// The event id is the job's and its new version: the same cancel
 	// written twice would collide, never duplicate.
 	evID := `'cancel.' || id || '.' || CAST(state_version AS TEXT)`
-	if s.d.WritableCTE {
-		var n int
-		err := s.db.QueryRowContext(ctx, rebind(s.d, `WITH c AS (
-				UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
-				WHERE batch_id = ? AND state IN (`+states+`) RETURNING id, tenant, state_version),
-			`+eventsCTE("job.cancelled", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-				SELECT `+evID+`, id, tenant, 'job.cancelled', 'CANCELLED', state_version, ? FROM c`)+`
-			SELECT count(*) FROM c`), micros(now), id, micros(now)).Scan(&n)
-		return n, s.err("cancel batch lines", err)
-	}
-	var n int64
+	cancel := `UPDATE jobs SET ` + keepSent + `, state = 'CANCELLED', state_version = state_version + 1, updated_at = ?,
+		lease_until = 0 WHERE batch_id = ? AND state IN (` + states + `)`
+	n := 0
 	err := s.tx(ctx, "cancel batch lines", func(tx *sql.Tx) error {
-		if _, err := tx.ExecContext(ctx, rebind(s.d, eventsStatement(s.d, "job.cancelled", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
-			SELECT `+strings.ReplaceAll(evID, "state_version AS", "state_version + 1 AS")+`, id, tenant, 'job.cancelled', 'CANCELLED',
-				state_version + 1, ? FROM jobs WHERE batch_id = ? AND state IN (`+states+`)`)), micros(now), id); err != nil {
-			return err
+		var rows *sql.Rows
+		var err error
+		if s.d.WritableCTE {
+			rows, err = tx.QueryContext(ctx, rebind(s.d, `WITH c AS (`+cancel+` RETURNING id, tenant, state_version, sent_tokens, sent_cost),
+				`+eventsCTE("job.cancelled", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+					SELECT `+evID+`, id, tenant, 'job.cancelled', 'CANCELLED', state_version, ? FROM c`)+`
+				SELECT tenant, sent_tokens, sent_cost FROM c`), micros(now), id, micros(now))
+		} else {
+			if _, err := tx.ExecContext(ctx, rebind(s.d, eventsStatement(s.d, "job.cancelled", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
+				SELECT `+strings.ReplaceAll(evID, "state_version AS", "state_version + 1 AS")+`, id, tenant, 'job.cancelled', 'CANCELLED',
+					state_version + 1, ? FROM jobs WHERE batch_id = ? AND state IN (`+states+`)`)), micros(now), id); err != nil {
+				return err
+			}
+			rows, err = tx.QueryContext(ctx, rebind(s.d, cancel+` RETURNING tenant, sent_tokens, sent_cost`), micros(now), id)
 		}
-		res, err := tx.ExecContext(ctx, rebind(s.d, `UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1,
-			updated_at = ?, lease_until = 0 WHERE batch_id = ? AND state IN (`+states+`)`), micros(now), id)
 		if err != nil {
 			return err
 		}
-		n, err = res.RowsAffected()
-		return err
+		defer rows.Close()
+		taken := takenCharges{}
+		for rows.Next() {
+			var tenant string
+			var tokens sql.NullInt64
+			var cost int64
+			if err := rows.Scan(&tenant, &tokens, &cost); err != nil {
+				return err
+			}
+			taken.add(tenant, tokens, cost)
+			n++
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+		rows.Close()
+		return s.chargeTaken(ctx, tx, taken, now)
 	})
-	return int(n), err
+	return n, err
 }
 
 // BatchCounts counts a batch's lines by how they stand.

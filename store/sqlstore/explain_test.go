@@ -101,8 +101,22 @@ func TestExplainClaimComplete(t *testing.T) {
 		events = append(events, uuid.Must(uuid.NewV7()).String())
 	}
 	rows.Close()
-	explain(fmt.Sprintf("finish %d", len(jids)), q.finishBatch, jids, fences, states, spent, sent, nows, avails, results, classes, errs,
-		attempts, backends, outcomes, prompts, completions, starts, ends, events, jids)
+	// Each end charges its tenant's ledger (store.Charge), as an attempt
+	// without a permit does.
+	var days []int32
+	var charges [10][]int64
+	for range jids {
+		days = append(days, int32(20261205))
+		for i, v := range (ledgerChange{requests: 1, attempts: 1, prompt: 10, completion: 5}).columns() {
+			charges[i] = append(charges[i], v)
+		}
+	}
+	args := []any{jids, fences, states, spent, sent, nows, avails, results, classes, errs,
+		attempts, backends, outcomes, prompts, completions, starts, ends, events, days}
+	for _, c := range charges {
+		args = append(args, c)
+	}
+	explain(fmt.Sprintf("finish %d", len(jids)), q.finishBatch, append(args, jids)...)
 }
 
 // genericTx begins a transaction for the caller to roll back, under the

@@ -6,6 +6,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -123,7 +124,8 @@ func ownershipQueries(d Dialect, q *queries) {
 	q.fairList, q.fairFresh = r(fairListQuery), r(fairFreshQuery)
 	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
 	q.heartbeat = r(`UPDATE jobs SET lease_until = ? WHERE id = ? AND ` + owned("jobs", "?", "?"))
-	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence WHERE id = ? AND ` + owned("jobs", "?", "?"))
+	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence, sent_tokens = ?, sent_cost = ? WHERE id = ? AND ` +
+		owned("jobs", "?", "?"))
 	q.ownedBy = r(`SELECT 1 FROM jobs WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	// The job row is locked (where the dialect locks rows) so that a reap
 	// committing meanwhile is seen: its new fence fails the condition.
@@ -132,10 +134,13 @@ func ownershipQueries(d Dialect, q *queries) {
 		ON CONFLICT (job_id, stage) DO NOTHING`)
 	if d.WritableCTE {
 		q.claimCTE, q.finishBatch = r(claimCTE(d)), r(finishBatch)
+		// A mark's tokens are -1 without a reservation (NULL in the row).
 		q.renewBatch = r(`UPDATE jobs SET lease_until = input.lease_until,
-				sent_fence = CASE WHEN input.mark THEN jobs.fence ELSE jobs.sent_fence END
-			FROM unnest(?::text[], ?::bigint[], ?::bigint[], ?::bigint[], ?::boolean[])
-				WITH ORDINALITY AS input(id, fence, now, lease_until, mark, ord)
+				sent_fence = CASE WHEN input.mark THEN jobs.fence ELSE jobs.sent_fence END,
+				sent_tokens = CASE WHEN input.mark THEN NULLIF(input.tokens, -1) ELSE jobs.sent_tokens END,
+				sent_cost = CASE WHEN input.mark THEN input.cost ELSE jobs.sent_cost END
+			FROM unnest(?::text[], ?::bigint[], ?::bigint[], ?::bigint[], ?::boolean[], ?::bigint[], ?::bigint[])
+				WITH ORDINALITY AS input(id, fence, now, lease_until, mark, tokens, cost, ord)
 			WHERE jobs.id = ANY(?::text[]) AND jobs.id = input.id AND ` + owned("jobs", "input.fence", "input.now") + `
 			RETURNING input.ord`)
 		q.saveStageBatch = r(`INSERT INTO stages (job_id, stage, fence, data, created_at)
@@ -154,18 +159,18 @@ func ownershipQueries(d Dialect, q *queries) {
 	// from the checkpoint without calling a backend again.
 	lost := "(jobs.sent_fence = jobs.fence)"
 	ends := "(" + lost + " AND NOT EXISTS (SELECT 1 FROM stages WHERE stages.job_id = jobs.id))"
-	q.reapLeases = r(`UPDATE jobs SET
+	q.reapLeases = r(`UPDATE jobs SET ` + keepSent + `,
 			state = ` + nextState("jobs", "'RETRY_SCHEDULED'", ends, "?") + `,
 			attempt = ` + spentAttempts("jobs", lost) + `,
 			fence = fence + 1, state_version = state_version + 1, updated_at = ?, lease_until = 0, available_at = ?,
 			error_class = ` + endedClass("jobs", "'RETRY_SCHEDULED'", lost, "?", "'lease_expired'") + `,
 			last_error = 'the worker stopped renewing its lease'
 		WHERE id IN (SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable + `)
-		RETURNING id, tenant, state, state_version, attempt, fence, sent_fence = fence - 1`)
+		RETURNING id, tenant, state, state_version, attempt, fence, sent_fence = fence - 1, sent_tokens, sent_cost`)
 	q.reapDeadlines = r(`UPDATE jobs SET state = 'FAILED_TERMINAL', state_version = state_version + 1, updated_at = ?,
 			error_class = 'deadline_exceeded', last_error = 'the deadline passed before the job could run'
 		WHERE id IN (SELECT id FROM jobs WHERE state IN ('READY', 'RETRY_SCHEDULED') AND ` + deadlineIndexed + ` AND deadline_at <= ? LIMIT ? ` + d.LockRunnable + `)
-		RETURNING id, tenant, state, state_version, attempt, fence, FALSE`)
+		RETURNING id, tenant, state, state_version, attempt, fence, FALSE, NULL, 0`)
 }
 
 // claimCTE leases up to limit runnable jobs, fairly across tenants by
@@ -256,9 +261,13 @@ func claimArgs(now time.Time, lease time.Duration, limit int, m any, events stri
 // return no row. One call is a batch of one.
 var finishBatch = `WITH input AS (
 		SELECT * FROM unnest(?::text[], ?::bigint[], ?::text[], ?::boolean[], ?::boolean[], ?::bigint[], ?::bigint[], ?::bytea[],
-			?::text[], ?::text[], ?::integer[], ?::text[], ?::text[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[])
+			?::text[], ?::text[], ?::integer[], ?::text[], ?::text[], ?::integer[], ?::integer[], ?::bigint[], ?::bigint[], ?::text[],
+			?::integer[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[],
+			?::bigint[], ?::bigint[])
 			WITH ORDINALITY AS t(id, fence, state, spent, sent, now, available_at, result, error_class, error,
-				attempt, backend, outcome, prompt_tokens, completion_tokens, started_at, ended_at, event_id, ord)),
+				attempt, backend, outcome, prompt_tokens, completion_tokens, started_at, ended_at, event_id,
+				day, c_requests, c_attempts, c_prompt, c_completion, c_reserved, c_uncertain, c_uncertain_tokens,
+				c_cost, c_reserved_cost, c_uncertain_cost, ord)),
 	f AS (
 		UPDATE jobs SET state = ` + nextState("jobs", "input.state", "input.spent", "input.available_at") + `,
 			attempt = ` + spentAttempts("jobs", "input.spent") + `,
@@ -277,7 +286,13 @@ var finishBatch = `WITH input AS (
 		FROM f JOIN input ON input.ord = f.ord),
 	` + eventsCTE("", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 		SELECT input.event_id, f.id, f.tenant, `+eventTypeSQL("f.state")+`, f.state, f.state_version, input.now
-		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord`) + `
+		FROM f JOIN input ON input.ord = f.ord ORDER BY input.ord`) + `,
+	charged AS (` + fmt.Sprintf(ledgerUpsert, `SELECT f.tenant, input.day, sum(c_requests)::bigint,
+			sum(c_attempts)::bigint, sum(c_prompt)::bigint, sum(c_completion)::bigint, sum(c_reserved)::bigint,
+			sum(c_uncertain)::bigint, sum(c_uncertain_tokens)::bigint, sum(c_cost)::bigint, sum(c_reserved_cost)::bigint,
+			sum(c_uncertain_cost)::bigint
+		FROM f JOIN input ON input.ord = f.ord WHERE input.day > 0
+		GROUP BY f.tenant, input.day ORDER BY f.tenant, input.day`) + `)
 	SELECT ord FROM f`
 
 // finishOne is one attempt's end, for a dialect without writable CTEs
@@ -381,28 +396,35 @@ func (s *Store) claimOne(ctx context.Context, now time.Time, lease time.Duration
 
 // Heartbeat implements store.Store.
 func (s *Store) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
-	return s.renew(ctx, "heartbeat", s.q.heartbeat, id, fence, now, lease)
+	return s.renew(ctx, &renewCall{op: "heartbeat", id: id, fence: fence, now: now, until: now.Add(lease)})
 }
 
 // MarkSent implements store.Store.
-func (s *Store) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
-	return s.renew(ctx, "mark sent", s.q.markSent, id, fence, now, lease)
+func (s *Store) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, reserved *store.Charge) error {
+	return s.renew(ctx, &renewCall{op: "mark sent", id: id, fence: fence, now: now, until: now.Add(lease), mark: true, reserved: reserved})
 }
 
-func (s *Store) renew(ctx context.Context, op, q, id string, fence int64, now time.Time, lease time.Duration) error {
+func (s *Store) renew(ctx context.Context, c *renewCall) error {
 	if s.renews != nil {
-		c := &renewCall{op: op, id: id, fence: fence, now: now, until: now.Add(lease), mark: q == s.q.markSent}
 		if err := s.renews.do(ctx, c); err != nil {
 			return err
 		}
 		return c.err
 	}
-	res, err := s.exec(ctx, nil, q, micros(now.Add(lease)), id, fence, micros(now))
+	q, args := s.q.heartbeat, []any{micros(c.until)}
+	if c.mark {
+		var tokens, cost any = nil, int64(0)
+		if c.reserved != nil {
+			tokens, cost = c.reserved.Tokens, c.reserved.Cost
+		}
+		q, args = s.q.markSent, append(args, tokens, cost)
+	}
+	res, err := s.exec(ctx, nil, q, append(args, c.id, c.fence, micros(c.now))...)
 	if err != nil {
-		return s.err(op, err)
+		return s.err(c.op, err)
 	}
 	if n, err := res.RowsAffected(); err != nil {
-		return s.err(op, err)
+		return s.err(c.op, err)
 	} else if n == 0 {
 		return store.ErrLeaseLost
 	}
@@ -482,8 +504,23 @@ func (s *Store) finish(ctx context.Context, e *end) error {
 		if err := s.insertAttempt(ctx, tx, e.id, e.fence, e.a); err != nil {
 			return err
 		}
+		if err := s.chargeAttempt(ctx, tx, tenant, e); err != nil {
+			return err
+		}
 		return s.addEvent(ctx, tx, e.eventID, e.id, tenant, store.State(st), version, e.now)
 	})
+}
+
+// chargeAttempt charges an attempt's end its Charge, if it has one, in tx.
+func (s *Store) chargeAttempt(ctx context.Context, tx *sql.Tx, tenant string, e *end) error {
+	if e.a.Charge == nil {
+		return nil
+	}
+	d, ok := chargedChange(*e.a.Charge)
+	if !ok {
+		return nil
+	}
+	return s.charge(ctx, tx, tenant, store.DayOf(e.now), d)
 }
 
 func (s *Store) insertAttempt(ctx context.Context, tx *sql.Tx, id string, fence int64, a store.Attempt) error {
@@ -492,11 +529,43 @@ func (s *Store) insertAttempt(ctx context.Context, tx *sql.Tx, id string, fence 
 	return err
 }
 
+// keepSent is the SET clause that a statement taking RUNNING jobs from
+// their claims other than by the claims' own ends (a reap, a cancel)
+// writes: sent_tokens keeps the sent mark's reservation (store.Charge)
+// only where the claim had marked its request sent, NULL elsewhere. The
+// statement returns sent_tokens and sent_cost, and charges them
+// (takenCharges): an attempt without a permit whose end will never be
+// recorded (its claim lost the job: the end gets ErrLeaseLost) is charged
+// its reservation as uncertain usage, once, by what took its job.
+const keepSent = `sent_tokens = CASE WHEN jobs.state = 'RUNNING' AND jobs.sent_fence = jobs.fence THEN jobs.sent_tokens END`
+
+// takenCharges sums, by tenant, the reservations that a statement
+// taking jobs from their claims returned (keepSent).
+type takenCharges map[string]ledgerChange
+
+func (t takenCharges) add(tenant string, tokens sql.NullInt64, cost int64) {
+	if tokens.Valid {
+		t[tenant] = t[tenant].add(reapedChange(tokens.Int64, cost))
+	}
+}
+
+// chargeTaken charges them in tx, last, by tenant: the order in which
+// finishBatch charges the ledger rows.
+func (s *Store) chargeTaken(ctx context.Context, tx *sql.Tx, t takenCharges, now time.Time) error {
+	for _, tenant := range slices.Sorted(maps.Keys(t)) {
+		if err := s.charge(ctx, tx, tenant, store.DayOf(now), t[tenant]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // Reap implements store.Store.
 func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error) {
 	n := 0
 	err := s.tx(ctx, "reap", func(tx *sql.Tx) error {
 		t := micros(now)
+		lost := takenCharges{}
 		for _, q := range []struct {
 			sql  string
 			args []any
@@ -514,11 +583,13 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 				attempt           int
 				fence             int64
 				spent             bool
+				tokens            sql.NullInt64 // the sent mark's reservation (store.Charge)
+				cost              int64
 			}
 			var rs []reaped
 			for rows.Next() {
 				var r reaped
-				if err := rows.Scan(&r.id, &r.tenant, &r.state, &r.version, &r.attempt, &r.fence, &r.spent); err != nil {
+				if err := rows.Scan(&r.id, &r.tenant, &r.state, &r.version, &r.attempt, &r.fence, &r.spent, &r.tokens, &r.cost); err != nil {
 					rows.Close()
 					return err
 				}
@@ -540,12 +611,16 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 						Error: "the worker stopped renewing its lease", EndedAt: now}); err != nil {
 						return err
 					}
+					lost.add(r.tenant, r.tokens, r.cost)
 				}
 				if err := s.addEvent(ctx, tx, "", r.id, r.tenant, store.State(r.state), r.version, now); err != nil {
 					return err
 				}
 			}
 			n += len(rs)
+		}
+		if err := s.chargeTaken(ctx, tx, lost, now); err != nil {
+			return err
 		}
 		// The fair claim's table (fair.go): tenants it lost are listed
 		// again, and tenants left with nothing runnable leave it, last,
@@ -617,6 +692,9 @@ func (s *Store) finishEntityTx(ctx context.Context, tx *sql.Tx, e *end) error {
 		return err
 	}
 	if err := s.insertAttempt(ctx, tx, e.id, e.fence, e.a); err != nil {
+		return err
+	}
+	if err := s.chargeAttempt(ctx, tx, tenant, e); err != nil {
 		return err
 	}
 	return s.addEvent(ctx, tx, e.eventID, e.id, tenant, store.State(st), version, e.now)

@@ -82,6 +82,19 @@ type ledgerChange struct {
 	requests, attempts, prompt, completion, reserved, uncertain, uncertainTokens, cost, reservedCost, uncertainCost int64
 }
 
+// add is the sum of two changes.
+func (d ledgerChange) add(e ledgerChange) ledgerChange {
+	return ledgerChange{d.requests + e.requests, d.attempts + e.attempts, d.prompt + e.prompt, d.completion + e.completion,
+		d.reserved + e.reserved, d.uncertain + e.uncertain, d.uncertainTokens + e.uncertainTokens, d.cost + e.cost,
+		d.reservedCost + e.reservedCost, d.uncertainCost + e.uncertainCost}
+}
+
+// columns are d's fields in ledgerUpsert's order.
+func (d ledgerChange) columns() [10]int64 {
+	return [10]int64{d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain, d.uncertainTokens,
+		d.cost, d.reservedCost, d.uncertainCost}
+}
+
 // ledgerUpsert adds a ledgerChange to its row, which it creates at the
 // day's first charge.
 const ledgerUpsert = `INSERT INTO usage_days (tenant, day, requests, attempts, prompt_tokens, completion_tokens,
@@ -136,6 +149,20 @@ func recordedChange(r store.Release) (ledgerChange, bool) {
 		d.requests, d.uncertain, d.uncertainTokens, d.uncertainCost = 1, 1, r.Permit.Tokens, r.Permit.Cost
 	}
 	return d, true
+}
+
+// chargedChange: a job attempt's Charge at its end (store.Charge), as
+// RecordUsage would have charged its request; false for one never sent.
+func chargedChange(c store.Charge) (ledgerChange, bool) {
+	return recordedChange(store.Release{Permit: store.Permit{Tokens: c.Tokens, Cost: c.Cost}, Outcome: c.Outcome,
+		Attempts: c.Attempts, PromptTokens: c.PromptTokens, CompletionTokens: c.CompletionTokens, Cost: c.UsageCost})
+}
+
+// reapedChange: the reservation of a job attempt whose lease expired after
+// its request was sent, charged as one uncertain request.
+func reapedChange(tokens, cost int64) ledgerChange {
+	d, _ := chargedChange(store.Charge{Tokens: tokens, Cost: cost, Outcome: store.Uncertain, Attempts: 1})
+	return d
 }
 
 // releasedChange: a permit's release gives back its reservation and

@@ -351,8 +351,7 @@ func (s *Store) quotaPlain(ctx context.Context, ex interface {
 			sw = 1
 		}
 		ch.swept = append(ch.swept, sw)
-		for i, v := range []int64{d.requests, d.attempts, d.prompt, d.completion, d.reserved, d.uncertain, d.uncertainTokens,
-			d.cost, d.reservedCost, d.uncertainCost} {
+		for i, v := range d.columns() {
 			ch.col[i] = append(ch.col[i], v)
 		}
 	}

@@ -317,9 +317,10 @@ func buildQueries(d Dialect) queries {
 			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
 		insertEvent: r(eventsStatement(d, "", `INSERT INTO outbox (id, job_id, tenant, type, state, state_version, created_at)
 			VALUES (?, ?, ?, ?, ?, ?, ?)`)),
-		cancel: r(`UPDATE jobs SET state = 'CANCELLED', state_version = state_version + 1, updated_at = ?, lease_until = 0
+		cancel: r(`UPDATE jobs SET ` + keepSent + `, state = 'CANCELLED', state_version = state_version + 1, updated_at = ?,
+				lease_until = 0
 			WHERE tenant = ? AND id = ? AND state NOT IN ` + finalStatesSQL() + `
-			RETURNING ` + jobColumns),
+			RETURNING ` + jobColumns + `, sent_tokens, sent_cost`),
 		result:        r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
 		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, spent, sent, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY fence, attempt`),
 		stage:         r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
@@ -579,8 +580,12 @@ func (s *Store) List(ctx context.Context, tenant string, f store.ListFilter) ([]
 func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error) {
 	var j store.Job
 	err := s.tx(ctx, "cancel job", func(tx *sql.Tx) error {
-		var err error
-		j, err = scanJob(s.queryRow(ctx, tx, s.q.cancel, micros(now), tenant, id))
+		var (
+			err    error
+			tokens sql.NullInt64
+			cost   int64
+		)
+		j, err = scanJob(s.queryRow(ctx, tx, s.q.cancel, micros(now), tenant, id), &tokens, &cost)
 		if errors.Is(err, sql.ErrNoRows) {
 			if _, gerr := scanJob(s.queryRow(ctx, tx, s.q.selectJob, tenant, id)); gerr == nil {
 				return store.ErrFinal
@@ -590,7 +595,12 @@ func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time
 		if err != nil {
 			return err
 		}
-		return s.addEvent(ctx, tx, eventID, j.ID, j.Tenant, store.Cancelled, j.StateVersion, now)
+		taken := takenCharges{}
+		taken.add(j.Tenant, tokens, cost)
+		if err := s.addEvent(ctx, tx, eventID, j.ID, j.Tenant, store.Cancelled, j.StateVersion, now); err != nil {
+			return err
+		}
+		return s.chargeTaken(ctx, tx, taken, now)
 	})
 	return j, err
 }

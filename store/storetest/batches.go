@@ -278,8 +278,16 @@ func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
 	if ds := deliveriesOf(t, s, store.DeliveryFilter{EndpointID: hook.ID}); len(ds) != 7 || ds[0].Type != "job.cancelled" {
 		t.Errorf("%d deliveries of the cancelled lines (%+v), want 7", len(ds), ds)
 	}
+	// One running line had marked its request sent with its usage's
+	// reservation (store.Charge): the cancel that takes it charges it.
+	if err := s.MarkSent(ctx, claimed[1].ID, claimed[1].Fence, t0, time.Minute, &store.Charge{Tokens: 12, Cost: 6}); err != nil {
+		t.Fatal(err)
+	}
 	if n, _ := b.CancelBatchLines(ctx, "batch_1", true, t0); n != 2 {
 		t.Errorf("cancelled %d running lines, want 2", n)
+	}
+	if got := ledgerOf(usageOn(t, s, "acme", t0)); got != (ledger{requests: 1, attempts: 1, uncertain: 1, uncertainTokens: 12, uncertainCost: 6}) {
+		t.Errorf("the ledger after the running lines' cancel: %+v, want the sent line's reservation as uncertain", got)
 	}
 	if ds := deliveriesOf(t, s, store.DeliveryFilter{EndpointID: hook.ID}); len(ds) != 9 {
 		t.Errorf("%d deliveries of the cancelled lines, want 9", len(ds))

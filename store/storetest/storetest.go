@@ -63,6 +63,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaTogether", testQuotaTogether},
 		{"RecordUsage", testRecordUsage},
 		{"QuotaPlainTogether", testQuotaPlainTogether},
+		{"AttemptCharges", testAttemptCharges}, // charges.go
 		{"JobReservations", testJobReservations},
 		{"Stats", testStats},
 	}
@@ -433,7 +434,7 @@ func testConcurrentRenewsApart(t *testing.T, s store.Store) {
 		if stale(i) {
 			fence--
 		}
-		wg.Go(func() { marks[i] = s.MarkSent(ctx, j.ID, fence, t0.Add(time.Second), 2*time.Minute) })
+		wg.Go(func() { marks[i] = s.MarkSent(ctx, j.ID, fence, t0.Add(time.Second), 2*time.Minute, nil) })
 		wg.Go(func() { beats[i] = s.Heartbeat(ctx, j.ID, fence, t0.Add(time.Second), 2*time.Minute) })
 		wg.Go(func() {
 			stages[i] = s.SaveStage(ctx, j.ID, fence, "inference", []byte(fmt.Sprintf(`{"n":%d}`, i)), t0.Add(time.Second))
@@ -733,7 +734,7 @@ func testReap(t *testing.T, s store.Store) {
 	// lease is lost: the request may have reached a backend.
 	now := t0.Add(30 * time.Minute)
 	j = claimOne(t, s, now)
-	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); err != nil {
+	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
@@ -748,7 +749,7 @@ func testReap(t *testing.T, s store.Store) {
 	if j.Attempt != 1 {
 		t.Fatalf("attempt %d after a reap, want 1 (a reap never resets it)", j.Attempt)
 	}
-	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); err != nil {
+	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
@@ -763,7 +764,7 @@ func testReap(t *testing.T, s store.Store) {
 		t.Errorf("the last lost claim: %+v, want spent and sent, attempt 2", last)
 	}
 	// MarkSent is the owner's alone.
-	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute); !errors.Is(err, store.ErrLeaseLost) {
+	if err := s.MarkSent(ctx, j.ID, j.Fence, now, time.Minute, nil); !errors.Is(err, store.ErrLeaseLost) {
 		t.Errorf("mark sent of a reaped claim: %v", err)
 	}
 
@@ -773,7 +774,7 @@ func testReap(t *testing.T, s store.Store) {
 	accept(t, s, newJob("acme", "checkpointed", func(n *store.NewJob) { n.MaxAttempts = 1; n.Now = now }))
 	now = now.Add(time.Minute)
 	c := claimOne(t, s, now)
-	if err := s.MarkSent(ctx, c.ID, c.Fence, now, time.Minute); err != nil {
+	if err := s.MarkSent(ctx, c.ID, c.Fence, now, time.Minute, nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.SaveStage(ctx, c.ID, c.Fence, "inference", []byte(`"answer"`), now); err != nil {

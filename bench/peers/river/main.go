@@ -681,7 +681,7 @@ func drain(ctx context.Context, s *sqlstore.Store, n, slots int, mode claimMode,
 						if full {
 							// The sent mark is the work's (before its request
 							// leaves); the end is its record.
-							if err := s.MarkSent(ctx, j.ID, j.Fence, time.Now(), time.Minute); err != nil {
+							if err := s.MarkSent(ctx, j.ID, j.Fence, time.Now(), time.Minute, nil); err != nil {
 								fail(err)
 								return
 							}
