@@ -65,9 +65,9 @@ type fleetOpts struct {
 	pg    bool
 	store *sqlstore.Store
 	// ledger puts the tenants' store (limits and the usage ledger) on the
-	// jobs' store, as kvgate serve has it: each attempt's permit is then
-	// written to the ledger (behind the attempt, for a tenant without
-	// limits).
+	// jobs' store, as kvgate serve has it: each attempt's usage then lands
+	// in the ledger (by the attempt's own writes for a tenant without
+	// limits, store.Charge; through a permit otherwise).
 	ledger bool
 	// keysRequired runs the gateway outside development mode: every
 	// caller needs a key.

@@ -26,10 +26,12 @@ import (
 // (a timeout, a cut stream, a client that left) stays charged as uncertain
 // usage. A job's submission reserves room under the tenant's pending-job
 // limits until the job is stored; when the job runs, its request takes a
-// permit of its tenant's (no key's) like an interactive one, after the
-// scheduler granted it a backend: a quota that refuses it makes the job
+// permit of its tenant's (no key's) like an interactive one, before the
+// scheduler grants it a backend: a quota that refuses it makes the job
 // wait for the quota's reset (scheduler.ClassQuota), and its usage lands in
-// the tenant's ledger. Tenants that the store does not know (static keys,
+// the tenant's ledger. A job attempt that nothing can refuse takes no
+// permit: its usage is charged by the attempt's own writes instead
+// (carriedCharge). Tenants that the store does not know (static keys,
 // development mode) are not limited, and their usage is recorded too.
 //
 // When the store does not answer, the request is refused with 503 (fail
