@@ -138,6 +138,7 @@ type requester struct {
 	timeout   time.Duration
 	pollEvery time.Duration
 	jobSSE    bool // follow jobs through their event streams
+	jobAccept bool // follow no job: a record ends with its acceptance
 }
 
 // baseURL strips a trailing slash and /v1 from a target URL.

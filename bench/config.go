@@ -32,6 +32,10 @@ const (
 const (
 	JobFollowSSE  = "sse"  // GET /v1/jobs/{id}/events until a final state
 	JobFollowPoll = "poll" // GET /v1/jobs/{id} every JobPollInterval
+	// JobFollowNone follows no job: a request's record ends with its
+	// acceptance (202), so its latency is the acceptance's alone and it
+	// carries no tokens; the jobs run on after the run.
+	JobFollowNone = "none"
 )
 
 // Workload kinds (vllm bench serve's --dataset-name where they overlap).
@@ -112,8 +116,8 @@ type Config struct {
 	// "nvml".
 	GPUs GPUReader `json:"-"`
 	// JobFollow is how deferred jobs are followed to their end: JobFollowSSE
-	// (default; their event stream, polling where the target has none) or
-	// JobFollowPoll.
+	// (default; their event stream, polling where the target has none),
+	// JobFollowPoll, or JobFollowNone (not at all: the acceptance's latency).
 	JobFollow string `json:"job_follow"`
 	// JobPollInterval is how often a polled job's state is read (100 ms).
 	JobPollInterval time.Duration `json:"job_poll_interval"`
@@ -285,9 +289,9 @@ func (c Config) Validate() (Config, error) {
 	switch c.JobFollow {
 	case "":
 		c.JobFollow = JobFollowSSE
-	case JobFollowSSE, JobFollowPoll:
+	case JobFollowSSE, JobFollowPoll, JobFollowNone:
 	default:
-		return c, fmt.Errorf("bench: job_follow %q is neither %s nor %s", c.JobFollow, JobFollowSSE, JobFollowPoll)
+		return c, fmt.Errorf("bench: job_follow %q is none of %s, %s and %s", c.JobFollow, JobFollowSSE, JobFollowPoll, JobFollowNone)
 	}
 	if c.JobPollInterval <= 0 {
 		c.JobPollInterval = 100 * time.Millisecond

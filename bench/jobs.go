@@ -16,7 +16,8 @@ import (
 // it to its end through its event stream (GET /v1/jobs/{id}/events) or,
 // where the target has none or with JobFollow poll, by polling; its latency
 // runs to the event or poll that saw it end, and its tokens come from the
-// result's usage.
+// result's usage. With JobFollow none it ends at the acceptance: the
+// latency is the submission's alone.
 func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item, ignoreEOS bool, start time.Time, rec *Record) {
 	ctx, cancel := context.WithTimeout(ctx, r.timeout)
 	defer cancel()
@@ -40,6 +41,10 @@ func (r *requester) submitJob(ctx context.Context, key, idemKey string, it item,
 		return
 	}
 	rec.JobID = view.ID
+	if r.jobAccept {
+		rec.E2EL, rec.Status = time.Since(start), status
+		return
+	}
 	if r.jobSSE && !jobFinal(view.State) {
 		if st := r.followJob(ctx, key, view.ID); st != "" {
 			view.State = st

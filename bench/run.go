@@ -34,7 +34,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	rq := &requester{client: client, base: baseURL(cfg.Target), chat: cfg.Endpoint == EndpointChat,
 		stream: cfg.Stream, model: cfg.Model, timeout: cfg.RequestTimeout, pollEvery: cfg.JobPollInterval,
-		jobSSE: cfg.JobFollow == JobFollowSSE}
+		jobSSE: cfg.JobFollow == JobFollowSSE, jobAccept: cfg.JobFollow == JobFollowNone}
 	// Datasets are read once, before any load, so a bad file fails fast.
 	for _, t := range cfg.Tenants {
 		if _, err := newSource(t.Workload, newRNG(cfg.Seed, "check")); err != nil {

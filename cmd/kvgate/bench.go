@@ -139,7 +139,7 @@ func benchFlagSet(stderr io.Writer, f *benchFlags) *flag.FlagSet {
 	fs.Var(&f.tenants, "tenant", "a tenant: name=acme,key=sk-..,rate=5,weight=1,deferred=true,num-prompts=100,\n"+
 		"dataset-name=..,random-input-len=..,random-output-len=..,concurrency=..,burstiness=.. (repeatable)")
 	fs.BoolVar(&f.deferred, "deferred", false, "submit every request as a job (POST /v1/jobs) and follow it to its end")
-	fs.StringVar(&f.jobFollow, "job-follow", bench.JobFollowSSE, "follow deferred jobs by sse (their event streams) or poll")
+	fs.StringVar(&f.jobFollow, "job-follow", bench.JobFollowSSE, "follow deferred jobs by sse (their event streams), poll, or none (latency: the acceptance's alone)")
 	fs.Uint64Var(&f.seed, "seed", 0, "seed for arrivals and prompts")
 	fs.Var(&f.scrape, "scrape", "a /metrics URL to sample during the run (kvgate's, vLLM's); repeatable")
 	fs.DurationVar(&f.scrapeInterval, "scrape-interval", time.Second, "how often to scrape")
