@@ -124,8 +124,8 @@ func ownershipQueries(d Dialect, q *queries) {
 	q.fairList, q.fairFresh = r(fairListQuery), r(fairFreshQuery)
 	q.anyRunnable = r(`SELECT 1 FROM jobs WHERE ` + runnable("jobs", "?") + ` AND ` + claimOrderIndexed("jobs") + ` AND ` + d.ModelIn("jobs.model") + ` LIMIT 1`)
 	q.heartbeat = r(`UPDATE jobs SET lease_until = ? WHERE id = ? AND ` + owned("jobs", "?", "?"))
-	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence, sent_tokens = ?, sent_cost = ? WHERE id = ? AND ` +
-		owned("jobs", "?", "?"))
+	q.markSent = r(`UPDATE jobs SET lease_until = ?, sent_fence = fence, sent_tokens = ?, sent_cost = ?, sent_charge_fence = fence
+		WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	q.ownedBy = r(`SELECT 1 FROM jobs WHERE id = ? AND ` + owned("jobs", "?", "?"))
 	// The job row is locked (where the dialect locks rows) so that a reap
 	// committing meanwhile is seen: its new fence fails the condition.
@@ -138,7 +138,8 @@ func ownershipQueries(d Dialect, q *queries) {
 		q.renewBatch = r(`UPDATE jobs SET lease_until = input.lease_until,
 				sent_fence = CASE WHEN input.mark THEN jobs.fence ELSE jobs.sent_fence END,
 				sent_tokens = CASE WHEN input.mark THEN NULLIF(input.tokens, -1) ELSE jobs.sent_tokens END,
-				sent_cost = CASE WHEN input.mark THEN input.cost ELSE jobs.sent_cost END
+				sent_cost = CASE WHEN input.mark THEN input.cost ELSE jobs.sent_cost END,
+				sent_charge_fence = CASE WHEN input.mark THEN jobs.fence ELSE jobs.sent_charge_fence END
 			FROM unnest(?::text[], ?::bigint[], ?::bigint[], ?::bigint[], ?::boolean[], ?::bigint[], ?::bigint[])
 				WITH ORDINALITY AS input(id, fence, now, lease_until, mark, tokens, cost, ord)
 			WHERE jobs.id = ANY(?::text[]) AND jobs.id = input.id AND ` + owned("jobs", "input.fence", "input.now") + `
@@ -532,12 +533,15 @@ func (s *Store) insertAttempt(ctx context.Context, tx *sql.Tx, id string, fence 
 // keepSent is the SET clause that a statement taking RUNNING jobs from
 // their claims other than by the claims' own ends (a reap, a cancel)
 // writes: sent_tokens keeps the sent mark's reservation (store.Charge)
-// only where the claim had marked its request sent, NULL elsewhere. The
+// only where the claim had marked its request sent, and that mark wrote it
+// (a mark by a replica of an earlier release writes no reservation and
+// leaves an earlier claim's behind: migration 26), NULL elsewhere. The
 // statement returns sent_tokens and sent_cost, and charges them
 // (takenCharges): an attempt without a permit whose end will never be
 // recorded (its claim lost the job: the end gets ErrLeaseLost) is charged
 // its reservation as uncertain usage, once, by what took its job.
-const keepSent = `sent_tokens = CASE WHEN jobs.state = 'RUNNING' AND jobs.sent_fence = jobs.fence THEN jobs.sent_tokens END`
+const keepSent = `sent_tokens = CASE WHEN jobs.state = 'RUNNING' AND jobs.sent_fence = jobs.fence
+	AND jobs.sent_charge_fence = jobs.fence THEN jobs.sent_tokens END`
 
 // takenCharges sums, by tenant, the reservations that a statement
 // taking jobs from their claims returned (keepSent).

@@ -2,6 +2,7 @@ package storetest
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"sync"
@@ -146,6 +147,32 @@ func testAttemptCharges(t *testing.T, s store.Store) {
 		}
 	}
 	check("a cancel", "cancelled", t0, ledger{requests: 1, attempts: 1, uncertain: 1, uncertainTokens: 30, uncertainCost: 9})
+
+	// A replica of an earlier release marks a claim sent without writing
+	// a reservation (its usage goes through a permit): the reservation an
+	// earlier claim's mark left behind is not charged by the reap.
+	if db, ok := s.(interface{ DB() *sql.DB }); ok {
+		j := run("mixed", "mixed-versions", t0, r, true)
+		if err := s.Fail(ctx, store.Failure{JobID: j.ID, Fence: j.Fence, RetryAt: t0.Add(time.Second), Now: t0,
+			Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeFailed, Spent: true, Sent: true, Charge: ended(r, store.Uncertain, 0, 0, 0)}}); err != nil {
+			t.Fatal(err)
+		}
+		again, err := s.Claim(ctx, t0.Add(time.Second), time.Minute, 1, "mixed-versions")
+		if err != nil || len(again) != 1 {
+			t.Fatalf("claim again: %+v, %v", again, err)
+		}
+		// The earlier release's MarkSent statement.
+		if _, err := db.DB().ExecContext(ctx, "UPDATE jobs SET sent_fence = fence WHERE id = '"+again[0].ID+"'"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Reap(ctx, t0.Add(2*time.Minute), 100); err != nil {
+			t.Fatal(err)
+		}
+		check("a reap of an earlier release's mark", "mixed", t0, ledger{requests: 1, attempts: 1, uncertain: 1, uncertainTokens: 100, uncertainCost: 50})
+		if _, err := s.Cancel(ctx, "mixed", again[0].ID, "", t0.Add(3*time.Minute)); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	// Many ends at once, of two tenants, a quarter of them stale.
 	const n = 40
