@@ -549,7 +549,7 @@ type takenCharges map[string]ledgerChange
 
 func (t takenCharges) add(tenant string, tokens sql.NullInt64, cost int64) {
 	if tokens.Valid {
-		t[tenant] = t[tenant].add(reapedChange(tokens.Int64, cost))
+		t[tenant] = t[tenant].add(takenChange(tokens.Int64, cost))
 	}
 }
 
@@ -569,7 +569,7 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 	n := 0
 	err := s.tx(ctx, "reap", func(tx *sql.Tx) error {
 		t := micros(now)
-		lost := takenCharges{}
+		taken := takenCharges{}
 		for _, q := range []struct {
 			sql  string
 			args []any
@@ -615,7 +615,7 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 						Error: "the worker stopped renewing its lease", EndedAt: now}); err != nil {
 						return err
 					}
-					lost.add(r.tenant, r.tokens, r.cost)
+					taken.add(r.tenant, r.tokens, r.cost)
 				}
 				if err := s.addEvent(ctx, tx, "", r.id, r.tenant, store.State(r.state), r.version, now); err != nil {
 					return err
@@ -623,7 +623,7 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 			}
 			n += len(rs)
 		}
-		if err := s.chargeTaken(ctx, tx, lost, now); err != nil {
+		if err := s.chargeTaken(ctx, tx, taken, now); err != nil {
 			return err
 		}
 		// The fair claim's table (fair.go): tenants it lost are listed

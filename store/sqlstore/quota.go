@@ -76,8 +76,9 @@ func tighter(a, b store.Window) store.Window {
 // ledgerChange is what a call adds to a tenant's usage_days row for one
 // day (each field its column's delta). Every write to the ledger goes
 // through it: acquiredChange, recordedChange, releasedChange and the sweep
-// say what changes; charge or chargePermit (one call) and plainCalls (a
-// batch's, summed) write it.
+// say what changes, and for job attempts charged with their own writes
+// (store.Charge) chargedChange and takenChange; charge or chargePermit
+// (one call), and plainCalls and finishBatch (a batch's, summed) write it.
 type ledgerChange struct {
 	requests, attempts, prompt, completion, reserved, uncertain, uncertainTokens, cost, reservedCost, uncertainCost int64
 }
@@ -158,9 +159,10 @@ func chargedChange(c store.Charge) (ledgerChange, bool) {
 		Attempts: c.Attempts, PromptTokens: c.PromptTokens, CompletionTokens: c.CompletionTokens, Cost: c.UsageCost})
 }
 
-// reapedChange: the reservation of a job attempt whose lease expired after
-// its request was sent, charged as one uncertain request.
-func reapedChange(tokens, cost int64) ledgerChange {
+// takenChange: the reservation of a job attempt taken from its claim (a
+// reap, a cancel) after its request was sent, charged as one uncertain
+// request.
+func takenChange(tokens, cost int64) ledgerChange {
 	d, _ := chargedChange(store.Charge{Tokens: tokens, Cost: cost, Outcome: store.Uncertain, Attempts: 1})
 	return d
 }
