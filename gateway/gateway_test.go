@@ -11,7 +11,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -26,7 +25,6 @@ import (
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store/postgres/pgtest"
-	"github.com/kvgate/kvgate/store/sqlite"
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
@@ -143,13 +141,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		case o.pg:
 			f.store = pgtest.Open(t)
 		default:
-			f.store, err = sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "jobs.db"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := sqlite.Migrate(context.Background(), f.store); err != nil {
-				t.Fatal(err)
-			}
+			f.store = sqliteStore(t)
 		}
 		if o.ledger {
 			o.gateway.Tenants.Store = f.store

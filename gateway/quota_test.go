@@ -43,7 +43,7 @@ func (c *testClock) Advance(d time.Duration) {
 
 var quotaT0 = time.Date(2026, 11, 30, 12, 0, 10, 0, time.UTC)
 
-func sqliteStore(t *testing.T) *sqlstore.Store {
+func sqliteStore(t testing.TB) *sqlstore.Store {
 	t.Helper()
 	st, err := sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "kvgate.db"))
 	if err != nil {
