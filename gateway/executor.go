@@ -84,12 +84,10 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 	}
 	call := &scheduler.Call{Ticket: t}
 	call.Admit = func(ctx context.Context) error {
-		if call.Carry {
-			// The runner charges the usage with the attempt's writes.
-			if ch := s.carriedCharge(ctx, j.Tenant, prompt, maxOut, price); ch != nil {
-				call.Charge = ch
-				return nil
-			}
+		// The runner charges the usage with the attempt's writes.
+		if ch := s.carriedCharge(ctx, j.Tenant, prompt, maxOut, price); ch != nil {
+			call.Charge = ch
+			return nil
 		}
 		var err error
 		if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt, maxOut, price); err != nil {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/bench/vllmsim"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -319,4 +320,62 @@ func TestJobsChargeWithTheirAttempts(t *testing.T) {
 	if a, r, rec := counted.acquires.Load(), counted.releases.Load(), counted.records.Load(); a+r+rec != 0 {
 		t.Errorf("%d acquisitions, %d releases and %d records of the limiter, want none", a, r, rec)
 	}
+}
+
+// An embeddings job split into batches charges them with its attempts
+// too: each attempt's end carries the batches it ran, checkpointed or
+// not. The backend dies at the second batch of three, after the first
+// was checkpointed; the retry reuses that checkpoint and pays only the
+// rest. The ledger then holds every batch's prompt tokens exactly once
+// (the result's usage), a request and an attempt per backend call, and
+// the limiter was never called.
+func TestEmbeddingBatchesChargeWithTheirAttempts(t *testing.T) {
+	p, err := vllmsim.LookupProfile("h100-bge-m3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.EmbeddingDim = 8
+	var sim atomic.Pointer[vllmsim.Sim]
+	var calls atomic.Int64
+	wrap := func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/embeddings" && calls.Add(1) == 2 {
+				s := sim.Load()
+				s.SetFaults(vllmsim.Faults{Dead: true})
+				time.AfterFunc(150*time.Millisecond, func() { s.SetFaults(vllmsim.Faults{}) })
+			}
+			h.ServeHTTP(w, r)
+		})
+	}
+	st := sqliteStore(t)
+	user := newTenant(t, st, "acme", store.Limits{MaxPendingJobs: 100}, store.RoleUser) // limits jobs, not requests
+	counted := &countingTenants{Tenants: st}
+	f := startFleet(t, fleetOpts{store: st, profile: p, runner: true, wrap: wrap,
+		gateway: Config{Tenants: Tenants{Store: counted}, Jobs: Jobs{MaxAttempts: 20}}})
+	sim.Store(f.sims[0])
+
+	const chunks = 700 // three batches
+	id := submitJobs(t, f, user, "e", embedJob(p.Model, chunks), 1)[0]
+	waitJob(t, f, "acme", id, store.Succeeded)
+	_, b := bearer(t, f, user, http.MethodGet, "/v1/jobs/"+id+"/result", "")
+	var res embedResult
+	if err := json.Unmarshal(b, &res); err != nil || len(res.Data) != chunks {
+		t.Fatalf("result: %v, %d embeddings: %s", err, len(res.Data), b[:min(len(b), 300)])
+	}
+	as, err := f.store.Attempts(context.Background(), id)
+	if err != nil || len(as) < 2 {
+		t.Fatalf("attempts %+v, %v: want the interrupted one and the one that succeeded", as, err)
+	}
+	u := ledgerOf(t, st, "acme")
+	if u.PromptTokens != int64(res.Usage.PromptTokens) || res.Usage.PromptTokens == 0 || u.ReservedTokens != 0 {
+		t.Errorf("ledger %+v, want the result's %d prompt tokens and nothing reserved", u, res.Usage.PromptTokens)
+	}
+	if u.Requests != calls.Load() || u.Attempts != calls.Load() {
+		t.Errorf("ledger %+v, want a request and an attempt for each of the %d backend calls", u, calls.Load())
+	}
+	if a, r, rec := counted.acquires.Load(), counted.releases.Load(), counted.records.Load(); a+r+rec != 0 {
+		t.Errorf("%d acquisitions, %d releases and %d records of the limiter, want none", a, r, rec)
+	}
+	t.Logf("%d chunks, %d backend calls, %d attempts; ledger %d requests, %d prompt tokens, %d uncertain",
+		chunks, calls.Load(), len(as), u.Requests, u.PromptTokens, u.Uncertain)
 }

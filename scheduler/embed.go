@@ -12,8 +12,9 @@ import (
 
 // Resumable multi-input embeddings. An embeddings job whose input is a
 // list of many chunks runs its inference stage as batches: each batch is
-// its own request, admitted like any job request (its own quota permit
-// and KV grant, sized to what it holds), and each batch's answer is
+// its own request, admitted like any job request (its own quota permit,
+// or its charge carried with the attempt's, and KV grant, sized to what
+// it holds), and each batch's answer is
 // checkpointed under the fence as the stage "inference/batch/NNNNN"
 // before the next one is sent. A retry after a failure at chunk 7,000
 // finds the checkpoints of the batches before it and embeds only what is
@@ -76,19 +77,22 @@ func batchStage(i int) string { return fmt.Sprintf("%s/batch/%05d", store.StageI
 // stage's output with the tokens this attempt spent.
 func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func()) (Outcome, error) {
 	if j.Endpoint != "/v1/embeddings" {
-		return r.infer(ctx, j, a, admitted, sent, true)
+		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
 	}
 	req, inputs, ok := splitEmbeddings(j.Body)
 	if !ok {
-		return r.infer(ctx, j, a, admitted, sent, true)
+		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
 	}
 	batches := embedBatches(inputs)
 	if len(batches) == 1 {
-		return r.infer(ctx, j, a, admitted, sent, true)
+		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
 	}
 	wctx := context.WithoutCancel(ctx)
 	parts := make([][]byte, len(batches))
-	var spent Outcome
+	var (
+		spent   Outcome
+		earlier store.Spent // what this attempt's batches used, each charged with the attempt's end
+	)
 	for i, b := range batches {
 		data, err := r.st.Stage(ctx, j.ID, batchStage(i))
 		if err == nil {
@@ -102,12 +106,18 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		sub := j
 		req["input"], _ = json.Marshal(inputs[b.lo:b.hi])
 		sub.Body, _ = json.Marshal(req)
-		// Each batch's usage is charged as it ends (a permit), not with
-		// the attempt's end: a checkpointed batch is never paid again, so
-		// a lost attempt must not take its usage with it.
-		out, err := r.infer(ctx, sub, a, admitted, sent, false)
+		// A checkpointed batch is never paid again, so a lost attempt must
+		// not take its usage with it: each batch's charge carries the
+		// batches before it (infer), whose reservations its sent mark
+		// holds for a reap.
+		before := a.Charge
+		out, err := r.infer(ctx, sub, a, admitted, sent, earlier)
 		if err != nil {
 			return Outcome{}, err
+		}
+		if a.Charge != before && a.Charge.Outcome == store.Reported {
+			earlier = a.Charge.Earlier
+			earlier.Spend(*a.Charge)
 		}
 		spent.PromptTokens += out.PromptTokens
 		spent.CompletionTokens += out.CompletionTokens

@@ -63,14 +63,11 @@ type Call struct {
 	// Release gives back what Prepare took; it is idempotent, and needed
 	// whether Run ran or not.
 	Release func()
-	// Carry, set by the runner before Admit, says that the runner can
-	// charge the call's usage to its tenant with the attempt's own writes
-	// (store.Charge): the attempt makes this one backend call. Admit may
-	// then take no permit and set Charge instead.
-	Carry bool
-	// Charge, when Admit set it, is the usage the runner charges: Admit
-	// fills in the reservation, which the runner's sent mark holds, and
-	// Run how the request ended, which the attempt's end charges.
+	// Charge, when Admit set it instead of taking a permit, is the usage
+	// the runner charges to the job's tenant with the attempt's own writes
+	// (store.Charge): Admit fills in the reservation, which the runner's
+	// sent mark holds, and Run how the request ended, which the attempt's
+	// end charges.
 	Charge *store.Charge
 }
 
@@ -544,14 +541,16 @@ func (r *Runner) lastStage(ctx context.Context, j store.Job, f *facts) bool {
 // infer prepares the job's request, waiting in place for a short quota
 // reset (see quotaPause), admits it through the scheduler as the batch
 // class, marks it sent and runs it on the granted backend. It records the
-// backend and whether the request may have left in a.
-func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func(), carry bool) (Outcome, error) {
+// backend and whether the request may have left in a, and in a.Charge the
+// usage the attempt's end charges: this request's, when Admit took no
+// permit for it, and earlier's, what the attempt's requests before this
+// one used (an embeddings job's batches).
+func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func(), earlier store.Spent) (Outcome, error) {
 	call, err := r.exec.Prepare(ctx, j)
 	if err != nil {
 		return Outcome{}, err
 	}
 	defer call.Release()
-	call.Carry = carry
 	var waited time.Duration
 	for {
 		err := call.Admit(ctx)
@@ -586,12 +585,19 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 	}
 	defer g.Release()
 	a.Backend = g.Backend
-	if call.Charge != nil {
-		// Run fills in how the request ended; the attempt's end charges it.
-		defer func() { a.Charge = call.Charge }()
+	ch := call.Charge
+	if ch == nil && earlier.Requests > 0 {
+		ch = &store.Charge{} // this request's permit charges it; the earlier ones still ride on the attempt
+	}
+	if ch != nil {
+		// Run fills in how the request ended; the attempt's end charges
+		// it with the earlier ones, and the sent mark holds all their
+		// reservations for a reap.
+		ch.Earlier = earlier
+		defer func() { a.Charge = ch }()
 	}
 	return call.Run(ctx, g, func() error {
-		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease, call.Charge); errors.Is(err, store.ErrLeaseLost) {
+		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease, ch); errors.Is(err, store.ErrLeaseLost) {
 			return err
 		} else if err != nil {
 			// Unmarked, the request must not leave: a wait, not an attempt.

@@ -167,6 +167,35 @@ type Charge struct {
 	PromptTokens     int64
 	CompletionTokens int64
 	UsageCost        int64 // the reported usage's price, micro-units
+	// Earlier is what the attempt's requests before this one used, when
+	// the attempt makes several (an embeddings job split into batches):
+	// one Charge carries them all, so that each is charged with the
+	// attempt's end or its reap, never apart and never twice.
+	Earlier Spent
+}
+
+// Spent is what requests that ended reported (Charge.Earlier).
+type Spent struct {
+	Requests         int
+	Tokens           int64 // their reservations
+	Cost             int64 // their price, micro-units
+	PromptTokens     int64
+	CompletionTokens int64
+	UsageCost        int64
+}
+
+// Reserved is what a sent mark holds for c: the reservation of the
+// request in flight and those of the attempt's earlier requests, which a
+// reap charges as uncertain usage (their reports die with the attempt).
+func (c *Charge) Reserved() (tokens, cost int64) {
+	return c.Tokens + c.Earlier.Tokens, c.Cost + c.Earlier.Cost
+}
+
+// Spend adds to s the request that c charges, which ended reported.
+func (s *Spent) Spend(c Charge) {
+	s.Requests++
+	s.Tokens, s.Cost = s.Tokens+c.Tokens, s.Cost+c.Cost
+	s.PromptTokens, s.CompletionTokens, s.UsageCost = s.PromptTokens+c.PromptTokens, s.CompletionTokens+c.CompletionTokens, s.UsageCost+c.UsageCost
 }
 
 // Completion is a worker's successful (or review-required) end of a job.

@@ -251,7 +251,7 @@ func (s *Store) renewGroup(ctx context.Context, cs []*renewCall) {
 			ids[i], fences[i], nows[i], untils[i], marks[i] = c.id, c.fence, micros(c.now), micros(c.until), c.mark
 			tokens[i] = -1
 			if c.reserved != nil {
-				tokens[i], costs[i] = c.reserved.Tokens, c.reserved.Cost
+				tokens[i], costs[i] = c.reserved.Reserved()
 			}
 		}
 		ok, err := s.batchOrds(ctx, s.q.renewBatch, n, ids, fences, nows, untils, marks, tokens, costs, ids)

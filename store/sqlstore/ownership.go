@@ -416,7 +416,7 @@ func (s *Store) renew(ctx context.Context, c *renewCall) error {
 	if c.mark {
 		var tokens, cost any = nil, int64(0)
 		if c.reserved != nil {
-			tokens, cost = c.reserved.Tokens, c.reserved.Cost
+			tokens, cost = c.reserved.Reserved()
 		}
 		q, args = s.q.markSent, append(args, tokens, cost)
 	}

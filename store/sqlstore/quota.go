@@ -153,10 +153,17 @@ func recordedChange(r store.Release) (ledgerChange, bool) {
 }
 
 // chargedChange: a job attempt's Charge at its end (store.Charge), as
-// RecordUsage would have charged its request; false for one never sent.
+// RecordUsage would have charged its requests, the attempt's earlier ones
+// each a reported request; false when nothing was sent.
 func chargedChange(c store.Charge) (ledgerChange, bool) {
-	return recordedChange(store.Release{Permit: store.Permit{Tokens: c.Tokens, Cost: c.Cost}, Outcome: c.Outcome,
+	d, ok := recordedChange(store.Release{Permit: store.Permit{Tokens: c.Tokens, Cost: c.Cost}, Outcome: c.Outcome,
 		Attempts: c.Attempts, PromptTokens: c.PromptTokens, CompletionTokens: c.CompletionTokens, Cost: c.UsageCost})
+	e := c.Earlier
+	if e.Requests == 0 {
+		return d, ok
+	}
+	n := int64(e.Requests)
+	return d.add(ledgerChange{requests: n, attempts: n, prompt: e.PromptTokens, completion: e.CompletionTokens, cost: e.UsageCost}), true
 }
 
 // takenChange: the reservation of a job attempt taken from its claim (a

@@ -148,6 +148,50 @@ func testAttemptCharges(t *testing.T, s store.Store) {
 	}
 	check("a cancel", "cancelled", t0, ledger{requests: 1, attempts: 1, uncertain: 1, uncertainTokens: 30, uncertainCost: 9})
 
+	// An attempt of several requests (an embeddings job's batches): its
+	// charge carries the earlier ones, each a reported request, and its
+	// sent mark holds all their reservations, which a reap charges as one
+	// uncertain request.
+	earlier := store.Spent{Requests: 2, Tokens: 60, Cost: 30, PromptTokens: 20, UsageCost: 4}
+	several := func(c *store.Charge) *store.Charge {
+		c.Earlier = earlier
+		return c
+	}
+	j = run("several-ended", "several-reported", t0, several(reserved(100, 50)), true)
+	if err := complete(j, j.Fence, several(ended(r, store.Reported, 10, 0, 2)), t0); err != nil {
+		t.Fatal(err)
+	}
+	check("the reported end of several requests", "several-ended", t0, ledger{requests: 3, attempts: 3, prompt: 30, cost: 6})
+	unc := run("several-ended", "several-uncertain", t0, several(reserved(100, 50)), true)
+	if err := s.Fail(ctx, store.Failure{JobID: unc.ID, Fence: unc.Fence, RetryAt: t0.Add(time.Hour), Now: t0,
+		Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeFailed, Spent: true, Sent: true, Charge: several(ended(r, store.Uncertain, 0, 0, 0))}}); err != nil {
+		t.Fatal(err)
+	}
+	check("the uncertain end of several requests", "several-ended", t0, ledger{requests: 6, attempts: 6, prompt: 50, cost: 10,
+		uncertain: 1, uncertainTokens: 100, uncertainCost: 50})
+	// The last request went through a permit, or was never sent: the
+	// earlier ones are still the attempt's to charge.
+	uns := run("several-ended", "several-unsent", t0, several(&store.Charge{}), true)
+	if err := s.Fail(ctx, store.Failure{JobID: uns.ID, Fence: uns.Fence, RetryAt: t0.Add(time.Hour), Now: t0,
+		Attempt: store.Attempt{Attempt: 1, Outcome: store.OutcomeWait, Sent: true, Charge: several(&store.Charge{})}}); err != nil {
+		t.Fatal(err)
+	}
+	check("an end of several requests, the last not the attempt's", "several-ended", t0, ledger{requests: 8, attempts: 8, prompt: 70, cost: 14,
+		uncertain: 1, uncertainTokens: 100, uncertainCost: 50})
+	for _, j := range []store.Job{unc, uns} {
+		if _, err := s.Cancel(ctx, j.Tenant, j.ID, "", t0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	j = run("several-reaped", "several-reaped", t0, several(reserved(100, 50)), true)
+	if _, err := s.Reap(ctx, t0.Add(2*time.Minute), 100); err != nil {
+		t.Fatal(err)
+	}
+	if err := complete(j, j.Fence, several(ended(r, store.Reported, 10, 0, 2)), t0.Add(2*time.Minute)); !errors.Is(err, store.ErrLeaseLost) {
+		t.Fatalf("the end of a reaped claim: %v", err)
+	}
+	check("a reap of several requests", "several-reaped", t0, ledger{requests: 1, attempts: 1, uncertain: 1, uncertainTokens: 160, uncertainCost: 80})
+
 	// A replica of an earlier release marks a claim sent without writing
 	// a reservation (its usage goes through a permit): the reservation an
 	// earlier claim's mark left behind is not charged by the reap.
