@@ -116,8 +116,7 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 			return Outcome{}, err
 		}
 		if a.Charge != before && a.Charge.Outcome == store.Reported {
-			earlier = a.Charge.Earlier
-			earlier.Spend(*a.Charge)
+			earlier.Spend(*a.Charge) // a.Charge.Earlier is earlier already
 		}
 		spent.PromptTokens += out.PromptTokens
 		spent.CompletionTokens += out.CompletionTokens
