@@ -308,10 +308,17 @@ func (s *Store) stageGroup(ctx context.Context, cs []*stageCall) {
 			return err
 		}
 		defer rows.Close()
-		saved := map[[2]string]bool{}
+		// A row is the call's whose claim wrote it: the same job and
+		// stage under its fence. A stale claim's call for the same stage
+		// in the same batch wrote nothing, whichever came first.
+		type written struct {
+			id, stage string
+			fence     int64
+		}
+		saved := map[written]bool{}
 		for rows.Next() {
-			var k [2]string
-			if err := rows.Scan(&k[0], &k[1]); err != nil {
+			var k written
+			if err := rows.Scan(&k.id, &k.stage, &k.fence); err != nil {
 				return err
 			}
 			saved[k] = true
@@ -320,8 +327,9 @@ func (s *Store) stageGroup(ctx context.Context, cs []*stageCall) {
 			return err
 		}
 		for _, c := range cs {
-			// The first call for a stage wrote it; a second finds it.
-			k := [2]string{c.id, c.stage}
+			// The first call for a stage under a fence wrote it; a second
+			// finds it (SaveStage then checks the ownership alone).
+			k := written{c.id, c.stage, c.fence}
 			c.saved, saved[k] = saved[k], false
 		}
 		return nil

@@ -150,7 +150,7 @@ func ownershipQueries(d Dialect, q *queries) {
 			JOIN jobs ON jobs.id = input.id
 			WHERE jobs.id = ANY(?::text[]) AND ` + owned("jobs", "input.fence", "input.now") + ` ` + d.LockShared + ` OF jobs
 			ON CONFLICT (job_id, stage) DO NOTHING
-			RETURNING job_id, stage`)
+			RETURNING job_id, stage, fence`)
 	} else {
 		q.finish = r(finishOne)
 	}

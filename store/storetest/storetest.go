@@ -47,6 +47,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"WaitsSpendNothing", testWaitsSpendNothing},
 		{"ClaimModels", testClaimModels},
 		{"SaveStageOwned", testSaveStageOwned},
+		{"StaleStageBesideOwner", testStaleStageBesideOwner},
 		{"StaleWorkerAfterReap", testStaleWorker},
 		{"Cancel", testCancel},
 		{"Stages", testStages},
@@ -879,6 +880,44 @@ func testSaveStageOwned(t *testing.T, s store.Store) {
 	}
 	if err := s.SaveStage(ctx, "no-such-job", 1, "inference", []byte(`"x"`), t0); !errors.Is(err, store.ErrLeaseLost) {
 		t.Errorf("checkpoint of a missing job: %v, want ErrLeaseLost", err)
+	}
+}
+
+// testStaleStageBesideOwner: a stale claim's checkpoint and the owning
+// claim's, of the same job and stage at the same moment (which a store may
+// write together in one statement), each get their own answer: the stale
+// one ErrLeaseLost, the owner's nil and its data kept, whichever the store
+// took first. The stale call starts first, so that a store that answered
+// a stage's calls by their order would tell the stale one it saved.
+func testStaleStageBesideOwner(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const jobs, rounds = 16, 4
+	for r := range rounds { // each round claims the jobs it accepted: the earlier ones stay leased
+		for i := range jobs {
+			accept(t, s, newJob("acme", fmt.Sprint("k", r, "-", i)))
+		}
+		js, err := s.Claim(ctx, t0, time.Minute, jobs)
+		if err != nil || len(js) != jobs {
+			t.Fatalf("round %d: claim %d jobs, %v", r, len(js), err)
+		}
+		stale, owner := make([]error, jobs), make([]error, jobs)
+		var wg sync.WaitGroup
+		for i, j := range js {
+			wg.Go(func() {
+				stale[i] = s.SaveStage(ctx, j.ID, j.Fence-1, "inference", []byte(`"stale"`), t0.Add(time.Second))
+			})
+			wg.Go(func() {
+				owner[i] = s.SaveStage(ctx, j.ID, j.Fence, "inference", []byte(`"owner"`), t0.Add(time.Second))
+			})
+		}
+		wg.Wait()
+		for i, j := range js {
+			data, err := s.Stage(ctx, j.ID, "inference")
+			if !errors.Is(stale[i], store.ErrLeaseLost) || owner[i] != nil || err != nil || string(data) != `"owner"` {
+				t.Errorf("round %d, job %d: stale claim's checkpoint %v (want ErrLeaseLost), owner's %v (want nil), stage %s, %v",
+					r, i, stale[i], owner[i], data, err)
+			}
+		}
 	}
 }
 
