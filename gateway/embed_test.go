@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/store"
 )
@@ -129,5 +131,78 @@ func TestEmbeddingsResumeAtMissingBatch(t *testing.T) {
 	}
 	if resp, b := f.post(t, "/v1/jobs", strings.Replace(embedJob(p.Model, 10001), `"endpoint"`, `"metadata":{},"endpoint"`, 1), "Idempotency-Key", "too-many"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("10,001 inputs: %d %s", resp.StatusCode, b)
+	}
+}
+
+// TestEmbeddingsBatchAnswerChecked: a backend that answers one batch of
+// an embeddings job with an embedding missing (a 200 that does not fit
+// the batch) fails that attempt, and the answer is no checkpoint: the
+// retry sends that batch again, reuses the batches before it, and the
+// job succeeds with every embedding in input order. Checkpointed, the
+// answer would fail every retry without a request sent, until the job
+// ran out of attempts.
+func TestEmbeddingsBatchAnswerChecked(t *testing.T) {
+	p, err := vllmsim.LookupProfile("h100-bge-m3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.EmbeddingDim = 4
+	const chunks, batches, badCall = 600, 3, 2 // 256, 256 and 88 inputs; the second batch's first answer is short
+	var calls atomic.Int64
+	wrap := func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/v1/embeddings" || calls.Add(1) != badCall {
+				h.ServeHTTP(w, r)
+				return
+			}
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, r)
+			var answer map[string]json.RawMessage
+			var data []json.RawMessage
+			if err := json.Unmarshal(rec.Body.Bytes(), &answer); err != nil || json.Unmarshal(answer["data"], &data) != nil || len(data) < 2 {
+				t.Errorf("the simulator's answer: %v: %.200s", err, rec.Body.Bytes())
+			} else {
+				answer["data"], _ = json.Marshal(data[:len(data)-1])
+			}
+			b, _ := json.Marshal(answer)
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(rec.Code)
+			_, _ = w.Write(b)
+		})
+	}
+	f := startFleet(t, fleetOpts{profile: p, jobs: true, runner: true, wrap: wrap, gateway: Config{Jobs: Jobs{MaxAttempts: 3}}})
+	resp, v := submitJob(t, f, "short-answer", embedJob(p.Model, chunks))
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d", resp.StatusCode)
+	}
+	var j store.Job
+	eventually.True(t, "the job to end", func() bool {
+		j, err = f.store.Get(context.Background(), "default", v.ID)
+		return err == nil && (j.State == store.Succeeded || j.State == store.FailedTerminal || j.State == store.ReviewRequired)
+	})
+	as, _ := f.store.Attempts(context.Background(), v.ID)
+	if j.State != store.Succeeded {
+		t.Fatalf("job %s: %s (%s), attempts %+v", v.ID, j.State, j.LastError, as)
+	}
+	_, b := f.get(t, "/v1/jobs/"+v.ID+"/result")
+	var res embedResult
+	if err := json.Unmarshal(b, &res); err != nil {
+		t.Fatalf("result: %v: %.300s", err, b)
+	}
+	if len(res.Data) != chunks {
+		t.Fatalf("%d embeddings for %d chunks", len(res.Data), chunks)
+	}
+	for i, d := range res.Data {
+		if d.Index != i {
+			t.Fatalf("embedding %d has index %d", i, d.Index)
+		}
+	}
+	// The first attempt sent batches 1 and 2 and failed at 2's answer;
+	// the second reused 1 and sent 2 and 3.
+	if len(as) != 2 || as[0].Outcome != store.OutcomeFailed || !as[0].Spent || as[1].Outcome != store.OutcomeSucceeded {
+		t.Errorf("attempts %+v, want one failed (spent) and one succeeded", as)
+	}
+	if got := calls.Load(); got != batches+1 {
+		t.Errorf("%d requests to the backend, want %d: each batch once and the short one again", got, batches+1)
 	}
 }

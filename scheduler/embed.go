@@ -88,7 +88,7 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
 	}
 	wctx := context.WithoutCancel(ctx)
-	parts := make([][]byte, len(batches))
+	parts := make([]embedPart, len(batches))
 	var (
 		spent   Outcome
 		earlier store.Spent // what this attempt's batches used, each charged with the attempt's end
@@ -96,11 +96,13 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 	for i, b := range batches {
 		data, err := r.st.Stage(ctx, j.ID, batchStage(i))
 		if err == nil {
-			parts[i] = data
-			r.m.stageReused.Inc()
-			continue
-		}
-		if !errors.Is(err, store.ErrNotFound) {
+			// A checkpoint that does not answer its batch (written before
+			// answers were checked) is sent again, not reused.
+			if parts[i], err = readEmbedBatch(data, b); err == nil {
+				r.m.stageReused.Inc()
+				continue
+			}
+		} else if !errors.Is(err, store.ErrNotFound) {
 			return Outcome{}, &ExecError{Class: ClassStore, Err: err}
 		}
 		sub := j
@@ -120,6 +122,12 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		}
 		spent.PromptTokens += out.PromptTokens
 		spent.CompletionTokens += out.CompletionTokens
+		// An answer that does not fit its batch is the backend's failure,
+		// and never a checkpoint: reused, it would fail every retry
+		// without a request sent.
+		if parts[i], err = readEmbedBatch(out.Body, b); err != nil {
+			return Outcome{}, &ExecError{Class: ClassBackend, Err: fmt.Errorf("batch %d: %w", i, err)}
+		}
 		if err := r.record(wctx, func(now time.Time) error {
 			return r.st.SaveStage(wctx, j.ID, j.Fence, batchStage(i), out.Body, now)
 		}); err != nil {
@@ -128,9 +136,8 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 			}
 			return Outcome{}, &ExecError{Class: ClassStore, Err: err}
 		}
-		parts[i] = out.Body
 	}
-	body, err := mergeEmbeddings(parts, batches)
+	body, err := mergeEmbeddings(parts)
 	if err != nil {
 		return Outcome{}, &ExecError{Class: ClassBackend, Err: err}
 	}
@@ -138,40 +145,60 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 	return spent, nil
 }
 
-// mergeEmbeddings joins the batches' answers into one, in input order.
-func mergeEmbeddings(parts [][]byte, batches []embedBatch) ([]byte, error) {
-	type answer struct {
-		Object string                       `json:"object"`
-		Data   []map[string]json.RawMessage `json:"data"`
-		Model  string                       `json:"model"`
-		Usage  struct {
+// embedPart is one batch's answer, read: its embeddings in input order,
+// their indexes the job's.
+type embedPart struct {
+	data          []map[string]json.RawMessage
+	model         string
+	prompt, total int
+}
+
+// readEmbedBatch reads batch b's answer p: one embedding for each of the
+// batch's inputs, each index once.
+func readEmbedBatch(p []byte, b embedBatch) (embedPart, error) {
+	var a struct {
+		Data  []map[string]json.RawMessage `json:"data"`
+		Model string                       `json:"model"`
+		Usage struct {
 			PromptTokens int `json:"prompt_tokens"`
 			TotalTokens  int `json:"total_tokens"`
 		} `json:"usage"`
 	}
-	var out answer
-	out.Object = "list"
-	for i, p := range parts {
-		var a answer
-		if err := json.Unmarshal(p, &a); err != nil {
-			return nil, fmt.Errorf("batch %d's answer: %w", i, err)
+	if err := json.Unmarshal(p, &a); err != nil {
+		return embedPart{}, fmt.Errorf("the answer: %w", err)
+	}
+	if len(a.Data) != b.hi-b.lo {
+		return embedPart{}, fmt.Errorf("the answer has %d embeddings for %d inputs", len(a.Data), b.hi-b.lo)
+	}
+	ordered := make([]map[string]json.RawMessage, len(a.Data))
+	for k, d := range a.Data {
+		var idx int
+		if err := json.Unmarshal(d["index"], &idx); err != nil || idx < 0 || idx >= len(a.Data) || ordered[idx] != nil {
+			return embedPart{}, fmt.Errorf("the answer's embedding %d has a bad index", k)
 		}
-		if len(a.Data) != batches[i].hi-batches[i].lo {
-			return nil, fmt.Errorf("batch %d's answer has %d embeddings for %d inputs", i, len(a.Data), batches[i].hi-batches[i].lo)
-		}
-		ordered := make([]map[string]json.RawMessage, len(a.Data))
-		for k, d := range a.Data {
-			var idx int
-			if err := json.Unmarshal(d["index"], &idx); err != nil || idx < 0 || idx >= len(a.Data) || ordered[idx] != nil {
-				return nil, fmt.Errorf("batch %d's embedding %d has a bad index", i, k)
-			}
-			d["index"], _ = json.Marshal(batches[i].lo + idx)
-			ordered[idx] = d
-		}
-		out.Data = append(out.Data, ordered...)
-		out.Model = a.Model
-		out.Usage.PromptTokens += a.Usage.PromptTokens
-		out.Usage.TotalTokens += a.Usage.TotalTokens
+		d["index"], _ = json.Marshal(b.lo + idx)
+		ordered[idx] = d
+	}
+	return embedPart{data: ordered, model: a.Model, prompt: a.Usage.PromptTokens, total: a.Usage.TotalTokens}, nil
+}
+
+// mergeEmbeddings joins the batches' answers into one, in input order.
+func mergeEmbeddings(parts []embedPart) ([]byte, error) {
+	type usage struct {
+		PromptTokens int `json:"prompt_tokens"`
+		TotalTokens  int `json:"total_tokens"`
+	}
+	out := struct {
+		Object string                       `json:"object"`
+		Data   []map[string]json.RawMessage `json:"data"`
+		Model  string                       `json:"model"`
+		Usage  usage                        `json:"usage"`
+	}{Object: "list"}
+	for _, p := range parts {
+		out.Data = append(out.Data, p.data...)
+		out.Model = p.model
+		out.Usage.PromptTokens += p.prompt
+		out.Usage.TotalTokens += p.total
 	}
 	return json.Marshal(out)
 }

@@ -53,7 +53,14 @@ func TestMergeEmbeddings(t *testing.T) {
 		[]byte(`{"object":"list","model":"m","data":[{"object":"embedding","index":1,"embedding":[1]},{"object":"embedding","index":0,"embedding":[0]}],"usage":{"prompt_tokens":4,"total_tokens":4}}`),
 		[]byte(`{"object":"list","model":"m","data":[{"object":"embedding","index":0,"embedding":[2]}],"usage":{"prompt_tokens":3,"total_tokens":3}}`),
 	}
-	b, err := mergeEmbeddings(parts, batches)
+	read := make([]embedPart, len(parts))
+	for i, p := range parts {
+		var err error
+		if read[i], err = readEmbedBatch(p, batches[i]); err != nil {
+			t.Fatalf("batch %d: %v", i, err)
+		}
+	}
+	b, err := mergeEmbeddings(read)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -67,8 +74,8 @@ func TestMergeEmbeddings(t *testing.T) {
 		[]byte(`{"data":[{"index":0},{"index":5}]}`), // out of range
 		[]byte(`nope`),
 	} {
-		if _, err := mergeEmbeddings([][]byte{bad, parts[1]}, batches); err == nil {
-			t.Errorf("%s merged", bad)
+		if _, err := readEmbedBatch(bad, batches[0]); err == nil {
+			t.Errorf("%s read as batch 0's answer", bad)
 		}
 	}
 }
