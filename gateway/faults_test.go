@@ -504,3 +504,37 @@ func TestJobsThrough429StormAndTimeouts(t *testing.T) {
 		}
 	}
 }
+
+// An embeddings job of several batches with no stage after the inference:
+// its worker checkpoints every batch and dies at the end. The next worker
+// reuses every batch, sends nothing and completes: its attempt is neither
+// sent nor spent, so the job has spent only the lost one.
+func TestEmbeddingsWorkerKilledAtTheEnd(t *testing.T) {
+	p, err := vllmsim.LookupProfile("h100-bge-m3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.EmbeddingDim = 4
+	f := startFleet(t, fleetOpts{profile: p, jobs: true, pg: true, speedup: 50})
+	_, v := submitJob(t, f, "k", embedJob(p.Model, 600)) // three batches
+
+	dying := &dyingStore{Store: f.store, dieOnComplete: true}
+	first := &countingExec{Server: f.api}
+	runRunner(t, f, dying, first, 300*time.Millisecond, 8)
+	eventually.True(t, "the first worker to die", func() bool { return dying.dead.Load() })
+	second := &countingExec{Server: f.api}
+	runRunner(t, f, f.store, second, 10*time.Second, 8)
+	waitState(t, f, v.ID, store.Succeeded)
+
+	if first.calls.Load() != 3 || second.calls.Load() != 0 {
+		t.Errorf("backend calls: first worker %d, second %d; want 3 and 0", first.calls.Load(), second.calls.Load())
+	}
+	_, as := outcomes(t, f.store, v.ID)
+	last := as[len(as)-1]
+	if as[0].Outcome != store.OutcomeLeaseExpired || !as[0].Spent || last.Outcome != store.OutcomeSucceeded || last.Spent || last.Sent {
+		t.Errorf("attempts %+v: want the lost lease spent first, and a success that sent and spent nothing last", as)
+	}
+	if j, err := f.store.Get(context.Background(), "default", v.ID); err != nil || j.Attempt != 1 {
+		t.Errorf("the job spent %d attempts (%v), want 1: the lost one", j.Attempt, err)
+	}
+}

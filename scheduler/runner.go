@@ -494,6 +494,10 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 	}
 	free()
 	a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
+	// An attempt that sent nothing spends nothing: the inference's
+	// checkpoint reused, or every batch of an embeddings job's (their
+	// answers checkpointed by attempts before it).
+	reused = reused || !a.Sent
 	err = r.record(wctx, func(now time.Time) error {
 		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
 			Reused: reused, Entity: ent, Attempt: a, Now: now})
