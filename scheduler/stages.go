@@ -47,9 +47,16 @@ func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte, f 
 	ctx := wctx
 	var o store.JobOutcome
 	var err error
+	// Its reads wait out a store briefly out of reach in place, as its
+	// writes do (record): handed back, the attempt would hold the job
+	// until its lease ran out, and the reap would count it.
 	switch {
 	case f == nil:
-		o, err = os.JobOutcome(ctx, j.ID)
+		err = r.record(ctx, func(time.Time) error {
+			var rerr error
+			o, rerr = os.JobOutcome(ctx, j.ID)
+			return rerr
+		})
 	case f.outcome == nil:
 		err = store.ErrNotFound
 	default:
@@ -62,7 +69,12 @@ func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte, f 
 		return "", err
 	}
 	var v store.Validation
-	data, err := r.st.Stage(ctx, j.ID, store.StageValidation)
+	var data []byte
+	err = r.record(ctx, func(time.Time) error {
+		var rerr error
+		data, rerr = r.st.Stage(ctx, j.ID, store.StageValidation)
+		return rerr
+	})
 	switch {
 	case err == nil && json.Unmarshal(data, &v) == nil && v.Version == o.Version:
 		r.m.stageReused.Inc() // judged before, by this version

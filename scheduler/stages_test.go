@@ -42,7 +42,7 @@ func (e *answerExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error
 // the stages would.
 type outcomeOutage struct {
 	store.Store
-	reads, saves atomic.Int64 // failures left
+	reads, stageReads, saves atomic.Int64 // failures left
 }
 
 func (s *outcomeOutage) JobOutcome(ctx context.Context, id string) (store.JobOutcome, error) {
@@ -52,11 +52,41 @@ func (s *outcomeOutage) JobOutcome(ctx context.Context, id string) (store.JobOut
 	return s.Store.JobOutcome(ctx, id)
 }
 
+func (s *outcomeOutage) Stage(ctx context.Context, id, stage string) ([]byte, error) {
+	if stage == store.StageValidation && s.stageReads.Add(-1) >= 0 {
+		return nil, fmt.Errorf("stage: %w: connection refused", store.ErrUnavailable)
+	}
+	return s.Store.Stage(ctx, id, stage)
+}
+
 func (s *outcomeOutage) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
 	if stage == store.StageValidation && s.saves.Add(-1) >= 0 {
 		return store.ErrLeaseLost // the claim lost the job between the stages
 	}
 	return s.Store.SaveStage(ctx, id, fence, stage, data, now)
+}
+
+// TestValidationReadWaitsInPlace: the validation stage's reads wait out
+// a store briefly out of reach in place, as its writes do: the attempt
+// ends the job itself, with no lease left to run out (this runner never
+// reaps) and nothing spent but the inference.
+func TestValidationReadWaitsInPlace(t *testing.T) {
+	st := &outcomeOutage{Store: openStore(t)}
+	st.stageReads.Store(2)
+	ctx := context.Background()
+	if _, err := st.PutPolicy(ctx, store.Policy{Tenant: "acme", Name: "p", CreatedAt: time.Now(),
+		Document: json.RawMessage(`{"name":"p","rules":[{"rule":"json"}]}`)}); err != nil {
+		t.Fatal(err)
+	}
+	exec := &answerExecutor{answer: `{"currency": "EUR"}`}
+	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute)
+	j := f.submit(t, "k", func(n *store.NewJob) { n.Outcome = &store.NewOutcome{Policy: "p"} })
+	got := f.waitState(t, j.ID, store.Succeeded)
+	as, err := st.Attempts(ctx, j.ID)
+	if err != nil || len(as) != 1 || exec.calls.Load() != 1 || got.Attempt != 1 || st.stageReads.Load() >= 0 {
+		t.Errorf("attempts %+v (%v), %d backend calls, %d attempts spent, outage left %d: want one attempt, one call, the outage over",
+			as, err, exec.calls.Load(), got.Attempt, st.stageReads.Load())
+	}
 }
 
 // TestValidationRetryNeverCallsTheBackend: a validation stage that cannot
