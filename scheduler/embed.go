@@ -75,17 +75,17 @@ func batchStage(i int) string { return fmt.Sprintf("%s/batch/%05d", store.StageI
 // inferStage runs the inference stage: one request, or an embeddings
 // job's batches, resuming after the checkpointed ones. It returns the
 // stage's output with the tokens this attempt spent.
-func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func()) (Outcome, error) {
+func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, at *attempt) (Outcome, error) {
 	if j.Endpoint != "/v1/embeddings" {
-		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
+		return r.infer(ctx, j, a, at, store.Spent{})
 	}
 	req, inputs, ok := splitEmbeddings(j.Body)
 	if !ok {
-		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
+		return r.infer(ctx, j, a, at, store.Spent{})
 	}
 	batches := embedBatches(inputs)
 	if len(batches) == 1 {
-		return r.infer(ctx, j, a, admitted, sent, store.Spent{})
+		return r.infer(ctx, j, a, at, store.Spent{})
 	}
 	wctx := context.WithoutCancel(ctx)
 	parts := make([]embedPart, len(batches))
@@ -105,6 +105,15 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		} else if !errors.Is(err, store.ErrNotFound) {
 			return Outcome{}, &ExecError{Class: ClassStore, Err: err}
 		}
+		if a.Sent {
+			// Between two requests the attempt holds none that has left:
+			// a drain hands the job back here, its batches so far
+			// checkpointed, spending nothing.
+			at.unsent()
+			if ctx.Err() != nil {
+				return Outcome{}, context.Cause(ctx)
+			}
+		}
 		sub := j
 		req["input"], _ = json.Marshal(inputs[b.lo:b.hi])
 		sub.Body, _ = json.Marshal(req)
@@ -113,7 +122,7 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		// batches before it (infer), whose reservations its sent mark
 		// holds for a reap.
 		before := a.Charge
-		out, err := r.infer(ctx, sub, a, admitted, sent, earlier)
+		out, err := r.infer(ctx, sub, a, at, earlier)
 		if err != nil {
 			return Outcome{}, err
 		}

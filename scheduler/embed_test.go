@@ -1,10 +1,17 @@
 package scheduler
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/store"
 )
 
 func TestEmbedBatches(t *testing.T) {
@@ -76,6 +83,104 @@ func TestMergeEmbeddings(t *testing.T) {
 	} {
 		if _, err := readEmbedBatch(bad, batches[0]); err == nil {
 			t.Errorf("%s read as batch 0's answer", bad)
+		}
+	}
+}
+
+// embedExecutor answers each embeddings request with one embedding an
+// input; the first request is held until release closes.
+type embedExecutor struct {
+	calls   atomic.Int64
+	started chan struct{}
+	release chan struct{}
+}
+
+func (e *embedExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error) {
+	return &Call{
+		Ticket: &Ticket{Model: j.Model, PromptTokens: 10, MaxTokens: 1},
+		Admit:  func(context.Context) error { return nil },
+		Run: func(ctx context.Context, g *Grant, sending func() error) (Outcome, error) {
+			if err := sending(); err != nil {
+				return Outcome{}, err
+			}
+			if e.calls.Add(1) == 1 {
+				close(e.started)
+				<-e.release
+			}
+			var req struct{ Input []string }
+			if err := json.Unmarshal(j.Body, &req); err != nil {
+				return Outcome{}, err
+			}
+			data := make([]map[string]any, len(req.Input))
+			for i := range data {
+				data[i] = map[string]any{"object": "embedding", "index": i, "embedding": []float64{float64(i)}}
+			}
+			b, _ := json.Marshal(map[string]any{"object": "list", "data": data, "model": j.Model,
+				"usage": map[string]int{"prompt_tokens": len(req.Input), "total_tokens": len(req.Input)}})
+			return Outcome{Body: b, PromptTokens: len(req.Input)}, nil
+		},
+		Release: func() {},
+	}, nil
+}
+
+// TestDrainBetweenEmbeddingsBatches: a drain that begins while an
+// embeddings job's first batch is in flight lets that batch finish and be
+// checkpointed, then hands the job back before the next batch is sent,
+// spending nothing: a replica that stays resumes it from the checkpoint.
+func TestDrainBetweenEmbeddingsBatches(t *testing.T) {
+	st := openStore(t)
+	exec := &embedExecutor{started: make(chan struct{}), release: make(chan struct{})}
+	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute)
+	inputs := make([]string, EmbedBatchInputs+44) // two batches
+	for i := range inputs {
+		inputs[i] = fmt.Sprint("chunk ", i)
+	}
+	in, _ := json.Marshal(inputs)
+	j := f.submit(t, "k", func(n *store.NewJob) {
+		n.Endpoint, n.Body = "/v1/embeddings", json.RawMessage(`{"model":"`+model+`","input":`+string(in)+`}`)
+	})
+	<-exec.started
+	f.runner.Drain()
+	close(exec.release)
+	var got store.Job
+	eventually.True(t, "the job to be handed back", func() bool {
+		var err error
+		got, err = st.Get(context.Background(), "acme", j.ID)
+		return err == nil && (got.State == store.Ready || got.State == store.RetryScheduled || got.State == store.Succeeded)
+	})
+	as, _ := st.Attempts(context.Background(), j.ID)
+	if got.State == store.Succeeded || exec.calls.Load() != 1 || got.Attempt != 0 || len(as) != 1 || as[0].Spent {
+		t.Errorf("job %s, %d attempts spent, %d requests, attempts %+v: want it handed back after one request, nothing spent",
+			got.State, got.Attempt, exec.calls.Load(), as)
+	}
+	if _, err := st.Stage(context.Background(), j.ID, batchStage(0)); err != nil {
+		t.Errorf("the first batch's checkpoint: %v", err)
+	}
+}
+
+// TestAttemptAdmittingCount: admitting counts an attempt until it is
+// admitted, once; a quota wait takes it out of the count only while it
+// is counted, so that an embeddings attempt's later batches, admitted
+// before, never take the count below the attempts still to admit.
+func TestAttemptAdmittingCount(t *testing.T) {
+	r := &Runner{}
+	r.admitting.Store(1) // the claim counts it
+	at := &attempt{r: r}
+	for _, step := range []struct {
+		name string
+		do   func()
+		want int64
+	}{
+		{"quota wait", at.waiting, 0},
+		{"wait over", at.resumed, 1},
+		{"admitted", at.admit, 0},
+		{"admitted again", at.admit, 0},
+		{"a later batch's quota wait", at.waiting, 0},
+		{"its wait over", at.resumed, 0},
+	} {
+		step.do()
+		if got := r.admitting.Load(); got != step.want {
+			t.Fatalf("after %s: admitting %d, want %d", step.name, got, step.want)
 		}
 	}
 }

@@ -144,10 +144,10 @@ type Runner struct {
 	// draining, once set, stops the claims; work in flight goes on until
 	// Run's context ends.
 	draining atomic.Bool
-	// unsent cancels, by job id, the attempts whose request has not left
-	// yet: a drain hands them back at once.
+	// unsent cancels the attempts whose request has not left yet: a
+	// drain hands them back at once.
 	unsentMu sync.Mutex
-	unsent   map[string]context.CancelCauseFunc
+	unsent   map[*attempt]context.CancelCauseFunc
 
 	rngMu    sync.Mutex
 	rng      *rand.Rand
@@ -193,8 +193,9 @@ func (r *Runner) Collectors() []prometheus.Collector { return r.m.collectors() }
 
 // Drain stops claiming new jobs and hands back at once, spending nothing,
 // the claimed jobs whose request has not left yet (waiting for their
-// quota, for room in kvgate's queue), so that a replica that stays takes
-// them. The attempts whose request has left go on until they end, and
+// quota, for room in kvgate's queue; an embeddings job between two of its
+// batches, the ones before checkpointed), so that a replica that stays
+// takes them. The attempts whose request has left go on until they end, and
 // then Run returns nil, or until Run's context ends (then each hands its
 // job back without spending an attempt). Safe to call more than once.
 func (r *Runner) Drain() {
@@ -214,24 +215,70 @@ func (r *Runner) Drain() {
 // began.
 var errDrained = errors.New("kvgate is draining")
 
-// trackUnsent registers an attempt's cancel until its request leaves (the
-// returned func), or until the attempt ends; under a drain it cancels at
-// once.
-func (r *Runner) trackUnsent(id string, cancel context.CancelCauseFunc) (sent func()) {
+// attempt is what the runner tracks of one attempt in flight: whether it
+// is through the scheduler's admission (admitting counts it until then),
+// and whether a request of its is about to leave (a drain hands it back
+// while none is). An embeddings job's attempt sends several requests, one
+// after another: between them it is unsent again. Its methods other than
+// sent are called from the attempt's own goroutine.
+type attempt struct {
+	r        *Runner
+	cancel   context.CancelCauseFunc
+	admitted bool
+}
+
+// track registers a claimed attempt as unsent; cancel stops it (at once,
+// when the runner is draining already).
+func (r *Runner) track(cancel context.CancelCauseFunc) *attempt {
+	t := &attempt{r: r, cancel: cancel}
+	t.unsent()
+	return t
+}
+
+// admit records that the attempt is through admission; once only.
+func (t *attempt) admit() {
+	if !t.admitted {
+		t.admitted = true
+		t.r.admitting.Add(-1)
+	}
+}
+
+// waiting and resumed bracket a wait for the tenant's quota: waiting for
+// its tenant, an attempt not yet admitted takes no room from the others'.
+func (t *attempt) waiting() {
+	if !t.admitted {
+		t.r.admitting.Add(-1)
+	}
+}
+
+func (t *attempt) resumed() {
+	if !t.admitted {
+		t.r.admitting.Add(1)
+	}
+}
+
+// unsent registers the attempt as holding no request that has left: a
+// drain (now, or later) cancels it.
+func (t *attempt) unsent() {
+	r := t.r
 	r.unsentMu.Lock()
 	defer r.unsentMu.Unlock()
 	if r.draining.Load() {
-		cancel(errDrained)
+		t.cancel(errDrained)
 	}
 	if r.unsent == nil {
-		r.unsent = map[string]context.CancelCauseFunc{}
+		r.unsent = map[*attempt]context.CancelCauseFunc{}
 	}
-	r.unsent[id] = cancel
-	return func() {
-		r.unsentMu.Lock()
-		delete(r.unsent, id)
-		r.unsentMu.Unlock()
-	}
+	r.unsent[t] = t.cancel
+}
+
+// sent records that a request of the attempt is leaving: a drain lets it
+// finish.
+func (t *attempt) sent() {
+	r := t.r
+	r.unsentMu.Lock()
+	delete(r.unsent, t)
+	r.unsentMu.Unlock()
 }
 
 // Run claims and runs jobs until ctx is done, then waits for the jobs it
@@ -427,11 +474,9 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 	defer hb.Wait()
 	defer cancel(nil) // stops the heartbeat before the wait
 
-	var once sync.Once
-	admitted := func() { once.Do(func() { r.admitting.Add(-1) }) }
-	defer admitted()
-	sent := r.trackUnsent(j.ID, cancel)
-	defer sent()
+	at := r.track(cancel)
+	defer at.admit()
+	defer at.sent()
 	a := store.Attempt{JobID: j.ID, Attempt: j.Attempt + 1, Fence: j.Fence, StartedAt: r.cfg.Now()}
 	// The final writes must land even when the process is stopping.
 	wctx := context.WithoutCancel(ctx)
@@ -453,7 +498,7 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 	case reused:
 		r.m.stageReused.Inc() // an earlier attempt paid for the inference
 	case errors.Is(err, store.ErrNotFound):
-		out, xerr := r.inferStage(ctx, j, &a, admitted, sent) // embed.go: in batches for many inputs
+		out, xerr := r.inferStage(ctx, j, &a, at) // embed.go: in batches for many inputs
 		free()
 		if xerr != nil {
 			r.failed(wctx, ctx, log, j, a, xerr)
@@ -549,7 +594,7 @@ func (r *Runner) lastStage(ctx context.Context, j store.Job, f *facts) bool {
 // usage the attempt's end charges: this request's, when Admit took no
 // permit for it, and earlier's, what the attempt's requests before this
 // one used (an embeddings job's batches).
-func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admitted, sent func(), earlier store.Spent) (Outcome, error) {
+func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, at *attempt, earlier store.Spent) (Outcome, error) {
 	call, err := r.exec.Prepare(ctx, j)
 	if err != nil {
 		return Outcome{}, err
@@ -566,15 +611,14 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 			return Outcome{}, err
 		}
 		r.m.quotaWaits.Inc()
-		// Waiting for its tenant, the job takes no room from the others'.
-		r.admitting.Add(-1)
+		at.waiting()
 		t := time.NewTimer(d)
 		select {
 		case <-ctx.Done():
 		case <-t.C:
 		}
 		t.Stop()
-		r.admitting.Add(1)
+		at.resumed()
 		if ctx.Err() != nil {
 			return Outcome{}, err
 		}
@@ -583,7 +627,7 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 	t := call.Ticket
 	t.Class, t.Tenant, t.Deadline = Batch, j.Tenant, j.Deadline
 	g, err := r.sched.Acquire(ctx, t)
-	admitted()
+	at.admit()
 	if err != nil {
 		return Outcome{}, admissionError(err)
 	}
@@ -607,7 +651,7 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, admit
 			// Unmarked, the request must not leave: a wait, not an attempt.
 			return &ExecError{Class: ClassStore, Err: err}
 		}
-		sent() // from here a drain lets it finish
+		at.sent() // from here a drain lets it finish
 		a.Sent = true
 		return nil
 	})
