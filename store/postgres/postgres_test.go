@@ -626,3 +626,99 @@ func TestClaimEventIDs(t *testing.T) {
 		}
 	}
 }
+
+// TestReapSeesACheckpointCommittedWhileItRuns: a checkpoint whose
+// transaction holds the job's row shared while the reap begins, and
+// commits while the reap is still choosing its expired jobs, is seen by
+// the reap, which then hands the job on (RETRY_SCHEDULED) even on its
+// last attempt, its answer checkpointed; or the reap leaves the job to
+// its next pass. It never ends the job. Thousands of jobs whose leases
+// expired earlier stand before it in the reap's order, so that the
+// checkpoint commits after the reap began and before it reaches the job
+// (the reap's statement is seen running first); a single statement
+// checked the stages with a snapshot taken before that commit, and ended
+// the job FAILED_TERMINAL.
+func TestReapSeesACheckpointCommittedWhileItRuns(t *testing.T) {
+	ctx := context.Background()
+	s := migratedFresh(t)
+	now := time.Now()
+	j, _, err := s.Accept(ctx, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+		Tenant: "acme", IdempotencyKey: "k", RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m",
+		Body: json.RawMessage(`{}`), MaxAttempts: 1, Deadline: now.Add(time.Hour), Now: now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	js, err := s.Claim(ctx, now, time.Minute, 1)
+	if err != nil || len(js) != 1 {
+		t.Fatalf("claim: %v, %v", js, err)
+	}
+	if err := s.MarkSent(ctx, j.ID, js[0].Fence, now, time.Minute, nil); err != nil {
+		t.Fatal(err)
+	}
+	const earlier = 5000
+	if _, err := s.DB().ExecContext(ctx, `INSERT INTO jobs (id, tenant, idempotency_key, request_hash, endpoint, model, body,
+			priority, token_estimate, state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at,
+			created_at, updated_at, error_class, last_error, sent_fence)
+		SELECT 'earlier-' || g, tenant, 'earlier-' || g, request_hash, endpoint, model, body,
+			priority, token_estimate, state, state_version, attempt, max_attempts, fence, lease_until - 1000000 - g, available_at, deadline_at,
+			created_at, updated_at, error_class, last_error, sent_fence
+		FROM jobs, generate_series(1, $2::int) g WHERE id = $1`, j.ID, earlier); err != nil {
+		t.Fatal(err)
+	}
+
+	// The checkpoint, as SaveStage writes it: the job's row held shared.
+	cp, err := s.DB().BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cp.Rollback()
+	var cpPID int
+	if err := cp.QueryRowContext(ctx, `SELECT pg_backend_pid()`).Scan(&cpPID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cp.ExecContext(ctx, `INSERT INTO stages (job_id, stage, fence, data, created_at)
+		SELECT id, 'inference', fence, '"answer"', 0 FROM jobs WHERE id = $1 FOR SHARE`, j.ID); err != nil {
+		t.Fatal(err)
+	}
+	reaped := make(chan error, 1)
+	go func() {
+		_, err := s.Reap(ctx, now.Add(2*time.Minute), earlier+10)
+		reaped <- err
+	}()
+	// The reap's statement has begun (its snapshot taken) once it is seen
+	// running; then the checkpoint commits.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var running bool
+		if err := s.DB().QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()
+			AND pid NOT IN (pg_backend_pid(), $1) AND state = 'active' AND query LIKE '%lease_until <= $%')`, cpPID).Scan(&running); err != nil {
+			t.Fatal(err)
+		}
+		if running {
+			// Shown running as its statement is bound, a moment before
+			// it takes its snapshot.
+			time.Sleep(3 * time.Millisecond)
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the reap's statement was never seen running")
+		}
+	}
+	if err := cp.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-reaped; err != nil {
+		t.Fatal(err)
+	}
+	got, err := s.Get(ctx, "acme", j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	switch got.State {
+	case store.RetryScheduled:
+	case store.Running:
+		t.Log("the reap reached the job before the checkpoint committed, and left it for its next pass")
+	default:
+		t.Errorf("the job checkpointed while the reap ran ended %s (%s): want RETRY_SCHEDULED, its answer reused by the next claim", got.State, got.LastError)
+	}
+}

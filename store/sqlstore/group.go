@@ -83,7 +83,10 @@ func newGroup[C any](slots, max int, run func(context.Context, []*C)) *group[C] 
 // outcome set by run; or, for a caller whose ctx ends first, at once
 // with ctx's error (c may still be written, as a cancelled statement
 // may still commit). The batch runs while any of its callers waits for
-// it, and is cancelled when none does any more.
+// it, and is cancelled when none does any more. The caller that opened
+// the batch runs it: it returns at once only if every caller has gone;
+// otherwise it runs the batch for those still waiting, its own call
+// with them, and returns nil when the batch ran.
 func (g *group[C]) do(ctx context.Context, c *C) error {
 	g.mu.Lock()
 	b := g.pending // never cancelled: see leave

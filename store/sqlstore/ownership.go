@@ -160,13 +160,27 @@ func ownershipQueries(d Dialect, q *queries) {
 	// from the checkpoint without calling a backend again.
 	lost := "(jobs.sent_fence = jobs.fence)"
 	ends := "(" + lost + " AND NOT EXISTS (SELECT 1 FROM stages WHERE stages.job_id = jobs.id))"
+	expired := `SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable
+	taken := `id IN (` + expired + `)`
+	if d.LockRunnable != "" {
+		// Where writers run at once (PostgreSQL), the expired jobs are
+		// locked by a statement of their own (reapLock), then ended by
+		// one whose snapshot comes after the locks. In a single
+		// statement the stage check read the statement's snapshot, older
+		// than its lock of the row: a checkpoint that held the row
+		// shared, and committed after the reap began but before the reap
+		// reached that row, went unseen, and the job could end on its
+		// last attempt with its answer checkpointed.
+		q.reapLock = r(expired)
+		taken = `id = ANY(?::text[]) AND state = 'RUNNING'`
+	}
 	q.reapLeases = r(`UPDATE jobs SET ` + keepSent + `,
 			state = ` + nextState("jobs", "'RETRY_SCHEDULED'", ends, "?") + `,
 			attempt = ` + spentAttempts("jobs", lost) + `,
 			fence = fence + 1, state_version = state_version + 1, updated_at = ?, lease_until = 0, available_at = ?,
 			error_class = ` + endedClass("jobs", "'RETRY_SCHEDULED'", lost, "?", "'lease_expired'") + `,
 			last_error = 'the worker stopped renewing its lease'
-		WHERE id IN (SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable + `)
+		WHERE ` + taken + `
 		RETURNING id, tenant, state, state_version, attempt, fence, sent_fence = fence - 1, sent_tokens, sent_cost`)
 	q.reapDeadlines = r(`UPDATE jobs SET state = 'FAILED_TERMINAL', state_version = state_version + 1, updated_at = ?,
 			error_class = 'deadline_exceeded', last_error = 'the deadline passed before the job could run'
@@ -570,13 +584,25 @@ func (s *Store) Reap(ctx context.Context, now time.Time, limit int) (int, error)
 	err := s.tx(ctx, "reap", func(tx *sql.Tx) error {
 		t := micros(now)
 		taken := takenCharges{}
-		for _, q := range []struct {
+		type statement struct {
 			sql  string
 			args []any
-		}{
-			{s.q.reapLeases, []any{t, t, t, t, t, limit}},
-			{s.q.reapDeadlines, []any{t, t, limit}},
-		} {
+		}
+		leases := statement{s.q.reapLeases, []any{t, t, t, t, t, limit}}
+		if s.q.reapLock != "" {
+			ids, err := scanTexts(s.query(ctx, tx, s.q.reapLock, t, limit))
+			if err != nil {
+				return err
+			}
+			leases.args = []any{t, t, t, t, ids}
+			if len(ids) == 0 {
+				leases.sql = ""
+			}
+		}
+		for _, q := range []statement{leases, {s.q.reapDeadlines, []any{t, t, limit}}} {
+			if q.sql == "" {
+				continue
+			}
 			rows, err := s.query(ctx, tx, q.sql, q.args...)
 			if err != nil {
 				return err

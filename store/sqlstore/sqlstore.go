@@ -275,7 +275,7 @@ type queries struct {
 	cancel, result, attempts, stage, unpublished, markPublished,
 	feedHead, events, eventsOfJob, insertInbox, selectInbox string
 	// Ownership (ownership.go).
-	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLeases, reapDeadlines string
+	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLock, reapLeases, reapDeadlines string
 	// The fair claim's listing (fair.go).
 	fairList, fairFresh string
 	// One-statement forms, where the dialect has writable CTEs (else "").
