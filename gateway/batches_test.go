@@ -235,6 +235,41 @@ func TestFilesAPI(t *testing.T) {
 			t.Errorf("%s: %d %s", c.name, status, b)
 		}
 	}
+	// A body cut short inside the file's part, whole by its length but
+	// without the part's closing boundary (what a client that died
+	// mid-upload leaves), is refused: its file may be missing its end.
+	// (A body cut after the file's part ended keeps a whole file.)
+	for _, c := range []struct {
+		name string
+		cut  func(mw *multipart.Writer)
+	}{
+		{"purpose first", func(mw *multipart.Writer) {
+			mw.WriteField("purpose", "batch")
+			fw, _ := mw.CreateFormFile("file", "cut.jsonl")
+			fw.Write(batchLines(50, nil))
+		}},
+		{"file only", func(mw *multipart.Writer) {
+			fw, _ := mw.CreateFormFile("file", "cut.jsonl")
+			fw.Write(batchLines(50, nil))
+		}},
+	} {
+		var body bytes.Buffer
+		mw := multipart.NewWriter(&body)
+		c.cut(mw) // no Close: the body ends where the writer stopped
+		req, _ := http.NewRequest(http.MethodPost, base+"/v1/files", &body)
+		req.Header.Set("Content-Type", mw.FormDataContentType())
+		req.Header.Set("Authorization", "Bearer "+acme)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		var eb errorBody
+		if resp.StatusCode != http.StatusBadRequest || json.Unmarshal(b, &eb) != nil || eb.Error.Type != "invalid_request_error" {
+			t.Errorf("%s: %d %s", c.name, resp.StatusCode, b)
+		}
+	}
 	var incomplete int
 	if err := st.DB().QueryRow(`SELECT count(*) FROM files`).Scan(&incomplete); err != nil || incomplete != 4 {
 		t.Errorf("files kept after the refusals: %d (%v), want the 4 uploaded", incomplete, err)

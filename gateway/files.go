@@ -157,11 +157,11 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 	}
 	for {
 		part, err := mr.NextPart()
-		if errors.Is(err, io.EOF) {
+		if err == io.EOF { // the closing boundary; a body cut short wraps io.EOF
 			break
 		}
 		if err != nil {
-			return abandon(s.uploadError(err))
+			return abandon(s.uploadError(bodyError{err}))
 		}
 		switch part.FormName() {
 		case "purpose":
@@ -190,7 +190,9 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 			}
 			err = s.storeChunks(r.Context(), file.ID, part, &counted)
 		default:
-			_, err = io.Copy(io.Discard, io.LimitReader(part, multipartSlack))
+			if _, cerr := io.Copy(io.Discard, io.LimitReader(part, multipartSlack)); cerr != nil {
+				err = bodyError{cerr}
+			}
 		}
 		part.Close()
 		if err != nil {
@@ -238,10 +240,17 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 
 // storeChunks writes a file part to the store chunk by chunk, one buffer
 // reused, counting it; it stops at the largest file any purpose allows.
+// The part ends at io.EOF alone: a body cut short before the part's
+// boundary (io.ErrUnexpectedEOF from the multipart reader) fails it.
 func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *fileCounter) error {
 	buf := make([]byte, fileChunk)
 	for seq := 0; ; seq++ {
-		n, err := io.ReadFull(part, buf)
+		n, err := 0, error(nil)
+		for n < len(buf) && err == nil {
+			var m int
+			m, err = part.Read(buf[n:])
+			n += m
+		}
 		if n > 0 {
 			c.Write(buf[:n])
 			if c.bytes > maxFileBytes {
@@ -251,30 +260,41 @@ func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *
 				return werr
 			}
 		}
-		switch {
-		case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		if err == io.EOF {
 			return nil
-		case err != nil:
-			return err
+		}
+		if err != nil {
+			return bodyError{err}
 		}
 	}
 }
 
-// uploadError names what went wrong with an upload's body.
+// bodyError is a failure to read the upload's body: the client's (or
+// its connection's), where the store's failures are the server's.
+type bodyError struct{ err error }
+
+func (e bodyError) Error() string { return e.err.Error() }
+func (e bodyError) Unwrap() error { return e.err }
+
+// uploadError names what went wrong with an upload's body; any other
+// failure (the store's) goes to the error table as it is.
 func (s *Server) uploadError(err error) error {
 	var maxBytes *http.MaxBytesError
-	var api *apiError
+	var body bodyError
 	switch {
 	case errors.As(err, &maxBytes):
 		return tooLargeFile(maxFileBytes)
-	case errors.As(err, &api), errors.Is(err, store.ErrUnavailable), errors.Is(err, context.Canceled):
-		return err
+	case errors.As(err, &body):
+		return badRequest("file", "The multipart body could not be read: "+body.err.Error())
 	}
-	return badRequest("file", "The multipart body could not be read: "+err.Error())
+	return err
 }
 
 func formValue(p *multipart.Part) (string, error) {
 	b, err := io.ReadAll(io.LimitReader(p, 1024))
+	if err != nil {
+		err = bodyError{err}
+	}
 	return string(bytes.TrimSpace(b)), err
 }
 
