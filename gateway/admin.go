@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"time"
@@ -121,7 +120,7 @@ func (p tenantPatch) apply(t *store.Tenant) error {
 }
 
 func readJSON(r *http.Request, v any) error {
-	b, err := io.ReadAll(r.Body)
+	b, err := readBody(r)
 	if err != nil {
 		return err
 	}

@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"net/http"
 	"slices"
@@ -166,7 +165,7 @@ func checkMetadata(raw json.RawMessage) error {
 }
 
 func (s *Server) handleCreateBatch(w http.ResponseWriter, r *http.Request) int {
-	raw, err := io.ReadAll(r.Body)
+	raw, err := readBody(r)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"strconv"
@@ -173,6 +174,22 @@ func toAPIError(err error) *apiError {
 	}
 	return &apiError{status: http.StatusBadGateway, typ: "server_error", code: "upstream_error",
 		msg: "The model backend failed; the request may be retried."}
+}
+
+// readBody reads a request's body. A body over the route's limit keeps
+// its *http.MaxBytesError (413 in toAPIError); any other failure to read
+// it (a broken chunked encoding, a connection cut mid-body) is the
+// client's: 400, never a backend's failure.
+func readBody(r *http.Request) ([]byte, error) {
+	b, err := io.ReadAll(r.Body)
+	if err != nil {
+		var maxBytes *http.MaxBytesError
+		if errors.As(err, &maxBytes) {
+			return nil, err
+		}
+		return nil, badRequest("", "Could not read the request body.")
+	}
+	return b, nil
 }
 
 // quotaError answers a tenant quota's refusal as OpenAI does: 429 with

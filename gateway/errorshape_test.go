@@ -1,7 +1,11 @@
 package gateway
 
 import (
+	"bufio"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -81,6 +85,47 @@ func TestErrorBodyShape(t *testing.T) {
 		e := errorKeys(t, c.name, b)
 		if e["type"] != c.typ || e["param"] != c.param || e["code"] != c.code {
 			t.Errorf("%s: type %v param %v code %v, want %v %v %v: %s", c.name, e["type"], e["param"], e["code"], c.typ, c.param, c.code, b)
+		}
+	}
+}
+
+// TestUnreadableBodyIs400: a request body that cannot be read (here a
+// chunked encoding broken mid-body) is the client's fault on every route
+// that reads one: 400 in OpenAI's shape, never the 502 of a backend that
+// failed.
+func TestUnreadableBodyIs400(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, jobs: true, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	user := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	operator := newTenant(t, st, "ops", store.Limits{}, store.RoleOperator)
+	admin := newTenant(t, st, "root", store.Limits{}, store.RoleAdmin)
+	for _, c := range []struct{ path, key string }{
+		{"/v1/chat/completions", user},
+		{"/v1/jobs", user},
+		{"/v1/batches", user},
+		{"/v1/validation-policies", operator},
+		{"/v1/admin/tenants", admin},
+		{"/tokenize", user},
+	} {
+		conn, err := net.Dial("tcp", f.srv.Listener.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The first chunk is whole; the second's size is not hex.
+		fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer %s\r\nIdempotency-Key: k\r\n"+
+			"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\nzz\r\n1}\r\n0\r\n\r\n", c.path, c.key)
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		if err != nil {
+			t.Fatalf("%s: %v", c.path, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		conn.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("%s: %d %s, want 400", c.path, resp.StatusCode, b)
+			continue
+		}
+		if e := errorKeys(t, c.path, b); e["type"] != "invalid_request_error" {
+			t.Errorf("%s: %s", c.path, b)
 		}
 	}
 }

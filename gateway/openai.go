@@ -154,13 +154,9 @@ func promptCount(raw json.RawMessage) int {
 }
 
 func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
-	body, err := io.ReadAll(r.Body)
+	body, err := readBody(r)
 	if err != nil {
-		var maxBytes *http.MaxBytesError
-		if errors.As(err, &maxBytes) {
-			return nil, err
-		}
-		return nil, badRequest("", "Could not read the request body.")
+		return nil, err
 	}
 	return parseCall(body, ep)
 }

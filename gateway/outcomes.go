@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -215,7 +214,7 @@ func (s *Server) handlePutPolicy(w http.ResponseWriter, r *http.Request) int {
 	if !isOperator(ctx) {
 		return writeError(w, s.log, errOperatorOnly)
 	}
-	raw, err := io.ReadAll(r.Body)
+	raw, err := readBody(r)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
@@ -595,7 +594,7 @@ func (s *Server) handleDeadLetters(w http.ResponseWriter, r *http.Request) int {
 
 // decodeBody reads a small JSON request body; an empty body is {}.
 func decodeBody(r *http.Request, v any) error {
-	raw, err := io.ReadAll(r.Body)
+	raw, err := readBody(r)
 	if err != nil {
 		return err
 	}

@@ -83,13 +83,9 @@ func (s *Server) version() string {
 // resolved as for inference. Nothing is admitted: a tokenizer runs on the
 // backend's CPU, not in its KV cache.
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) int {
-	body, err := io.ReadAll(r.Body)
+	body, err := readBody(r)
 	if err != nil {
-		var maxBytes *http.MaxBytesError
-		if errors.As(err, &maxBytes) {
-			return writeError(w, s.log, err)
-		}
-		return writeError(w, s.log, badRequest("", "Could not read the request body."))
+		return writeError(w, s.log, err)
 	}
 	var f struct {
 		Model *string `json:"model"`
