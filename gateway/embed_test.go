@@ -132,6 +132,15 @@ func TestEmbeddingsResumeAtMissingBatch(t *testing.T) {
 	if resp, b := f.post(t, "/v1/jobs", strings.Replace(embedJob(p.Model, 10001), `"endpoint"`, `"metadata":{},"endpoint"`, 1), "Idempotency-Key", "too-many"); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("10,001 inputs: %d %s", resp.StatusCode, b)
 	}
+	// The cap counts the key the runner and vLLM read, exactly "input":
+	// another case of it, which encoding/json would match instead, hides
+	// nothing.
+	for i, other := range []string{`"Input":[]`, `"Input":5`} {
+		body := strings.TrimSuffix(embedJob(p.Model, 10001), "}}") + "," + other + "}}"
+		if resp, b := f.post(t, "/v1/jobs", body, "Idempotency-Key", fmt.Sprint("too-many-", i)); resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("10,001 inputs beside %s: %d %.300s", other, resp.StatusCode, b)
+		}
+	}
 }
 
 // TestEmbeddingsBatchAnswerChecked: a backend that answers one batch of

@@ -58,11 +58,10 @@ type jobValidation struct {
 // a chat or completion, and a schema rule without its own schema needs
 // the request's.
 func (s *Server) outcomeOf(ctx context.Context, req jobRequest, ep endpoint) (*store.NewOutcome, error) {
+	// Counted as the runner will split them (its exact "input" key, not
+	// encoding/json's case-insensitive match).
 	if ep == epEmbedding {
-		var in struct {
-			Input []json.RawMessage `json:"input"`
-		}
-		if json.Unmarshal(req.Body, &in) == nil && len(in.Input) > scheduler.MaxEmbedInputs {
+		if scheduler.EmbedInputs(req.Body) > scheduler.MaxEmbedInputs {
 			return nil, badRequest("body.input", fmt.Sprintf("An embeddings job embeds at most %d inputs (in batches, each checkpointed).", scheduler.MaxEmbedInputs))
 		}
 	}

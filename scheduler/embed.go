@@ -70,6 +70,14 @@ func splitEmbeddings(body []byte) (map[string]json.RawMessage, []json.RawMessage
 	return req, inputs, true
 }
 
+// EmbedInputs is how many inputs an embeddings request body holds as
+// the runner splits it into batches (0: not a list of inputs, which runs
+// as one request), for the cap of MaxEmbedInputs at submission.
+func EmbedInputs(body []byte) int {
+	_, inputs, _ := splitEmbeddings(body)
+	return len(inputs)
+}
+
 func batchStage(i int) string { return fmt.Sprintf("%s/batch/%05d", store.StageInference, i) }
 
 // inferStage runs the inference stage: one request, or an embeddings
