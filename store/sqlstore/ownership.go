@@ -495,6 +495,7 @@ func (s *Store) Fail(ctx context.Context, f store.Failure) error {
 // the attempt record and the event, in one transaction, or ErrLeaseLost
 // and nothing when the claim no longer owns the job.
 func (s *Store) finish(ctx context.Context, e *end) error {
+	e.a.Error = storedText(e.a.Error)
 	if s.finishes != nil {
 		if err := s.finishes.do(ctx, e); err != nil {
 			return err
@@ -539,7 +540,7 @@ func (s *Store) chargeAttempt(ctx context.Context, tx *sql.Tx, tenant string, e 
 }
 
 func (s *Store) insertAttempt(ctx context.Context, tx *sql.Tx, id string, fence int64, a store.Attempt) error {
-	_, err := s.exec(ctx, tx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.Spent, a.Sent, a.ErrorClass, a.Error,
+	_, err := s.exec(ctx, tx, s.q.insertAttempt, id, a.Attempt, fence, a.Backend, a.Outcome, a.Spent, a.Sent, a.ErrorClass, storedText(a.Error),
 		a.PromptTokens, a.CompletionTokens, micros(a.StartedAt), micros(a.EndedAt))
 	return err
 }

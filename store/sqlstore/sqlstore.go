@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -209,6 +210,18 @@ func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any)
 type errRow struct{ err error }
 
 func (r errRow) Scan(...any) error { return r.err }
+
+// storedText makes s storable in a text column of every dialect: a
+// backend's or a webhook receiver's bytes, quoted in an error or kept as
+// a response body, may hold a NUL or invalid UTF-8, which PostgreSQL
+// refuses, failing the whole statement that carries them (a batch of
+// other callers' writes with it). Each is replaced by U+FFFD.
+func storedText(s string) string {
+	if utf8.ValidString(s) && strings.IndexByte(s, 0) < 0 {
+		return s
+	}
+	return strings.ReplaceAll(strings.ToValidUTF8(s, "\uFFFD"), "\x00", "\uFFFD")
+}
 
 // DB returns the underlying database.
 func (s *Store) DB() *sql.DB { return s.db }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"slices"
 	"strings"
 	"time"
 
@@ -310,6 +311,13 @@ func (s *Store) FinishDeliveries(ctx context.Context, rs []store.DeliveryResult)
 	errs := make([]error, len(rs))
 	if err := s.ready(ctx); err != nil {
 		return errs, err
+	}
+	// The receiver's answer, as text any dialect stores (the caller's
+	// results untouched).
+	rs = slices.Clone(rs)
+	for i := range rs {
+		a := &rs[i].Attempt
+		a.Error, a.Body, rs[i].DisableEndpoint = storedText(a.Error), storedText(a.Body), storedText(rs[i].DisableEndpoint)
 	}
 	var plain []int
 	if s.d.WritableCTE {

@@ -25,6 +25,7 @@ var webhookTests = []struct {
 	{"WebhookRedeliverAndDefer", testWebhookRedeliver},
 	{"WebhookClaimConcurrent", testWebhookClaimConcurrent},
 	{"WebhookEndpoints", testWebhookEndpoints},
+	{"ForeignBytesStored", testForeignBytesStored},
 }
 
 func endpoint(t *testing.T, s store.Store, tenant string, events ...string) store.WebhookEndpoint {
@@ -324,5 +325,62 @@ func testWebhookEndpoints(t *testing.T, s store.Store) {
 	}
 	if err := s.DeleteEndpoint(ctx, "acme", e.ID); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("delete twice: %v", err)
+	}
+}
+
+// testForeignBytesStored: a webhook receiver's answer and a backend's
+// error are other programs' bytes, and may hold a NUL or invalid UTF-8
+// (a Latin-1 error page, a body cut inside a character). Their writes
+// land all the same, beside another caller's in the same batch, with
+// each such byte kept as U+FFFD: a store that refused them would record
+// neither outcome, and send or run again what had ended.
+func testForeignBytesStored(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	const foreign = "caf\xe9 \x00 \xe3\x81" // Latin-1, a NUL, a character cut short
+	endpoint(t, s, "acme", "job.succeeded")
+	for _, k := range []string{"k1", "k2"} {
+		accept(t, s, newJob("acme", k))
+		succeed(t, s, claimOne(t, s, t0), t0)
+	}
+	ds, err := s.ClaimDeliveries(ctx, t0, time.Minute, 10)
+	if err != nil || len(ds) != 2 {
+		t.Fatalf("claim: %+v, %v", ds, err)
+	}
+	rs := []store.DeliveryResult{
+		{ID: ds[0].ID, Fence: ds[0].Fence, State: store.DeliveryRetryScheduled, RetryAt: t0.Add(time.Minute), Now: t0,
+			Attempt: store.DeliveryAttempt{Status: 500, Error: "500 " + foreign, Body: foreign, StartedAt: t0}},
+		{ID: ds[1].ID, Fence: ds[1].Fence, State: store.DeliveryDelivered, Now: t0,
+			Attempt: store.DeliveryAttempt{Status: 200, Body: "ok", StartedAt: t0}},
+	}
+	errs, err := s.FinishDeliveries(ctx, rs)
+	if err != nil || errs[0] != nil || errs[1] != nil {
+		t.Fatalf("finish: %v, %v", errs, err)
+	}
+	if rs[0].Attempt.Body != foreign {
+		t.Errorf("the caller's result was changed: %q", rs[0].Attempt.Body)
+	}
+	want := "caf\uFFFD \uFFFD \uFFFD"
+	as, err := s.DeliveryAttempts(ctx, ds[0].ID)
+	if err != nil || len(as) != 1 || as[0].Body != want || as[0].Error != "500 "+want {
+		t.Errorf("the receiver's answer: %+v, %v; want its body and error as %q", as, err, want)
+	}
+	if d, err := s.Delivery(ctx, "acme", ds[1].ID); err != nil || d.State != store.DeliveryDelivered {
+		t.Errorf("the other delivery of the batch: %+v, %v", d, err)
+	}
+
+	// A backend's error, ending an attempt.
+	accept(t, s, newJob("acme", "k3"))
+	j := claimOne(t, s, t0)
+	if err := s.Fail(ctx, store.Failure{JobID: j.ID, Fence: j.Fence, RetryAt: t0.Add(time.Minute), EventID: uuid.Must(uuid.NewV7()).String(), Now: t0,
+		Attempt: store.Attempt{JobID: j.ID, Attempt: 1, Fence: j.Fence, Outcome: store.OutcomeFailed, Spent: true, Sent: true,
+			ErrorClass: "backend_error", Error: "backend said: " + foreign, StartedAt: t0, EndedAt: t0}}); err != nil {
+		t.Fatalf("fail with the backend's bytes: %v", err)
+	}
+	got, err := s.Get(ctx, "acme", j.ID)
+	if err != nil || got.State != store.RetryScheduled || got.LastError != "backend said: "+want {
+		t.Errorf("job after its failure: %s %q, %v", got.State, got.LastError, err)
+	}
+	if as, err := s.Attempts(ctx, j.ID); err != nil || len(as) != 1 || as[0].Error != "backend said: "+want {
+		t.Errorf("attempt record: %+v, %v", as, err)
 	}
 }
