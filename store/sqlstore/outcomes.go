@@ -504,8 +504,16 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 	}
 	n := 0
 	err := s.tx(ctx, "prune final jobs", func(tx *sql.Tx) error {
+		// A job goes with its events, so two are kept whatever their
+		// age: one with an event the relay has not published yet (its
+		// last one would never reach the broker), and the one whose event
+		// holds the feed's last place, from which the relay numbers the
+		// next places (MarkPublished): without it they would be given
+		// again, behind cursors that readers have passed.
 		found, err := scanTexts(tx.QueryContext(ctx, rebind(s.d, `SELECT id FROM jobs
 			WHERE state IN `+finalStatesSQL()+` AND updated_at < ?
+				AND id NOT IN (SELECT job_id FROM outbox WHERE published_at = 0)
+				AND id <> COALESCE((SELECT job_id FROM outbox WHERE feed_seq = (SELECT MAX(feed_seq) FROM outbox)), '')
 			ORDER BY updated_at LIMIT ?`), micros(before), limit))
 		if err != nil || len(found) == 0 {
 			return err

@@ -29,6 +29,7 @@ var outcomeTests = []struct {
 	{"ReplayResumes", testReplayResumes},
 	{"DeadLetters", testDeadLetters},
 	{"PruneFinal", testPruneFinal},
+	{"PruneKeepsFeedAndOutbox", testPruneKeepsFeedAndOutbox},
 }
 
 const invoiceV1 = `{"name":"invoice","rules":[{"rule":"json"}]}`
@@ -434,6 +435,7 @@ func testPruneFinal(t *testing.T, s store.Store) {
 	recent := finishReview(t, s, t0.Add(48*time.Hour))
 	alive := accept(t, s, newJob("acme", "alive"))
 
+	publishAll(t, s, t0.Add(48*time.Hour))
 	cutoff := t0.Add(24 * time.Hour)
 	n1, err := s.PruneFinal(ctx, cutoff, 3)
 	if err != nil || n1 != 3 {
@@ -477,5 +479,74 @@ func testPruneFinal(t *testing.T, s store.Store) {
 	again := newJob("acme", "old0")
 	if j, created, err := s.Accept(ctx, again); err != nil || !created || j.ID != again.ID {
 		t.Errorf("a pruned job's key accepted again: %s, created %v, %v; want %s created", j.ID, created, err, again.ID)
+	}
+}
+
+// publishAll marks every unpublished event published, as the relay does.
+func publishAll(t *testing.T, s store.Store, at time.Time) {
+	t.Helper()
+	for {
+		evs, err := s.Unpublished(context.Background(), 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(evs) == 0 {
+			return
+		}
+		ids := make([]string, len(evs))
+		for i, e := range evs {
+			ids[i] = e.ID
+		}
+		if err := s.MarkPublished(context.Background(), ids, at); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// testPruneKeepsFeedAndOutbox: the prune of old ended jobs keeps, however
+// old, a job with an event not yet published (its end must still reach
+// the broker) and the job whose event holds the feed's last place, so
+// that the next event published is placed after every place a reader
+// has seen: a reader following the feed from its last place misses
+// nothing, the pruned places never given again.
+func testPruneKeepsFeedAndOutbox(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	end := func(key string) store.Job {
+		accept(t, s, newJob("acme", key))
+		j := claimOne(t, s, t0)
+		succeed(t, s, j, t0)
+		return j
+	}
+	pruned := end("pruned")
+	last := end("last") // its final event takes the feed's last place
+	publishAll(t, s, t0)
+	unpublished := end("unpublished")
+	head, err := s.FeedHead(ctx, "acme")
+	if err != nil || head == 0 {
+		t.Fatalf("feed head %d, %v", head, err)
+	}
+
+	if n, err := s.PruneFinal(ctx, t0.Add(time.Hour), 100); err != nil || n != 1 {
+		t.Fatalf("pruned %d, %v; want 1", n, err)
+	}
+	if _, err := s.Get(ctx, "acme", pruned.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the old job was not pruned: %v", err)
+	}
+	for _, j := range []store.Job{last, unpublished} {
+		if _, err := s.Get(ctx, "acme", j.ID); err != nil {
+			t.Errorf("job %s was pruned: %v", j.IdempotencyKey, err)
+		}
+	}
+	// The unpublished events are published now, after the prune: their
+	// places follow the last one a reader could have seen.
+	publishAll(t, s, t0.Add(2*time.Hour))
+	evs, err := s.Events(ctx, "acme", "", head, 100)
+	if err != nil || len(evs) == 0 {
+		t.Fatalf("events after place %d: %d, %v", head, len(evs), err)
+	}
+	for _, e := range evs {
+		if e.JobID != unpublished.ID {
+			t.Errorf("event %s of job %s placed after the head: only the unpublished job's are new", e.ID, e.JobID)
+		}
 	}
 }
