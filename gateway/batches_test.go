@@ -10,8 +10,11 @@ import (
 	"mime/multipart"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
@@ -653,5 +656,64 @@ func TestBatchTwoReplicas(t *testing.T) {
 	}
 	if err := st.DB().QueryRow(`SELECT count(*) FROM files WHERE purpose = 'batch_output'`).Scan(&files); err != nil || files != 1 {
 		t.Errorf("%d output files kept (%v), want 1", files, err)
+	}
+}
+
+// TestBatchValidationTakeoverFails: a validation that began accepting a
+// batch's lines as jobs loses its claim, and the input file is deleted
+// before the next validation reads it. That one fails the batch, and the
+// lines already accepted go with it, cancelled: none of a failed batch
+// runs, and none is left queued outside both of its files.
+func TestBatchValidationTakeoverFails(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, speedup: 100})
+	base, st, ctx := f.srv.URL, f.store, context.Background()
+	fileID := uploadBatchFile(t, base, "", batchLines(20, nil))
+	now := time.Now()
+	b := store.Batch{ID: newObjectID("batch_"), Tenant: "default", Endpoint: "/v1/chat/completions", InputFileID: fileID,
+		CompletionWindow: "24h", Status: store.BatchValidating, CreatedAt: now, ExpiresAt: now.Add(24 * time.Hour)}
+	if err := st.CreateBatch(ctx, b); err != nil {
+		t.Fatal(err)
+	}
+	// The first validation: its claim, its priorities, half its lines.
+	fence, err := st.LeaseBatch(ctx, b.ID, 0, now, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.SetBatchPriorityBase(ctx, b.ID, fence, 1); err != nil {
+		t.Fatal(err)
+	}
+	var jobs []store.NewJob
+	var customs []string
+	for i := range 10 {
+		jobs = append(jobs, store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), Tenant: "default",
+			IdempotencyKey: fmt.Sprintf("%s%s/%d", batchKeyPrefix, b.ID, i), RequestHash: "h", Endpoint: b.Endpoint, Model: llama,
+			Body: json.RawMessage(chatReq(2)), Priority: 1 + i, TokenEstimate: 100, MaxAttempts: 3, Deadline: b.ExpiresAt, Now: now})
+		customs = append(customs, fmt.Sprint("req-", i))
+	}
+	if err := st.AcceptBatchLines(ctx, b.ID, fence, jobs, customs); err != nil {
+		t.Fatal(err)
+	}
+	// ... then dies; the file is deleted before the takeover.
+	if status, body := bsend(t, http.MethodDelete, base+"/v1/files/"+fileID, "", ""); status != http.StatusOK {
+		t.Fatalf("delete the input file: %d %s", status, body)
+	}
+	if _, err := st.DB().Exec(`UPDATE batches SET lease_until = 1 WHERE id = ?`, b.ID); err != nil {
+		t.Fatal(err)
+	}
+	// The batch worker of a replica that stays (no runner: the lines
+	// accepted stay queued until the batch decides their fate).
+	wctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	wg.Go(func() { _ = f.api.RunBatches(wctx) })
+	v := waitBatch(t, base, "", b.ID, store.BatchFailed)
+	if v.Errors == nil || !strings.Contains(string(v.Errors.Data), `"code":"invalid_file"`) {
+		t.Errorf("errors %+v, want invalid_file", v.Errors)
+	}
+	for _, n := range jobs {
+		j, err := st.Get(ctx, "default", n.ID)
+		if err != nil || j.State != store.Cancelled {
+			t.Errorf("line job %s: %s, %v; want CANCELLED", n.IdempotencyKey, j.State, err)
+		}
 	}
 }

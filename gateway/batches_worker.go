@@ -199,7 +199,17 @@ type lineMeta struct {
 // a job, in bulk, and starts it.
 func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) error {
 	lease := s.batchLease()
+	// A batch whose priority base is set had every line valid at an
+	// earlier validation, which began accepting them as jobs before its
+	// claim was lost: a failure now cancels the lines already in, so that
+	// none of a failed batch runs.
+	accepting := b.PriorityBase != 0
 	fail := func(errs []batchError, total int) error {
+		if accepting {
+			if _, err := s.batches.CancelBatchLines(ctx, b.ID, true, time.Now()); err != nil {
+				return err
+			}
+		}
 		raw, _ := json.Marshal(errs)
 		if err := s.batches.FailBatch(ctx, b.Tenant, b.ID, fence, raw, total, "", time.Now()); err != nil {
 			return err
@@ -319,6 +329,15 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if len(metas) == 0 {
 		return fail([]batchError{{Code: "empty_file", Message: "The input file holds no requests."}}, 0)
 	}
+	if nErrs > 0 && accepting {
+		// Every line was valid when acceptance began: what fails now is
+		// this replica's view (no backend serving a model yet after a
+		// restart, its token estimates not yet learned), not the file.
+		// The batch stays validating, tried again after its lease; its
+		// expiry bounds the tries.
+		return fmt.Errorf("batch %s: %d of its lines, valid when their acceptance began, fail here now (line %d: %s): tried again later",
+			b.ID, nErrs, *errs[0].Line, errs[0].Message)
+	}
 	if nErrs > 0 {
 		return fail(errs, len(metas))
 	}
@@ -402,9 +421,7 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if err == nil && i != len(metas) {
 		// The file lost lines between the two reads (it was deleted):
 		// the batch fails, and the lines already in go with it.
-		if _, err := s.batches.CancelBatchLines(ctx, b.ID, true, time.Now()); err != nil {
-			return err
-		}
+		accepting = true
 		return fail([]batchError{{Code: "invalid_file", Message: fmt.Sprintf("The input file %s changed while it was validated.", f.ID)}}, len(metas))
 	}
 	if err != nil {
