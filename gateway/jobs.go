@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 	"unicode/utf8"
 
@@ -149,6 +150,12 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if key == "" || len(key) > 255 || !utf8.ValidString(key) {
 		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_required",
 			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 bytes of UTF-8 text: the same key returns the same job."})
+	}
+	if strings.HasPrefix(key, batchKeyPrefix) {
+		// A batch's lines are keyed so: a job taking such a key first
+		// would stand in for a line of the tenant's batch.
+		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_reserved",
+			msg: "Idempotency-Keys beginning with " + batchKeyPrefix + " name the jobs of Batch API lines: choose another key."})
 	}
 	raw, err := readBody(r)
 	if err != nil {

@@ -107,6 +107,10 @@ func TestJobIdempotencyAndScoping(t *testing.T) {
 	if resp, _ := submitJob(t, f, "", chatJob("hello", 4), acme...); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("no key: %d, want 400", resp.StatusCode)
 	}
+	// A batch line's key is not a client's to take.
+	if resp, _ := submitJob(t, f, batchKeyPrefix+"batch_x/0", chatJob("hello", 4), acme...); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("a batch line's key: %d, want 400", resp.StatusCode)
+	}
 	// Another tenant: the same key is its own, and the job is not found.
 	if resp, other := submitJob(t, f, "k", chatJob("hello", 4), globex...); resp.StatusCode != http.StatusAccepted || other.ID == first.ID {
 		t.Errorf("other tenant, same key: %d %s", resp.StatusCode, other.ID)
