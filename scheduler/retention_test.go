@@ -46,6 +46,18 @@ func TestPrunerBatches(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The relay published their events (a job keeps until it has).
+	evs, err := st.Unpublished(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids := make([]string, len(evs))
+	for i, e := range evs {
+		ids[i] = e.ID
+	}
+	if err := st.MarkPublished(ctx, ids, t0); err != nil {
+		t.Fatal(err)
+	}
 	cs := &countingStore{Store: st}
 	p := NewPruner(cs, RetentionConfig{Retention: 24 * time.Hour, Batch: 3, Pause: time.Millisecond,
 		Now: func() time.Time { return t0.Add(48 * time.Hour) }})
