@@ -147,7 +147,7 @@ type Runner struct {
 	// unsent cancels the attempts whose request has not left yet: a
 	// drain hands them back at once.
 	unsentMu sync.Mutex
-	unsent   map[*attempt]context.CancelCauseFunc
+	unsent   map[*attempt]struct{}
 
 	rngMu    sync.Mutex
 	rng      *rand.Rand
@@ -201,8 +201,8 @@ func (r *Runner) Collectors() []prometheus.Collector { return r.m.collectors() }
 func (r *Runner) Drain() {
 	if !r.draining.Swap(true) {
 		r.unsentMu.Lock()
-		for _, cancel := range r.unsent {
-			cancel(errDrained)
+		for t := range r.unsent {
+			t.cancel(errDrained)
 		}
 		n := len(r.unsent)
 		r.unsentMu.Unlock()
@@ -267,9 +267,9 @@ func (t *attempt) unsent() {
 		t.cancel(errDrained)
 	}
 	if r.unsent == nil {
-		r.unsent = map[*attempt]context.CancelCauseFunc{}
+		r.unsent = map[*attempt]struct{}{}
 	}
-	r.unsent[t] = t.cancel
+	r.unsent[t] = struct{}{}
 }
 
 // sent records that a request of the attempt is leaving: a drain lets it
