@@ -79,3 +79,37 @@ func TestRevokedKeyEndsEventStreams(t *testing.T) {
 		}
 	}
 }
+
+// An admin follows another tenant's streams (?tenant=, as the console's
+// tenant pages do): each recheck of the caller finds the admin still
+// allowed, and the streams go on past it.
+func TestAdminFollowsAnotherTenantsStreams(t *testing.T) {
+	st := sqliteStore(t)
+	user := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	admin := newTenant(t, st, "root", store.Limits{}, store.RoleAdmin)
+	f := startFleet(t, fleetOpts{store: st, signals: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	auth := func(key string) []string { return []string{"Authorization", "Bearer " + key} }
+	_, v := submitJob(t, f, "k1", chatJob("watched", 4), auth(user)...)
+	streams := map[string]*sseStream{
+		"job stream":    openStream(t, f.srv.URL+"/v1/jobs/"+v.ID+"/events?tenant=acme", auth(admin)...),
+		"tenant stream": openStream(t, f.srv.URL+"/v1/events?tenant=acme", auth(admin)...),
+	}
+	for name, s := range streams {
+		if e, _ := s.next(t); e.Event != "snapshot" {
+			t.Fatalf("%s starts with %+v, want a snapshot", name, e)
+		}
+	}
+	// The streams recheck their caller every feedRecheck (a server
+	// constant): let two rechecks pass before the next job.
+	time.Sleep(2 * feedRecheck)
+	_, w := submitJob(t, f, "k2", chatJob("still watched", 4), auth(user)...)
+	for {
+		e, ok := streams["tenant stream"].next(t)
+		if !ok || e.Event == "error" {
+			t.Fatalf("the admin's tenant stream ended: %+v", e)
+		}
+		if e.Event != "snapshot" && decodeEvent(t, e).JobID == w.ID {
+			break
+		}
+	}
+}

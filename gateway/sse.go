@@ -404,7 +404,9 @@ func (s *Server) reauthorize(r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	if p.tenant != tenantOf(r.Context()) {
+	// The stream's tenant as the request chose it: an admin's read of
+	// another tenant (?tenant=) is as allowed now as when it began.
+	if readScope(r, p) != tenantOf(r.Context()) {
 		return &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "invalid_api_key",
 			msg: "The API key this stream was opened with no longer gives access to its tenant."}
 	}
