@@ -518,12 +518,17 @@ func (s *Store) reservePending(ctx context.Context, op, id, tenant string, jobs,
 		if _, err := tx.ExecContext(ctx, s.rb(`DELETE FROM job_reservations WHERE (tenant = ? AND expires_at <= ?) OR id = ?`), tenant, micros(now), id); err != nil {
 			return err
 		}
+		// The reservations first, then the jobs, each statement seeing
+		// what had committed when it began: a reservation ends only after
+		// its job committed, so a submission that ends between the two
+		// reads is counted twice (by its reservation, then its job),
+		// never zero times, as the other order could.
 		var pjobs, ptoks, rjobs, rtoks int64
-		if err := tx.QueryRowContext(ctx, s.rb(pendingCount), tenant, tenant).Scan(&pjobs, &ptoks); err != nil {
-			return err
-		}
 		if err := tx.QueryRowContext(ctx, s.rb(`SELECT CAST(COALESCE(SUM(jobs), 0) AS BIGINT), CAST(COALESCE(SUM(tokens), 0) AS BIGINT) FROM job_reservations
 			WHERE tenant = ?`), tenant).Scan(&rjobs, &rtoks); err != nil {
+			return err
+		}
+		if err := tx.QueryRowContext(ctx, s.rb(pendingCount), tenant, tenant).Scan(&pjobs, &ptoks); err != nil {
 			return err
 		}
 		pjobs, ptoks = pjobs+rjobs, ptoks+rtoks
