@@ -394,7 +394,10 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 		<-p.acquired
 		if p.err != nil {
 			// Once more, now that the request has ended: its usage is
-			// recorded if the store answers again.
+			// recorded if the store answers again. Under an id of its
+			// own: the store undoes the first acquisition if it was
+			// written after all, by its id.
+			p.a.PermitID = uuid.Must(uuid.NewV7()).String()
 			actx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			p.p, p.err = p.s.cfg.Tenants.Store.Acquire(actx, p.a)
 			cancel()

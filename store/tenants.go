@@ -272,7 +272,10 @@ type Tenants interface {
 	ActiveKeys(ctx context.Context) (int, error)
 	// Acquire admits one request against the tenant's and key's quotas,
 	// atomically across replicas: a *QuotaError when a quota refuses it,
-	// and then nothing is taken.
+	// and then nothing is taken. Any other error leaves no permit held
+	// for long: one written although the caller was told it failed (a
+	// commit after the caller stopped waiting, or of unknown outcome) is
+	// released as not sent, or else ends with its lease.
 	Acquire(ctx context.Context, a Acquisition) (Permit, error)
 	// Release returns a permit and reconciles its reservation. Releasing
 	// twice changes nothing more; a permit that expired first is

@@ -22,8 +22,8 @@ import (
 // client waits for: the first call of a batch waits up to linger for
 // others (or for the batch to fill) before the batch takes a slot.
 //
-// A group is safe for concurrent use and starts no goroutines: the first
-// caller of a batch runs it.
+// A group is safe for concurrent use and starts no goroutines (but
+// abandoned's): the first caller of a batch runs it.
 // The shape of the worker's group commits (the ends of attempts, lease
 // renewals and sent marks, stage checkpoints): at most workerSlots
 // batches of at most workerMax calls at once. No runner slot waits on an
@@ -60,6 +60,12 @@ type group[C any] struct {
 	slots  chan struct{}                      // one per batch running
 	run    func(ctx context.Context, cs []*C) // gives each call its outcome
 	linger time.Duration                      // a batch's wait for more calls: 0, none
+	// abandoned, when set, is given each call whose caller gave up
+	// waiting (do returned its ctx's error) while its batch went on to
+	// run for the callers still waiting: a write its caller was told had
+	// failed may have committed after all, and abandoned may undo it.
+	// It runs in a goroutine of its own once the batch has run.
+	abandoned func(c *C)
 
 	mu      sync.Mutex
 	pending *batch[C] // the batch calls join; nil when none is open
@@ -122,6 +128,14 @@ func (g *group[C]) do(ctx context.Context, c *C) error {
 			}
 			return ctx.Err() // it never ran: every caller, this one too, gave up
 		case <-ctx.Done():
+			if g.abandoned != nil {
+				go func() {
+					<-b.done
+					if b.ran {
+						g.abandoned(c)
+					}
+				}()
+			}
 			return ctx.Err()
 		}
 	}

@@ -219,9 +219,39 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 	// under the lock that keeps two sweeps apart.
 	c := &quotaCall{acquire: &a, windowless: a.Unrefusable() && rand.IntN(64) != 0}
 	if err := s.quotaDo(ctx, c); err != nil {
-		return store.Permit{}, err
+		return store.Permit{}, err // if its batch runs after all, undoAcquire undoes it
+	}
+	var qe *store.QuotaError
+	if c.err != nil && !errors.As(c.err, &qe) {
+		go s.undoAcquire(c)
 	}
 	return c.permit, c.err
+}
+
+// undoAcquire gives back, as never sent, the permit that an acquisition
+// may have written although its caller was told it failed: its batch
+// committed after the caller stopped waiting (quotaWait), or its commit
+// failed in a way that leaves the outcome unknown (a statement cancelled
+// or a connection lost in flight). Without it such a permit would hold
+// its tenant's concurrency and reservation until its lease ran out, and
+// a store that stalled past quotaWait would, once it came back, find the
+// tenants it refused meanwhile (503) at their concurrency limits. A
+// permit known to be written is released as written; one that may not
+// be is released by its id alone, without the window it may have
+// counted (a release of a permit that is not there changes nothing). A
+// release that fails leaves the permit to its lease, as before.
+func (s *Store) undoAcquire(c *quotaCall) {
+	var qe *store.QuotaError
+	if c.acquire == nil || errors.As(c.err, &qe) {
+		return // a refusal wrote nothing
+	}
+	p := c.permit
+	if c.err != nil {
+		p = c.acquire.Permit()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.quotaWait)
+	defer cancel()
+	_ = s.Release(ctx, store.Release{Permit: p, Outcome: store.NotSent, Now: c.acquire.Now, Behind: true})
 }
 
 // acquireIn is one acquisition in tx, windowless (see Acquire) or under

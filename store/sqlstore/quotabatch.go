@@ -39,7 +39,9 @@ import (
 //
 // A call waits for its batch to commit whatever its context says (at
 // most quotaWait): a permit written for a caller that had left would
-// count until its lease ran out.
+// count until its lease ran out. Past quotaWait the caller is told the
+// store did not answer, and an acquisition its batch then commits is
+// undone (Acquire's undoAcquire).
 
 // quotaWait bounds how long a call waits for its batch.
 const quotaWait = 10 * time.Second
@@ -123,7 +125,7 @@ func quotaSlots(d Dialect) int {
 // quotaDo runs c in a batch and returns when the batch has committed (or
 // failed): c.err is then the call's own outcome.
 func (s *Store) quotaDo(ctx context.Context, c *quotaCall) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), quotaWait)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.quotaWait)
 	defer cancel()
 	if c.behind() {
 		return s.behind.do(ctx, c)

@@ -84,17 +84,21 @@ type Store struct {
 	stages   *group[stageCall]
 	quotas   *group[quotaCall] // every dialect: quotabatch.go
 	behind   *group[quotaCall] // the calls no request waits for: quotabatch.go
+	// quotaWait bounds a limiter call's wait for its batch [quotaWait;
+	// tests shorten it].
+	quotaWait time.Duration
 
 	fair fairList // the fair claim's copy of the listing (fair.go)
 }
 
 // New returns a store over db, whose schema is already migrated.
 func New(db *sql.DB, d Dialect) *Store {
-	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}}
+	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}, quotaWait: quotaWait}
 	s.q = buildQueries(d)
 	s.quotas = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
 	s.behind = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
 	s.behind.linger = behindLinger
+	s.quotas.abandoned, s.behind.abandoned = s.undoAcquire, s.undoAcquire
 	if d.WritableCTE {
 		s.accepts = newGroup(groupSlots, groupMax, s.acceptGroup)
 		s.finishes = newGroup(workerSlots, workerMax, s.finishGroup)
