@@ -121,11 +121,20 @@ func (s *Server) Drain(ctx context.Context) (ended int) {
 	return ended
 }
 
-// endStream ends a relayed inference stream with an error chunk in
-// OpenAI's shape, the way OpenAI ends a stream that fails.
-func endStream(w http.ResponseWriter, rc *http.ResponseController, err error) {
-	if b, merr := json.Marshal(toAPIError(err).body()); merr == nil {
-		_, _ = fmt.Fprintf(w, "data: %s\n\n", b)
-		_ = rc.Flush()
+// endStream ends a relayed stream that has begun and cannot go on, with
+// e, in the stream's own shape: a chat or completions stream with an
+// error chunk, the way OpenAI ends one that fails; a Responses stream
+// with response.failed (its response as trail last saw it, failed), or
+// the API's error event when it showed no response.
+func endStream(w http.ResponseWriter, rc *http.ResponseController, ep endpoint, trail *responsesTrail, e *apiError) {
+	var ev []byte
+	if ep == epResponses {
+		if ev = trail.failedEvent(e); ev == nil {
+			ev = trail.errorEvent(e)
+		}
+	} else if b, err := json.Marshal(e.body()); err == nil {
+		ev = fmt.Appendf(nil, "data: %s\n\n", b)
 	}
+	_, _ = w.Write(ev)
+	_ = rc.Flush()
 }

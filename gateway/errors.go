@@ -93,6 +93,12 @@ func (e *apiError) body() errorResponse {
 	return body
 }
 
+// errStreamCut is what a client hears in a stream whose backend failed
+// after the stream began (the status line long gone): the stream's last
+// event (endStream).
+var errStreamCut = &apiError{status: http.StatusBadGateway, typ: "server_error", code: "upstream_error",
+	msg: "The model backend failed mid-stream; the response is incomplete."}
+
 func toAPIError(err error) *apiError {
 	var (
 		api      *apiError

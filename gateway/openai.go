@@ -656,6 +656,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		midLine   bool // the last read ended inside a line longer than the buffer
 		readErr   error
 		lastPet   time.Time // the watchdog's last reset (stream_relay.go)
+		trail     responsesTrail
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
@@ -682,6 +683,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		case c.ep == epResponses && data != nil:
 			// Typed events, no [DONE]: see responses.go.
 			ev := responsesEvent(data)
+			trail.see(data, ev)
 			if ev.rewritten != nil {
 				event = append(append(event[:0], "event: "...), ev.typ...)
 				event = append(append(append(event, "\ndata: "...), ev.rewritten...), "\n\n"...)
@@ -762,15 +764,14 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 	if started && errors.Is(context.Cause(ctx), errDrainDeadline) {
 		// Shutting down: the client is still there, and must hear why the
 		// stream ends.
-		endStream(w, rc, errDrainDeadline)
+		endStream(w, rc, c.ep, &trail, errDrainDeadline)
 		return result{status: http.StatusServiceUnavailable, err: errDrainDeadline, wrote: true}
 	}
 	if !started || res.err == errClientGone {
 		return res // nothing reached the client: retryable elsewhere
 	}
 	// The status line is long gone: tell the client in the stream.
-	_, _ = w.Write([]byte(`data: {"error":{"message":"The model backend failed mid-stream; the response is incomplete.","type":"server_error","param":null,"code":"upstream_error"}}` + "\n\n"))
-	_ = rc.Flush()
+	endStream(w, rc, c.ep, &trail, errStreamCut)
 	res.wrote = true
 	return res
 }

@@ -258,6 +258,10 @@ type responsesStreamEvent struct {
 	final     bool   // the stream's last event
 	usage     *usage // from the final event
 	rewritten []byte // the event's new data, when it changed
+	// response is the response an event other than the final one carries
+	// (response.created, response.in_progress), normalized; it aliases
+	// the event's data.
+	response []byte
 }
 
 // responsesEvent reads one event's data. The events that carry the whole
@@ -305,8 +309,12 @@ func parseResponsesEvent(data []byte) responsesStreamEvent {
 		if json.Unmarshal(ev.Response, &resp) == nil && out.final {
 			out.usage = resp.Usage.usage()
 		}
-		if b, err := normalizeResponse(ev.Response); err == nil && !bytes.Equal(b, ev.Response) {
+		b, err := normalizeResponse(ev.Response)
+		if err == nil && !bytes.Equal(b, ev.Response) {
 			key, fixed = "response", b
+		}
+		if err == nil && !out.final {
+			out.response = b
 		}
 	case isPresent(ev.Item):
 		if b, ok := normalizeOutputItem(ev.Item); ok {
@@ -329,4 +337,78 @@ func parseResponsesEvent(data []byte) responsesStreamEvent {
 		out.rewritten = b
 	}
 	return out
+}
+
+// responsesTrail is what a relay keeps of a Responses stream to end it
+// with response.failed if its backend fails: the response as the last
+// event that carried one showed it, and the last sequence number.
+type responsesTrail struct {
+	response []byte
+	seq      int64
+}
+
+// see records an event's sequence number and the response it carries.
+func (t *responsesTrail) see(data []byte, ev responsesStreamEvent) {
+	if ev.response != nil {
+		t.response = append(t.response[:0], ev.response...)
+	}
+	if n, ok := sequenceNumber(data); ok {
+		t.seq = n
+	}
+}
+
+var seqKey = []byte(`"sequence_number":`)
+
+// sequenceNumber reads an event's sequence_number without decoding it
+// (one event per token); a key inside a JSON string has its quotes
+// escaped, so the unescaped one is the event's own.
+func sequenceNumber(data []byte) (int64, bool) {
+	i := bytes.Index(data, seqKey)
+	if i < 0 {
+		return 0, false
+	}
+	rest := bytes.TrimLeft(data[i+len(seqKey):], " ")
+	var n int64
+	digits := 0
+	for _, ch := range rest {
+		if ch < '0' || ch > '9' || digits == 18 {
+			break
+		}
+		n, digits = n*10+int64(ch-'0'), digits+1
+	}
+	return n, digits > 0
+}
+
+// failedEvent is the response.failed event that ends a Responses stream
+// whose backend failed after it began: the response last seen, its
+// status failed and its error e's (OpenAI's Response.error: a code and a
+// message), next in sequence. Nil when the stream showed no response (a
+// backend whose events kvgate cannot read): the caller then sends the
+// API's error event.
+func (t *responsesTrail) failedEvent(e *apiError) []byte {
+	var resp map[string]json.RawMessage
+	if t.response == nil || json.Unmarshal(t.response, &resp) != nil || resp == nil {
+		return nil
+	}
+	resp["status"] = mustMarshalRaw("failed")
+	// Response.error's code is one of a fixed set; server_error is the
+	// one for a failure of the server's own.
+	resp["error"] = mustMarshalRaw(map[string]string{"code": "server_error", "message": e.msg})
+	b, err := marshalRaw(map[string]json.RawMessage{
+		"type": mustMarshalRaw("response.failed"), "sequence_number": mustMarshalRaw(t.seq + 1), "response": mustMarshalRaw(resp),
+	})
+	if err != nil {
+		return nil
+	}
+	return append(append([]byte("event: response.failed\ndata: "), b...), "\n\n"...)
+}
+
+// errorEvent is the Responses API's error event for e, next in sequence.
+func (t *responsesTrail) errorEvent(e *apiError) []byte {
+	ev := map[string]any{"type": "error", "code": e.code, "message": e.msg, "param": nil, "sequence_number": t.seq + 1}
+	if e.param != "" {
+		ev["param"] = e.param
+	}
+	b, _ := json.Marshal(ev)
+	return append(append([]byte("event: error\ndata: "), b...), "\n\n"...)
 }

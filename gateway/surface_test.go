@@ -418,10 +418,12 @@ func TestAliasJob(t *testing.T) {
 }
 
 // TestResponsesStreamCut: a backend that cuts a Responses stream after
-// its first events ends the client's stream with an OpenAI error event
-// (no response.completed), and the tenant stays charged the reservation
-// as uncertain usage; a non-streaming call the backend cuts is a 502,
-// charged the same way.
+// its first events ends the client's stream as OpenAI ends a response
+// that fails: response.failed, next in sequence, carrying the response
+// the stream began with, its status failed and its error set (no
+// response.completed, no chat-style error chunk). The tenant stays
+// charged the reservation as uncertain usage; a non-streaming call the
+// backend cuts is a 502, charged the same way.
 func TestResponsesStreamCut(t *testing.T) {
 	st := sqliteStore(t)
 	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
@@ -432,10 +434,42 @@ func TestResponsesStreamCut(t *testing.T) {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("stream: %d %s", resp.StatusCode, b)
 	}
-	out := string(b)
-	if !strings.Contains(out, "event: response.created") || strings.Contains(out, "response.completed") ||
-		!strings.Contains(out, `data: {"error":{"message":"The model backend failed mid-stream`) {
-		t.Errorf("cut stream:\n%s", out)
+	events, partial := parseEventStream(b)
+	if len(partial) > 0 || len(events) < 2 {
+		t.Fatalf("cut stream, %d events:\n%s", len(events), b)
+	}
+	type event struct {
+		Type     string `json:"type"`
+		Seq      int64  `json:"sequence_number"`
+		Response struct {
+			ID     string          `json:"id"`
+			Status string          `json:"status"`
+			Model  string          `json:"model"`
+			Error  json.RawMessage `json:"error"`
+		} `json:"response"`
+	}
+	var first, prev, last event
+	for i, e := range events {
+		prev = last
+		if err := json.Unmarshal([]byte(e.data), &last); err != nil {
+			t.Fatalf("event %d %q: %v", i, e.data, err)
+		}
+		if i == 0 {
+			first = last
+		}
+		if !strings.HasPrefix(string(e.raw), "event: "+last.Type+"\n") {
+			t.Errorf("event %d: %q, its event line not its type", i, e.raw)
+		}
+	}
+	var failure struct{ Code, Message string }
+	if first.Type != "response.created" || last.Type != "response.failed" || last.Seq != prev.Seq+1 ||
+		last.Response.ID != first.Response.ID || last.Response.ID == "" || last.Response.Model != llama ||
+		last.Response.Status != "failed" || json.Unmarshal(last.Response.Error, &failure) != nil ||
+		failure.Code != "server_error" || !strings.Contains(failure.Message, "failed mid-stream") {
+		t.Errorf("cut stream ends with %+v after %+v (first %+v):\n%s", last, prev, first, b)
+	}
+	if strings.Contains(string(b), "response.completed") || strings.Contains(string(b), `data: {"error"`) {
+		t.Errorf("cut stream:\n%s", b)
 	}
 	eventually.True(t, "the cut stream stays charged as uncertain", func() bool {
 		got := ledgerOf(t, st, "acme")
@@ -479,5 +513,33 @@ func TestSurfaceReservations(t *testing.T) {
 		if total != c.total || out != c.out || call.promptBytes != c.promptBytes {
 			t.Errorf("%s: reserves %d (output %d), prompt bytes %d; want %d (%d), %d", c.body, total, out, call.promptBytes, c.total, c.out, c.promptBytes)
 		}
+	}
+}
+
+// TestResponsesTrail: the relay reads sequence numbers without decoding
+// an event, keeps the last response an event carried, and without one
+// ends a failed stream with the API's error event.
+func TestResponsesTrail(t *testing.T) {
+	for data, want := range map[string]int64{
+		`{"delta":"\"sequence_number\":99","sequence_number":42,"type":"response.output_text.delta"}`: 42,
+		`{"sequence_number": 7}`:                          7,
+		`{"type":"response.created","sequence_number":0}`: 0,
+	} {
+		if n, ok := sequenceNumber([]byte(data)); !ok || n != want {
+			t.Errorf("%s: %d, %v; want %d", data, n, ok, want)
+		}
+	}
+	if _, ok := sequenceNumber([]byte(`{"type":"x","sequence_number":null}`)); ok {
+		t.Error("a null sequence number read as one")
+	}
+	var tr responsesTrail
+	tr.see([]byte(`{"sequence_number":3,"type":"response.output_text.delta"}`), responsesStreamEvent{})
+	if tr.failedEvent(errStreamCut) != nil {
+		t.Error("response.failed without a response seen")
+	}
+	ev := string(tr.errorEvent(errStreamCut))
+	want := `event: error` + "\n" + `data: {"code":"upstream_error","message":"The model backend failed mid-stream; the response is incomplete.","param":null,"sequence_number":4,"type":"error"}` + "\n\n"
+	if ev != want {
+		t.Errorf("error event %q, want %q", ev, want)
 	}
 }
