@@ -200,9 +200,12 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 			return nil, err
 		}
 	}
-	for _, v := range []*int{c.f.MaxTokens, c.f.MaxCompletionTokens, c.f.MaxOutputTokens} {
-		if v != nil && *v < 1 {
-			return nil, badRequest("max_tokens", fmt.Sprintf("max_tokens must be at least 1, got %d.", *v))
+	for _, f := range []struct {
+		name string
+		v    *int
+	}{{"max_tokens", c.f.MaxTokens}, {"max_completion_tokens", c.f.MaxCompletionTokens}, {"max_output_tokens", c.f.MaxOutputTokens}} {
+		if f.v != nil && *f.v < 1 {
+			return nil, badRequest(f.name, fmt.Sprintf("%s must be at least 1, got %d.", f.name, *f.v))
 		}
 	}
 	if c.f.N != nil && *c.f.N < 1 {
