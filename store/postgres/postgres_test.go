@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io/fs"
 	"sync"
@@ -720,5 +721,62 @@ func TestReapSeesACheckpointCommittedWhileItRuns(t *testing.T) {
 		t.Log("the reap reached the job before the checkpoint committed, and left it for its next pass")
 	default:
 		t.Errorf("the job checkpointed while the reap ran ended %s (%s): want RETRY_SCHEDULED, its answer reused by the next claim", got.State, got.LastError)
+	}
+}
+
+// TestCreateKeyWaitsForTenantDelete: a key created while its tenant's
+// delete is in flight (the tenant's row deleted, its keys revoked, not
+// yet committed) waits for the delete and is refused, rather than being
+// written for a tenant that no longer exists, unrevoked and so valid.
+func TestCreateKeyWaitsForTenantDelete(t *testing.T) {
+	ctx := context.Background()
+	s := migratedFresh(t)
+	now := time.Now()
+	if err := s.CreateTenant(ctx, store.Tenant{Name: "acme", CreatedAt: now}); err != nil {
+		t.Fatal(err)
+	}
+	del, err := s.DB().BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer del.Rollback()
+	// What DeleteTenant's transaction writes, held open.
+	if _, err := del.ExecContext(ctx, `DELETE FROM tenants WHERE name = 'acme'`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := del.ExecContext(ctx, `UPDATE api_keys SET revoked_at = $1 WHERE tenant = 'acme' AND revoked_at = 0`, now.UnixMicro()); err != nil {
+		t.Fatal(err)
+	}
+	created := make(chan error, 1)
+	go func() {
+		created <- s.CreateKey(ctx, store.APIKey{ID: "key_1", Hash: "h1", Prefix: "sk-kv-1", Tenant: "acme", Role: store.RoleUser, CreatedAt: now})
+	}()
+	// The key's statement is seen waiting on the tenant's row.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		var waiting bool
+		if err := s.DB().QueryRowContext(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()
+			AND wait_event_type = 'Lock' AND query LIKE 'INSERT INTO api_keys%')`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		select {
+		case err := <-created:
+			t.Fatalf("the key was created (%v) while its tenant's delete was in flight", err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the key's statement was never seen waiting")
+		}
+	}
+	if err := del.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-created; !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("key for a tenant deleted meanwhile: %v, want ErrNotFound", err)
+	}
+	if k, err := s.KeyByHash(ctx, "h1"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the deleted tenant's key is valid: %+v, %v", k, err)
 	}
 }

@@ -123,10 +123,16 @@ func scanKey(r scanner) (store.APIKey, error) {
 	return k, err
 }
 
-// CreateKey implements store.Store.
+// CreateKey implements store.Store. The key's tenant is held shared
+// (Dialect.LockShared) while the key is written: a DeleteTenant in flight
+// is waited for, and then its tenant is gone and no key is made; one that
+// begins meanwhile waits for the key and revokes it with the others.
+// Without the lock a key could be written for a tenant whose delete had
+// already revoked its keys, and live on, valid, with no tenant to limit it.
 func (s *Store) CreateKey(ctx context.Context, k store.APIKey) error {
 	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO api_keys (`+keyColumns+`)
-		SELECT ?, ?, ?, ?, ?, ?, CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), 0 WHERE EXISTS (SELECT 1 FROM tenants WHERE name = ?)`),
+		SELECT ?, ?, ?, ?, ?, ?, CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), 0
+		WHERE EXISTS (SELECT 1 FROM tenants WHERE name = ? `+s.d.LockShared+`)`),
 		k.ID, k.Hash, k.Prefix, k.Tenant, string(k.Role), k.Name, k.Limits.RPM, k.Limits.TPM, k.Limits.MaxConcurrency,
 		micros(k.CreatedAt), k.Tenant)
 	return s.affected("create key", res, err)
