@@ -59,6 +59,9 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	}
 	if ahead == 0 {
 		if g := s.tryAdmit(t, snaps, now, false, nil); g != nil {
+			if t.Booked != nil {
+				t.Booked()
+			}
 			s.mu.Unlock()
 			s.m.outcome(t.Class, outcomeAdmitted)
 			s.m.waited(t.Class, 0)
@@ -73,6 +76,9 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 		return nil, &RejectedError{Reason: "queue_full", RetryAfter: retry}
 	}
 	s.enqueueLocked(t)
+	if t.Booked != nil {
+		t.Booked()
+	}
 	s.mu.Unlock()
 
 	timer := time.NewTimer(deadline.Sub(now))

@@ -152,8 +152,9 @@ type Runner struct {
 	rngMu    sync.Mutex
 	rng      *rand.Rand
 	inflight atomic.Int64 // claimed jobs being worked on
-	// admitting counts claimed jobs not yet through the scheduler's
-	// admission (work ends it once, with admitted).
+	// admitting counts claimed jobs not yet in the scheduler's books
+	// (admitted, or queued there: Ticket.Booked); work ends it once, with
+	// admit.
 	admitting atomic.Int64
 }
 
@@ -216,7 +217,8 @@ func (r *Runner) Drain() {
 var errDrained = errors.New("kvgate is draining")
 
 // attempt is what the runner tracks of one attempt in flight: whether it
-// is through the scheduler's admission (admitting counts it until then),
+// is in the scheduler's books, admitted or queued there (admitting counts
+// it until then),
 // and whether a request of its is about to leave (a drain hands it back
 // while none is). An embeddings job's attempt sends several requests, one
 // after another: between them it is unsent again. Its methods other than
@@ -235,7 +237,8 @@ func (r *Runner) track(cancel context.CancelCauseFunc) *attempt {
 	return t
 }
 
-// admit records that the attempt is through admission; once only.
+// admit records that the attempt is in the scheduler's books (admitted
+// or queued there), or past needing them; once only.
 func (t *attempt) admit() {
 	if !t.admitted {
 		t.admitted = true
@@ -333,10 +336,11 @@ func (r *Runner) Run(ctx context.Context) error {
 			}
 			continue
 		}
-		// Jobs claimed but not yet admitted are not in the scheduler's
-		// books yet: count them against the room.
-		free := min(cap(slots)-len(slots), r.sched.Room()-int(r.admitting.Load()))
-		models := r.sched.RoutableModels()
+		// Jobs claimed but not yet in the scheduler's books (not yet
+		// queued there) count against the room here. Only the models
+		// with room are claimed (ClaimRoom).
+		room, models := r.sched.ClaimRoom()
+		free := min(cap(slots)-len(slots), room-int(r.admitting.Load()))
 		if w, ok := r.exec.(claimWidener); ok {
 			models = w.ClaimModels(models)
 		}
@@ -626,6 +630,10 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, at *a
 	}
 	t := call.Ticket
 	t.Class, t.Tenant, t.Deadline = Batch, j.Tenant, j.Deadline
+	// Queued in the scheduler, the ticket counts against Room there: the
+	// admitting count lets go of it then, not once it is admitted, so
+	// that a job waiting for a backend is counted once, not twice.
+	t.Booked = at.admit
 	g, err := r.sched.Acquire(ctx, t)
 	at.admit()
 	if err != nil {

@@ -30,6 +30,12 @@ type Ticket struct {
 	// already hold for requests in flight, and routing prefers a backend
 	// likely to have the prompt cached.
 	Prefix *Prefix
+	// Booked, when set, is called once Acquire has put the ticket in the
+	// scheduler's books (admitted at once, or queued), under the
+	// scheduler's lock and in Acquire's caller's goroutine: from then
+	// Room counts it, and the caller stops counting it itself (the
+	// runner's admitting count).
+	Booked func()
 
 	enqueued time.Time
 	vstart   float64 // fair-queueing tags
