@@ -6,7 +6,7 @@ import (
 
 // Weighted fair queueing across tenants, within each class.
 //
-// Each class keeps a virtual clock. A ticket that enters the queue gets a
+// Each class keeps a virtual clock (one per model, below). A ticket that enters the queue gets a
 // start tag, the later of the clock and its tenant's last finish tag, and a
 // finish tag, its start plus its cost (the KV tokens it reserves) divided
 // by its tenant's weight. The queue is kept in finish-tag order and the
@@ -19,7 +19,32 @@ import (
 // leaves idle goes to the others. Ordering costs O(log n) to find a place
 // and a copy to insert; the backlog is never scanned for fairness.
 
-// fairClock is one class's virtual time.
+// Each class keeps one clock per model: models are served by backends
+// of their own (or by shares of them), and a ticket admitted for one
+// model while another model's backends are full moves only its own
+// model's clock. With one clock for all, a tenant's ticket for an idle
+// model, tagged behind its backlog for a saturated one, would carry the
+// clock past that backlog when admitted, and every other tenant's next
+// ticket for the saturated model would then queue behind the whole of
+// it. For the same reason a tenant's finish tag is its own per model.
+
+// fairClocks are one class's clocks, by model.
+type fairClocks map[string]*fairClock
+
+// of returns model's clock, made on first use.
+func (cs *fairClocks) of(model string) *fairClock {
+	if *cs == nil {
+		*cs = fairClocks{}
+	}
+	c := (*cs)[model]
+	if c == nil {
+		c = &fairClock{}
+		(*cs)[model] = c
+	}
+	return c
+}
+
+// fairClock is one class's virtual time for one model.
 type fairClock struct {
 	now    float64
 	finish map[string]float64 // each tenant's last finish tag
@@ -55,15 +80,16 @@ func (c *fairClock) admitted(t *Ticket, queued int) {
 
 // removed forgets a ticket that left the queue unserved (cancelled or
 // timed out): its tenant's finish tag goes back to its last queued
-// ticket's, or to none, so that work a tenant never got does not push its
-// next requests behind everyone else's.
+// ticket's for the model, or to none, so that work a tenant never got
+// does not push its next requests behind everyone else's. q is the
+// class's queue, every model's tickets.
 func (c *fairClock) removed(t *Ticket, q []*Ticket) {
 	if c.finish[t.Tenant] != t.vfinish {
 		return // a later ticket of the tenant holds the tag
 	}
 	last := 0.0
 	for _, x := range q {
-		if x.Tenant == t.Tenant && x.vfinish > last {
+		if x.Tenant == t.Tenant && x.Model == t.Model && x.vfinish > last {
 			last = x.vfinish
 		}
 	}

@@ -3,6 +3,8 @@ package scheduler
 import (
 	"context"
 	"testing"
+
+	"github.com/kvgate/kvgate/gpu"
 )
 
 // fairRun queues tickets for several tenants on a backend with room for
@@ -118,5 +120,73 @@ func TestFairForgetsRemovedTickets(t *testing.T) {
 	c.tag(other)
 	if next.vfinish != other.vfinish {
 		t.Errorf("after its backlog timed out, the tenant's next ticket finishes at %v, another's at %v: want equal", next.vfinish, other.vfinish)
+	}
+}
+
+// A tenant's ticket for another model, admitted while its backlog for a
+// saturated model waits, does not carry that model's clock past the
+// backlog: another tenant's next ticket for the saturated model still
+// goes second, after the backlog's head, not after the whole backlog.
+func TestFairClockPerModel(t *testing.T) {
+	onModel := func(name, m string) *gpu.Snapshot {
+		sn := backendSnap(name, 300) // room for one 200-token ticket at a time
+		sn.Models = []gpu.Model{{ID: m, MaxModelLen: 100_000}}
+		return sn
+	}
+	s := newTestScheduler(t, Policy{MaxQueue: 10_000}, onModel("ba", "a"), onModel("bb", "b"))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	ticket := func(tenant, m string) *Ticket {
+		return &Ticket{Tenant: tenant, Model: m, PromptTokens: 100, MaxTokens: 100}
+	}
+	holdA, err := s.Acquire(ctx, ticket("holder", "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	holdB, err := s.Acquire(ctx, ticket("holder", "b"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	type admitted struct {
+		tenant string
+		g      *Grant
+	}
+	onA := make(chan admitted, 16)
+	queue := func(tk *Ticket, n int) <-chan outcome {
+		ch := acquireAsync(ctx, s, tk)
+		waitQueued(t, s, n)
+		return ch
+	}
+	for i := range 10 { // x's backlog for a
+		ch := queue(ticket("x", "a"), i+1)
+		go func() {
+			if o := <-ch; o.err == nil {
+				onA <- admitted{"x", o.g}
+			}
+		}()
+	}
+	xb := queue(ticket("x", "b"), 11) // tagged behind x's backlog
+	holdB.Release()
+	o := <-xb // admitted from the queue, for b
+	if o.err != nil {
+		t.Fatal(o.err)
+	}
+	defer o.g.Release()
+	waitQueued(t, s, 10)
+	zch := queue(ticket("z", "a"), 11)
+	go func() {
+		if o := <-zch; o.err == nil {
+			onA <- admitted{"z", o.g}
+		}
+	}()
+	holdA.Release()
+	var order []string
+	for range 11 {
+		a := <-onA
+		order = append(order, a.tenant)
+		a.g.Release()
+	}
+	if order[1] != "z" {
+		t.Errorf("admission order on a: %v; want z second, after x's head", order)
 	}
 }

@@ -221,7 +221,7 @@ func (s *Scheduler) failUnroutableLocked(snaps []*gpu.Snapshot, now time.Time) {
 		clear(q[len(kept):])
 		s.queues[c] = kept
 		for _, t := range failed {
-			s.fair[c].removed(t, kept)
+			s.fair[c].of(t.Model).removed(t, kept)
 		}
 	}
 }

@@ -146,7 +146,7 @@ func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot, now time.Time) e
 func (s *Scheduler) enqueueLocked(t *Ticket) {
 	t.done = make(chan struct{})
 	t.state = ticketQueued
-	s.fair[t.Class].tag(t)
+	s.fair[t.Class].of(t.Model).tag(t)
 	s.queues[t.Class] = insertFair(s.queues[t.Class], t)
 	s.queued++
 	c := s.byModel[t.Model]
@@ -165,7 +165,7 @@ func (s *Scheduler) removeLocked(t *Ticket) {
 	t.state = ticketGone
 	s.dequeuedLocked(t)
 	s.queues[t.Class] = slices.DeleteFunc(s.queues[t.Class], func(x *Ticket) bool { return x == t })
-	s.fair[t.Class].removed(t, s.queues[t.Class])
+	s.fair[t.Class].of(t.Model).removed(t, s.queues[t.Class])
 }
 
 func (s *Scheduler) dequeuedLocked(t *Ticket) {
@@ -273,7 +273,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			if g := s.tryAdmit(t, snaps, now, true, loads); g != nil {
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
-				s.fair[c].admitted(t, s.queued)
+				s.fair[c].of(t.Model).admitted(t, s.queued)
 				close(t.done)
 				clear(misses)
 				spent = len(blocked)

@@ -26,8 +26,8 @@ type Scheduler struct {
 	m      *metrics
 
 	mu       sync.Mutex
-	queues   [numClasses][]*Ticket // each in fair order (fair.go)
-	fair     [numClasses]fairClock
+	queues   [numClasses][]*Ticket  // each in fair order (fair.go)
+	fair     [numClasses]fairClocks // by model (fair.go)
 	queued   int
 	byModel  map[string]*[numClasses]int // queued tickets per model and class
 	ledgers  map[string]*ledger
