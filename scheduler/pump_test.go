@@ -2,6 +2,8 @@ package scheduler
 
 import (
 	"context"
+	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -155,5 +157,39 @@ func TestPumpStopsAtBackendsThatRefuseAll(t *testing.T) {
 	wantOnC(t, m2, "the m2 ticket behind tickets of m whose backends refuse all")
 	if q := s.Queued(); q[Interactive] != waitingOfModel {
 		t.Errorf("%d tickets queued, want the %d of m", q[Interactive], waitingOfModel)
+	}
+}
+
+// TestPumpFailsTicketThatOutgrowsEveryBackend: a queued ticket whose
+// prompt, counted again as it waits (PromptEstimate), no longer fits any
+// backend's whole KV capacity fails at once with a *TooLargeError, as it
+// would have at Acquire, instead of waiting out its deadline; the
+// model's other tickets go on being admitted.
+func TestPumpFailsTicketThatOutgrowsEveryBackend(t *testing.T) {
+	s := newTestScheduler(t, Policy{}, backendSnap("a", 1_000))
+	ctx := context.Background()
+	hold, err := s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 400, MaxTokens: 400})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var estimate atomic.Int64
+	estimate.Store(400)
+	big := &Ticket{Model: model, PromptTokens: 400, MaxTokens: 100, Deadline: time.Now().Add(3 * time.Second),
+		PromptEstimate: func() int { return int(estimate.Load()) }}
+	bigDone := acquireAsync(ctx, s, big)
+	waitQueued(t, s, 1)
+	small := acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 100, MaxTokens: 100, Deadline: time.Now().Add(time.Hour)})
+	waitQueued(t, s, 2)
+	estimate.Store(5_000) // the prompt is five times what its bytes suggested
+	hold.Release()
+	o := <-bigDone
+	var tl *TooLargeError
+	if !errors.As(o.err, &tl) || tl.Need != 5_100 {
+		t.Fatalf("the outgrown ticket: %v, %v; want a TooLargeError for 5,100 tokens", o.g, o.err)
+	}
+	if o := <-small; o.err != nil {
+		t.Fatalf("the model's next ticket: %v", o.err)
+	} else {
+		o.g.Release()
 	}
 }

@@ -112,6 +112,9 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	case closed:
 		s.m.outcome(t.Class, outcomeShutdown)
 		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
+	case t.err != nil && errors.As(t.err, new(*TooLargeError)): // its prompt, counted again, outgrew every backend
+		s.m.outcome(t.Class, outcomeTooLarge)
+		return nil, t.err
 	case t.err != nil: // its model's last routable backend went
 		s.m.outcome(t.Class, outcomeNoRoutable)
 		s.noteUnroutable(t.err)
@@ -127,6 +130,15 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 // whose model no backend it may use can take now (reach). Too large comes
 // first: it is for good, whatever the backends' state.
 func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot, now time.Time) error {
+	if err := tooLarge(t, snaps); err != nil {
+		return err
+	}
+	return reach(snaps, t.Model, t.Exclude, now)
+}
+
+// tooLarge is checkFits's first check: a *TooLargeError when t needs more
+// than the whole KV capacity of every backend serving its model.
+func tooLarge(t *Ticket, snaps []*gpu.Snapshot) error {
 	known, largest := false, 0
 	for _, sn := range snaps {
 		if _, ok := sn.Serves(t.Model); !ok {
@@ -140,7 +152,7 @@ func (s *Scheduler) checkFits(t *Ticket, snaps []*gpu.Snapshot, now time.Time) e
 	if known && t.Need() > largest {
 		return &TooLargeError{Need: t.Need(), Capacity: largest}
 	}
-	return reach(snaps, t.Model, t.Exclude, now)
+	return nil
 }
 
 func (s *Scheduler) enqueueLocked(t *Ticket) {
@@ -254,6 +266,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	for c := range s.queues {
 		q := s.queues[c]
 		kept := q[:0]
+		var outgrown []*Ticket
 		for i, t := range q {
 			if spent >= models {
 				kept = append(kept, q[i:]...)
@@ -268,7 +281,20 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				continue
 			}
 			if t.PromptEstimate != nil {
-				t.PromptTokens = t.PromptEstimate()
+				if n := t.PromptEstimate(); n != t.PromptTokens {
+					t.PromptTokens = n
+					// Counted again, a prompt can outgrow every backend:
+					// it fails now, as it would have at Acquire, rather
+					// than waiting out its deadline (and, past the
+					// starvation guard, blocking its model meanwhile).
+					if err := tooLarge(t, snaps); err != nil {
+						t.state, t.err = ticketGone, err
+						s.dequeuedLocked(t)
+						close(t.done)
+						outgrown = append(outgrown, t)
+						continue
+					}
+				}
 			}
 			if g := s.tryAdmit(t, snaps, now, true, loads); g != nil {
 				t.grant, t.state = g, ticketGranted
@@ -309,6 +335,9 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 		}
 		clear(q[len(kept):])
 		s.queues[c] = kept
+		for _, t := range outgrown {
+			s.fair[c].of(t.Model).removed(t, kept)
+		}
 	}
 	markPass(s.ledgers, snaps, now)
 }
