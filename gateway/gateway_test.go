@@ -9,10 +9,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -687,5 +689,43 @@ func TestNSequencesReserveEach(t *testing.T) {
 	resp, body := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"a","n":0}`)
 	if resp.StatusCode != 400 {
 		t.Errorf("n=0: status %d: %s", resp.StatusCode, body)
+	}
+}
+
+// TestClientThatStopsReadingIsLetGo: a client that stops reading a
+// stream, its connection left open, is let go of once it has accepted no
+// byte for StreamIdleTimeout: its grant (the backend's KV reservation) is
+// released, and the backend, which was streaming all along, is not cut
+// and counted as stalled for the client's fault.
+func TestClientThatStopsReadingIsLetGo(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 1000, gateway: Config{StreamIdleTimeout: 300 * time.Millisecond}})
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}}
+	conn, err := d.Dial("tcp", strings.TrimPrefix(f.srv.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	body := fmt.Sprintf(`{"model":%q,"prompt":"p","max_tokens":20000,"ignore_eos":true,"stream":true}`, llama)
+	if _, err := fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: kvgate\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body); err != nil {
+		t.Fatal(err)
+	}
+	status := make([]byte, len("HTTP/1.1 200"))
+	if _, err := io.ReadFull(conn, status); err != nil || string(status) != "HTTP/1.1 200" {
+		t.Fatalf("status %q, %v", status, err)
+	}
+	// The client reads no more. Its grant is released once the gateway's
+	// writes have waited StreamIdleTimeout for it.
+	eventually.True(t, "the grant of a client that stopped reading to be released", func() bool { return f.inflight() == 0 })
+	s, _ := f.pool.Snapshot("sim0")
+	if s.Failures != 0 || s.Ejected {
+		t.Errorf("the backend was counted as failed (%d failures, ejected %v) for a client that stopped reading", s.Failures, s.Ejected)
 	}
 }

@@ -514,7 +514,15 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if c.f.Stream {
 		limit = s.cfg.StreamIdleTimeout
 	}
-	watchdog := time.AfterFunc(limit, func() { cancel(errStalled) })
+	cw := &clientWrites{rc: http.NewResponseController(w), idle: s.cfg.StreamIdleTimeout}
+	defer cw.end()
+	watchdog := time.AfterFunc(limit, func() {
+		// Not while waiting on the client: its write deadline ends that
+		// wait (clientWrites).
+		if cw.stall() {
+			cancel(errStalled)
+		}
+	})
 	defer watchdog.Stop()
 	// failed reports a transport failure: the client's leaving, a stall,
 	// or a broken backend.
@@ -553,7 +561,7 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	}
 	defer func() { endSpan(span, resp.StatusCode, nil) }()
 	if c.f.Stream && isEventStream(resp.Header.Get("Content-Type")) {
-		return s.relay(ctx, w, g, c, resp, injected, start, watchdog, failed)
+		return s.relay(ctx, w, g, c, resp, injected, start, watchdog, cw, failed)
 	}
 	b, err := io.ReadAll(resp.Body)
 	if err != nil {
@@ -568,7 +576,11 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Set("Content-Length", strconv.Itoa(len(b)))
 	w.WriteHeader(resp.StatusCode)
-	_, _ = w.Write(b)
+	if err := cw.write(w, b); err != nil {
+		// Answered, and the client stopped reading it: the backend did
+		// its part, and its usage is known.
+		return result{status: 499, usage: answered, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
+	}
 	return result{status: resp.StatusCode, usage: answered, wrote: true, up: upstream{class: upstreamOK, status: resp.StatusCode}}
 }
 
@@ -638,8 +650,8 @@ var (
 // it can still be retried elsewhere. After it, a failing or stalling
 // backend ends the stream with an error event.
 func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.Grant, c *call, resp *http.Response,
-	injected bool, start time.Time, watchdog *time.Timer, failed func(string, error) result) result {
-	rc := http.NewResponseController(w)
+	injected bool, start time.Time, watchdog *time.Timer, cw *clientWrites, failed func(string, error) result) result {
+	rc := cw.rc
 	rb := getRelayBuffers(resp.Body)
 	defer rb.put()
 	br := rb.r
@@ -673,6 +685,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			break
 		}
 		lastPet = petWatchdog(watchdog, s.cfg.StreamIdleTimeout, lastPet)
+		cw.extend(lastPet)
 		event = append(event, line...)
 		// Only an empty line ends an event, as the client's parser sees
 		// it: one of blanks does not, nor the end of a long line.
@@ -740,7 +753,12 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 				h.Set("X-Accel-Buffering", "no")
 				w.WriteHeader(http.StatusOK)
 			}
-			if _, err := w.Write(event); err != nil {
+			cw.begin()
+			_, err := w.Write(event)
+			if cw.finish() {
+				watchdog.Reset(s.cfg.StreamIdleTimeout)
+			}
+			if err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
 			unflushed = true
@@ -750,7 +768,12 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		// buffered: one write to the client per read from the backend, and
 		// none for a read whose events were all dropped.
 		if unflushed && (br.Buffered() == 0 || done) {
-			if err := rc.Flush(); err != nil {
+			cw.begin()
+			err := rc.Flush()
+			if cw.finish() {
+				watchdog.Reset(s.cfg.StreamIdleTimeout)
+			}
+			if err != nil {
 				return result{status: 499, err: errClientGone, wrote: true}
 			}
 			unflushed = false

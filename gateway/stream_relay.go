@@ -3,7 +3,9 @@ package gateway
 import (
 	"bufio"
 	"io"
+	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -19,6 +21,84 @@ func petWatchdog(t *time.Timer, idle time.Duration, last time.Time) time.Time {
 	}
 	t.Reset(idle + idle/64)
 	return now
+}
+
+// clientWrites bounds how long a proxied response's writes may wait for
+// its client. A client that stops reading, its connection left open,
+// would otherwise hold the write (and so the request's grant: its
+// backend's KV reservation and sequence slot) for as long as the
+// connection lives, and the backend, read no more meanwhile, would be
+// cut as stalled and counted as failed for a fault that is not its own.
+// A client that accepts no byte for StreamIdleTimeout (the backend's own
+// allowance for silence) fails the write instead, and the request ends as
+// the client's (499). The deadline moves with the response's progress, at
+// most once per idle/64, as petWatchdog moves the backend's; end clears
+// it, because without a server-wide WriteTimeout net/http would carry it
+// into the connection's next request.
+type clientWrites struct {
+	rc   *http.ResponseController
+	idle time.Duration
+	last time.Time // when the deadline was last moved
+	// state says whether a write to the client is under way, and whether
+	// the backend's watchdog fired meanwhile: it then leaves the backend
+	// be, and the writer, once its write returns, arms it again.
+	state atomic.Int32
+}
+
+const (
+	notWriting = iota
+	writing
+	firedWhileWriting
+)
+
+// begin marks a write to the client as under way.
+func (cw *clientWrites) begin() { cw.state.Store(writing) }
+
+// finish marks the write as done; it reports whether the watchdog fired
+// during it (and must be armed again).
+func (cw *clientWrites) finish() (fired bool) {
+	return cw.state.Swap(notWriting) == firedWhileWriting
+}
+
+// stall reports whether the backend's watchdog, firing, should cut the
+// backend: not while the relay waits on its client.
+func (cw *clientWrites) stall() bool {
+	return !cw.state.CompareAndSwap(writing, firedWhileWriting)
+}
+
+// extend moves the deadline to idle and a slack after now, unless it was
+// moved at now already.
+func (cw *clientWrites) extend(now time.Time) {
+	if now.Equal(cw.last) || cw.idle <= 0 {
+		return
+	}
+	cw.last = now
+	_ = cw.rc.SetWriteDeadline(now.Add(cw.idle + cw.idle/64)) // ErrNotSupported: no deadline, as before
+}
+
+// end clears the deadline, if one was set.
+func (cw *clientWrites) end() {
+	if !cw.last.IsZero() {
+		_ = cw.rc.SetWriteDeadline(time.Time{})
+	}
+}
+
+// write writes b in pieces, moving the deadline before each: a client
+// reading slowly but steadily gets a large answer whole, one that stops
+// reading is let go of.
+func (cw *clientWrites) write(w io.Writer, b []byte) error {
+	cw.begin()
+	defer cw.finish() // the backend is done: no watchdog to arm again
+	const piece = 64 << 10
+	for len(b) > 0 {
+		n := min(len(b), piece)
+		cw.extend(time.Now())
+		if _, err := w.Write(b[:n]); err != nil {
+			return err
+		}
+		b = b[n:]
+	}
+	return nil
 }
 
 // After its [DONE] (or a Responses stream's final event), a backend's
