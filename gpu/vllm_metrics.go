@@ -34,9 +34,14 @@ type EngineMetrics struct {
 	Prompt       float64 // vllm:prompt_tokens_total, cumulative
 	// Steps is the engine steps taken so far: the sample count of the
 	// vllm:iteration_tokens_total histogram, which vLLM observes once per
-	// step. Each running sequence gains one token a step, so admission
-	// can follow requests whose output it cannot see. HasSteps is false
-	// when the server does not publish it.
+	// step. Each running sequence gains one token a step of its engine,
+	// so admission can follow requests whose output it cannot see. With
+	// data-parallel engines (one series each) it is the fewest steps any
+	// engine took: a request gains its own engine's steps, which engine
+	// runs it is unknown, and overstating its progress would understate
+	// the KV it still needs (their sum would overstate it as many times
+	// as there are engines). HasSteps is false when the server does not
+	// publish it.
 	Steps    float64
 	HasSteps bool
 	// PrefixQueries and PrefixHits are vllm:prefix_cache_queries_total and
@@ -155,7 +160,10 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 	if it, ok := fams["vllm:iteration_tokens_total"]; ok {
 		for _, s := range it.GetMetric() {
 			if h := s.GetHistogram(); h != nil {
-				m.Steps += float64(h.GetSampleCount())
+				n := float64(h.GetSampleCount())
+				if !m.HasSteps || n < m.Steps {
+					m.Steps = n
+				}
 				m.HasSteps = true
 			}
 		}
