@@ -26,6 +26,13 @@ const (
 	maxXIDs     = 16
 	maxXIDCodes = 64
 
+	// xidDegrades is how long a GPU stays Degraded after a non-critical
+	// XID. Most are an application's fault reported by the driver (13, 31,
+	// 43, 45: an illegal access, a process killed with work in flight, as
+	// when vLLM restarts), not the GPU's, and once the GPU reports none
+	// for this long it is Healthy again. Critical ones stay (assessGPU).
+	xidDegrades = 10 * time.Minute
+
 	// eventWait is how long one EventSet.Wait blocks in the driver. Wait
 	// cannot be interrupted, so it bounds how long Run takes to stop.
 	eventWait = 500 * time.Millisecond
@@ -96,6 +103,7 @@ type NVML struct {
 	driver       string
 	eventReasons bool // the driver has the clock-event API, not only the throttle one
 	ran          atomic.Bool
+	now          func() time.Time // the clock of XIDs' weight on health [time.Now]
 
 	// refreshMu serialises reads of the devices with each other and with
 	// shutdown; after shutdown the library must not be called.
@@ -133,18 +141,37 @@ type readSignals struct {
 type xidLog struct {
 	recent []uint64 // the last maxXIDs codes, oldest first
 	total  uint64
-	codes  []uint64 // distinct codes seen since start, ascending
+	// last is when each distinct code was last seen (at most maxXIDCodes
+	// of them).
+	last map[uint64]time.Time
 }
 
-func (l *xidLog) add(code uint64) {
+func (l *xidLog) add(code uint64, now time.Time) {
 	l.total++
 	if len(l.recent) == maxXIDs {
 		l.recent = slices.Delete(l.recent, 0, 1)
 	}
 	l.recent = append(l.recent, code)
-	if i, found := slices.BinarySearch(l.codes, code); !found && len(l.codes) < maxXIDCodes {
-		l.codes = slices.Insert(l.codes, i, code)
+	if l.last == nil {
+		l.last = map[uint64]time.Time{}
 	}
+	if _, seen := l.last[code]; seen || len(l.last) < maxXIDCodes {
+		l.last[code] = now
+	}
+}
+
+// health returns, ascending, the codes that weigh on the GPU's health at
+// now: every critical one seen since start, and the others seen within
+// xidDegrades.
+func (l *xidLog) health(now time.Time) []uint64 {
+	var codes []uint64
+	for code, at := range l.last {
+		if criticalXID(code) || now.Sub(at) < xidDegrades {
+			codes = append(codes, code)
+		}
+	}
+	slices.Sort(codes)
+	return codes
 }
 
 // OpenNVML initialises NVML through lib (nvml.New() when nil) and reads
@@ -167,6 +194,7 @@ func OpenNVML(lib nvml.Interface, cfg NVMLConfig) *NVML {
 		log:      cfg.Logger,
 		interval: cfg.Interval,
 		hotC:     cfg.HotC,
+		now:      time.Now,
 	}
 	if n.log == nil {
 		n.log = slog.New(slog.DiscardHandler)
@@ -390,13 +418,14 @@ func (n *NVML) clockReasons(h nvml.Device) (uint64, nvml.Return) {
 func (n *NVML) assess(g *GPU, st *gpuState) {
 	g.XIDs = slices.Clone(st.xid.recent)
 	g.xidTotal = st.xid.total
-	g.Health, g.Reasons = assessGPU(g, st.sig, st.xid.codes, n.hotC)
+	g.Health, g.Reasons = assessGPU(g, st.sig, st.xid.health(n.now()), n.hotC)
 }
 
 // assessGPU derives a GPU's health from its readings, the signals of its
-// latest read and the distinct XID codes seen since start. XIDs stay for
-// the life of the process: a GPU that reported a critical one needs a
-// reset, after which kvgate is restarted with the driver.
+// latest read and the distinct XID codes that weigh on it (xidLog.health):
+// a critical one stays for the life of the process, since a GPU that
+// reported one needs a reset, after which kvgate is restarted with the
+// driver; another degrades it for xidDegrades.
 func assessGPU(g *GPU, s readSignals, xids []uint64, hotC uint32) (Health, []string) {
 	var failed, degraded []string
 	if s.noHandle != nvml.SUCCESS {
@@ -456,7 +485,7 @@ func (n *NVML) recordXID(i int, code uint64) {
 		return
 	}
 	st := &n.state[i]
-	st.xid.add(code)
+	st.xid.add(code, n.now())
 	if i >= len(n.gpus) {
 		return
 	}

@@ -760,3 +760,51 @@ func metricValue(typ dto.MetricType, m *dto.Metric) float64 {
 	}
 	return m.GetGauge().GetValue()
 }
+
+// TestNVMLXIDsDegradeForAWhile: a non-critical XID (an application's
+// fault, such as a process killed with work in flight) degrades its GPU
+// for xidDegrades, then the GPU is Healthy again; a critical one keeps
+// its GPU Failed.
+func TestNVMLXIDsDegradeForAWhile(t *testing.T) {
+	n := OpenNVML(readyMock(dgxh100.New()), NVMLConfig{})
+	var mu sync.Mutex
+	now := time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC)
+	n.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	n.recordXID(2, 45)
+	n.recordXID(3, 79)
+	health := func(id string) Health {
+		g, ok := n.Lookup(id)
+		if !ok {
+			t.Fatalf("GPU %s not found", id)
+		}
+		return g.Health
+	}
+	if h2, h3 := health("2"), health("3"); h2 != Degraded || h3 != Failed {
+		t.Fatalf("after XIDs 45 and 79: GPU 2 %v, GPU 3 %v; want Degraded, Failed", h2, h3)
+	}
+	mu.Lock()
+	now = now.Add(xidDegrades - time.Second)
+	mu.Unlock()
+	n.Refresh()
+	if h := health("2"); h != Degraded {
+		t.Errorf("GPU 2 just inside the window: %v, want Degraded", h)
+	}
+	n.recordXID(2, 45) // again: the window starts over
+	mu.Lock()
+	now = now.Add(xidDegrades - time.Second)
+	mu.Unlock()
+	n.Refresh()
+	if h := health("2"); h != Degraded {
+		t.Errorf("GPU 2 within the window of its latest XID: %v, want Degraded", h)
+	}
+	mu.Lock()
+	now = now.Add(2 * time.Second)
+	mu.Unlock()
+	n.Refresh()
+	if h2, h3 := health("2"), health("3"); h2 != Healthy || h3 != Failed {
+		t.Errorf("past the window: GPU 2 %v, GPU 3 %v; want Healthy, Failed", h2, h3)
+	}
+	if g, _ := n.Lookup("2"); g.xidTotal != 2 || len(g.XIDs) != 2 {
+		t.Errorf("GPU 2's XIDs %v (total %d): the record keeps them", g.XIDs, g.xidTotal)
+	}
+}
