@@ -238,6 +238,16 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		writeErrorType(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf("max_tokens must be at least 1, got %d.", *maxTokens), "max_tokens")
 		return
 	}
+	// vLLM's SamplingParams checks.
+	if f.MinTokens < 0 {
+		writeErrorType(w, http.StatusBadRequest, "BadRequestError", fmt.Sprintf("min_tokens must be greater than or equal to 0, got %d.", f.MinTokens), "min_tokens")
+		return
+	}
+	if maxTokens != nil && f.MinTokens > *maxTokens {
+		writeErrorType(w, http.StatusBadRequest, "BadRequestError",
+			fmt.Sprintf("min_tokens must be less than or equal to max_tokens=%d, got %d.", *maxTokens, f.MinTokens), "min_tokens")
+		return
+	}
 	if len(prompt) == 0 {
 		writeErrorType(w, http.StatusBadRequest, "BadRequestError", "the prompt is empty", "prompt")
 		return

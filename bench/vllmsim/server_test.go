@@ -751,6 +751,8 @@ func TestErrors(t *testing.T) {
 		{"prompt alone too long with max_tokens", c, "POST", "/v1/completions", map[string]any{"prompt": long, "max_tokens": 1}, 400, "", "maximum context length"},
 		{"max_tokens 0", c, "POST", "/v1/completions", map[string]any{"prompt": short, "max_tokens": 0}, 400, "max_tokens", ""},
 		{"max_tokens negative", c, "POST", "/v1/chat/completions", map[string]any{"messages": msgs, "max_tokens": -3}, 400, "", ""},
+		{"min_tokens over max_tokens", c, "POST", "/v1/completions", map[string]any{"prompt": short, "max_tokens": 5, "min_tokens": 10}, 400, "min_tokens", "less than or equal to max_tokens=5"},
+		{"min_tokens negative", c, "POST", "/v1/chat/completions", map[string]any{"messages": msgs, "max_tokens": 5, "min_tokens": -1}, 400, "min_tokens", ""},
 		{"n=2", c, "POST", "/v1/chat/completions", map[string]any{"messages": msgs, "max_tokens": 4, "n": 2}, 400, "n", ""},
 		{"stream_options without stream", c, "POST", "/v1/chat/completions", map[string]any{"messages": msgs, "max_tokens": 4, "stream_options": map[string]any{"include_usage": true}}, 400, "stream_options", ""},
 		{"stream_options with stream false", c, "POST", "/v1/completions", map[string]any{"prompt": short, "max_tokens": 4, "stream": false, "stream_options": map[string]any{"include_usage": true}}, 400, "", ""},
