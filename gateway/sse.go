@@ -168,9 +168,21 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, err)
 	}
 	if resume && at.shown == 0 {
-		at.shown = s.versionAt(ctx, tenant, id, at.after)
+		// A store that cannot say what the client was shown fails the
+		// request: taking it for nothing would show the client states
+		// it has seen, its last among them, again.
+		if at.shown, err = s.versionAt(ctx, tenant, id, at.after); err != nil {
+			return writeError(w, s.log, err)
+		}
 	}
 	shown := at.shown // the state_version the client has seen
+	if resume && j.State.Final() && j.StateVersion <= shown {
+		// The client has seen the end already. 204, not an empty
+		// stream: a browser's EventSource reconnects after a stream
+		// that ends, and stops only on 204.
+		w.WriteHeader(http.StatusNoContent)
+		return http.StatusNoContent
+	}
 	sse, err := startSSE(w)
 	if err != nil {
 		return http.StatusOK
@@ -180,8 +192,6 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 			return http.StatusOK
 		}
 		shown = j.StateVersion
-	} else if j.State.Final() && j.StateVersion <= shown {
-		return http.StatusOK // the client has seen the end already
 	}
 	keep := func(e store.Event) (bool, bool) {
 		if e.StateVersion <= shown {
@@ -214,15 +224,18 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 
 // versionAt returns the state_version of a job's event at a feed place,
 // or 0 when the place is not one of the job's events.
-func (s *Server) versionAt(ctx context.Context, tenant, jobID string, at int64) int64 {
+func (s *Server) versionAt(ctx context.Context, tenant, jobID string, at int64) (int64, error) {
 	if at < 1 {
-		return 0
+		return 0, nil
 	}
 	evs, err := s.jobs.Store.Events(ctx, tenant, jobID, at-1, 1)
-	if err != nil || len(evs) == 0 || evs[0].Cursor != at {
-		return 0
+	if err != nil {
+		return 0, err
 	}
-	return evs[0].StateVersion
+	if len(evs) == 0 || evs[0].Cursor != at {
+		return 0, nil
+	}
+	return evs[0].StateVersion, nil
 }
 
 // lastEventUpTo returns a job's latest published event at or before a feed
