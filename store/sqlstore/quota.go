@@ -221,8 +221,7 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 	if err := s.quotaDo(ctx, c); err != nil {
 		return store.Permit{}, err // if its batch runs after all, undoAcquire undoes it
 	}
-	var qe *store.QuotaError
-	if c.err != nil && !errors.As(c.err, &qe) {
+	if c.err != nil && s.lostTouch(c.err) {
 		go s.undoAcquire(c)
 	}
 	return c.permit, c.err
@@ -237,13 +236,16 @@ func (s *Store) Acquire(ctx context.Context, a store.Acquisition) (store.Permit,
 // a store that stalled past quotaWait would, once it came back, find the
 // tenants it refused meanwhile (503) at their concurrency limits. A
 // permit known to be written is released as written; one that may not
-// be is released by its id alone, without the window it may have
-// counted (a release of a permit that is not there changes nothing). A
-// release that fails leaves the permit to its lease, as before.
+// be (the store lost touch with the database: lostTouch) is released by
+// its id alone, without the window it may have counted (a release of a
+// permit that is not there changes nothing). A release that fails leaves
+// the permit to its lease, as before.
 func (s *Store) undoAcquire(c *quotaCall) {
-	var qe *store.QuotaError
-	if c.acquire == nil || errors.As(c.err, &qe) {
-		return // a refusal wrote nothing
+	if c.acquire == nil || (c.err != nil && !s.lostTouch(c.err)) {
+		// A refusal wrote nothing, nor did a call the database turned
+		// down (a permit id taken: releasing it would release the
+		// permit of the call that took it).
+		return
 	}
 	p := c.permit
 	if c.err != nil {
