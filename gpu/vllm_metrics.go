@@ -29,9 +29,14 @@ type EngineMetrics struct {
 	// when the server does not say.
 	BlockSize    int
 	NumGPUBlocks int
-	Preemptions  float64 // vllm:num_preemptions_total, cumulative
-	Generation   float64 // vllm:generation_tokens_total, cumulative
-	Prompt       float64 // vllm:prompt_tokens_total, cumulative
+	// NoPrefixCaching: cache_config_info says enable_prefix_caching is
+	// False (vLLM started with --no-enable-prefix-caching): requests
+	// share no KV there, however alike their prompts. Unknown reads as
+	// caching on, vLLM's default.
+	NoPrefixCaching bool
+	Preemptions     float64 // vllm:num_preemptions_total, cumulative
+	Generation      float64 // vllm:generation_tokens_total, cumulative
+	Prompt          float64 // vllm:prompt_tokens_total, cumulative
 	// Steps is the engine steps taken so far: the sample count of the
 	// vllm:iteration_tokens_total histogram, which vLLM observes once per
 	// step. Each running sequence gains one token a step of its engine,
@@ -124,6 +129,9 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 				m.BlockSize = bs
 				m.NumGPUBlocks += nb
 				blocksByEngine[label(s, "engine")] = float64(nb)
+			}
+			if label(s, "enable_prefix_caching") == "False" {
+				m.NoPrefixCaching = true
 			}
 		}
 	}

@@ -396,6 +396,12 @@ vllm:cache_config_info{swap_space_bytes="4294967296",num_gpu_blocks="27494",enab
 			want: EngineMetrics{Running: 2, Waiting: 1, BlockSize: 16, NumGPUBlocks: 27494},
 		},
 		{
+			name: "prefix caching off",
+			page: gauges + `vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",enable_prefix_caching="False",engine="0"} 1.0
+`,
+			want: EngineMetrics{Running: 2, Waiting: 1, BlockSize: 16, NumGPUBlocks: 1000, NoPrefixCaching: true},
+		},
+		{
 			name: "cache_config_info before engine init",
 			page: gauges + `vllm:cache_config_info{block_size="16",num_gpu_blocks="None",engine="0"} 1.0
 `,

@@ -635,7 +635,7 @@ func (s *Scheduler) index(backend string) *prefixIndex {
 // by requests in flight. It first brings the index's correction up to the
 // backend's last scrape.
 func (s *Scheduler) expectedHit(sn *gpu.Snapshot, t *Ticket, pinned int) float64 {
-	if t.Prefix == nil || t.PromptTokens <= 0 {
+	if t.Prefix == nil || t.PromptTokens <= 0 || sn.Metrics.NoPrefixCaching {
 		return 0
 	}
 	x := s.index(sn.Name)

@@ -222,6 +222,38 @@ func TestSharedBlocksReservedOnce(t *testing.T) {
 	}
 }
 
+// TestNoSharingWithoutPrefixCaching: on a backend whose vLLM caches no
+// prefixes (enable_prefix_caching False), prompts that share a system
+// prompt share no KV: each is reserved whole.
+func TestNoSharingWithoutPrefixCaching(t *testing.T) {
+	sn := backendSnap("a", 2_000_000)
+	sn.Metrics.NoPrefixCaching = true
+	s := newTestScheduler(t, Policy{KVTarget: 1}, sn)
+	sys := text("system", 24_000) // 6,000 tokens at 4 bytes each
+	var grants []*Grant
+	want := 0
+	for i := range 10 {
+		prompt := sys + text(string(rune('a'+i)), 400)
+		tk := &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		g.Progress(1)
+		grants = append(grants, g)
+		want += tk.PromptTokens + tk.MaxTokens
+	}
+	if r := s.Loads()[0].Reserved; r != want {
+		t.Errorf("10 requests sharing a system prompt reserve %d tokens on a backend without prefix caching, want %d, each whole", r, want)
+	}
+	if l := s.ledgers["a"]; len(l.pins) != 0 || l.shared != 0 {
+		t.Errorf("pins on a backend without prefix caching: %d chunks, %d tokens", len(l.pins), l.shared)
+	}
+	for _, g := range grants {
+		g.Release()
+	}
+}
+
 // TestRoutingPrefixAndLoad: a tenant's prompts stick to the backend that
 // has its prefix while it can admit them, then spill to the next best;
 // never by prefix alone.

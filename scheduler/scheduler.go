@@ -204,13 +204,18 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		}
 		l := s.ledgers[sn.Name]
 		// Only the chunks requests in flight there hold are shared at
-		// once; the rest of the prompt takes new KV (prefix.go).
-		pinned := l.pinnedLeading(t.Prefix)
+		// once; the rest of the prompt takes new KV (prefix.go). A
+		// backend that caches no prefixes shares none.
+		pf := t.Prefix
+		if sn.Metrics.NoPrefixCaching {
+			pf = nil
+		}
+		pinned := l.pinnedLeading(pf)
 		computed := pinned
 		if pinned > 0 {
-			computed = l.computedLeading(t.Prefix, pinned, s.prefilled(sn, now))
+			computed = l.computedLeading(pf, pinned, s.prefilled(sn, now))
 		}
-		prompt := t.PromptTokens - t.Prefix.tokens(computed)
+		prompt := t.PromptTokens - pf.tokens(computed)
 		capped := t.Class == Batch && s.interactiveAbout(sn, now)
 		// An older ticket may wait for this backend's next room
 		// (Scheduler.hold): decide lets t take room only where it does not
@@ -285,7 +290,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		s: s, l: l, estimate: t.PromptEstimate, prompt: t.PromptTokens, maxOut: t.MaxTokens, admittedAt: now,
 		class: t.Class,
 	}
-	if t.Prefix != nil {
+	if t.Prefix != nil && !best.Metrics.NoPrefixCaching {
 		// Chunks pinned there but not computed yet are allocated again
 		// for this request: its own, not shared.
 		g.prefix, g.sharedPart = t.Prefix, t.Prefix.tokens(len(t.Prefix.Hashes)-(bestPin-bestComputed))
