@@ -9,7 +9,10 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // ErrEngineDead is returned for requests that meet a dead engine: one killed
@@ -64,7 +67,12 @@ type Engine struct {
 	prof    Profile
 	speedup float64
 	seed    uint64
-	m       *engineMetrics
+	// m is owned by the step loop, which starts it over when the engine
+	// dies (a restarted vLLM's counters start from zero); reg is its
+	// registry, for /metrics.
+	m    *engineMetrics
+	newM func() *engineMetrics
+	reg  atomic.Pointer[prometheus.Registry]
 
 	mu      sync.Mutex // guards the fields below it
 	inbox   []*Request
@@ -120,10 +128,14 @@ func NewEngine(opts Options) (*Engine, error) {
 		prof:    p,
 		speedup: opts.Speedup,
 		seed:    opts.Seed,
-		m:       newEngineMetrics(p, cmp.Or(opts.ModelName, p.Model), opts.LegacyMetrics, opts.Quirks),
-		wake:    make(chan struct{}, 1),
-		pool:    newBlockPool(p.NumGPUBlocks, p.PrefixCaching && !p.Embedding),
+		newM: func() *engineMetrics {
+			return newEngineMetrics(p, cmp.Or(opts.ModelName, p.Model), opts.LegacyMetrics, opts.Quirks)
+		},
+		wake: make(chan struct{}, 1),
+		pool: newBlockPool(p.NumGPUBlocks, p.PrefixCaching && !p.Embedding),
 	}
+	e.m = e.newM()
+	e.reg.Store(e.m.reg)
 	e.clock.init(opts.Speedup)
 	return e, nil
 }
@@ -360,8 +372,11 @@ func (e *Engine) intake() bool {
 		for _, r := range slices.Concat(e.running, e.waiting) {
 			e.finishOutOfBand(r, FinishAbort, ErrEngineDead, now)
 		}
-		// A dead engine loses its cache; Revive starts cold.
+		// A dead engine loses its cache and its counters; Revive starts
+		// cold, as a restarted vLLM does.
 		e.pool = newBlockPool(e.prof.NumGPUBlocks, e.pool.caching)
+		e.m = e.newM()
+		e.reg.Store(e.m.reg)
 	}
 	idle := len(e.running) == 0 && len(e.waiting) == 0
 	if idle || len(inbox)+len(aborts) > 0 || died {

@@ -109,7 +109,9 @@ func (s *Sim) routes() {
 	s.mux.HandleFunc("GET /version", s.handleVersion)
 	s.mux.HandleFunc("GET /load", s.handleLoad)
 	s.poolingRoutes()
-	s.mux.Handle("GET /metrics", promhttp.HandlerFor(s.eng.m.reg, promhttp.HandlerOpts{}))
+	s.mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		promhttp.HandlerFor(s.eng.reg.Load(), promhttp.HandlerOpts{}).ServeHTTP(w, r)
+	})
 	s.mux.HandleFunc("GET /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("PUT /admin/faults", s.handleFaults)
 	s.mux.HandleFunc("POST /admin/faults", s.handleFaults)

@@ -1636,3 +1636,39 @@ func TestEmbeddingsRejectOutOfVocabularyIDs(t *testing.T) {
 		checkAPIError(t, c.post(t, "/v1/embeddings", map[string]any{"input": in}), 400, "", "")
 	}
 }
+
+// TestRestartResetsCounters: an engine that dies and comes back starts
+// its counters from zero, as a restarted vLLM process does, so that a
+// client that watches for counter resets (kvgate's prefix index and rate
+// estimates) sees the restart.
+func TestRestartResetsCounters(t *testing.T) {
+	p := testProfile(t, 2048, 512)
+	_, c := startSim(t, Config{Profile: p, Speedup: 100})
+	chat := func(n int) {
+		t.Helper()
+		// A request that reaches the engine in the step that finds it
+		// dead fails with the requests of its former life: once more.
+		for try := 0; ; try++ {
+			r := c.post(t, "/v1/chat/completions", map[string]any{"messages": chatMessages("count me"), "max_tokens": n, "ignore_eos": true})
+			if r.status == http.StatusOK {
+				return
+			}
+			if try == 3 {
+				t.Fatalf("chat: %d %s", r.status, r.body)
+			}
+		}
+	}
+	chat(20)
+	if got := scrapeCounter(t, c.base, "vllm:generation_tokens_total"); got != 20 {
+		t.Fatalf("generation_tokens_total before the restart: %v, want 20", got)
+	}
+	setFaults(t, c, Faults{Dead: true})
+	setFaults(t, c, Faults{})
+	chat(3) // served by the revived engine, after it saw its death
+	if got := scrapeCounter(t, c.base, "vllm:generation_tokens_total"); got != 3 {
+		t.Errorf("generation_tokens_total after the restart: %v, want 3, counted from zero", got)
+	}
+	if got := scrapeCounter(t, c.base, "vllm:request_success_total"); got != 1 {
+		t.Errorf("request_success_total after the restart: %v, want 1", got)
+	}
+}
