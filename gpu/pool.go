@@ -501,10 +501,16 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 			return
 		}
-		if b.excused(err, now) {
-			return // a busy host, not a failed backend: the view is only late (liveness.go)
-		}
-		p.update(b, func(s *Snapshot) { s.ScrapeErr = err.Error() })
+		// The GPUs' health does not wait for the page: a GPU that fails
+		// while it is down takes the backend out of routing at once.
+		health, reasons, gpus := p.gpuHealth(b)
+		excused := b.excused(err, now) // a busy host, not a failed backend: the view is only late (liveness.go)
+		p.update(b, func(s *Snapshot) {
+			if !excused {
+				s.ScrapeErr = err.Error()
+			}
+			s.GPUHealth, s.GPUReasons, s.GPUs = health, reasons, gpus
+		})
 		return
 	}
 	health, reasons, gpus := p.gpuHealth(b)

@@ -15,6 +15,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
+
 	"github.com/kvgate/kvgate/bench/eventually"
 
 	"github.com/kvgate/kvgate/bench/vllmsim"
@@ -763,5 +765,27 @@ func TestPoolSparesLastRoutableBackend(t *testing.T) {
 	}
 	if s := mustSnapshot(t, p, "b"); !s.Ejected {
 		t.Errorf("b not ejected by failing probes: %+v", s)
+	}
+}
+
+// TestGPUHealthFollowsNVMLWhileScrapesFail: a backend whose metrics page
+// fails still has its GPUs' health brought up to date on each scrape: a
+// critical XID while the page is down fails the backend's GPU health (and
+// so takes it out of routing) at once, not once the page answers again.
+func TestGPUHealthFollowsNVMLWhileScrapesFail(t *testing.T) {
+	n := OpenNVML(readyMock(dgxh100.New()), NVMLConfig{})
+	broken := fakeBackend(t, http.StatusInternalServerError, "oops")
+	p, err := NewPool([]BackendConfig{{Name: "b", URL: broken.URL, GPUs: []string{"2"}}}, PoolConfig{NVML: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Scrape(context.Background())
+	if s, _ := p.Snapshot("b"); s.GPUHealth != Healthy || s.ScrapeErr == "" {
+		t.Fatalf("before the XID: GPU health %v, scrape error %q", s.GPUHealth, s.ScrapeErr)
+	}
+	n.recordXID(2, 79)
+	p.Scrape(context.Background())
+	if s, _ := p.Snapshot("b"); s.GPUHealth != Failed {
+		t.Errorf("after a critical XID, the page still failing: GPU health %v (%v), want failed", s.GPUHealth, s.GPUReasons)
 	}
 }
