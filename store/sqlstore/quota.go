@@ -51,15 +51,29 @@ func checkWindow(scope string, l store.Limits, req, tok, tokens int64, reset tim
 	if l.TPM > 0 {
 		w.RemainingTokens = max(0, l.TPM-tok-tokens)
 	}
-	switch {
-	case l.RPM > 0 && req+1 > l.RPM:
-		w.RemainingRequests = 0
-		return w, &store.QuotaError{Limit: "requests", Scope: scope, Max: l.RPM, Used: req, Asked: 1, Reset: reset, Window: w}
-	case l.TPM > 0 && tok+tokens > l.TPM:
-		w.RemainingTokens = max(0, l.TPM-tok)
+	if (l.RPM > 0 && req+1 > l.RPM) || (l.TPM > 0 && tok+tokens > l.TPM) {
+		// Refused, the request takes nothing: the window as it stands.
+		w.RemainingRequests, w.RemainingTokens = max(0, l.RPM-req), max(0, l.TPM-tok)
+		if l.RPM > 0 && req+1 > l.RPM {
+			return w, &store.QuotaError{Limit: "requests", Scope: scope, Max: l.RPM, Used: req, Asked: 1, Reset: reset, Window: w}
+		}
 		return w, &store.QuotaError{Limit: "tokens", Scope: scope, Max: l.TPM, Used: tok, Asked: tokens, Reset: reset, Window: w}
 	}
 	return w, nil
+}
+
+// uncounted is window w, which counted a request of tokens and had room
+// for it, without it: what a request refused after its windows let it
+// through (by a key's window, a concurrency limit, a budget) reports in
+// its x-ratelimit-remaining-* headers, since it takes nothing.
+func uncounted(w store.Window, tokens int64) store.Window {
+	if w.LimitRequests > 0 {
+		w.RemainingRequests = min(w.LimitRequests, w.RemainingRequests+1)
+	}
+	if w.LimitTokens > 0 {
+		w.RemainingTokens = min(w.LimitTokens, w.RemainingTokens+tokens)
+	}
+	return w
 }
 
 // tighter returns the window with less room left.
@@ -283,10 +297,17 @@ func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, 
 			}
 			kw, err := checkWindow("key", a.KeyLimits, kreq, ktok, a.Tokens, max(0, kws.Add(time.Minute).Sub(a.Now)))
 			if err != nil {
+				// The tenant's window, too, as it stands without the
+				// refused request, where it has less room than the key's.
+				var qe *store.QuotaError
+				if errors.As(err, &qe) {
+					qe.Window = tighter(qe.Window, uncounted(p.Window, a.Tokens))
+				}
 				return err
 			}
 			p.Window = tighter(p.Window, kw)
 		}
+		refused := uncounted(p.Window, a.Tokens) // what a refusal from here reports
 		// Expired permits matter at once to concurrency and budgets;
 		// elsewhere only to the ledger, swept now and then.
 		l := a.Limits
@@ -296,15 +317,15 @@ func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, 
 				return err
 			}
 		}
-		if err := s.checkConcurrency(ctx, tx, "tenant", `tenant = ?`, a.Tenant, a.Limits.MaxConcurrency, p.Window); err != nil {
+		if err := s.checkConcurrency(ctx, tx, "tenant", `tenant = ?`, a.Tenant, a.Limits.MaxConcurrency, refused); err != nil {
 			return err
 		}
 		if keyScoped {
-			if err := s.checkConcurrency(ctx, tx, "key", `key_id = ?`, a.KeyID, a.KeyLimits.MaxConcurrency, p.Window); err != nil {
+			if err := s.checkConcurrency(ctx, tx, "key", `key_id = ?`, a.KeyID, a.KeyLimits.MaxConcurrency, refused); err != nil {
 				return err
 			}
 		}
-		if err := s.checkBudgets(ctx, tx, a, p.Window); err != nil {
+		if err := s.checkBudgets(ctx, tx, a, refused); err != nil {
 			return err
 		}
 		// Room everywhere: the windows took theirs already.

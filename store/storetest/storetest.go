@@ -57,6 +57,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Tenants", testTenants},
 		{"Keys", testKeys},
 		{"QuotaWindow", testQuotaWindow},
+		{"QuotaRefusalWindow", testQuotaRefusalWindow},
 		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},
 		{"QuotaBudgets", testQuotaBudgets},
 		{"SpendBudgets", testSpendBudgets},

@@ -151,8 +151,9 @@ func testQuotaWindow(t *testing.T, s store.Store) {
 	// 40 more tokens do not fit; the refusal takes nothing.
 	_, err := s.Acquire(ctx, acquisition("acme", 40, l, now))
 	var q *store.QuotaError
-	if !errors.As(err, &q) || q.Limit != "tokens" || q.Max != 100 || q.Used != 80 || q.Reset != 50*time.Second || q.Window.RemainingTokens != 20 {
-		t.Fatalf("over TPM: %v (%+v)", err, q)
+	if !errors.As(err, &q) || q.Limit != "tokens" || q.Max != 100 || q.Used != 80 || q.Reset != 50*time.Second ||
+		q.Window.RemainingTokens != 20 || q.Window.RemainingRequests != 1 {
+		t.Fatalf("over TPM: %v (%+v): want 20 tokens and 1 request left, the refused request not counted", err, q)
 	}
 	if _, err := s.Acquire(ctx, acquisition("acme", 20, l, now)); err != nil {
 		t.Fatalf("the last 20 tokens: %v", err)
@@ -186,6 +187,53 @@ func testQuotaWindow(t *testing.T, s store.Store) {
 	// Another tenant has its own windows.
 	if _, err := s.Acquire(ctx, acquisition("globex", 100, l, now)); err != nil {
 		t.Errorf("another tenant: %v", err)
+	}
+}
+
+// testQuotaRefusalWindow: a refused request takes nothing, and the window
+// it reports (its x-ratelimit-remaining-* headers) does not count it,
+// whichever limit refused it; a key's refusal reports the tenant's window
+// too where it has less room.
+func testQuotaRefusalWindow(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	now := t0.Add(10 * time.Second)
+	l := store.Limits{RPM: 10, TPM: 1000, MaxConcurrency: 1}
+	p1, err := s.Acquire(ctx, acquisition("acme", 100, l, now))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := p1.Window; w.RemainingRequests != 9 || w.RemainingTokens != 900 {
+		t.Fatalf("window after one: %+v", w)
+	}
+	_, err = s.Acquire(ctx, acquisition("acme", 50, l, now))
+	var q *store.QuotaError
+	if !errors.As(err, &q) || q.Limit != "concurrency" || q.Window.RemainingRequests != 9 || q.Window.RemainingTokens != 900 {
+		t.Fatalf("second in flight: %v (%+v); want concurrency, with 9 requests and 900 tokens left", err, q)
+	}
+	if err := s.Release(ctx, store.Release{Permit: p1, Outcome: store.Reported, Attempts: 1, PromptTokens: 60, CompletionTokens: 40, Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	keyed := func(tokens int64) store.Acquisition {
+		a := acquisition("acme", tokens, l, now)
+		a.KeyID, a.KeyLimits = "key_refusal", store.Limits{RPM: 1}
+		return a
+	}
+	p3, err := s.Acquire(ctx, keyed(10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := p3.Window; w.LimitRequests != 1 || w.RemainingRequests != 0 || w.LimitTokens != 1000 || w.RemainingTokens != 890 {
+		t.Errorf("window under the key: %+v; want the key's requests (0 of 1 left), the tenant's tokens (890 left)", w)
+	}
+	if err := s.Release(ctx, store.Release{Permit: p3, Outcome: store.Reported, Attempts: 1, PromptTokens: 5, CompletionTokens: 5, Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = s.Acquire(ctx, keyed(10))
+	if !errors.As(err, &q) || q.Limit != "requests" || q.Scope != "key" {
+		t.Fatalf("second under the key: %v, want the key's requests", err)
+	}
+	if w := q.Window; w.LimitRequests != 1 || w.RemainingRequests != 0 || w.LimitTokens != 1000 || w.RemainingTokens != 890 {
+		t.Errorf("the key's refusal reports %+v; want the key's requests (0 of 1 left) and the tenant's tokens (890 of 1000 left)", w)
 	}
 }
 
