@@ -156,7 +156,11 @@ type Permit struct {
 	Cost        int64 // the reservation's price, micro-units
 	Day         int   // yyyymmdd, UTC: the usage ledger row charged
 	WindowStart time.Time
-	Window      Window // the tenant's (or the key's, when tighter)
+	// KeyWindow says the key's own window counted the permit too (the
+	// key had limits of its own when it was acquired): its release gives
+	// back to that window only then, never a slot it did not take.
+	KeyWindow bool
+	Window    Window // the tenant's (or the key's, when tighter)
 }
 
 // Outcome is how a permit's request ended.

@@ -295,6 +295,7 @@ func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, 
 			if err != nil {
 				return err
 			}
+			p.KeyWindow = true
 			kw, err := checkWindow("key", a.KeyLimits, kreq, ktok, a.Tokens, max(0, kws.Add(time.Minute).Sub(a.Now)))
 			if err != nil {
 				// The tenant's window, too, as it stands without the
@@ -514,7 +515,7 @@ func (s *Store) releaseIn(ctx context.Context, tx *sql.Tx, r store.Release) erro
 	// Only while the permit is there (not released before), and only
 	// in the window that counted it: a later one never saw it.
 	for _, sc := range []string{"t:" + p.Tenant, "k:" + p.KeyID} {
-		if sc == "k:" || p.WindowStart.IsZero() { // no key, or no window counted it
+		if p.WindowStart.IsZero() || (sc[0] == 'k' && !p.KeyWindow) { // no window counted it, or not the key's
 			continue
 		}
 		ws := micros(p.WindowStart)

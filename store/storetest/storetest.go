@@ -58,6 +58,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Keys", testKeys},
 		{"QuotaWindow", testQuotaWindow},
 		{"QuotaRefusalWindow", testQuotaRefusalWindow},
+		{"QuotaKeyWindowRelease", testQuotaKeyWindowRelease},
 		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},
 		{"QuotaBudgets", testQuotaBudgets},
 		{"SpendBudgets", testSpendBudgets},

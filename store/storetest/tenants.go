@@ -237,6 +237,36 @@ func testQuotaRefusalWindow(t *testing.T, s store.Store) {
 	}
 }
 
+// testQuotaKeyWindowRelease: a permit taken while its key had no limits
+// of its own was never counted in the key's window, and its release gives
+// nothing back there, even when the key, given limits mid-minute, has a
+// window by then: otherwise it would free a slot another request took.
+func testQuotaKeyWindowRelease(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	now := t0.Add(10 * time.Second)
+	l := store.Limits{RPM: 100}
+	before := acquisition("acme", 10, l, now)
+	before.KeyID = "key_later_limited"
+	p1, err := s.Acquire(ctx, before)
+	if err != nil {
+		t.Fatal(err)
+	}
+	limited := func() store.Acquisition {
+		a := acquisition("acme", 10, l, now)
+		a.KeyID, a.KeyLimits = "key_later_limited", store.Limits{RPM: 1}
+		return a
+	}
+	if _, err := s.Acquire(ctx, limited()); err != nil {
+		t.Fatalf("the key's first request under its limit: %v", err)
+	}
+	if err := s.Release(ctx, store.Release{Permit: p1, Outcome: store.NotSent, Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Acquire(ctx, limited()); quotaLimit(err) != "requests" {
+		t.Errorf("the key's second request in the minute, RPM 1: %v, want refused (the first permit's release freed a slot it never took)", err)
+	}
+}
+
 func testQuotaConcurrencyAndLedger(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	l := store.Limits{MaxConcurrency: 2}
