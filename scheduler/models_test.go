@@ -189,3 +189,51 @@ func TestUnroutableRefusalsLogged(t *testing.T) {
 		t.Errorf("after the interval: %d lines, last %q; want a third counting the 10 refusals since the first", len(lines), last)
 	}
 }
+
+// TestQueuedTicketFailsWhenBackendGoesAgain: the routing a queued ticket
+// was checked against is the one later changes are compared with, even
+// when the queue was empty meanwhile. Backend a goes while another
+// model's ticket waits, comes back once the queue is empty, and goes
+// again after a ticket for its model was queued: that ticket fails at
+// once, not at its deadline, though the routing is again what the last
+// pump saw.
+func TestQueuedTicketFailsWhenBackendGoesAgain(t *testing.T) {
+	other := backendSnap("b", 1000)
+	other.Models = []gpu.Model{{ID: "other", MaxModelLen: 100_000}}
+	set := func(a *gpu.Snapshot, src *staticSource) {
+		src.mu.Lock()
+		src.snaps = []*gpu.Snapshot{a, other}
+		src.mu.Unlock()
+	}
+	src := &staticSource{}
+	set(backendSnap("a", 1000), src)
+	s, err := New(src, Options{Policy: Policy{KVTarget: 1, MaxQueueWait: time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for _, m := range []string{model, "other"} { // fill both backends
+		g, err := s.Acquire(ctx, &Ticket{Model: m, PromptTokens: 900, MaxTokens: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer g.Release()
+	}
+	octx, ocancel := context.WithCancel(ctx)
+	otherDone := acquireAsync(octx, s, &Ticket{Model: "other", PromptTokens: 10, MaxTokens: 10})
+	waitQueued(t, s, 1)
+	set(ejectedSnap("a", time.Now().Add(time.Hour)), src) // a goes while the queue holds other's ticket
+	s.Wake()
+	ocancel()
+	<-otherDone
+	waitQueued(t, s, 0)
+	set(backendSnap("a", 1000), src) // a comes back; nothing queued sees it
+	mine := acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 10, MaxTokens: 10, Deadline: time.Now().Add(3 * time.Second)})
+	waitQueued(t, s, 1)
+	set(ejectedSnap("a", time.Now().Add(time.Hour)), src) // and goes again
+	s.Wake()
+	if o := <-mine; !errors.Is(o.err, ErrNoRoutableBackend) {
+		t.Fatalf("the ticket whose only backend went: %v, want ErrNoRoutableBackend at once", o.err)
+	}
+}

@@ -75,6 +75,12 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 		s.m.outcome(t.Class, outcomeQueueFull)
 		return nil, &RejectedError{Reason: "queue_full", RetryAfter: retry}
 	}
+	if s.queued == 0 {
+		// The routing t was checked against is what later changes are
+		// compared with (failUnroutableLocked); with nothing queued, no
+		// pump kept that baseline up to date.
+		s.routingChangedLocked(snaps)
+	}
 	s.enqueueLocked(t)
 	if t.Booked != nil {
 		t.Booked()
