@@ -464,6 +464,7 @@ func (p *Pool) Run(ctx context.Context) error {
 	for _, b := range p.backends {
 		wg.Go(func() { p.scrapeLoop(ctx, b) })
 		wg.Go(func() { p.probeLoop(ctx, b) })
+		wg.Go(func() { p.discoverLoop(ctx, b) })
 	}
 	wg.Wait()
 	return ctx.Err()
@@ -608,17 +609,33 @@ func (p *Pool) gpuHealth(b *backend) (Health, []string, []GPU) {
 }
 
 func (p *Pool) probeLoop(ctx context.Context, b *backend) {
-	var nextDiscover time.Time
 	t := time.NewTicker(p.cfg.ProbeInterval)
 	defer t.Stop()
 	for {
-		s := b.snap.Load()
-		if len(s.Models) == 0 || time.Now().After(nextDiscover) {
-			if err := p.discover(ctx, b); err == nil {
-				nextDiscover = time.Now().Add(p.cfg.DiscoverInterval)
+		p.probe(ctx, b)
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// discoverLoop reads a backend's models: every probe interval until it
+// has some, then every DiscoverInterval, a failed read included (the
+// models it has stay). It runs beside the probes, never before them: a
+// backend that hangs would otherwise hold each probe behind a read of its
+// models (up to 5 s) and put off its ejection by as much each time.
+func (p *Pool) discoverLoop(ctx context.Context, b *backend) {
+	var next time.Time
+	t := time.NewTicker(p.cfg.ProbeInterval)
+	defer t.Stop()
+	for {
+		if len(b.snap.Load().Models) == 0 || time.Now().After(next) {
+			if err := p.discover(ctx, b); err == nil || len(b.snap.Load().Models) > 0 {
+				next = time.Now().Add(p.cfg.DiscoverInterval)
 			}
 		}
-		p.probe(ctx, b)
 		select {
 		case <-ctx.Done():
 			return

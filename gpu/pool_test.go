@@ -789,3 +789,51 @@ func TestGPUHealthFollowsNVMLWhileScrapesFail(t *testing.T) {
 		t.Errorf("after a critical XID, the page still failing: GPU health %v (%v), want failed", s.GPUHealth, s.GPUReasons)
 	}
 }
+
+// TestHungBackendEjectedWhileItsModelsHang: a backend that hangs is
+// ejected after its failed probes, without waiting for a read of its
+// models (due meanwhile) that hangs too: discovery runs beside the
+// probes, not before each.
+func TestHungBackendEjectedWhileItsModelsHang(t *testing.T) {
+	var hung atomic.Bool
+	var modelReadsEnded atomic.Int64 // reads of the models that hung, then returned
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /health", func(w http.ResponseWriter, r *http.Request) {
+		if hung.Load() {
+			<-r.Context().Done()
+		}
+	})
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) { _, _ = w.Write([]byte(gauges)) })
+	mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
+		if hung.Load() {
+			<-r.Context().Done()
+			modelReadsEnded.Add(1)
+			return
+		}
+		_, _ = w.Write([]byte(`{"object":"list","data":[{"id":"fake","max_model_len":2048}]}`))
+	})
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	cfg := fastPool()
+	cfg.DiscoverInterval = 10 * time.Millisecond // due again while the backend hangs
+	p, err := NewPool([]BackendConfig{{Name: "b", URL: srv.URL}}, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = p.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	eventually.True(t, "the backend's models to be read", func() bool {
+		s, _ := p.Snapshot("b")
+		return len(s.Models) == 1
+	})
+	hung.Store(true)
+	eventually.True(t, "the hung backend to be ejected", func() bool {
+		s, _ := p.Snapshot("b")
+		return s.Ejected
+	})
+	if n := modelReadsEnded.Load(); n != 0 {
+		t.Errorf("ejected only after %d reads of its models had hung for their whole timeout, each holding the probes back", n)
+	}
+}
