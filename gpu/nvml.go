@@ -103,7 +103,7 @@ type NVML struct {
 	driver       string
 	eventReasons bool // the driver has the clock-event API, not only the throttle one
 	ran          atomic.Bool
-	now          func() time.Time // the clock of XIDs' weight on health [time.Now]
+	now          func() time.Time // the clock of readings and of XIDs' weight on health [time.Now]
 
 	// refreshMu serialises reads of the devices with each other and with
 	// shutdown; after shutdown the library must not be called.
@@ -248,9 +248,26 @@ func (n *NVML) GPUs() []GPU {
 	}
 	out := make([]GPU, len(n.gpus))
 	for i, g := range n.gpus {
-		out[i] = g.clone()
+		out[i] = n.view(g)
 	}
 	return out
+}
+
+// staleReads is how many poll intervals a GPU's reading may age while Run
+// polls before the GPU counts as Degraded: a read that hangs in the driver
+// (a familiar state of a sick GPU) would otherwise leave the last reading,
+// healthy, standing for as long as it hangs.
+const staleReads = 3
+
+// view is g as Lookup and GPUs show it: a copy, Degraded when its reading
+// is stale.
+func (n *NVML) view(g GPU) GPU {
+	g = g.clone()
+	if age := n.now().Sub(g.At); n.ran.Load() && !g.At.IsZero() && age > staleReads*n.interval {
+		g.Health = max(g.Health, Degraded)
+		g.Reasons = append(g.Reasons, fmt.Sprintf("telemetry stale: last read %s ago", age.Round(time.Second)))
+	}
+	return g
 }
 
 // Lookup finds a GPU by NVML index ("0") or UUID ("GPU-...", any case).
@@ -263,11 +280,11 @@ func (n *NVML) Lookup(id string) (GPU, bool) {
 		if i < 0 || i >= len(n.gpus) {
 			return GPU{}, false
 		}
-		return n.gpus[i].clone(), true
+		return n.view(n.gpus[i]), true
 	}
 	for _, g := range n.gpus {
 		if g.UUID != "" && strings.EqualFold(g.UUID, id) {
-			return g.clone(), true
+			return n.view(g), true
 		}
 	}
 	return GPU{}, false
@@ -285,7 +302,7 @@ func (n *NVML) Refresh() {
 	if n.closed {
 		return
 	}
-	now := time.Now()
+	now := n.now()
 	gpus := make([]GPU, len(n.devs))
 	sigs := make([]readSignals, len(n.devs))
 	for i, d := range n.devs {

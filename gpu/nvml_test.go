@@ -808,3 +808,33 @@ func TestNVMLXIDsDegradeForAWhile(t *testing.T) {
 		t.Errorf("GPU 2's XIDs %v (total %d): the record keeps them", g.XIDs, g.xidTotal)
 	}
 }
+
+// TestNVMLStaleReadingDegrades: while Run polls, a GPU whose reading has
+// not been renewed for three intervals (a read hanging in the driver) is
+// shown Degraded, with the reason, rather than as its last reading left
+// it; a fresh read shows it as it is again.
+func TestNVMLStaleReadingDegrades(t *testing.T) {
+	n := OpenNVML(readyMock(dgxh100.New()), NVMLConfig{Interval: time.Second})
+	var mu sync.Mutex
+	now := time.Date(2026, 12, 5, 12, 0, 0, 0, time.UTC)
+	n.now = func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
+	n.Refresh()
+	n.ran.Store(true) // as Run does: readings are expected every interval from now
+	advance(3 * time.Second)
+	if g, _ := n.Lookup("1"); g.Health != Healthy {
+		t.Fatalf("a reading three intervals old: %v %v, want healthy", g.Health, g.Reasons)
+	}
+	advance(time.Second)
+	g, _ := n.Lookup("1")
+	if g.Health != Degraded || len(g.Reasons) != 1 || !strings.Contains(g.Reasons[0], "telemetry stale: last read 4s ago") {
+		t.Errorf("a reading four intervals old: %v %v, want degraded, its reading stale", g.Health, g.Reasons)
+	}
+	if gs := n.GPUs(); gs[1].Health != Degraded {
+		t.Errorf("GPUs shows GPU 1 %v, want degraded as Lookup does", gs[1].Health)
+	}
+	n.Refresh()
+	if g, _ := n.Lookup("1"); g.Health != Healthy {
+		t.Errorf("after a fresh read: %v %v, want healthy", g.Health, g.Reasons)
+	}
+}
