@@ -112,8 +112,9 @@ type NVML struct {
 	closed    bool
 
 	mu    sync.Mutex
-	gpus  []GPU      // latest snapshot, GPU i at index i; nil when disabled
-	state []gpuState // per GPU, what health is derived from besides the snapshot
+	gpus  []GPU             // latest snapshot, GPU i at index i; nil when disabled
+	state []gpuState        // per GPU, what health is derived from besides the snapshot
+	migs  map[string]string // MIG device UUID (upper case) → its GPU's UUID
 }
 
 // nvmlDev is what Refresh keeps between reads of one GPU; guarded by
@@ -253,6 +254,46 @@ func (n *NVML) GPUs() []GPU {
 	return out
 }
 
+// migParent returns the UUID of the GPU that MIG device mig is a slice
+// of, asking the driver the first time (a MIG device keeps its parent).
+// It does not wait for a read in progress, which may hang: the GPU is
+// then not found this time.
+func (n *NVML) migParent(mig string) (string, bool) {
+	key := strings.ToUpper(mig)
+	n.mu.Lock()
+	parent, ok := n.migs[key]
+	n.mu.Unlock()
+	if ok {
+		return parent, true
+	}
+	if !n.enabled || !n.refreshMu.TryLock() {
+		return "", false
+	}
+	defer n.refreshMu.Unlock()
+	if n.closed {
+		return "", false
+	}
+	h, ret := n.lib.DeviceGetHandleByUUID("MIG-" + strings.ToLower(mig[4:])) // as nvidia-smi -L prints it
+	if ret != nvml.SUCCESS {
+		return "", false
+	}
+	ph, ret := h.GetDeviceHandleFromMigDeviceHandle()
+	if ret != nvml.SUCCESS {
+		return "", false
+	}
+	parent, ret = ph.GetUUID()
+	if ret != nvml.SUCCESS || parent == "" {
+		return "", false
+	}
+	n.mu.Lock()
+	if n.migs == nil {
+		n.migs = map[string]string{}
+	}
+	n.migs[key] = parent
+	n.mu.Unlock()
+	return parent, true
+}
+
 // staleReads is how many poll intervals a GPU's reading may age while Run
 // polls before the GPU counts as Degraded: a read that hangs in the driver
 // (a familiar state of a sick GPU) would otherwise leave the last reading,
@@ -271,9 +312,18 @@ func (n *NVML) view(g GPU) GPU {
 }
 
 // Lookup finds a GPU by NVML index ("0") or UUID ("GPU-...", any case).
-// It is safe for concurrent use.
+// A MIG device's UUID ("MIG-...", as CUDA_VISIBLE_DEVICES names a slice)
+// finds the GPU it is a slice of: its health is the slice's. It is safe
+// for concurrent use.
 func (n *NVML) Lookup(id string) (GPU, bool) {
 	id = strings.TrimSpace(id)
+	if len(id) > 4 && strings.EqualFold(id[:4], "MIG-") {
+		parent, ok := n.migParent(id)
+		if !ok {
+			return GPU{}, false
+		}
+		id = parent
+	}
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if i, err := strconv.Atoi(id); err == nil {

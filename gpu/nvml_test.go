@@ -838,3 +838,39 @@ func TestNVMLStaleReadingDegrades(t *testing.T) {
 		t.Errorf("after a fresh read: %v %v, want healthy", g.Health, g.Reasons)
 	}
 }
+
+// TestNVMLLookupMIG: a backend on a MIG slice names it by its MIG UUID;
+// Lookup finds the GPU it is a slice of, whose health is the slice's. An
+// unknown MIG UUID is not found.
+func TestNVMLLookupMIG(t *testing.T) {
+	srv := readyMock(dgxh100.New())
+	const mig = "MIG-4f1b2c3d-0000-4000-8000-00000000000a"
+	asked := 0
+	srv.DeviceGetHandleByUUIDFunc = func(uuid string) (nvml.Device, nvml.Return) {
+		asked++
+		if uuid != mig {
+			return nil, nvml.ERROR_NOT_FOUND
+		}
+		return &mock.Device{GetDeviceHandleFromMigDeviceHandleFunc: func() (nvml.Device, nvml.Return) {
+			return srv.Devices[2], nvml.SUCCESS
+		}}, nvml.SUCCESS
+	}
+	n := OpenNVML(srv, NVMLConfig{})
+	want, _ := n.Lookup("2")
+	for range 2 {
+		g, ok := n.Lookup("mig-" + strings.ToUpper(mig[4:])) // any case
+		if !ok || g.Index != 2 || g.UUID != want.UUID {
+			t.Fatalf("Lookup(%s) = GPU %d %s, %v; want GPU 2 %s", mig, g.Index, g.UUID, ok, want.UUID)
+		}
+	}
+	if asked != 1 {
+		t.Errorf("the driver was asked %d times for the MIG device's parent, want once", asked)
+	}
+	n.recordXID(2, 79)
+	if g, _ := n.Lookup(mig); g.Health != Failed {
+		t.Errorf("the slice of a GPU that failed: %v, want failed", g.Health)
+	}
+	if _, ok := n.Lookup("MIG-00000000-0000-4000-8000-000000000009"); ok {
+		t.Error("an unknown MIG device was found")
+	}
+}
