@@ -254,6 +254,20 @@ func (n *NVML) GPUs() []GPU {
 	return out
 }
 
+// unreadable returns a GPU whose UUID NVML could never read (its handle
+// or UUID read failing since start): a GPU named by UUID and not found
+// may be that one.
+func (n *NVML) unreadable() (int, bool) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for _, g := range n.gpus {
+		if g.UUID == "" {
+			return g.Index, true
+		}
+	}
+	return 0, false
+}
+
 // migParent returns the UUID of the GPU that MIG device mig is a slice
 // of, asking the driver the first time (a MIG device keeps its parent).
 // It does not wait for a read in progress, which may hang: the GPU is

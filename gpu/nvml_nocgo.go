@@ -40,6 +40,9 @@ func (n *NVML) GPUs() []GPU { return nil }
 // Lookup finds nothing.
 func (n *NVML) Lookup(id string) (GPU, bool) { return GPU{}, false }
 
+// unreadable finds no GPU: there are none.
+func (n *NVML) unreadable() (int, bool) { return 0, false }
+
 // Refresh does nothing.
 func (n *NVML) Refresh() {}
 

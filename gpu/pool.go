@@ -595,6 +595,14 @@ func (p *Pool) gpuHealth(b *backend) (Health, []string, []GPU) {
 	for _, id := range b.cfg.GPUs {
 		g, ok := n.Lookup(id)
 		if !ok {
+			// Not found is a configuration to check, unless a GPU NVML
+			// cannot read (its UUID unknown) may be the one: then it
+			// counts as that GPU, failed.
+			if i, unreadable := n.unreadable(); unreadable {
+				worst = Failed
+				reasons = append(reasons, fmt.Sprintf("GPU %s not found by NVML, and GPU %d cannot be read: it may be that one", id, i))
+				continue
+			}
 			worst = max(worst, Degraded)
 			reasons = append(reasons, fmt.Sprintf("GPU %s not found by NVML", id))
 			continue

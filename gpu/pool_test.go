@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/NVIDIA/go-nvml/pkg/nvml"
 	"github.com/NVIDIA/go-nvml/pkg/nvml/mock/dgxh100"
 
 	"github.com/kvgate/kvgate/bench/eventually"
@@ -835,5 +836,43 @@ func TestHungBackendEjectedWhileItsModelsHang(t *testing.T) {
 	})
 	if n := modelReadsEnded.Load(); n != 0 {
 		t.Errorf("ejected only after %d reads of its models had hung for their whole timeout, each holding the probes back", n)
+	}
+}
+
+// TestGPUNamedByUUIDUnreadable: a backend whose GPU, named by UUID, NVML
+// cannot read at all (its UUID never learnt) is not found by that UUID;
+// while some GPU is unreadable, that miss counts as the GPU failed, not
+// merely as a configuration to check, so the backend leaves routing.
+func TestGPUNamedByUUIDUnreadable(t *testing.T) {
+	srv := readyMock(dgxh100.New())
+	uuid, ret := mockDev(srv, 3).GetUUID()
+	if ret != nvml.SUCCESS {
+		t.Fatal(ret)
+	}
+	byIndex := srv.DeviceGetHandleByIndexFunc
+	srv.DeviceGetHandleByIndexFunc = func(i int) (nvml.Device, nvml.Return) {
+		if i == 3 {
+			return nil, nvml.ERROR_UNKNOWN
+		}
+		return byIndex(i)
+	}
+	n := OpenNVML(srv, NVMLConfig{})
+	b, typo := fakeBackend(t, http.StatusOK, gauges), fakeBackend(t, http.StatusOK, gauges)
+	p, err := NewPool([]BackendConfig{{Name: "b", URL: b.URL, GPUs: []string{uuid}}, {Name: "typo", URL: typo.URL, GPUs: []string{"GPU-0"}}}, PoolConfig{NVML: n})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.Scrape(context.Background())
+	if s, _ := p.Snapshot("b"); s.GPUHealth != Failed {
+		t.Errorf("a backend on an unreadable GPU named by UUID: %v %v, want failed", s.GPUHealth, s.GPUReasons)
+	}
+	srv.DeviceGetHandleByIndexFunc = byIndex
+	n.Refresh() // GPU 3 reads again, its UUID learnt
+	p.Scrape(context.Background())
+	if s, _ := p.Snapshot("b"); s.GPUHealth != Healthy {
+		t.Errorf("once GPU 3 reads: %v %v, want healthy", s.GPUHealth, s.GPUReasons)
+	}
+	if s, _ := p.Snapshot("typo"); s.GPUHealth != Degraded {
+		t.Errorf("a GPU no NVML GPU can be, every GPU read: %v %v, want degraded (a configuration to check)", s.GPUHealth, s.GPUReasons)
 	}
 }
