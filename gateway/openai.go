@@ -398,8 +398,10 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 			// the model is reachable (ErrNoRoutableBackend), or none has room.
 			return writeError(w, s.log, err)
 		}
-		res := s.forward(ctx, w, grant, c, body, injected)
-		grant.Release()
+		res := func() result {
+			defer grant.Release() // deferred: a panic (net/http recovers it) must not keep the backend's room
+			return s.forward(ctx, w, grant, c, body, injected)
+		}()
 		last = &res
 		if res.up.class.sent() {
 			attempts++

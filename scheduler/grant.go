@@ -120,8 +120,8 @@ func (g *Grant) Progress(generated int) { g.generated.Store(int64(generated)) }
 func (g *Grant) Release() {
 	s := g.s
 	s.mu.Lock()
+	defer s.mu.Unlock() // deferred: a panic in the pump must not leave the scheduler locked
 	if g.released {
-		s.mu.Unlock()
 		return
 	}
 	g.released = true
@@ -153,7 +153,6 @@ func (g *Grant) Release() {
 	if s.queued > 0 {
 		s.pumpLocked(s.src.Snapshots(), now)
 	}
-	s.mu.Unlock()
 }
 
 // BackendLoad is what kvgate has admitted to one backend, for reports.

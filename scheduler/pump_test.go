@@ -193,3 +193,43 @@ func TestPumpFailsTicketThatOutgrowsEveryBackend(t *testing.T) {
 		o.g.Release()
 	}
 }
+
+// TestPanicInPumpLeavesSchedulerUsable: a panic inside admission (here a
+// ticket's prompt estimate, run by the pump a Release starts) reaches
+// the caller (net/http recovers a handler's) without leaving the
+// scheduler locked: other requests are admitted and released after it.
+func TestPanicInPumpLeavesSchedulerUsable(t *testing.T) {
+	s := newTestScheduler(t, Policy{}, backendSnap("a", 1_000))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	hold, err := s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 400, MaxTokens: 400})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := acquireAsync(ctx, s, &Ticket{Model: model, PromptTokens: 400, MaxTokens: 400,
+		PromptEstimate: func() int { panic("estimate broke") }})
+	waitQueued(t, s, 1)
+	func() {
+		defer func() {
+			if r := recover(); r != "estimate broke" {
+				t.Errorf("recovered %v, want the estimate's panic", r)
+			}
+		}()
+		hold.Release()
+	}()
+	done := make(chan error, 1)
+	go func() {
+		g, err := s.Acquire(ctx, &Ticket{Model: model, PromptTokens: 10, MaxTokens: 10, Deadline: time.Now().Add(100 * time.Millisecond)})
+		if err == nil {
+			g.Release()
+		}
+		done <- err
+	}()
+	select {
+	case <-done: // admitted, or refused for room: either way not locked out
+	case <-time.After(10 * time.Second):
+		t.Fatal("the scheduler stayed locked after a panic in its pump")
+	}
+	cancel()
+	<-bad
+}

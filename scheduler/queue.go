@@ -25,67 +25,9 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	if deadline.IsZero() {
 		deadline = now.Add(s.policy.MaxQueueWait)
 	}
-	s.mu.Lock()
-	// Read under s.mu: a later change of routability then comes with a
-	// pump that sees this ticket queued (failUnroutableLocked).
-	snaps := s.src.Snapshots()
-	if s.closed {
-		s.mu.Unlock()
-		s.m.outcome(t.Class, outcomeShutdown)
-		return nil, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
+	if g, queued, err := s.enter(t, now); !queued {
+		return g, err
 	}
-	if err := s.checkFits(t, snaps, now); err != nil {
-		s.mu.Unlock()
-		switch {
-		case errors.Is(err, ErrNoBackend):
-			s.m.outcome(t.Class, outcomeNoBackend)
-		case errors.Is(err, ErrNoRoutableBackend):
-			s.m.outcome(t.Class, outcomeNoRoutable)
-			s.noteUnroutable(err)
-		default:
-			s.m.outcome(t.Class, outcomeTooLarge)
-		}
-		return nil, err
-	}
-	if t.Class == Interactive {
-		s.lastInteractive[t.Model] = now // the batch share applies (classshare.go)
-	}
-	counts := s.byModel[t.Model]
-	ahead := 0
-	if counts != nil {
-		for c := Class(0); c <= t.Class; c++ {
-			ahead += counts[c]
-		}
-	}
-	if ahead == 0 {
-		if g := s.tryAdmit(t, snaps, now, false, nil); g != nil {
-			if t.Booked != nil {
-				t.Booked()
-			}
-			s.mu.Unlock()
-			s.m.outcome(t.Class, outcomeAdmitted)
-			s.m.waited(t.Class, 0)
-			return g, nil
-		}
-	}
-	// Per class: a batch backlog never fills interactive traffic's queue.
-	if len(s.queues[t.Class]) >= s.policy.MaxQueue {
-		retry := s.retryAfterLocked()
-		s.mu.Unlock()
-		s.m.outcome(t.Class, outcomeQueueFull)
-		return nil, &RejectedError{Reason: "queue_full", RetryAfter: retry}
-	}
-	if s.queued == 0 {
-		// The routing t was checked against is what later changes are
-		// compared with (failUnroutableLocked); with nothing queued, no
-		// pump kept that baseline up to date.
-		s.routingChangedLocked(snaps)
-	}
-	s.enqueueLocked(t)
-	if t.Booked != nil {
-		t.Booked()
-	}
-	s.mu.Unlock()
 
 	timer := time.NewTimer(deadline.Sub(now))
 	defer timer.Stop()
@@ -128,6 +70,69 @@ func (s *Scheduler) Acquire(ctx context.Context, t *Ticket) (*Grant, error) {
 	}
 	s.m.outcome(t.Class, outcomeTimeout)
 	return nil, &RejectedError{Reason: "queue_timeout", RetryAfter: retry}
+}
+
+// enter is Acquire's first step, under s.mu (deferred: a panic in
+// admission must not leave the scheduler locked): t is refused (err), or
+// admitted at once (g), or queued.
+func (s *Scheduler) enter(t *Ticket, now time.Time) (g *Grant, queued bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	// Read under s.mu: a later change of routability then comes with a
+	// pump that sees this ticket queued (failUnroutableLocked).
+	snaps := s.src.Snapshots()
+	if s.closed {
+		s.m.outcome(t.Class, outcomeShutdown)
+		return nil, false, &RejectedError{Reason: "shutting_down", RetryAfter: time.Second}
+	}
+	if err := s.checkFits(t, snaps, now); err != nil {
+		switch {
+		case errors.Is(err, ErrNoBackend):
+			s.m.outcome(t.Class, outcomeNoBackend)
+		case errors.Is(err, ErrNoRoutableBackend):
+			s.m.outcome(t.Class, outcomeNoRoutable)
+			s.noteUnroutable(err)
+		default:
+			s.m.outcome(t.Class, outcomeTooLarge)
+		}
+		return nil, false, err
+	}
+	if t.Class == Interactive {
+		s.lastInteractive[t.Model] = now // the batch share applies (classshare.go)
+	}
+	counts := s.byModel[t.Model]
+	ahead := 0
+	if counts != nil {
+		for c := Class(0); c <= t.Class; c++ {
+			ahead += counts[c]
+		}
+	}
+	if ahead == 0 {
+		if g := s.tryAdmit(t, snaps, now, false, nil); g != nil {
+			if t.Booked != nil {
+				t.Booked()
+			}
+			s.m.outcome(t.Class, outcomeAdmitted)
+			s.m.waited(t.Class, 0)
+			return g, false, nil
+		}
+	}
+	// Per class: a batch backlog never fills interactive traffic's queue.
+	if len(s.queues[t.Class]) >= s.policy.MaxQueue {
+		s.m.outcome(t.Class, outcomeQueueFull)
+		return nil, false, &RejectedError{Reason: "queue_full", RetryAfter: s.retryAfterLocked()}
+	}
+	if s.queued == 0 {
+		// The routing t was checked against is what later changes are
+		// compared with (failUnroutableLocked); with nothing queued, no
+		// pump kept that baseline up to date.
+		s.routingChangedLocked(snaps)
+	}
+	s.enqueueLocked(t)
+	if t.Booked != nil {
+		t.Booked()
+	}
+	return nil, true, nil
 }
 
 // checkFits fails a ticket that needs more than any backend serving its
@@ -209,10 +214,10 @@ func (s *Scheduler) retryAfterLocked() time.Duration {
 // queue is empty.
 func (s *Scheduler) Wake() {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.queued > 0 {
 		s.pumpLocked(s.src.Snapshots(), s.now())
 	}
-	s.mu.Unlock()
 }
 
 // maxScanMisses bounds the work of one pump over a long queue: after this
