@@ -569,6 +569,7 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if err != nil {
 		return failed("read", err)
 	}
+	g.BackendDone() // its KV is free there, however long the client takes to read the answer
 	b, answered, err := answerOf(c.ep, b)
 	if err != nil {
 		s.m.upstreamError(g.Backend, "malformed")
@@ -782,6 +783,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		}
 	}
 	if done {
+		g.BackendDone()
 		readTail(br, watchdog)
 		return result{status: http.StatusOK, usage: u, wrote: true, up: upstream{class: upstreamOK, status: http.StatusOK}}
 	}

@@ -73,6 +73,19 @@ type Grant struct {
 	created    int
 	released   bool // guarded by s.mu
 	class      Class
+	// backendDone is when the backend finished the request (UnixNano; 0
+	// until BackendDone): vLLM frees its KV then, not when the caller,
+	// done writing to its client, releases the grant.
+	backendDone atomic.Int64
+}
+
+// BackendDone records that the backend has finished the request (its
+// whole answer read): from then its KV is free there, whatever the
+// caller still has to write to its client before it releases the grant.
+func (g *Grant) BackendDone() {
+	if g.s != nil { // else not the scheduler's (a test's): nothing to date
+		g.backendDone.CompareAndSwap(0, g.s.now().UnixNano())
+	}
 }
 
 // own is the grant's prompt tokens outside its shared chunks.
@@ -135,6 +148,11 @@ func (g *Grant) Release() {
 		l.batchInflight--
 	}
 	now := s.now()
+	// When the backend freed it: a scrape after that does not show it.
+	at := now
+	if d := g.backendDone.Load(); d != 0 && d < now.UnixNano() {
+		at = time.Unix(0, d)
+	}
 	// What the backend's last scrape surely showed of it: its prompt and
 	// the output a stream reported, not its whole budget, which would
 	// hide other load. Shared chunks others still hold stay theirs.
@@ -145,11 +163,17 @@ func (g *Grant) Release() {
 		held += out
 	}
 	s.prefixSent(g.Backend, nil, float64(out), 0, l.isPinned)
-	// In time order; loadOf drops those the next scrape no longer shows.
+	// In time order (a backend's finish may come before an earlier
+	// grant's release); loadOf drops those the next scrape no longer
+	// shows.
 	if len(l.released) >= maxReleases {
 		l.released = append(l.released[:0], l.released[len(l.released)/2:]...)
 	}
-	l.released = append(l.released, release{at: now, tokens: held})
+	i, _ := slices.BinarySearchFunc(l.released, at, func(r release, t time.Time) int { return r.at.Compare(t) })
+	for i < len(l.released) && !l.released[i].at.After(at) {
+		i++
+	}
+	l.released = slices.Insert(l.released, i, release{at: at, tokens: held})
 	if s.queued > 0 {
 		s.pumpLocked(s.src.Snapshots(), now)
 	}

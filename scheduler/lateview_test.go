@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"context"
 	"fmt"
 	"math"
 	"strings"
@@ -282,6 +283,54 @@ func TestLateness(t *testing.T) {
 		sn := &gpu.Snapshot{ScrapedAt: now.Add(-tc.age), StaleAfter: time.Second, ScrapeErr: tc.err}
 		if got := lateness(sn, now); math.Abs(got-tc.want) > 1e-9 {
 			t.Errorf("age %v (scrape error %q): lateness %v, want %v", tc.age, tc.err, got, tc.want)
+		}
+	}
+}
+
+// TestReleaseCountsFromBackendFinish: a grant whose backend finished
+// before a scrape began is not in that scrape's measurement, though the
+// caller released it after the scrape (it was still writing the answer to
+// its client): its tokens are not credited as kvgate's own in the
+// measurement, which would understate the load kvgate did not send.
+func TestReleaseCountsFromBackendFinish(t *testing.T) {
+	var mu sync.Mutex
+	now := time.Now()
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
+	src := &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}
+	s, err := New(src, Options{Now: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	credited := func() int {
+		sn := src.Snapshots()[0]
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.loadOf(sn, s.ledgers["a"], clock(), true).heldBeforeScrape
+	}
+	for _, finishFirst := range []bool{true, false} {
+		g, err := s.Acquire(context.Background(), &Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 100})
+		if err != nil {
+			t.Fatal(err)
+		}
+		advance(time.Millisecond)
+		if finishFirst {
+			g.BackendDone() // the backend is done; the client still reads
+		}
+		advance(time.Millisecond)
+		sn := backendSnap("a", 100_000)
+		sn.ScrapedAt = clock() // a scrape begins: vLLM has freed the request if it finished
+		src.mu.Lock()
+		src.snaps = []*gpu.Snapshot{sn}
+		src.mu.Unlock()
+		advance(time.Millisecond)
+		g.Release()
+		got := credited()
+		if finishFirst && got != 0 {
+			t.Errorf("a request the backend finished before the scrape is credited %d tokens in it, want 0", got)
+		}
+		if !finishFirst && got < 1_000 {
+			t.Errorf("a request running at the scrape, released after it, is credited %d tokens in it, want its prompt at least", got)
 		}
 	}
 }
