@@ -117,6 +117,21 @@ func TestDockerfile(t *testing.T) {
 	}
 }
 
+// imageEnv is the environment the default (last) stage of the image sets.
+func imageEnv(t *testing.T) map[string]string {
+	t.Helper()
+	stages := parseDockerfile(t)
+	env := map[string]string{}
+	for _, c := range stages[len(stages)-1].Commands {
+		if e, ok := c.(*instructions.EnvCommand); ok {
+			for _, kv := range e.Env {
+				env[kv.Key] = kv.Value
+			}
+		}
+	}
+	return env
+}
+
 // buildRun returns the shell command of the stage's RUN that builds kvgate.
 func buildRun(t *testing.T, st *instructions.Stage) string {
 	t.Helper()

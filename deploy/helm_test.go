@@ -250,6 +250,19 @@ func checkRendered(t *testing.T, c *chart.Chart, vals map[string]any, r rendered
 	for _, e := range ctr.Env {
 		env[e.Name] = e
 	}
+	// kvgate listens on the container's port: the address it takes is the
+	// container's KVGATE_ADDR, else the image's, else the file's (its
+	// environment beats its file).
+	listen := kcfg.Addr
+	if v := imageEnv(t)["KVGATE_ADDR"]; v != "" {
+		listen = v
+	}
+	if v := env["KVGATE_ADDR"].Value; v != "" {
+		listen = v
+	}
+	if port := ctr.Ports[slices.IndexFunc(ctr.Ports, func(p corev1.ContainerPort) bool { return p.Name == "http" })].ContainerPort; !strings.HasSuffix(listen, fmt.Sprintf(":%d", port)) {
+		t.Errorf("kvgate listens on %q (file %q, image and container environment), the container's http port is %d", listen, kcfg.Addr, port)
+	}
 	secrets := obj(merged["secrets"])
 	if ref := env["KVGATE_STORE"].ValueFrom; ref == nil || ref.SecretKeyRef == nil || ref.SecretKeyRef.Name != obj(secrets["databaseURL"])["name"] {
 		t.Errorf("KVGATE_STORE %+v: want the databaseURL Secret's key", env["KVGATE_STORE"])
@@ -261,7 +274,7 @@ func checkRendered(t *testing.T, c *chart.Chart, vals map[string]any, r rendered
 	} else if _, ok := env["KVGATE_ADMIN_KEY"]; ok {
 		t.Error("KVGATE_ADMIN_KEY set with no adminKey Secret named")
 	}
-	if name := obj(secrets["webhookSecrets"])["name"]; name != "" {
+	if name := obj(secrets["env"])["name"]; name != "" {
 		if !slices.ContainsFunc(ctr.EnvFrom, func(e corev1.EnvFromSource) bool { return e.SecretRef != nil && e.SecretRef.Name == name }) {
 			t.Errorf("envFrom %+v: want Secret %v", ctr.EnvFrom, name)
 		}
