@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -352,6 +353,11 @@ func (c Config) Validate() (Config, error) {
 		if t.NumPrompts == 0 && c.Duration == 0 && t.Arrival.Kind != ArrivalTrace {
 			return c, fmt.Errorf("bench: tenant %s: neither num_prompts nor duration bounds the run", t.Name)
 		}
+		if c.Sweep == nil && t.NumPrompts == 0 && math.IsInf(t.Arrival.Rate, 1) && t.Arrival.Kind != ArrivalTrace && t.Arrival.Kind != ArrivalConcurrency {
+			// Everything at once is a burst of num_prompts; with the
+			// duration alone it would be requests without end.
+			return c, fmt.Errorf("bench: tenant %s: an infinite request rate sends its num_prompts at once and needs num_prompts; set it, or a finite request rate for a run bounded by duration", t.Name)
+		}
 	}
 	if c.Sweep != nil {
 		s := *c.Sweep
@@ -364,6 +370,15 @@ func (c Config) Validate() (Config, error) {
 		for _, r := range s.Rates {
 			if !(r > 0) {
 				return c, fmt.Errorf("bench: sweep rate %v is not positive", r)
+			}
+		}
+		if len(s.Rates) == 0 || slices.ContainsFunc(s.Rates, func(r float64) bool { return math.IsInf(r, 1) }) {
+			// Its first point sends everything at once: a burst of
+			// num_prompts, without end when none is set.
+			for _, t := range c.Tenants {
+				if t.NumPrompts == 0 && t.Arrival.Kind != ArrivalTrace {
+					return c, fmt.Errorf("bench: tenant %s: a sweep's point at an infinite rate sends its num_prompts at once and needs num_prompts", t.Name)
+				}
 			}
 		}
 		c.Sweep = &s

@@ -462,6 +462,24 @@ func TestConfigValidation(t *testing.T) {
 			t.Errorf("%s: accepted", name)
 		}
 	}
+	// Everything at once is a burst of num_prompts: with a duration
+	// alone, requests without end.
+	for name, c := range map[string]Config{
+		"infinite rate, duration only":   {Target: "http://x", Model: "m", Duration: time.Second},
+		"automatic sweep, duration only": {Target: "http://x", Model: "m", Duration: time.Second, Sweep: &Sweep{Points: 3}},
+	} {
+		if _, err := c.Validate(); err == nil || !strings.Contains(err.Error(), "needs num_prompts") {
+			t.Errorf("%s: %v, want refused for want of num_prompts", name, err)
+		}
+	}
+	for name, c := range map[string]Config{
+		"finite rate, duration only":  {Target: "http://x", Model: "m", Duration: time.Second, Arrival: Arrival{Rate: 5}},
+		"finite sweep, duration only": {Target: "http://x", Model: "m", Duration: time.Second, Sweep: &Sweep{Rates: []float64{1, 2}}},
+	} {
+		if _, err := c.Validate(); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
 	c, err := ok.Validate()
 	if err != nil || c.Endpoint != EndpointCompletions || len(c.Percentiles) != 4 || c.Tenants[0].Name != "default" ||
 		c.Workload.Input.Mean != 1024 || c.Workload.Output.Mean != 128 || !math.IsInf(c.Arrival.Rate, 1) || !c.Workload.IgnoreEOS {

@@ -109,7 +109,7 @@ func benchFlagSet(stderr io.Writer, f *benchFlags) *flag.FlagSet {
 	fs.StringVar(&f.out, "out", "bench-results", "directory for the reports")
 	fs.StringVar(&f.endpoint, "endpoint", "/v1/completions", "/v1/completions or /v1/chat/completions (or completions, chat)")
 	fs.BoolVar(&f.stream, "stream", true, "stream, to measure TTFT, TPOT and ITL (--stream=false: end-to-end latency only)")
-	fs.IntVar(&f.numPrompts, "num-prompts", 1000, "requests per load point (0: bounded by --duration only)")
+	fs.IntVar(&f.numPrompts, "num-prompts", 1000, "requests per load point (0: bounded by --duration only, at a finite --request-rate)")
 	fs.DurationVar(&f.duration, "duration", 0, "stop sending after this long, per load point (0: no limit)")
 	f.rate = rateFlag(math.Inf(1))
 	fs.Var(&f.rate, "request-rate", "requests per second over all tenants, or inf to send all at once")
