@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -123,7 +124,7 @@ func StartBroker(st brokerStore, sched *Scheduler, cfg BrokerConfig) (*Broker, e
 	nc, err := nats.Connect(b.url, opts...)
 	if err != nil {
 		b.close()
-		return nil, fmt.Errorf("connect to nats %s: %w", b.url, err)
+		return nil, fmt.Errorf("connect to nats %s: %w", redactURLs(b.url), err)
 	}
 	b.nc = nc
 	if b.js, err = jetstream.New(nc); err != nil {
@@ -166,7 +167,7 @@ func (b *Broker) Run(ctx context.Context) error {
 				return nil
 			}
 			wait := min(30*time.Second, time.Second<<min(failures-1, 5))
-			b.log.Warn("nats setup failed; jobs still run, their events wait in the outbox", "url", b.url, "err", err, "retry_in", wait)
+			b.log.Warn("nats setup failed; jobs still run, their events wait in the outbox", "url", redactURLs(b.url), "err", err, "retry_in", wait)
 			select {
 			case <-gctx.Done():
 				return nil
@@ -208,7 +209,7 @@ func (b *Broker) setup(ctx context.Context, g *errgroup.Group, metrics *sync.Onc
 		b.cfg.Registerer.MustRegister(mem.Collectors()...)
 	})
 	b.cons.Store(&cons)
-	b.log.Info("signals over nats", "url", b.url, "stream", StreamName)
+	b.log.Info("signals over nats", "url", redactURLs(b.url), "stream", StreamName)
 	g.Go(func() error { return ignoreCanceled(inbox.Run(ctx)) })
 	g.Go(func() error { return ignoreCanceled(mem.Run(ctx)) })
 	return nil
@@ -247,4 +248,24 @@ func subjectSafe(s string) string {
 		}
 		return '_'
 	}, s)
+}
+
+// redactURLs is a NATS server list (comma-separated URLs) fit for logs
+// and errors: a password in a URL is replaced by xxxxx, and a user token
+// (nats://TOKEN@host) by one too.
+func redactURLs(list string) string {
+	parts := strings.Split(list, ",")
+	for i, p := range parts {
+		u, err := url.Parse(strings.TrimSpace(p))
+		if err != nil || u.User == nil {
+			continue
+		}
+		if _, has := u.User.Password(); has {
+			parts[i] = u.Redacted()
+		} else {
+			u.User = url.User("xxxxx")
+			parts[i] = u.String()
+		}
+	}
+	return strings.Join(parts, ",")
 }

@@ -1,11 +1,15 @@
 package scheduler
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"net"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -484,4 +488,60 @@ func TestInboxRecordsBacklogInBatches(t *testing.T) {
 		t.Errorf("%d records in %d store calls; want the 321 deliveries in batches", records, calls)
 	}
 	t.Logf("%d deliveries recorded in %d store calls", records, calls)
+}
+
+// TestRedactURLs: NATS credentials in a server URL never reach a log
+// line or an error.
+func TestRedactURLs(t *testing.T) {
+	for in, want := range map[string]string{
+		"nats://127.0.0.1:4222":                            "nats://127.0.0.1:4222",
+		"nats://kvgate:s3cret@nats:4222":                   "nats://kvgate:xxxxx@nats:4222",
+		"nats://s3cret@nats:4222":                          "nats://xxxxx@nats:4222",
+		"nats://a:s3cret@n1:4222, nats://b:s3cret@n2:4222": "nats://a:xxxxx@n1:4222,nats://b:xxxxx@n2:4222",
+		"in-process": "in-process",
+	} {
+		if got := redactURLs(in); got != want || strings.Contains(got, "s3cret") {
+			t.Errorf("redactURLs(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// TestBrokerLogsNoCredentials: a broker given a NATS URL with a password
+// in it logs the URL with the password replaced.
+func TestBrokerLogsNoCredentials(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	url := strings.Replace(ns.ClientURL(), "nats://", "nats://kvgate:s3cret@", 1)
+	var mu sync.Mutex
+	var buf bytes.Buffer
+	sched, err := New(&staticSource{}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := StartBroker(openStore(t).(brokerStore), sched, BrokerConfig{
+		URL: url, Logger: slog.New(slog.NewTextHandler(lockedWriter{&mu, &buf}, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = b.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	logged := func() string { mu.Lock(); defer mu.Unlock(); return buf.String() }
+	eventually.True(t, "the broker to log its NATS URL", func() bool { return strings.Contains(logged(), "signals over nats") })
+	if out := logged(); strings.Contains(out, "s3cret") || !strings.Contains(out, "kvgate:xxxxx@") {
+		t.Errorf("the broker's log shows the URL as:\n%s", out)
+	}
+}
+
+// lockedWriter serialises writes to w, and reads of it under mu.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
