@@ -428,10 +428,12 @@ func splitList(v string) []string {
 
 func parseKeys(list []string) ([]apiKey, error) {
 	var keys []apiKey
-	for _, kv := range list {
+	for i, kv := range list {
 		k, t, ok := strings.Cut(kv, "=")
 		if !ok || k == "" || t == "" {
-			return nil, fmt.Errorf("%q is not TOKEN=TENANT or TOKEN=TENANT:operator", kv)
+			// By place, not by value: the entry is likely a key whose
+			// tenant was forgotten, and errors reach logs.
+			return nil, fmt.Errorf("API key entry %d of %d is not TOKEN=TENANT or TOKEN=TENANT:operator", i+1, len(list))
 		}
 		role := ""
 		if tenant, r, ok := strings.Cut(t, ":"); ok {

@@ -104,6 +104,7 @@ func TestConfigErrors(t *testing.T) {
 		{"missing file", []string{"--config", filepath.Join(dir, "nope.yaml")}, nil, "read config"},
 		{"unknown field", []string{"--config", write("bad.yaml", "adress: x\n")}, nil, "adress"},
 		{"bad key flag", []string{"--api-key", "novalue"}, nil, "TOKEN=TENANT"},
+		{"key without tenant", nil, map[string]string{"KVGATE_API_KEYS": "sk-a=acme,sk-live-SECRET"}, "entry 2 of 2"},
 		{"bad key env", nil, map[string]string{"KVGATE_API_KEYS": "=x"}, "TOKEN=TENANT"},
 		{"bad target", []string{"--kv-target", "1.5"}, nil, "kv_target"},
 		{"bad target env", nil, map[string]string{"KVGATE_KV_TARGET": "high"}, "KVGATE_KV_TARGET"},
@@ -112,6 +113,9 @@ func TestConfigErrors(t *testing.T) {
 			_, err := loadConfig(t, tc.args, tc.env)
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("err = %v, want one mentioning %q", err, tc.want)
+			}
+			if err != nil && strings.Contains(err.Error(), "SECRET") {
+				t.Errorf("err = %v: it shows the key", err)
 			}
 		})
 	}
