@@ -191,11 +191,29 @@ type backend struct {
 	lastAnswer atomic.Int64
 }
 
+// Check refuses a configuration the pool cannot run well, its defaults
+// filled in: scrapes as far apart as a view lasts. A view older than
+// StaleAfter counts as saturated (and a scrape may take StaleAfter), so
+// every backend would fall stale between two scrapes, and admission
+// stall each time.
+func (pc PoolConfig) Check() error {
+	scrape, stale := cmp.Or(pc.ScrapeInterval, defaultScrapeInterval), cmp.Or(pc.StaleAfter, defaultStaleAfter)
+	if scrape >= stale {
+		return fmt.Errorf("metrics: scrape_interval %s must be shorter than stale_after %s (a few intervals, to ride out a late scrape)", scrape, stale)
+	}
+	return nil
+}
+
+const (
+	defaultScrapeInterval = 100 * time.Millisecond
+	defaultStaleAfter     = time.Second
+)
+
 // NewPool returns a pool for the given backends. Names default to the
 // URL's host; names and URLs must be unique and URLs absolute.
 func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
-	pc.ScrapeInterval = cmp.Or(pc.ScrapeInterval, 100*time.Millisecond)
-	pc.StaleAfter = cmp.Or(pc.StaleAfter, time.Second)
+	pc.ScrapeInterval = cmp.Or(pc.ScrapeInterval, defaultScrapeInterval)
+	pc.StaleAfter = cmp.Or(pc.StaleAfter, defaultStaleAfter)
 	pc.ProbeInterval = cmp.Or(pc.ProbeInterval, time.Second)
 	pc.ProbeTimeout = cmp.Or(pc.ProbeTimeout, pc.ProbeInterval)
 	pc.DiscoverInterval = cmp.Or(pc.DiscoverInterval, 30*time.Second)
@@ -203,6 +221,9 @@ func NewPool(cfgs []BackendConfig, pc PoolConfig) (*Pool, error) {
 	pc.EjectAfter = cmp.Or(pc.EjectAfter, 3)
 	pc.EjectBase = cmp.Or(pc.EjectBase, 2*time.Second)
 	pc.EjectMax = cmp.Or(pc.EjectMax, time.Minute)
+	if err := pc.Check(); err != nil {
+		return nil, err
+	}
 	if pc.Client == nil {
 		// No gzip: on a LAN compressing /metrics costs both ends more CPU
 		// than the bytes it saves.

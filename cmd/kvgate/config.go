@@ -79,7 +79,7 @@ type config struct {
 	} `yaml:"gateway"`
 	Metrics struct {
 		ScrapeInterval  time.Duration `yaml:"scrape_interval"`  // backends' /metrics period [100ms]
-		StaleAfter      time.Duration `yaml:"stale_after"`      // a backend's metrics older than this count as saturated [1s]
+		StaleAfter      time.Duration `yaml:"stale_after"`      // a backend's metrics older than this count as saturated; longer than scrape_interval [1s]
 		ProbeInterval   time.Duration `yaml:"probe_interval"`   // backends' /health period [1s]
 		BacklogInterval time.Duration `yaml:"backlog_interval"` // how often the durable backlog, outbox age and broker lag are read for /metrics [5s]
 	} `yaml:"metrics"`
@@ -388,6 +388,9 @@ func (c *config) validate() error {
 		return fmt.Errorf("sim.speedup %g must be a finite number >= 0", c.Sim.Speedup)
 	}
 	if _, _, err := c.keyMaps(); err != nil {
+		return err
+	}
+	if err := (gpu.PoolConfig{ScrapeInterval: c.Metrics.ScrapeInterval, StaleAfter: c.Metrics.StaleAfter}).Check(); err != nil {
 		return err
 	}
 	if len(c.Backends) > 0 {

@@ -107,6 +107,7 @@ func TestConfigErrors(t *testing.T) {
 		{"key without tenant", nil, map[string]string{"KVGATE_API_KEYS": "sk-a=acme,sk-live-SECRET"}, "entry 2 of 2"},
 		{"bad key env", nil, map[string]string{"KVGATE_API_KEYS": "=x"}, "TOKEN=TENANT"},
 		{"bad target", []string{"--kv-target", "1.5"}, nil, "kv_target"},
+		{"scrapes further apart than the view lasts", []string{"--config", write("slow.yaml", "metrics: {scrape_interval: 2s}\n")}, nil, "scrape_interval 2s must be shorter than stale_after 1s"},
 		{"bad target env", nil, map[string]string{"KVGATE_KV_TARGET": "high"}, "KVGATE_KV_TARGET"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
