@@ -108,6 +108,7 @@ func toAPIError(err error) *apiError {
 		down     *scheduler.UnroutableError
 		maxBytes *http.MaxBytesError
 		quota    *store.QuotaError
+		busy     *store.TenantBusyError
 	)
 	switch {
 	case errors.As(err, &api):
@@ -120,6 +121,10 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, errKeysUnavailable):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "auth_unavailable", retryAfter: time.Second,
 			msg: "The gateway cannot check your API key right now; retry after the Retry-After delay."}
+	case errors.As(err, &busy):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "tenant_busy",
+			msg: fmt.Sprintf("Tenant %s has %d jobs not yet ended and %d batches open; deleted, they would run without its limits. "+
+				"Cancel them (POST /v1/jobs/{id}/cancel, POST /v1/batches/{id}/cancel) or let them end, then delete it.", busy.Tenant, busy.Jobs, busy.Batches)}
 	case errors.Is(err, store.ErrExists):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "already_exists", msg: "It already exists."}
 	case errors.As(err, &maxBytes):

@@ -256,7 +256,10 @@ type Tenants interface {
 	CreateTenant(ctx context.Context, t Tenant) error
 	// UpdateTenant replaces a tenant's weight and limits; ErrNotFound.
 	UpdateTenant(ctx context.Context, t Tenant) error
-	// DeleteTenant removes a tenant and revokes its keys; ErrNotFound.
+	// DeleteTenant removes a tenant and revokes its keys; ErrNotFound; a
+	// *TenantBusyError, and nothing changed, while the tenant has jobs
+	// not yet ended or batches open: deleted, it would have no limits,
+	// and its work would run unlimited.
 	DeleteTenant(ctx context.Context, name string, now time.Time) error
 	// GetTenant returns a tenant; ErrNotFound.
 	GetTenant(ctx context.Context, name string) (Tenant, error)
@@ -302,4 +305,16 @@ type Tenants interface {
 	// Usage returns the usage ledger of a tenant ("" for all) for the days
 	// from through to (inclusive), by tenant then day.
 	Usage(ctx context.Context, tenant string, from, to time.Time) ([]UsageDay, error)
+}
+
+// TenantBusyError refuses to delete a tenant with work pending: Jobs not
+// yet ended (READY, RUNNING, RETRY_SCHEDULED; a batch's lines among them)
+// and Batches open.
+type TenantBusyError struct {
+	Tenant        string
+	Jobs, Batches int64
+}
+
+func (e *TenantBusyError) Error() string {
+	return fmt.Sprintf("store: tenant %s has %d jobs not yet ended and %d batches open", e.Tenant, e.Jobs, e.Batches)
 }

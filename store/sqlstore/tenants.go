@@ -82,6 +82,25 @@ func (s *Store) DeleteTenant(ctx context.Context, name string, now time.Time) er
 		if err := s.affected("delete tenant", res, err); err != nil {
 			return err
 		}
+		// Its work pending, a deleted tenant's jobs would run with no
+		// limits (a tenant the store does not know has none): refused.
+		// The row is locked already, so a key made meanwhile waits for
+		// this transaction (CreateKey). A submission is not held back:
+		// one that commits between this count and the commit, or that
+		// another replica accepts on a key it still has cached (for
+		// quotas.cache_ttl), is accepted after the delete.
+		busy := store.TenantBusyError{Tenant: name}
+		var tokens int64
+		if err := tx.QueryRowContext(ctx, s.rb(pendingCount), name, name).Scan(&busy.Jobs, &tokens); err != nil {
+			return err
+		}
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT COUNT(*) FROM batches WHERE tenant = ?
+			AND status IN ('validating', 'in_progress', 'finalizing', 'cancelling')`), name).Scan(&busy.Batches); err != nil {
+			return err
+		}
+		if busy.Jobs > 0 || busy.Batches > 0 {
+			return &busy
+		}
 		_, err = tx.ExecContext(ctx, s.rb(`UPDATE api_keys SET revoked_at = ? WHERE tenant = ? AND revoked_at = 0`), micros(now), name)
 		return err
 	})

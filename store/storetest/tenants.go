@@ -51,6 +51,22 @@ func testTenants(t *testing.T, s store.Store) {
 	if err := s.CreateKey(ctx, k); err != nil {
 		t.Fatal(err)
 	}
+	// With a job not yet ended, the delete is refused, and nothing
+	// changes: deleted, the tenant's work would run without its limits.
+	j := accept(t, s, newJob("globex", "pending"))
+	var busy *store.TenantBusyError
+	if err := s.DeleteTenant(ctx, "globex", t0); !errors.As(err, &busy) || busy.Jobs != 1 || busy.Batches != 0 {
+		t.Fatalf("delete a tenant with a job pending: %v, want a TenantBusyError for 1 job", err)
+	}
+	if _, err := s.GetTenant(ctx, "globex"); err != nil {
+		t.Errorf("the busy tenant after the refused delete: %v", err)
+	}
+	if _, err := s.KeyByHash(ctx, "h1"); err != nil {
+		t.Errorf("the busy tenant's key after the refused delete: %v", err)
+	}
+	if _, err := s.Cancel(ctx, "globex", j.ID, uuid.Must(uuid.NewV7()).String(), t0); err != nil {
+		t.Fatal(err)
+	}
 	if err := s.DeleteTenant(ctx, "globex", t0); err != nil {
 		t.Fatal(err)
 	}
