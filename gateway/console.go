@@ -217,6 +217,12 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 				return
 			}
 			p, err := s.authenticateToken(r, sess.Key)
+			if errors.Is(err, errKeysUnavailable) {
+				// The store, not the key: the session stands, and the
+				// page says to retry (503 with Retry-After).
+				writeError(w, s.log, err)
+				return
+			}
 			if err != nil || (p.role != store.RoleOperator && p.role != store.RoleAdmin) {
 				s.clearConsoleCookie(w, r)
 				refuse(http.StatusUnauthorized, "The session's key no longer opens the console: sign in again.")
@@ -297,6 +303,9 @@ func (s *Server) consoleSignIn(w http.ResponseWriter, r *http.Request) {
 		key := strings.TrimSpace(r.PostFormValue("key"))
 		p, err := s.authenticateToken(r, key)
 		switch {
+		case errors.Is(err, errKeysUnavailable):
+			s.renderSignIn(w, r, http.StatusServiceUnavailable, "The gateway cannot check keys right now: try again in a moment.")
+			return
 		case key == "" || err != nil:
 			s.renderSignIn(w, r, http.StatusUnauthorized, "That key is not valid.")
 			return

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -9,6 +10,7 @@ import (
 	"net/url"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -437,5 +439,46 @@ func TestConsoleSessionSeal(t *testing.T) {
 		if got := safeNext(next); got != "/console/fleet" {
 			t.Errorf("safeNext(%q) = %q", next, got)
 		}
+	}
+}
+
+// failingKeys is a real tenants store whose key lookups fail while down
+// is set, as when the database is away.
+type failingKeys struct {
+	store.Tenants
+	down atomic.Bool
+}
+
+func (f *failingKeys) KeyByHash(ctx context.Context, hash string) (store.APIKey, error) {
+	if f.down.Load() {
+		return store.APIKey{}, errors.New("connection refused")
+	}
+	return f.Tenants.KeyByHash(ctx, hash)
+}
+
+// TestConsoleSessionOutlivesStoreOutage: while the store cannot check
+// keys, the console answers 503 (retry) and keeps the session, rather
+// than signing the operator out and calling the key invalid; the sign-in
+// form says the same. Once the store answers, the session goes on.
+func TestConsoleSessionOutlivesStoreOutage(t *testing.T) {
+	st := sqliteStore(t)
+	keys := &failingKeys{Tenants: st}
+	f := startFleet(t, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: keys, CacheTTL: time.Nanosecond}}})
+	op := newTenant(t, st, "acme", store.Limits{}, store.RoleOperator)
+	b := newBrowser(t, f.srv.URL)
+	if status, page := b.signIn(op); status != http.StatusOK {
+		t.Fatalf("sign-in: %d %.200s", status, page)
+	}
+	keys.down.Store(true)
+	status, page := b.get("/console/jobs")
+	if status != http.StatusServiceUnavailable || strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("a page while keys cannot be checked: %d %.200s, want 503 and no sign-in form", status, page)
+	}
+	if status, page := newBrowser(t, f.srv.URL).signIn(op); status != http.StatusServiceUnavailable || strings.Contains(page, "not valid") {
+		t.Errorf("a sign-in while keys cannot be checked: %d %.300s, want 503 without calling the key invalid", status, page)
+	}
+	keys.down.Store(false)
+	if status, page := b.get("/console/jobs"); status != http.StatusOK || strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("the session once the store answers: %d %.200s, want the jobs page", status, page)
 	}
 }
