@@ -271,12 +271,16 @@ func (s *Server) wakeWebhooks() {
 	}
 }
 
+// errEndpointDisabled refuses a send (a test, a redelivery) to a disabled
+// endpoint.
+var errEndpointDisabled = &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "endpoint_disabled",
+	msg: "The webhook endpoint is disabled; enable it with PATCH {\"disabled\": false} first."}
+
 func (s *Server) handleTestEndpoint(w http.ResponseWriter, r *http.Request) int {
 	ctx := r.Context()
 	d, err := s.cfg.Webhooks.Store.SendTest(ctx, tenantOf(ctx), r.PathValue("id"), uuid.Must(uuid.NewV7()).String(), time.Now())
 	if errors.Is(err, store.ErrEndpointDisabled) {
-		return writeError(w, s.log, &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "endpoint_disabled",
-			msg: "The webhook endpoint is disabled; enable it with PATCH {\"disabled\": false} first."})
+		return writeError(w, s.log, errEndpointDisabled)
 	}
 	if err != nil {
 		return writeError(w, s.log, orNotFound(err, errNoEndpoint))
@@ -427,6 +431,9 @@ func (s *Server) handleRedeliver(w http.ResponseWriter, r *http.Request) int {
 	if errors.Is(err, store.ErrWrongState) {
 		return writeError(w, s.log, &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "delivery_state",
 			msg: "The delivery is still in flight; only a FAILED or DELIVERED delivery can be redelivered."})
+	}
+	if errors.Is(err, store.ErrEndpointDisabled) {
+		return writeError(w, s.log, errEndpointDisabled)
 	}
 	if err != nil {
 		return writeError(w, s.log, orNotFound(err, errNoDelivery))

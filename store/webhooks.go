@@ -191,7 +191,8 @@ type Webhooks interface {
 	DeliveryAttempts(ctx context.Context, id string) ([]DeliveryAttempt, error)
 	// Redeliver makes a tenant's FAILED or DELIVERED delivery PENDING
 	// again, due at now, under the same id, with an audit record of the
-	// actor; ErrWrongState for one still in flight.
+	// actor; ErrWrongState for one still in flight, ErrEndpointDisabled
+	// for one whose endpoint is disabled.
 	Redeliver(ctx context.Context, tenant, id, actor string, now time.Time) (Delivery, error)
 	// PendingDeliveries counts deliveries not yet ended.
 	PendingDeliveries(ctx context.Context) (int, error)

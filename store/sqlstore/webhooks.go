@@ -490,6 +490,11 @@ func (s *Store) Redeliver(ctx context.Context, tenant, id, actor string, now tim
 		if d.State != store.DeliveryFailed && d.State != store.DeliveryDelivered {
 			return store.ErrWrongState
 		}
+		// To a disabled endpoint it would fail at once, an attempt spent
+		// for nothing: refused, as a test send is.
+		if e, err := s.endpointOn(ctx, tx, d.Tenant, d.EndpointID); err == nil && e.Disabled {
+			return store.ErrEndpointDisabled
+		}
 		res, err := tx.ExecContext(ctx, s.rb(`UPDATE webhook_deliveries SET state = 'PENDING', base = attempts, due_at = ?, updated_at = ?
 			WHERE id = ? AND state = ?`), micros(now), micros(now), id, d.State)
 		if err := s.affected("redeliver webhook", res, err); err != nil {
@@ -504,6 +509,9 @@ func (s *Store) Redeliver(ctx context.Context, tenant, id, actor string, now tim
 	})
 	if errors.Is(err, store.ErrWrongState) {
 		return out, store.ErrWrongState
+	}
+	if errors.Is(err, store.ErrEndpointDisabled) {
+		return out, store.ErrEndpointDisabled
 	}
 	return out, err
 }

@@ -190,7 +190,7 @@ func testWebhookFencing(t *testing.T, s store.Store) {
 
 // testWebhookRedeliver: a FAILED delivery is redelivered under its id
 // with a fresh schedule; the breaker's deferral spends no attempt; a 410
-// disables the endpoint.
+// disables the endpoint, and redeliveries to it wait until it is enabled.
 func testWebhookRedeliver(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	e := endpoint(t, s, "acme", "job.succeeded")
@@ -228,6 +228,15 @@ func testWebhookRedeliver(t *testing.T, s store.Store) {
 	}
 	if failed := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme", State: store.DeliveryFailed}); len(failed) != 1 {
 		t.Errorf("failed deliveries: %+v", failed)
+	}
+	// To the disabled endpoint it would fail at once: refused until the
+	// endpoint is enabled again.
+	if _, err := s.Redeliver(ctx, "acme", ds[0].ID, "op-key", t0.Add(2*time.Minute)); !errors.Is(err, store.ErrEndpointDisabled) {
+		t.Errorf("redeliver to a disabled endpoint: %v, want ErrEndpointDisabled", err)
+	}
+	no := false
+	if _, err := s.UpdateEndpoint(ctx, "acme", e.ID, store.EndpointPatch{Disabled: &no, Now: t0.Add(2 * time.Minute)}); err != nil {
+		t.Fatal(err)
 	}
 	d, err := s.Redeliver(ctx, "acme", ds[0].ID, "op-key", t0.Add(2*time.Minute))
 	if err != nil || d.ID != ds[0].ID || d.State != store.DeliveryPending || d.Base != 1 || d.Attempts != 1 {
