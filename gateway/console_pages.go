@@ -294,7 +294,18 @@ func (s *Server) consoleActionAs(w http.ResponseWriter, r *http.Request, u conso
 func (s *Server) consoleReview(w http.ResponseWriter, r *http.Request, u consoleUser) {
 	req := reviewRequest{Decision: r.PostFormValue("decision"), Reason: r.PostFormValue("reason")}
 	id := r.PathValue("id")
-	s.consoleAction(w, r, u, "/v1/jobs/"+url.PathEscape(id)+"/review", req, "Job "+id+": "+req.Decision+"d.")
+	s.consoleAction(w, r, u, "/v1/jobs/"+url.PathEscape(id)+"/review", req, "Job "+id+": "+reviewDone(req.Decision)+".")
+}
+
+// reviewDone is a review decision as done: approved, rejected.
+func reviewDone(decision string) string {
+	switch decision {
+	case "approve":
+		return "approved"
+	case "reject":
+		return "rejected"
+	}
+	return decision // refused by the API: the notice says why
 }
 
 func (s *Server) consoleReplay(w http.ResponseWriter, r *http.Request, u consoleUser) {

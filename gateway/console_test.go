@@ -318,6 +318,11 @@ func TestConsoleAccess(t *testing.T) {
 		"csrf": {token}, "back": {"/console/jobs/" + e.reviewJob}}); status != http.StatusOK || !strings.Contains(page, "approved") {
 		t.Errorf("the review: %d %.300s", status, page)
 	}
+	for decision, want := range map[string]string{"approve": "approved", "reject": "rejected"} {
+		if got := reviewDone(decision); got != want {
+			t.Errorf("the notice of a %s: %q, want %q", decision, got, want)
+		}
+	}
 	waitJob(t, e.f, "acme", e.reviewJob, store.Succeeded)
 	status, audit := bearer(t, e.f, e.operator, http.MethodGet, "/v1/jobs/"+e.reviewJob+"/audit", "")
 	if status != http.StatusOK || !strings.Contains(string(audit), `"action":"review.approve","actor":"`+e.opKey+`"`) {
