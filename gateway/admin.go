@@ -339,13 +339,16 @@ func (s *Server) handleRotateKey(w http.ResponseWriter, r *http.Request) int {
 	}
 	secret, k := NewAPIKey(old.Tenant, old.Role, old.Name, s.cfg.Tenants.Now())
 	k.Limits = old.Limits
-	if err := s.cfg.Tenants.Store.CreateKey(r.Context(), k); err != nil {
+	// One transaction: of two rotations at once, one makes a key and the
+	// other finds the old one revoked (404), never two live keys.
+	err = s.cfg.Tenants.Store.RotateKey(r.Context(), old.ID, k, s.cfg.Tenants.Now())
+	if errors.Is(err, store.ErrNotFound) {
+		return writeError(w, s.log, notFound("key"))
+	}
+	if err != nil {
 		return writeError(w, s.log, err)
 	}
 	s.keys.created()
-	if err := s.cfg.Tenants.Store.RevokeKey(r.Context(), old.ID, s.cfg.Tenants.Now()); err != nil && !errors.Is(err, store.ErrNotFound) {
-		return writeError(w, s.log, err)
-	}
 	s.keys.forget(old.Hash)
 	writeJSON(w, http.StatusCreated, keyView(k, secret))
 	return http.StatusCreated

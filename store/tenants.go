@@ -275,6 +275,10 @@ type Tenants interface {
 	ListKeys(ctx context.Context, tenant string) ([]APIKey, error)
 	// RevokeKey revokes a key by id; ErrNotFound if no valid key has it.
 	RevokeKey(ctx context.Context, id string, now time.Time) error
+	// RotateKey revokes key oldID and creates k in its place, at once:
+	// ErrNotFound, and no key created, if no valid key has oldID (one
+	// rotated or revoked meanwhile); as CreateKey when k's tenant is gone.
+	RotateKey(ctx context.Context, oldID string, k APIKey, now time.Time) error
 	// ActiveKeys counts the keys not revoked.
 	ActiveKeys(ctx context.Context) (int, error)
 	// Acquire admits one request against the tenant's and key's quotas,

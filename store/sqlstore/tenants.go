@@ -142,6 +142,19 @@ func scanKey(r scanner) (store.APIKey, error) {
 	return k, err
 }
 
+// RotateKey implements store.Store: the revocation and the new key in one
+// transaction, the revocation first, so that of two rotations of one key
+// at once one makes a key and the other finds the key revoked.
+func (s *Store) RotateKey(ctx context.Context, oldID string, k store.APIKey, now time.Time) error {
+	return s.tx(ctx, "rotate key", func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, s.rb(`UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at = 0`), micros(now), oldID)
+		if err := s.affected("rotate key", res, err); err != nil {
+			return err
+		}
+		return s.insertKey(ctx, tx, k)
+	})
+}
+
 // CreateKey implements store.Store. The key's tenant is held shared
 // (Dialect.LockShared) while the key is written: a DeleteTenant in flight
 // is waited for, and then its tenant is gone and no key is made; one that
@@ -149,7 +162,17 @@ func scanKey(r scanner) (store.APIKey, error) {
 // Without the lock a key could be written for a tenant whose delete had
 // already revoked its keys, and live on, valid, with no tenant to limit it.
 func (s *Store) CreateKey(ctx context.Context, k store.APIKey) error {
-	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO api_keys (`+keyColumns+`)
+	return s.insertKey(ctx, s.db, k)
+}
+
+// execer is a *sql.DB or a *sql.Tx.
+type execer interface {
+	ExecContext(ctx context.Context, q string, args ...any) (sql.Result, error)
+}
+
+// insertKey writes k, its tenant held shared (CreateKey).
+func (s *Store) insertKey(ctx context.Context, db execer, k store.APIKey) error {
+	res, err := db.ExecContext(ctx, s.rb(`INSERT INTO api_keys (`+keyColumns+`)
 		SELECT ?, ?, ?, ?, ?, ?, CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), 0
 		WHERE EXISTS (SELECT 1 FROM tenants WHERE name = ? `+s.d.LockShared+`)`),
 		k.ID, k.Hash, k.Prefix, k.Tenant, string(k.Role), k.Name, k.Limits.RPM, k.Limits.TPM, k.Limits.MaxConcurrency,

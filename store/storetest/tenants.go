@@ -122,6 +122,28 @@ func testKeys(t *testing.T, s store.Store) {
 	if n, _ := s.ActiveKeys(ctx); n != 1 {
 		t.Errorf("active keys after a revocation: %d, want 1", n)
 	}
+	// A rotation revokes the old key and makes the new one at once; a
+	// second rotation of the same key finds it revoked and makes nothing.
+	k3 := store.APIKey{ID: "key_3", Hash: "h3", Prefix: "kvg_3", Tenant: "acme", Role: store.RoleAdmin, CreatedAt: t0.Add(2 * time.Minute)}
+	if err := s.RotateKey(ctx, "key_2", k3, t0.Add(2*time.Minute)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.KeyByHash(ctx, "h2"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the rotated key: %v, want ErrNotFound (revoked)", err)
+	}
+	if got, err := s.KeyByHash(ctx, "h3"); err != nil || got.ID != "key_3" {
+		t.Errorf("the rotation's new key: %+v, %v", got, err)
+	}
+	k4 := store.APIKey{ID: "key_4", Hash: "h4", Prefix: "kvg_4", Tenant: "acme", Role: store.RoleAdmin, CreatedAt: t0.Add(2 * time.Minute)}
+	if err := s.RotateKey(ctx, "key_2", k4, t0.Add(2*time.Minute)); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("rotate a rotated key: %v, want ErrNotFound", err)
+	}
+	if _, err := s.KeyByHash(ctx, "h4"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a second rotation of one key made a key: %v", err)
+	}
+	if n, _ := s.ActiveKeys(ctx); n != 1 {
+		t.Errorf("active keys after two rotations of one key: %d, want 1", n)
+	}
 }
 
 func acquisition(tenant string, tokens int64, l store.Limits, now time.Time) store.Acquisition {
