@@ -316,13 +316,19 @@ func runKeys(ctx context.Context, args []string, getenv func(string) string, std
 			return err
 		}
 		if cmd == "rotate" {
+			// The revocation and the new key in one transaction, as the
+			// admin API rotates.
 			secret, nk := gateway.NewAPIKey(k.Tenant, k.Role, k.Name, now)
 			nk.Limits = k.Limits
-			if err := createKey(ctx, st, nk, secret, stdout, stderr); err != nil {
+			if err := st.RotateKey(ctx, k.ID, nk, now); err != nil {
+				if errors.Is(err, store.ErrNotFound) {
+					return fmt.Errorf("key %s was revoked or rotated meanwhile, or its tenant %s is gone: no key made", k.ID, k.Tenant)
+				}
 				return err
 			}
-		}
-		if err := st.RevokeKey(ctx, k.ID, now); err != nil {
+			fmt.Fprintln(stdout, secret)
+			fmt.Fprintf(stderr, "created %s key %s for tenant %s: store it now, it is not shown again\n", nk.Role, nk.ID, nk.Tenant)
+		} else if err := st.RevokeKey(ctx, k.ID, now); err != nil {
 			return err
 		}
 		fmt.Fprintf(stderr, "revoked %s (%s..., tenant %s); replicas stop accepting it within their key cache TTL\n", k.ID, k.Prefix, k.Tenant)
