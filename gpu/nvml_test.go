@@ -782,25 +782,22 @@ func TestNVMLXIDsDegradeForAWhile(t *testing.T) {
 	if h2, h3 := health("2"), health("3"); h2 != Degraded || h3 != Failed {
 		t.Fatalf("after XIDs 45 and 79: GPU 2 %v, GPU 3 %v; want Degraded, Failed", h2, h3)
 	}
-	mu.Lock()
-	now = now.Add(xidDegrades - time.Second)
-	mu.Unlock()
-	n.Refresh()
+	advance := func(d time.Duration) { // and read again
+		mu.Lock()
+		now = now.Add(d)
+		mu.Unlock()
+		n.Refresh()
+	}
+	advance(xidDegrades - time.Second)
 	if h := health("2"); h != Degraded {
 		t.Errorf("GPU 2 just inside the window: %v, want Degraded", h)
 	}
 	n.recordXID(2, 45) // again: the window starts over
-	mu.Lock()
-	now = now.Add(xidDegrades - time.Second)
-	mu.Unlock()
-	n.Refresh()
+	advance(xidDegrades - time.Second)
 	if h := health("2"); h != Degraded {
 		t.Errorf("GPU 2 within the window of its latest XID: %v, want Degraded", h)
 	}
-	mu.Lock()
-	now = now.Add(2 * time.Second)
-	mu.Unlock()
-	n.Refresh()
+	advance(2 * time.Second)
 	if h2, h3 := health("2"), health("3"); h2 != Healthy || h3 != Failed {
 		t.Errorf("past the window: GPU 2 %v, GPU 3 %v; want Healthy, Failed", h2, h3)
 	}
