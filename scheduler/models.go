@@ -18,24 +18,6 @@ import (
 // failed while queued, because no backend of its model could take work.
 const outcomeNoRoutable = "no_routable_backend"
 
-// RoutableModels returns the models that at least one routable backend
-// serves, sorted: work for them can start once there is room. Work for
-// any other model would wait, or fail, in Acquire. It reads the latest
-// snapshots and is safe for concurrent use.
-func (s *Scheduler) RoutableModels() []string {
-	var out []string
-	for _, sn := range s.src.Snapshots() {
-		if !sn.Routable() {
-			continue
-		}
-		for _, m := range sn.Models {
-			out = append(out, m.ID)
-		}
-	}
-	slices.Sort(out)
-	return slices.Compact(out)
-}
-
 // CheckModel says whether work for model can be routed now, without
 // queueing anything: nil when a routable backend serves it, ErrNoBackend
 // when no backend serves it or may, and an *UnroutableError (errors.Is

@@ -144,15 +144,17 @@ func TestQueuedTicketFailsWhenLastBackendGoes(t *testing.T) {
 	waitQueued(t, s, 0)
 }
 
-func TestRoutableModels(t *testing.T) {
+// TestClaimRoomModelsRoutable: the models an idle fleet has room for are
+// those a routable backend serves, not an ejected or undiscovered one's.
+func TestClaimRoomModelsRoutable(t *testing.T) {
 	two := backendSnap("b", 1000)
 	two.Models = []gpu.Model{{ID: "z"}, {ID: model}}
 	ej := ejectedSnap("c", time.Now().Add(time.Hour))
 	ej.Models = []gpu.Model{{ID: "only-ejected"}}
 	s := newTestScheduler(t, Policy{}, backendSnap("a", 1000), two, ej, undiscoveredSnap("d", "configured"))
-	got := s.RoutableModels()
+	_, got := s.ClaimRoom()
 	if want := []string{model, "z"}; strings.Join(got, ",") != strings.Join(want, ",") {
-		t.Errorf("RoutableModels() = %v, want %v", got, want)
+		t.Errorf("ClaimRoom's models = %v, want %v", got, want)
 	}
 }
 
