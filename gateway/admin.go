@@ -185,14 +185,7 @@ func (s *Server) handleUpdateTenant(w http.ResponseWriter, r *http.Request) int 
 	if err := readJSON(r, &p); err != nil {
 		return writeError(w, s.log, err)
 	}
-	t, err := s.cfg.Tenants.Store.GetTenant(r.Context(), r.PathValue("name"))
-	if err == nil {
-		if err := p.apply(&t); err != nil {
-			return writeError(w, s.log, err)
-		}
-		t.UpdatedAt = s.cfg.Tenants.Now()
-		err = s.cfg.Tenants.Store.UpdateTenant(r.Context(), t)
-	}
+	t, err := s.cfg.Tenants.Store.UpdateTenant(r.Context(), r.PathValue("name"), s.cfg.Tenants.Now(), p.apply)
 	if errors.Is(err, store.ErrNotFound) {
 		return writeError(w, s.log, notFound("tenant"))
 	}

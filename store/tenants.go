@@ -254,8 +254,12 @@ func DayOf(t time.Time) int {
 type Tenants interface {
 	// CreateTenant adds a tenant; ErrExists if the name is taken.
 	CreateTenant(ctx context.Context, t Tenant) error
-	// UpdateTenant replaces a tenant's weight and limits; ErrNotFound.
-	UpdateTenant(ctx context.Context, t Tenant) error
+	// UpdateTenant changes a tenant's weight and limits: change is given
+	// the tenant as stored, under a lock held until its result is written
+	// (at now), so that two updates at once each build on the other and
+	// neither is lost. It returns the tenant written; ErrNotFound; change's
+	// own error, and nothing written.
+	UpdateTenant(ctx context.Context, name string, now time.Time, change func(*Tenant) error) (Tenant, error)
 	// DeleteTenant removes a tenant and revokes its keys; ErrNotFound; a
 	// *TenantBusyError, and nothing changed, while the tenant has jobs
 	// not yet ended or batches open: deleted, it would have no limits,

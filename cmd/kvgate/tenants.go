@@ -24,7 +24,8 @@ const tenantsUsage = `Usage:
 
 Limits (0: unlimited): --weight, --rpm, --tpm, --max-concurrency, --max-pending-jobs,
 --max-pending-tokens, --daily-tokens, --monthly-tokens.
-Every command takes --store URL (env KVGATE_STORE) and --data-dir as serve does.
+Every command takes --store URL (env KVGATE_STORE), --data-dir and --config FILE (env
+KVGATE_CONFIG) and finds the store as serve does.
 `
 
 const keysUsage = `Usage:
@@ -34,19 +35,58 @@ const keysUsage = `Usage:
   kvgate keys revoke ID                 revoke a key
   kvgate keys rotate ID                 print a new key like ID's and revoke ID
 
-Every command takes --store URL (env KVGATE_STORE) and --data-dir as serve does.
+Every command takes --store URL (env KVGATE_STORE), --data-dir and --config FILE (env
+KVGATE_CONFIG) and finds the store as serve does.
 `
 
-// storeFlags are the flags every tenants and keys command takes.
-type storeFlags struct{ url, dataDir string }
+// storeFlags are the flags migrate, tenants and keys take: the store as
+// serve finds it, from --store, KVGATE_STORE, the configuration file's
+// store (--config or KVGATE_CONFIG), then SQLite under the data directory
+// (the same order for it), so that a command run beside serve reaches the
+// store serve uses.
+type storeFlags struct {
+	url, dataDir, file string
+	fs                 *flag.FlagSet
+	getenv             func(string) string
+}
 
 func (f *storeFlags) register(fs *flag.FlagSet, getenv func(string) string) {
-	fs.StringVar(&f.url, "store", getenv("KVGATE_STORE"), "postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
-	fs.StringVar(&f.dataDir, "data-dir", envOr(getenv, "KVGATE_DATA_DIR", "data"), "directory of the embedded store (env KVGATE_DATA_DIR)")
+	f.fs, f.getenv = fs, getenv
+	fs.StringVar(&f.url, "store", getenv("KVGATE_STORE"), "postgres://... or sqlite://PATH (env KVGATE_STORE; then the configuration file's store; default: SQLite under --data-dir)")
+	fs.StringVar(&f.dataDir, "data-dir", envOr(getenv, "KVGATE_DATA_DIR", "data"), "directory of the embedded store (env KVGATE_DATA_DIR; then the configuration file's data_dir)")
+	fs.StringVar(&f.file, "config", getenv("KVGATE_CONFIG"), "YAML configuration file whose store and data_dir to use (env KVGATE_CONFIG)")
+}
+
+// resolve fills in what neither flag nor environment gave from the
+// configuration file.
+func (f *storeFlags) resolve() error {
+	if f.file == "" {
+		return nil
+	}
+	set := map[string]bool{}
+	f.fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	cfg := defaultConfig()
+	if err := loadYAMLFile(f.file, cfg); err != nil {
+		return err
+	}
+	if !set["store"] && f.getenv("KVGATE_STORE") == "" {
+		f.url = cfg.Store
+	}
+	if !set["data-dir"] && f.getenv("KVGATE_DATA_DIR") == "" {
+		f.dataDir = cfg.DataDir
+	}
+	return nil
+}
+
+func (f *storeFlags) openStore(ctx context.Context) (*sqlstore.Store, store.Location, []int, error) {
+	if err := f.resolve(); err != nil {
+		return nil, store.Location{}, nil, err
+	}
+	return openStore(ctx, f.url, f.dataDir, true)
 }
 
 func (f *storeFlags) open(ctx context.Context) (*sqlstore.Store, error) {
-	s, _, _, err := openStore(ctx, f.url, f.dataDir, true)
+	s, _, _, err := f.openStore(ctx)
 	return s, err
 }
 
@@ -193,18 +233,11 @@ func runTenants(ctx context.Context, args []string, getenv func(string) string, 
 		}
 		return printTenants(stdout, []store.Tenant{t})
 	case "update":
-		t, err := st.GetTenant(ctx, pos[0])
+		t, err := st.UpdateTenant(ctx, pos[0], now, func(t *store.Tenant) error { return lf.apply(fs, t) })
 		if errors.Is(err, store.ErrNotFound) {
 			return fmt.Errorf("no tenant %q", pos[0])
 		}
 		if err != nil {
-			return err
-		}
-		if err := lf.apply(fs, &t); err != nil {
-			return err
-		}
-		t.UpdatedAt = now
-		if err := st.UpdateTenant(ctx, t); err != nil {
 			return err
 		}
 		return printTenants(stdout, []store.Tenant{t})

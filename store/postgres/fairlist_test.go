@@ -110,7 +110,10 @@ func TestFairListWeightOfAnotherStore(t *testing.T) {
 	if per := claimTenants(t, b, now.Add(time.Second), 8); per["heavy"] != 6 || per["plain"] != 2 {
 		t.Errorf("weight 3 set through another store, the copy a second old: %v, want 6 and 2", per)
 	}
-	if err := b.UpdateTenant(ctx, store.Tenant{Name: "heavy", Weight: 1, UpdatedAt: now}); err != nil {
+	if _, err := b.UpdateTenant(ctx, "heavy", now, func(tn *store.Tenant) error {
+		tn.Weight = 1
+		return nil
+	}); err != nil {
 		t.Fatal(err)
 	}
 	if per := claimTenants(t, b, now.Add(time.Second), 8); per["heavy"] != 4 {

@@ -47,16 +47,44 @@ func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
 	return nil
 }
 
-// UpdateTenant implements store.Store.
-func (s *Store) UpdateTenant(ctx context.Context, t store.Tenant) error {
+// UpdateTenant implements store.Store. The row is read locked where the
+// dialect locks rows (SQLite's transactions are immediate: one writer at
+// a time), so two changes at once are applied one after the other, each
+// to what the other wrote.
+func (s *Store) UpdateTenant(ctx context.Context, name string, now time.Time, change func(*store.Tenant) error) (store.Tenant, error) {
 	defer s.fair.invalidate() // its weight
-	l := t.Limits
-	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE tenants SET weight = ?, rpm = ?, tpm = ?, max_concurrency = ?,
-		max_pending_jobs = ?, max_pending_tokens = ?, daily_tokens = ?, monthly_tokens = ?, daily_spend = ?, monthly_spend = ?,
-		updated_at = ? WHERE name = ?`),
-		max(t.Weight, 1), l.RPM, l.TPM, l.MaxConcurrency, l.MaxPendingJobs, l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens,
-		l.DailySpend, l.MonthlySpend, micros(t.UpdatedAt), t.Name)
-	return s.affected("update tenant", res, err)
+	lock := ""
+	if s.d.LockShared != "" {
+		lock = " FOR UPDATE"
+	}
+	var t store.Tenant
+	var refused error // change's own, returned as it is
+	err := s.tx(ctx, "update tenant", func(tx *sql.Tx) error {
+		var err error
+		t, err = scanTenant(tx.QueryRowContext(ctx, s.rb(`SELECT `+tenantColumns+` FROM tenants WHERE name = ?`+lock), name))
+		if err != nil {
+			return s.err("update tenant", err)
+		}
+		if refused = change(&t); refused != nil {
+			return refused
+		}
+		t.Name, t.UpdatedAt = name, now
+		l := t.Limits
+		_, err = tx.ExecContext(ctx, s.rb(`UPDATE tenants SET weight = ?, rpm = ?, tpm = ?, max_concurrency = ?,
+			max_pending_jobs = ?, max_pending_tokens = ?, daily_tokens = ?, monthly_tokens = ?, daily_spend = ?, monthly_spend = ?,
+			updated_at = ? WHERE name = ?`),
+			max(t.Weight, 1), l.RPM, l.TPM, l.MaxConcurrency, l.MaxPendingJobs, l.MaxPendingTokens, l.DailyTokens, l.MonthlyTokens,
+			l.DailySpend, l.MonthlySpend, micros(now), name)
+		return err
+	})
+	switch {
+	case refused != nil:
+		return store.Tenant{}, refused
+	case err != nil:
+		return store.Tenant{}, err
+	}
+	t.Weight = max(t.Weight, 1)
+	return t, nil
 }
 
 // affected turns an update of no row into ErrNotFound.

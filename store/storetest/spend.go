@@ -94,8 +94,10 @@ func testSpendBudgets(t *testing.T, s store.Store) {
 		t.Fatalf("a new month: %v", err)
 	}
 	// Limits round-trip through the tenant record.
-	tn := store.Tenant{Name: "spender", Weight: 1, Limits: l, UpdatedAt: day1}
-	if err := s.UpdateTenant(ctx, tn); err != nil {
+	if _, err := s.UpdateTenant(ctx, "spender", day1, func(tn *store.Tenant) error {
+		tn.Limits = l
+		return nil
+	}); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := s.GetTenant(ctx, "spender"); err != nil || got.Limits.DailySpend != 1_000_000 || got.Limits.MonthlySpend != 1_500_000 {

@@ -34,14 +34,62 @@ func testTenants(t *testing.T, s store.Store) {
 		t.Errorf("get acme: %+v, %v", got, err)
 	}
 	acme.Limits.RPM, acme.Weight, acme.UpdatedAt = 20, 3, t0.Add(time.Hour)
-	if err := s.UpdateTenant(ctx, acme); err != nil {
+	up, err := s.UpdateTenant(ctx, "acme", acme.UpdatedAt, func(tn *store.Tenant) error {
+		if tn.Limits != got.Limits {
+			t.Errorf("update is given %+v, want the stored %+v", tn.Limits, got.Limits)
+		}
+		tn.Limits.RPM, tn.Weight, tn.Name = 20, 3, "renamed"
+		return nil
+	})
+	if err != nil {
 		t.Fatal(err)
+	}
+	if up.Name != "acme" || up.Limits != acme.Limits || up.Weight != 3 || !up.UpdatedAt.Equal(acme.UpdatedAt) {
+		t.Errorf("update returned %+v, want %+v", up, acme)
 	}
 	if got, _ := s.GetTenant(ctx, "acme"); got.Limits.RPM != 20 || got.Weight != 3 || !got.UpdatedAt.Equal(acme.UpdatedAt) {
 		t.Errorf("updated acme: %+v", got)
 	}
-	if err := s.UpdateTenant(ctx, store.Tenant{Name: "nobody"}); !errors.Is(err, store.ErrNotFound) {
+	if _, err := s.UpdateTenant(ctx, "nobody", t0, func(*store.Tenant) error { return nil }); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("update a missing tenant: %v, want ErrNotFound", err)
+	}
+	refused := errors.New("refused")
+	if _, err := s.UpdateTenant(ctx, "acme", t0.Add(2*time.Hour), func(tn *store.Tenant) error {
+		tn.Limits.RPM = 1
+		return refused
+	}); err != refused {
+		t.Errorf("a change that fails: %v, want its own error", err)
+	}
+	if got, _ := s.GetTenant(ctx, "acme"); got.Limits.RPM != 20 || !got.UpdatedAt.Equal(acme.UpdatedAt) {
+		t.Errorf("a change that failed was written: %+v", got)
+	}
+	// Two updates at once, the second begun while the first holds the
+	// tenant: each keeps the other's change (a plain read, change, write
+	// loses the first one's TPM, or the second's RPM).
+	second := make(chan error, 1)
+	if _, err := s.UpdateTenant(ctx, "acme", t0.Add(3*time.Hour), func(tn *store.Tenant) error {
+		go func() {
+			_, err := s.UpdateTenant(ctx, "acme", t0.Add(3*time.Hour), func(tn *store.Tenant) error {
+				tn.Limits.RPM = 555
+				return nil
+			})
+			second <- err
+		}()
+		select { // it must wait for this one; if it does not, this one overwrites it
+		case err := <-second:
+			second <- err
+		case <-time.After(100 * time.Millisecond):
+		}
+		tn.Limits.TPM = 777
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-second; err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.GetTenant(ctx, "acme"); got.Limits.RPM != 555 || got.Limits.TPM != 777 {
+		t.Errorf("two updates at once: rpm %d tpm %d, want 555 and 777", got.Limits.RPM, got.Limits.TPM)
 	}
 	list, err := s.ListTenants(ctx)
 	if err != nil || len(list) != 2 || list[0].Name != "acme" || list[1].Name != "globex" {
