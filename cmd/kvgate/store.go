@@ -49,12 +49,12 @@ func openStore(ctx context.Context, url, dataDir string, migrate bool) (*sqlstor
 func runMigrate(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) error {
 	fs := flag.NewFlagSet("kvgate migrate", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	url := fs.String("store", getenv("KVGATE_STORE"), "postgres://... or sqlite://PATH (env KVGATE_STORE; default: SQLite under --data-dir)")
-	dataDir := fs.String("data-dir", envOr(getenv, "KVGATE_DATA_DIR", "data"), "directory for the embedded store and broker (env KVGATE_DATA_DIR)")
+	var sf storeFlags
+	sf.register(fs, getenv)
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	s, loc, applied, err := openStore(ctx, *url, *dataDir, true)
+	s, loc, applied, err := sf.openStore(ctx)
 	if err != nil {
 		return err
 	}

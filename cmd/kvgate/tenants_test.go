@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -194,5 +195,51 @@ func TestServeWithStoreTenants(t *testing.T) {
 	}
 	if code := do(http.MethodGet, "/v1/models", "kvg_wrong", ""); code != http.StatusUnauthorized {
 		t.Errorf("a wrong key: %d, want 401", code)
+	}
+}
+
+// TestStoreCommandsReadTheConfigFile: migrate, tenants and keys reach the
+// store a configuration file names, as serve does with the same file;
+// --store and KVGATE_STORE still win over it.
+func TestStoreCommandsReadTheConfigFile(t *testing.T) {
+	dir := t.TempDir()
+	inFile := filepath.Join(dir, "file.db")
+	cfgPath := filepath.Join(dir, "kvgate.yaml")
+	if err := os.WriteFile(cfgPath, []byte("store: sqlite://"+inFile+"\ndata_dir: "+filepath.Join(dir, "nowhere")+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	runWith := func(env map[string]string, args ...string) string {
+		t.Helper()
+		var stdout, stderr syncBuffer
+		if err := run(context.Background(), args, func(k string) string { return env[k] }, &stdout, &stderr); err != nil {
+			t.Fatalf("kvgate %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+		}
+		return stdout.String()
+	}
+	if out := runWith(nil, "migrate", "--config", cfgPath); !strings.Contains(out, inFile) {
+		t.Errorf("migrate --config: %q, want the file's store %s", out, inFile)
+	}
+	runWith(map[string]string{"KVGATE_CONFIG": cfgPath}, "tenants", "create", "fromfile")
+	if out := runWith(nil, "tenants", "list", "--store", "sqlite://"+inFile); !strings.Contains(out, "fromfile") {
+		t.Errorf("KVGATE_CONFIG's store did not get the tenant; it holds:\n%s", out)
+	}
+	other := filepath.Join(dir, "other.db")
+	runWith(map[string]string{"KVGATE_CONFIG": cfgPath, "KVGATE_STORE": "sqlite://" + other}, "tenants", "create", "fromenv")
+	runWith(nil, "tenants", "create", "fromflag", "--config", cfgPath, "--store", "sqlite://"+other)
+	out := runWith(nil, "tenants", "list", "--store", "sqlite://"+other)
+	if !strings.Contains(out, "fromenv") || !strings.Contains(out, "fromflag") {
+		t.Errorf("KVGATE_STORE and --store beside a config file: the other store holds\n%s", out)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "nowhere")); err == nil {
+		t.Error("the file's data_dir was made though the file names its store")
+	}
+	runWith(nil, "keys", "create", "--tenant", "fromfile", "--config", cfgPath) // the tenant is in the file's store only
+	if out := runWith(nil, "keys", "list", "--store", "sqlite://"+inFile); !strings.Contains(out, "fromfile") {
+		t.Errorf("keys create --config: the file's store lists\n%s", out)
+	}
+	var stderr syncBuffer
+	err := run(context.Background(), []string{"tenants", "list", "--config", filepath.Join(dir, "missing.yaml")}, noenv, io.Discard, &stderr)
+	if err == nil || !strings.Contains(err.Error(), "missing.yaml") {
+		t.Errorf("a missing config file: %v, want an error naming it", err)
 	}
 }
