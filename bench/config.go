@@ -309,7 +309,15 @@ func (c Config) Validate() (Config, error) {
 	} else {
 		c.Tenants = append([]Tenant(nil), c.Tenants...)
 	}
-	seen := map[string]bool{}
+	// The run's arrival is shared by the tenants that take it, as its
+	// count is: --request-rate is the rate over all of them.
+	sharing := 0
+	for _, t := range c.Tenants {
+		if t.Arrival == (Arrival{}) {
+			sharing++
+		}
+	}
+	seen, shared := map[string]bool{}, 0
 	for i := range c.Tenants {
 		t := &c.Tenants[i]
 		if t.Name == "" {
@@ -340,7 +348,10 @@ func (c Config) Validate() (Config, error) {
 			return c, fmt.Errorf("bench: tenant %s: %w", t.Name, err)
 		}
 		if t.Arrival == (Arrival{}) {
-			t.Arrival = c.Arrival
+			if t.Arrival, err = c.Arrival.Share(shared, sharing); err != nil {
+				return c, fmt.Errorf("bench: tenant %s: %w", t.Name, err)
+			}
+			shared++
 		} else if t.Arrival, err = t.Arrival.withDefaults(t.Workload); err != nil {
 			return c, fmt.Errorf("bench: tenant %s: %w", t.Name, err)
 		}
@@ -384,6 +395,27 @@ func (c Config) Validate() (Config, error) {
 		c.Sweep = &s
 	}
 	return c, nil
+}
+
+// Share is the part of a that the i-th of n tenants taking it gets: an
+// n-th of its rate, and of its closed-loop clients (the first ones get
+// one more where they do not divide evenly).
+func (a Arrival) Share(i, n int) (Arrival, error) {
+	if n <= 1 {
+		return a, nil
+	}
+	a.Rate /= float64(n)
+	if a.Kind == ArrivalConcurrency || a.Kind == "" && a.Concurrency > 0 {
+		if a.Concurrency < n {
+			return a, fmt.Errorf("%d clients cannot be shared by %d tenants; give each its own concurrency, or more clients", a.Concurrency, n)
+		}
+		c := a.Concurrency / n
+		if i < a.Concurrency%n {
+			c++
+		}
+		a.Concurrency = c
+	}
+	return a, nil
 }
 
 type arrivalJSON Arrival

@@ -480,6 +480,20 @@ func TestConfigValidation(t *testing.T) {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
+	// The run's arrival is shared by the tenants that take it.
+	shared := Config{Target: "http://x", Model: "m", NumPrompts: 10, Arrival: Arrival{Rate: 9},
+		Tenants: []Tenant{{Name: "a"}, {Name: "b", Arrival: Arrival{Rate: 1}}, {Name: "c"}}}
+	if c, err := shared.Validate(); err != nil || c.Tenants[0].Arrival.Rate != 4.5 || c.Tenants[1].Arrival.Rate != 1 || c.Tenants[2].Arrival.Rate != 4.5 {
+		t.Errorf("rate 9 over a, b (its own 1) and c: %+v, %v; want 4.5, 1, 4.5", c.Tenants, err)
+	}
+	shared.Arrival = Arrival{Kind: ArrivalConcurrency, Concurrency: 5}
+	if c, err := shared.Validate(); err != nil || c.Tenants[0].Arrival.Concurrency != 3 || c.Tenants[2].Arrival.Concurrency != 2 {
+		t.Errorf("5 clients over a and c: %+v, %v; want 3 and 2", c.Tenants, err)
+	}
+	shared.Arrival.Concurrency = 1
+	if _, err := shared.Validate(); err == nil || !strings.Contains(err.Error(), "cannot be shared") {
+		t.Errorf("1 client over 2 tenants: %v, want refused", err)
+	}
 	c, err := ok.Validate()
 	if err != nil || c.Endpoint != EndpointCompletions || len(c.Percentiles) != 4 || c.Tenants[0].Name != "default" ||
 		c.Workload.Input.Mean != 1024 || c.Workload.Output.Mean != 128 || !math.IsInf(c.Arrival.Rate, 1) || !c.Workload.IgnoreEOS {

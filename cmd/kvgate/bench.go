@@ -115,7 +115,7 @@ func benchFlagSet(stderr io.Writer, f *benchFlags) *flag.FlagSet {
 	fs.Var(&f.rate, "request-rate", "requests per second over all tenants, or inf to send all at once")
 	fs.Float64Var(&f.burstiness, "burstiness", 1, "Gamma shape of the gaps: 1 Poisson, <1 burstier, >1 smoother")
 	fs.StringVar(&f.arrival, "arrival", "", "poisson, gamma, constant, concurrency or trace (default from the other flags)")
-	fs.IntVar(&f.concurrency, "concurrency", 0, "closed-loop clients, each sending when its last answer ends (instead of a rate)")
+	fs.IntVar(&f.concurrency, "concurrency", 0, "closed-loop clients over all tenants, each sending when its last answer ends (instead of a rate)")
 	fs.IntVar(&f.maxConcurrency, "max-concurrency", 0, "cap on requests in flight (0: none)")
 	fs.IntVar(&f.maxConns, "max-connections", bench.DefaultMaxConnections, "cap on connections to the target; requests beyond wait, timed (-1: none)")
 	fs.StringVar(&f.dataset, "dataset-name", bench.DatasetRandom, "random, sharegpt, prefix, system-prompt, multi-turn or trace")
@@ -337,8 +337,23 @@ func (f *benchFlags) config() (bench.Config, error) {
 		}
 		cfg.Metadata[k] = v
 	}
+	// The run's rate (or clients) is over all tenants: those without a
+	// rate or clients of their own share it.
+	var sharing, shared int
 	for _, spec := range f.tenants {
-		t, err := f.tenant(spec, cfg)
+		if !specHas(spec, "rate", "request-rate", "concurrency") {
+			sharing++
+		}
+	}
+	for _, spec := range f.tenants {
+		a := cfg.Arrival
+		if !specHas(spec, "rate", "request-rate", "concurrency") {
+			if a, err = cfg.Arrival.Share(shared, sharing); err != nil {
+				return cfg, fmt.Errorf("--tenant %q: %w", spec, err)
+			}
+			shared++
+		}
+		t, err := f.tenant(spec, a)
 		if err != nil {
 			return cfg, fmt.Errorf("--tenant %q: %w", spec, err)
 		}
@@ -403,8 +418,20 @@ func (f *benchFlags) workload(over map[string]string) (bench.Workload, error) {
 	return w, errors.Join(errs...)
 }
 
-// tenant parses --tenant name=..,key=..,...; unset keys take the run's flags.
-func (f *benchFlags) tenant(spec string, cfg bench.Config) (bench.Tenant, error) {
+// specHas says whether a --tenant spec sets one of keys.
+func specHas(spec string, keys ...string) bool {
+	for _, part := range strings.Split(spec, ",") {
+		k, _, _ := strings.Cut(strings.TrimSpace(part), "=")
+		if slices.Contains(keys, strings.ReplaceAll(k, "_", "-")) {
+			return true
+		}
+	}
+	return false
+}
+
+// tenant parses --tenant name=..,key=..,...; unset keys take the run's
+// flags, and its arrival's a, its share of the run's.
+func (f *benchFlags) tenant(spec string, a bench.Arrival) (bench.Tenant, error) {
 	kv := map[string]string{}
 	for _, part := range strings.Split(spec, ",") {
 		k, v, ok := strings.Cut(strings.TrimSpace(part), "=")
@@ -421,7 +448,7 @@ func (f *benchFlags) tenant(spec string, cfg bench.Config) (bench.Tenant, error)
 			return bench.Tenant{}, fmt.Errorf("unknown key %q", k)
 		}
 	}
-	t := bench.Tenant{Name: kv["name"], APIKey: kv["key"], Class: kv["class"], Arrival: cfg.Arrival}
+	t := bench.Tenant{Name: kv["name"], APIKey: kv["key"], Class: kv["class"], Arrival: a}
 	if v, ok := kv["api-key"]; ok {
 		t.APIKey = v
 	}

@@ -393,4 +393,15 @@ func TestBenchFlagsToConfig(t *testing.T) {
 		b.Arrival.Concurrency != 2 || b.Workload.Output.Mean != 128 {
 		t.Errorf("tenants %+v", c.Tenants)
 	}
+	// --request-rate is over all tenants: those without a rate of their
+	// own share it, whether they change its shape or not.
+	c = parse("--request-rate", "12", "--tenant", "name=a", "--tenant", "name=b,burstiness=0.5", "--tenant", "name=c,rate=4")
+	if r := []float64{c.Tenants[0].Arrival.Rate, c.Tenants[1].Arrival.Rate, c.Tenants[2].Arrival.Rate}; r[0] != 6 || r[1] != 6 || r[2] != 4 ||
+		c.Tenants[1].Arrival.Burstiness != 0.5 {
+		t.Errorf("--request-rate 12 over a, b and c (rate=4): %v, want 6, 6 and 4", r)
+	}
+	c = parse("--concurrency", "5", "--tenant", "name=a", "--tenant", "name=b")
+	if n := []int{c.Tenants[0].Arrival.Concurrency, c.Tenants[1].Arrival.Concurrency}; n[0] != 3 || n[1] != 2 {
+		t.Errorf("--concurrency 5 over two tenants: %v, want 3 and 2", n)
+	}
 }
