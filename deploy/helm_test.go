@@ -312,6 +312,12 @@ func checkRendered(t *testing.T, c *chart.Chart, vals map[string]any, r rendered
 			r.monitor.Spec.Endpoints[0].Port != r.service.Spec.Ports[0].Name || r.monitor.Spec.Endpoints[0].Path != "/metrics" {
 			t.Errorf("ServiceMonitor %+v does not scrape the Service's /metrics", r.monitor.Spec)
 		}
+		// The alerting rules select up{job="kvgate"}: the operator takes
+		// the job from the Service's label that jobLabel names, or else
+		// from the Service's name (the release's).
+		if job := r.service.Labels[r.monitor.Spec.JobLabel]; r.monitor.Spec.JobLabel == "" || job != "kvgate" {
+			t.Errorf("ServiceMonitor's targets get job %q (jobLabel %q), want kvgate, which the alerting rules select", job, r.monitor.Spec.JobLabel)
+		}
 	}
 	if (r.netpol != nil) != optional("networkPolicy") {
 		t.Errorf("NetworkPolicy rendered %v, enabled %v", r.netpol != nil, optional("networkPolicy"))
