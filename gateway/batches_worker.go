@@ -346,7 +346,9 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 		for _, m := range metas {
 			tokens += int64(m.tokens)
 		}
-		if msg, err := s.batchRoom(ctx, b, int64(len(metas)), tokens); err != nil {
+		if msg, err := s.batchRoom(ctx, b, int64(len(metas)), tokens); errors.Is(err, errTenantDeleted) {
+			return fail([]batchError{{Code: "tenant_deleted", Message: "The batch's tenant was deleted."}}, len(metas))
+		} else if err != nil {
 			return err
 		} else if msg != "" {
 			return fail([]batchError{{Code: "token_limit_exceeded", Message: msg}}, len(metas))

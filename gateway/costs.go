@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -89,6 +90,9 @@ func (s *Server) checkJobSpend(ctx context.Context, tenant string, cost int64) e
 		return nil
 	}
 	t, found, err := s.tenant(ctx, tenant)
+	if errors.Is(err, errTenantDeleted) {
+		return err
+	}
 	if err != nil {
 		if s.cfg.Tenants.FailOpen {
 			return nil

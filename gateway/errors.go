@@ -121,6 +121,12 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, errKeysUnavailable):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "auth_unavailable", retryAfter: time.Second,
 			msg: "The gateway cannot check your API key right now; retry after the Retry-After delay."}
+	case errors.Is(err, errTenantDeleted):
+		return &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "tenant_deleted",
+			msg: "This key's tenant has been deleted; its keys no longer work."}
+	case errors.Is(err, store.ErrTenantNameRetired):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "tenant_name_retired",
+			msg: "A deleted tenant had this name, and its jobs, files, batches, webhooks and usage stay under it; a new tenant of the name would see them. Choose another name."}
 	case errors.As(err, &busy):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "tenant_busy",
 			msg: fmt.Sprintf("Tenant %s has %d jobs not yet ended and %d batches open; deleted, they would run without its limits. "+

@@ -141,6 +141,9 @@ func jobQuotaError(err error) error {
 			reset = min(reset, time.Minute)
 		}
 		return &scheduler.ExecError{Class: scheduler.ClassQuota, Status: http.StatusTooManyRequests, RetryAfter: reset, Err: err}
+	case errors.Is(err, errTenantDeleted):
+		// Accepted as its tenant was deleted: it fails, not retried.
+		return &scheduler.ExecError{Class: scheduler.ClassInvalid, Status: http.StatusUnauthorized, Err: err}
 	case errors.Is(err, errQuotaUnavailable):
 		// Fail closed, as the interactive path does, and look again as
 		// soon as it would.

@@ -379,3 +379,43 @@ func TestEmbeddingBatchesChargeWithTheirAttempts(t *testing.T) {
 	t.Logf("%d chunks, %d backend calls, %d attempts; ledger %d requests, %d prompt tokens, %d uncertain",
 		chunks, calls.Load(), len(as), u.Requests, u.PromptTokens, u.Uncertain)
 }
+
+// TestDeletedTenantsWorkIsRefused: another replica deleted the tenant, and
+// this one still has its key cached. Once it reads the tenant's record
+// again, a request or a job submission on that key is refused (401
+// tenant_deleted), and a job accepted in the delete's window (by a replica
+// that had read nothing yet) fails at its attempt: read as a tenant the
+// store does not know, either would have run with no limits.
+func TestDeletedTenantsWorkIsRefused(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	user := newTenant(t, st, "acme", store.Limits{RPM: 1000, MaxPendingJobs: 100}, store.RoleUser)
+	f := jobsFleet(t, st, clock, nil, Config{})
+	before := submitJobs(t, f, user, "before", chatJob("summarise the document", 8), 1)
+	waitJob(t, f, "acme", before[0], store.Succeeded)
+
+	if err := st.DeleteTenant(context.Background(), "acme", clock.Now()); err != nil {
+		t.Fatal(err)
+	}
+	f.api.forgetTenant("acme") // the tenant's record expires before the key's
+	if resp, _ := submitJob(t, f, "after", chatJob("summarise the document", 8), "Authorization", "Bearer "+user); resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("a job submitted on a deleted tenant's cached key: %d, want 401", resp.StatusCode)
+	}
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", user, chatReq(4))
+	if resp.StatusCode != http.StatusUnauthorized || !strings.Contains(string(b), "tenant_deleted") {
+		t.Errorf("a request on a deleted tenant's cached key: %d %s, want 401 tenant_deleted", resp.StatusCode, b)
+	}
+
+	// Accepted by another replica as the tenant was deleted.
+	now := time.Now()
+	id := "job-in-the-window"
+	if _, _, err := st.Accept(context.Background(), store.NewJob{ID: id, EventID: "ev-in-the-window", Tenant: "acme",
+		IdempotencyKey: "window", RequestHash: "h", Endpoint: "/v1/chat/completions", Model: llama,
+		Body: []byte(chatReq(4)), TokenEstimate: 10, MaxAttempts: 3, Deadline: now.Add(time.Hour), Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	waitJob(t, f, "acme", id, store.FailedTerminal)
+	if j, _ := st.Get(context.Background(), "acme", id); !strings.Contains(j.LastError, "tenant deleted") {
+		t.Errorf("the job accepted in the window failed with %q, want for its deleted tenant", j.LastError)
+	}
+}

@@ -83,6 +83,11 @@ type Tenants struct {
 // gateway fails closed.
 var errQuotaUnavailable = errors.New("quota store unavailable")
 
+// errTenantDeleted refuses the requests and job attempts of a deleted
+// tenant: keys cached before its delete, jobs accepted meanwhile. Read as
+// a tenant the store does not know, they would have no limits.
+var errTenantDeleted = errors.New("tenant deleted")
+
 // tenantCache keeps tenants' limits for CacheTTL.
 type tenantCache struct {
 	mu sync.Mutex
@@ -90,9 +95,10 @@ type tenantCache struct {
 }
 
 type tenantEntry struct {
-	t     store.Tenant
-	found bool
-	until time.Time
+	t       store.Tenant
+	found   bool
+	deleted bool
+	until   time.Time
 }
 
 // quotaMetrics count the quotas' refusals and fail-open admissions.
@@ -131,17 +137,22 @@ func (s *Server) initTenants(reg prometheus.Registerer) error {
 }
 
 // tenant returns a tenant's record, cached; found is false for a tenant
-// the store does not know.
+// the store does not know; errTenantDeleted for one deleted.
 func (s *Server) tenant(ctx context.Context, name string) (store.Tenant, bool, error) {
 	now := s.cfg.Tenants.Now()
 	s.limits.mu.Lock()
 	e, ok := s.limits.m[name]
 	s.limits.mu.Unlock()
 	if ok && now.Before(e.until) {
+		if e.deleted {
+			return store.Tenant{}, false, errTenantDeleted
+		}
 		return e.t, e.found, nil
 	}
 	t, err := s.cfg.Tenants.Store.GetTenant(ctx, name)
 	switch {
+	case errors.Is(err, store.ErrTenantDeleted):
+		e = tenantEntry{deleted: true, until: now.Add(s.cfg.Tenants.CacheTTL)}
 	case errors.Is(err, store.ErrNotFound):
 		e = tenantEntry{until: now.Add(s.cfg.Tenants.CacheTTL)}
 	case err != nil:
@@ -155,6 +166,9 @@ func (s *Server) tenant(ctx context.Context, name string) (store.Tenant, bool, e
 	}
 	s.limits.m[name] = e
 	s.limits.mu.Unlock()
+	if e.deleted {
+		return store.Tenant{}, false, errTenantDeleted
+	}
 	return e.t, e.found, nil
 }
 
@@ -305,6 +319,8 @@ func (s *Server) acquireQuotaFor(ctx context.Context, tenant, keyID string, keyL
 	switch {
 	case err == nil:
 		return &permit{s: s, p: p, price: price}, nil
+	case errors.Is(err, errTenantDeleted):
+		return nil, err
 	case errors.As(err, &qe):
 		s.quota.rejected.WithLabelValues(qe.Limit).Inc()
 		return nil, qe
@@ -511,6 +527,8 @@ func (s *Server) reserveJob(ctx context.Context, tokens int) (func(), error) {
 	}
 	var qe *store.QuotaError
 	switch {
+	case errors.Is(err, errTenantDeleted):
+		return nil, err
 	case err == nil:
 		return func() {
 			ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)

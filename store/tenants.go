@@ -40,6 +40,13 @@ import (
 var (
 	// ErrExists: a tenant of that name already exists.
 	ErrExists = errors.New("store: already exists")
+	// ErrTenantDeleted: the tenant was deleted (GetTenant, UpdateTenant).
+	// It is an ErrNotFound too.
+	ErrTenantDeleted = fmt.Errorf("%w: the tenant was deleted", ErrNotFound)
+	// ErrTenantNameRetired: CreateTenant was given the name of a deleted
+	// tenant, whose jobs, files, batches, webhooks and usage stay under
+	// it. It is an ErrExists too.
+	ErrTenantNameRetired = fmt.Errorf("%w: the name of a deleted tenant", ErrExists)
 )
 
 // Role is what a key may do.
@@ -252,7 +259,8 @@ func DayOf(t time.Time) int {
 // Methods are safe for concurrent use, also from several processes on one
 // database.
 type Tenants interface {
-	// CreateTenant adds a tenant; ErrExists if the name is taken.
+	// CreateTenant adds a tenant; ErrExists if the name is taken,
+	// ErrTenantNameRetired if it was a deleted tenant's.
 	CreateTenant(ctx context.Context, t Tenant) error
 	// UpdateTenant changes a tenant's weight and limits: change is given
 	// the tenant as stored, under a lock held until its result is written
@@ -260,14 +268,16 @@ type Tenants interface {
 	// neither is lost. It returns the tenant written; ErrNotFound; change's
 	// own error, and nothing written.
 	UpdateTenant(ctx context.Context, name string, now time.Time, change func(*Tenant) error) (Tenant, error)
-	// DeleteTenant removes a tenant and revokes its keys; ErrNotFound; a
+	// DeleteTenant marks a tenant deleted and revokes its keys (its name
+	// is not given again: CreateTenant); ErrNotFound; a
 	// *TenantBusyError, and nothing changed, while the tenant has jobs
 	// not yet ended or batches open: deleted, it would have no limits,
 	// and its work would run unlimited.
 	DeleteTenant(ctx context.Context, name string, now time.Time) error
-	// GetTenant returns a tenant; ErrNotFound.
+	// GetTenant returns a tenant; ErrNotFound, ErrTenantDeleted (an
+	// ErrNotFound) for a deleted one.
 	GetTenant(ctx context.Context, name string) (Tenant, error)
-	// ListTenants returns every tenant by name.
+	// ListTenants returns every tenant not deleted, by name.
 	ListTenants(ctx context.Context) ([]Tenant, error)
 	// CreateKey stores a key; ErrNotFound without its tenant.
 	CreateKey(ctx context.Context, k APIKey) error

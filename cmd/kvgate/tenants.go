@@ -20,7 +20,7 @@ const tenantsUsage = `Usage:
   kvgate tenants create NAME [limits]   add a tenant
   kvgate tenants list                   list the tenants and their limits
   kvgate tenants update NAME [limits]   change the limits given, keep the others
-  kvgate tenants delete NAME            remove a tenant and revoke its keys
+  kvgate tenants delete NAME            delete a tenant (its name is not given again) and revoke its keys
 
 Limits (0: unlimited): --weight, --rpm, --tpm, --max-concurrency, --max-pending-jobs,
 --max-pending-tokens, --daily-tokens, --monthly-tokens.
@@ -226,6 +226,9 @@ func runTenants(ctx context.Context, args []string, getenv func(string) string, 
 			return err
 		}
 		if err := st.CreateTenant(ctx, t); err != nil {
+			if errors.Is(err, store.ErrTenantNameRetired) {
+				return fmt.Errorf("tenant %q was deleted, and its jobs, files and usage stay under the name; give the new tenant another name", t.Name)
+			}
 			if errors.Is(err, store.ErrExists) {
 				return fmt.Errorf("tenant %q already exists (kvgate tenants update changes it)", t.Name)
 			}

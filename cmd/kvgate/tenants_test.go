@@ -125,6 +125,7 @@ func testTenantsAndKeys(t *testing.T, url string) {
 		t.Error("a deleted tenant's key still works")
 	}
 	fails("no tenant", "tenants", "delete", "globex")
+	fails("was deleted", "tenants", "create", "globex")
 	fails("unknown tenants command", "tenants", "rename", "acme")
 	fails("takes 1 argument", "tenants", "create")
 }

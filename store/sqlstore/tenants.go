@@ -42,9 +42,28 @@ func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
 	if n, err := res.RowsAffected(); err != nil {
 		return s.err("create tenant", err)
 	} else if n == 0 {
+		var deleted int64
+		if err := s.db.QueryRowContext(ctx, s.rb(`SELECT deleted_at FROM tenants WHERE name = ?`), t.Name).Scan(&deleted); err == nil && deleted > 0 {
+			return store.ErrTenantNameRetired
+		}
 		return store.ErrExists
 	}
 	return nil
+}
+
+// tenantRow reads a tenant, locked with lock (a dialect's clause, or "");
+// ErrTenantDeleted for a deleted one.
+func (s *Store) tenantRow(ctx context.Context, q querier, name, lock string) (store.Tenant, error) {
+	var deleted int64
+	row := q.QueryRowContext(ctx, s.rb(`SELECT `+tenantColumns+`, deleted_at FROM tenants WHERE name = ?`+lock), name)
+	t, err := scanTenant(scanFunc(func(dest ...any) error { return row.Scan(append(dest, &deleted)...) }))
+	switch {
+	case err != nil:
+		return store.Tenant{}, s.err("get tenant", err)
+	case deleted > 0:
+		return store.Tenant{}, store.ErrTenantDeleted
+	}
+	return t, nil
 }
 
 // UpdateTenant implements store.Store. The row is read locked where the
@@ -61,9 +80,8 @@ func (s *Store) UpdateTenant(ctx context.Context, name string, now time.Time, ch
 	var refused error // change's own, returned as it is
 	err := s.tx(ctx, "update tenant", func(tx *sql.Tx) error {
 		var err error
-		t, err = scanTenant(tx.QueryRowContext(ctx, s.rb(`SELECT `+tenantColumns+` FROM tenants WHERE name = ?`+lock), name))
-		if err != nil {
-			return s.err("update tenant", err)
+		if t, err = s.tenantRow(ctx, tx, name, lock); err != nil {
+			return err
 		}
 		if refused = change(&t); refused != nil {
 			return refused
@@ -106,7 +124,7 @@ func (s *Store) affected(op string, res sql.Result, err error) error {
 func (s *Store) DeleteTenant(ctx context.Context, name string, now time.Time) error {
 	defer s.fair.invalidate() // its weight
 	return s.tx(ctx, "delete tenant", func(tx *sql.Tx) error {
-		res, err := tx.ExecContext(ctx, s.rb(`DELETE FROM tenants WHERE name = ?`), name)
+		res, err := tx.ExecContext(ctx, s.rb(`UPDATE tenants SET deleted_at = ? WHERE name = ? AND deleted_at = 0`), micros(now), name)
 		if err := s.affected("delete tenant", res, err); err != nil {
 			return err
 		}
@@ -136,13 +154,12 @@ func (s *Store) DeleteTenant(ctx context.Context, name string, now time.Time) er
 
 // GetTenant implements store.Store.
 func (s *Store) GetTenant(ctx context.Context, name string) (store.Tenant, error) {
-	t, err := scanTenant(s.db.QueryRowContext(ctx, s.rb(`SELECT `+tenantColumns+` FROM tenants WHERE name = ?`), name))
-	return t, s.err("get tenant", err)
+	return s.tenantRow(ctx, s.db, name, "")
 }
 
 // ListTenants implements store.Store.
 func (s *Store) ListTenants(ctx context.Context) ([]store.Tenant, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT `+tenantColumns+` FROM tenants ORDER BY name`)
+	rows, err := s.db.QueryContext(ctx, `SELECT `+tenantColumns+` FROM tenants WHERE deleted_at = 0 ORDER BY name`)
 	if err != nil {
 		return nil, s.err("list tenants", err)
 	}
@@ -202,7 +219,7 @@ type execer interface {
 func (s *Store) insertKey(ctx context.Context, db execer, k store.APIKey) error {
 	res, err := db.ExecContext(ctx, s.rb(`INSERT INTO api_keys (`+keyColumns+`)
 		SELECT ?, ?, ?, ?, ?, ?, CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), CAST(? AS BIGINT), 0
-		WHERE EXISTS (SELECT 1 FROM tenants WHERE name = ? `+s.d.LockShared+`)`),
+		WHERE EXISTS (SELECT 1 FROM tenants WHERE name = ? AND deleted_at = 0 `+s.d.LockShared+`)`),
 		k.ID, k.Hash, k.Prefix, k.Tenant, string(k.Role), k.Name, k.Limits.RPM, k.Limits.TPM, k.Limits.MaxConcurrency,
 		micros(k.CreatedAt), k.Tenant)
 	return s.affected("create key", res, err)
@@ -268,3 +285,13 @@ func (s *Store) Usage(ctx context.Context, tenant string, from, to time.Time) ([
 	}
 	return out, s.err("read usage", rows.Err())
 }
+
+// querier is a *sql.DB or a *sql.Tx.
+type querier interface {
+	QueryRowContext(ctx context.Context, q string, args ...any) *sql.Row
+}
+
+// scanFunc is a scanner of a function, to scan extra columns.
+type scanFunc func(dest ...any) error
+
+func (f scanFunc) Scan(dest ...any) error { return f(dest...) }

@@ -118,8 +118,30 @@ func testTenants(t *testing.T, s store.Store) {
 	if err := s.DeleteTenant(ctx, "globex", t0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := s.GetTenant(ctx, "globex"); !errors.Is(err, store.ErrNotFound) {
-		t.Errorf("get a deleted tenant: %v, want ErrNotFound", err)
+	if _, err := s.GetTenant(ctx, "globex"); !errors.Is(err, store.ErrTenantDeleted) || !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("get a deleted tenant: %v, want ErrTenantDeleted, an ErrNotFound", err)
+	}
+	if _, err := s.GetTenant(ctx, "never"); !errors.Is(err, store.ErrNotFound) || errors.Is(err, store.ErrTenantDeleted) {
+		t.Errorf("get a tenant never made: %v, want ErrNotFound alone", err)
+	}
+	// Its name stays with its jobs: a new tenant of the name would see them.
+	if err := s.CreateTenant(ctx, store.Tenant{Name: "globex", Weight: 1, CreatedAt: t0, UpdatedAt: t0}); !errors.Is(err, store.ErrTenantNameRetired) || !errors.Is(err, store.ErrExists) {
+		t.Errorf("create a deleted tenant's name again: %v, want ErrTenantNameRetired, an ErrExists", err)
+	}
+	if err := s.CreateTenant(ctx, store.Tenant{Name: "acme", Weight: 1, CreatedAt: t0, UpdatedAt: t0}); !errors.Is(err, store.ErrExists) || errors.Is(err, store.ErrTenantNameRetired) {
+		t.Errorf("create a live tenant's name again: %v, want ErrExists alone", err)
+	}
+	if _, err := s.UpdateTenant(ctx, "globex", t0, func(*store.Tenant) error { return nil }); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("update a deleted tenant: %v, want ErrNotFound", err)
+	}
+	if err := s.CreateKey(ctx, store.APIKey{ID: "key_late", Hash: "hlate", Prefix: "kvg_late", Tenant: "globex", Role: store.RoleUser, CreatedAt: t0}); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a key for a deleted tenant: %v, want ErrNotFound", err)
+	}
+	if list, err := s.ListTenants(ctx); err != nil || len(list) != 1 || list[0].Name != "acme" {
+		t.Errorf("list tenants after a delete: %+v, %v; want acme alone", list, err)
+	}
+	if got, err := s.Get(ctx, "globex", j.ID); err != nil || got.State != store.Cancelled {
+		t.Errorf("a deleted tenant's job: %+v, %v; want it kept", got, err)
 	}
 	if _, err := s.KeyByHash(ctx, "h1"); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("a deleted tenant's key: %v, want ErrNotFound (revoked)", err)
