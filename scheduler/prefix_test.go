@@ -767,3 +767,61 @@ func (c *testClock) advance(d time.Duration) {
 	c.t = c.t.Add(d)
 	c.mu.Unlock()
 }
+
+// TestStarvingModelKeepsSharedBackend: a backend serves two models. A
+// ticket of one that does not fit and has waited the starvation guard
+// keeps the backend: a ticket of the other model that would run on and
+// take the room it needs is refused (at Acquire as in a pump), one that
+// ends before it could start still goes, and the starving ticket goes
+// first once room appears. Blocking its model alone left the backend to
+// the other model's tickets, which took each room as it appeared.
+func TestStarvingModelKeepsSharedBackend(t *testing.T) {
+	sn := backendSnap("a", 40_000)
+	sn.Models = append(sn.Models, gpu.Model{ID: "lora", MaxModelLen: 100_000})
+	s := newTestScheduler(t, Policy{KVTarget: 1, StarvationGuard: time.Nanosecond, MaxQueueWait: 5 * time.Second}, sn)
+	acquire := func(tk *Ticket) *Grant {
+		t.Helper()
+		g, err := s.Acquire(context.Background(), tk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.Progress(1)
+		return g
+	}
+	long := acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1_000}) // runs 999 more steps
+	short := acquire(&Ticket{Model: model, PromptTokens: 10_000, MaxTokens: 11})   // ends in 10
+	// ~31,000 held, ~9,000 free: the adapter's 15,000-token ticket fits
+	// once short has ended.
+	starving := acquireAsync(context.Background(), s, &Ticket{Model: "lora", PromptTokens: 15_000, MaxTokens: 10})
+	waitQueued(t, s, 1)
+	s.Wake()
+	// A base model's ticket that ends in 5 steps, before the starving one
+	// could start, goes.
+	small := acquire(&Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 5})
+	// One that would run on beside it does not: with the 5,600 it keeps,
+	// ~14,500 are free when short ends.
+	medium := acquireAsync(context.Background(), s, &Ticket{Model: model, PromptTokens: 5_500, MaxTokens: 100})
+	waitQueued(t, s, 2)
+	s.Wake()
+	if q := s.Queued()[Interactive]; q != 2 {
+		t.Fatalf("%d queued, want the starving ticket and the medium one", q)
+	}
+	select {
+	case o := <-medium:
+		t.Fatalf("the base model's ticket that would delay the starving one got %v", o.g.Backend)
+	default:
+	}
+	small.Release()
+	short.Release()
+	h := <-starving
+	if h.err != nil {
+		t.Fatal(h.err)
+	}
+	h.g.Release()
+	long.Release()
+	if m := <-medium; m.err != nil {
+		t.Fatal(m.err)
+	} else {
+		m.g.Release()
+	}
+}

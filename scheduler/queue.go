@@ -3,6 +3,7 @@ package scheduler
 import (
 	"context"
 	"errors"
+	"maps"
 	"math"
 	"slices"
 	"time"
@@ -238,8 +239,13 @@ const maxPrefixWaits = 512
 // of the pass too: its other tickets would be refused there as well.
 func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 	if s.queued == 0 || s.closed {
+		clear(s.starved)
 		return
 	}
+	defer func() { // what this pass found replaces what the last one did
+		s.starved, s.starving = s.starving, s.starved
+		clear(s.starving)
+	}()
 	s.failUnroutableLocked(snaps, now)
 	var blocked map[string]bool
 	loads := newPassLoads()
@@ -308,6 +314,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				}
 			}
 			if g := s.tryAdmit(t, snaps, now, true, loads); g != nil {
+				maps.DeleteFunc(s.starved, func(_ string, st starve) bool { return st.t == t })
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
 				s.fair[c].of(t.Model).admitted(t, s.queued)
@@ -342,6 +349,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 			miss(t.Model)
 			if now.Sub(t.enqueued) >= s.policy.StarvationGuard {
 				block(t.Model)
+				s.starveLocked(t, snaps)
 			}
 		}
 		clear(q[len(kept):])
@@ -351,6 +359,52 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 		}
 	}
 	markPass(s.ledgers, snaps, now)
+}
+
+// starveLocked keeps for t, which waited the starvation guard, the
+// backends of its model that serve other models too. Blocking its model
+// keeps the room of a backend serving it alone; on a backend serving
+// several, tickets of the others would take every room that appears, and
+// t would wait out its deadline. Kept, such a backend takes only what
+// does not delay t (delaysHolder), until a pump admits t or t leaves;
+// where several starve, the oldest keeps it.
+func (s *Scheduler) starveLocked(t *Ticket, snaps []*gpu.Snapshot) {
+	need := max(t.PromptTokens+t.MaxTokens, 1)
+	for _, sn := range snaps {
+		if len(sn.Models) < 2 || !sn.Routable() || slices.Contains(t.Exclude, sn.Name) {
+			continue
+		}
+		if _, ok := sn.Serves(t.Model); !ok {
+			continue
+		}
+		if s.starving == nil {
+			s.starving = map[string]starve{}
+		}
+		if cur, ok := s.starving[sn.Name]; !ok || t.enqueued.Before(cur.t.enqueued) {
+			s.starving[sn.Name] = starve{t: t, need: need}
+		}
+	}
+}
+
+// starvedFor returns the oldest starving ticket that keeps backend: of
+// those the last pump found (until they leave) and this one has so far.
+func (s *Scheduler) starvedFor(backend string) (starve, bool) {
+	a, okA := s.starved[backend]
+	b, okB := s.starving[backend]
+	switch {
+	case okA && okB && b.t.enqueued.Before(a.t.enqueued):
+		return b, true
+	case okA:
+		return a, true
+	}
+	return b, okB
+}
+
+// starve is a backend kept for a starving ticket, t, which needs need KV
+// tokens there.
+type starve struct {
+	t    *Ticket
+	need int
 }
 
 // tick is how often Run re-evaluates the queue: estimated decode progress

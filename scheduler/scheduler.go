@@ -33,6 +33,12 @@ type Scheduler struct {
 	ledgers  map[string]*ledger
 	prefixes map[string]*prefixIndex // per backend (prefix.go)
 	hold     map[string]int          // backends kept for older tickets during a pump, with the KV each needs there (prefix.go)
+	// starved are the backends serving several models kept for a ticket
+	// of one of them that waited the starvation guard (starveLocked), as
+	// the last pump found them: the next pump, until it finds them again,
+	// and Acquire's fast path keep to them. starving is what the pump
+	// under way finds.
+	starved, starving map[string]starve
 	recent   map[string]float64      // each backend's recent work, for placing new prefixes (prefix.go)
 	cands    []candidate             // tryAdmit's backends that can admit, kept to spare an allocation a call
 	closed   bool
@@ -221,6 +227,9 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// (Scheduler.hold): decide lets t take room only where it does not
 		// delay that one (delaysHolder).
 		holdNeed := s.hold[sn.Name]
+		if st, ok := s.starvedFor(sn.Name); ok && holdNeed == 0 && st.t != t {
+			holdNeed = st.need
+		}
 		ld := s.load(pass, sn, l, now, false)
 		ld.paced, ld.class.capped, ld.holdNeed = paced, capped, holdNeed
 		v := decide(ld, prompt, t.MaxTokens, &s.policy)
