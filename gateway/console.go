@@ -11,6 +11,7 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
+	"github.com/google/uuid"
 	"html/template"
 	"io"
 	"io/fs"
@@ -70,6 +71,10 @@ var consoleTemplates = template.Must(template.New("").Funcs(template.FuncMap{
 	"div":           func(a, b int64) int64 { return a / b },
 	"secs":          func(f float64) string { return time.Duration(f * float64(time.Second)).Round(time.Second).String() },
 	"ms":            func(ms int64) string { return (time.Duration(ms) * time.Millisecond).String() },
+	// A form that creates something carries a key of its own, sent as the
+	// call's Idempotency-Key (consoleCall): the form posted again (a
+	// reload) makes nothing a second time.
+	"formKey": func() string { return uuid.Must(uuid.NewV7()).String() },
 }).ParseFS(consoleFS, "console/*.html"))
 
 // consoleSession is what the cookie seals.
@@ -396,6 +401,9 @@ func (s *Server) consoleCall(r *http.Request, u consoleUser, method, path string
 	req.RemoteAddr = r.RemoteAddr
 	req.Header.Set("Authorization", "Bearer "+u.sess.Key)
 	req.Header.Set("Content-Type", "application/json")
+	if k := r.PostFormValue("form_key"); k != "" && method != http.MethodGet {
+		req.Header.Set("Idempotency-Key", "console:"+k)
+	}
 	if id := r.Header.Get("X-Request-Id"); id != "" {
 		req.Header.Set("X-Request-Id", id)
 	}

@@ -158,13 +158,39 @@ func TestConsoleWebhooks(t *testing.T) {
 		!strings.Contains(page, `id="newsecret-value" readonly value="whsec_`) {
 		t.Errorf("rotate: %d %.400s", status, page)
 	}
-	if _, page := op.get("/console/webhooks"); strings.Contains(page, "whsec_") {
+	_, page = op.get("/console/webhooks")
+	if strings.Contains(page, "whsec_") {
 		t.Error("the endpoints page shows a secret again")
 	}
-	if status, page := op.postForm("/console/webhooks/endpoints", url.Values{"csrf": {token}, "url": {e.hook.srv.URL + "/second"},
-		"events": {"job.failed", "batch.completed"}, "description": {"a second one"}}); status != http.StatusOK || !strings.Contains(page, "whsec_") ||
-		!strings.Contains(page, "a second one") {
-		t.Errorf("create: %d %.400s", status, page)
+	if n := strings.Count(page, `name="form_key" value="`); n != 2 {
+		t.Errorf("the endpoints page has %d form keys, want one for the rotation and one for the new endpoint", n)
+	}
+	// A form posted again (a reload) does nothing a second time: the same
+	// rotation's secret, the earlier one still in its overlap; one endpoint.
+	before, _ := st.Endpoint(ctx, "acme", e.endpoint)
+	secretOn := func(page string) string {
+		_, rest, _ := strings.Cut(page, `id="newsecret-value" readonly value="`)
+		v, _, _ := strings.Cut(rest, `"`)
+		return html.UnescapeString(v)
+	}
+	rotate := url.Values{"csrf": {token}, "form_key": {"reload-rotate"}}
+	_, first := op.postForm("/console/webhooks/endpoints/"+e.endpoint+"/rotate", rotate)
+	_, again := op.postForm("/console/webhooks/endpoints/"+e.endpoint+"/rotate", rotate)
+	if after, _ := st.Endpoint(ctx, "acme", e.endpoint); secretOn(first) == "" || secretOn(again) != secretOn(first) ||
+		after.Secret != secretOn(first) || after.PrevSecret != before.Secret {
+		t.Errorf("a rotation posted twice: secrets %q then %q, stored %q after %q; want one rotation", secretOn(first), secretOn(again), after.Secret, after.PrevSecret)
+	}
+	create := url.Values{"csrf": {token}, "form_key": {"reload-create"}, "url": {e.hook.srv.URL + "/second"},
+		"events": {"job.failed", "batch.completed"}, "description": {"a second one"}}
+	status, first = op.postForm("/console/webhooks/endpoints", create)
+	if status != http.StatusOK || !strings.Contains(first, "whsec_") || !strings.Contains(first, "a second one") {
+		t.Errorf("create: %d %.400s", status, first)
+	}
+	if status, again = op.postForm("/console/webhooks/endpoints", create); status != http.StatusOK || secretOn(again) != secretOn(first) {
+		t.Errorf("the creation posted again: %d, secret %q; want the first one's %q", status, secretOn(again), secretOn(first))
+	}
+	if list, _ := st.Endpoints(ctx, "acme"); len(list) != 2 {
+		t.Errorf("%d endpoints after a creation posted twice, want 2 (the first and the new one)", len(list))
 	}
 	if status, page := op.postForm("/console/webhooks/endpoints", url.Values{"csrf": {token}, "url": {"http://127.0.0.1:9/x"}}); status != http.StatusBadRequest ||
 		!strings.Contains(page, "events") {

@@ -14,7 +14,6 @@ import (
 	"strconv"
 	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -146,8 +145,8 @@ func requestHash(endpoint string, body []byte) string {
 }
 
 func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
-	key := r.Header.Get("Idempotency-Key")
-	if key == "" || len(key) > 255 || !utf8.ValidString(key) {
+	key, err := optionalIdempotencyKey(r)
+	if err != nil || key == "" {
 		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_required",
 			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 bytes of UTF-8 text: the same key returns the same job."})
 	}

@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -168,16 +169,41 @@ func (s *Server) handleCreateEndpoint(w http.ResponseWriter, r *http.Request) in
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
+	key, err := optionalIdempotencyKey(r)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
 	now := time.Now()
 	e := store.WebhookEndpoint{ID: "we_" + uuid.Must(uuid.NewV7()).String(), Tenant: tenantOf(ctx), URL: *req.URL,
 		Events: dedupe(req.Events), Secret: secret, CreatedAt: now, UpdatedAt: now}
+	if key != "" {
+		// The key names the endpoint: the same request again finds the
+		// one it made, never a second.
+		e.ID = "we_" + uuid.NewSHA1(endpointKeys, []byte(e.Tenant+"\x00"+key)).String()
+	}
 	if req.Description != nil {
 		e.Description = *req.Description
 	}
 	if req.IncludeResult != nil {
 		e.IncludeResult = *req.IncludeResult
 	}
-	if err := s.cfg.Webhooks.Store.CreateEndpoint(ctx, e); err != nil {
+	err = s.cfg.Webhooks.Store.CreateEndpoint(ctx, e)
+	if key != "" && errors.Is(err, store.ErrExists) {
+		made, err := s.cfg.Webhooks.Store.Endpoint(ctx, e.Tenant, e.ID)
+		if err != nil {
+			return writeError(w, s.log, err)
+		}
+		if made.URL != e.URL || !slices.Equal(slices.Sorted(slices.Values(made.Events)), slices.Sorted(slices.Values(e.Events))) || made.Description != e.Description || made.IncludeResult != e.IncludeResult {
+			return writeError(w, s.log, store.ErrConflict) // idempotency_key_reused
+		}
+		v := endpointViewOf(made, now)
+		v.Secret = made.Secret
+		w.Header().Set("Idempotent-Replayed", "true")
+		w.Header().Set("Location", "/v1/webhooks/endpoints/"+made.ID)
+		writeJSON(w, http.StatusOK, v)
+		return http.StatusOK
+	}
+	if err != nil {
 		return writeError(w, s.log, err)
 	}
 	v := endpointViewOf(e, now)
@@ -185,6 +211,21 @@ func (s *Server) handleCreateEndpoint(w http.ResponseWriter, r *http.Request) in
 	w.Header().Set("Location", "/v1/webhooks/endpoints/"+e.ID)
 	writeJSON(w, http.StatusCreated, v)
 	return http.StatusCreated
+}
+
+// endpointKeys is the namespace of the endpoint ids made from a tenant and
+// an Idempotency-Key.
+var endpointKeys = uuid.MustParse("5b0f7c1e-8f7a-4d0e-9a51-6f2d1c3b4a90")
+
+// optionalIdempotencyKey reads an Idempotency-Key where one is allowed but
+// not needed: "" without one.
+func optionalIdempotencyKey(r *http.Request) (string, error) {
+	key := r.Header.Get("Idempotency-Key")
+	if len(key) > 255 || !utf8.ValidString(key) {
+		return "", &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "invalid_idempotency_key",
+			msg: "An Idempotency-Key is 1 to 255 bytes of UTF-8 text."}
+	}
+	return key, nil
 }
 
 func (s *Server) handleListEndpoints(w http.ResponseWriter, r *http.Request) int {
@@ -254,13 +295,21 @@ func (s *Server) handleRotateSecret(w http.ResponseWriter, r *http.Request) int 
 	if overlap <= 0 {
 		overlap = 24 * time.Hour
 	}
+	key, err := optionalIdempotencyKey(r)
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
 	now := time.Now()
-	e, err := s.cfg.Webhooks.Store.RotateSecret(ctx, tenantOf(ctx), r.PathValue("id"), secret, now.Add(overlap), now)
+	e, err := s.cfg.Webhooks.Store.RotateSecret(ctx, tenantOf(ctx), r.PathValue("id"), secret, key, now.Add(overlap), now)
 	if err != nil {
 		return writeError(w, s.log, orNotFound(err, errNoEndpoint))
 	}
+	if e.Secret != secret {
+		// This key's rotation was the last: its secret, not a second one.
+		w.Header().Set("Idempotent-Replayed", "true")
+	}
 	v := endpointViewOf(e, now)
-	v.Secret = secret
+	v.Secret = e.Secret
 	writeJSON(w, http.StatusOK, v)
 	return http.StatusOK
 }

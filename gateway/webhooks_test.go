@@ -625,3 +625,44 @@ func TestWebhookRegistration(t *testing.T) {
 		t.Errorf("a name of loopback: %d requests reached it; %+v", rc.hits.Load(), d)
 	}
 }
+
+// TestWebhookIdempotencyKeys: an endpoint's creation or rotation sent
+// again with the same Idempotency-Key (a retry after a lost answer) makes
+// nothing a second time and answers what the first made; the key with
+// another request is refused. Without a key, each call makes its own.
+func TestWebhookIdempotencyKeys(t *testing.T) {
+	f, _, _ := webhookFleet(t, fleetOpts{}, 1)
+	body := `{"url":"http://127.0.0.1:9/hook","events":["job.succeeded","job.failed"],"description":"one"}`
+	resp, b := f.post(t, "/v1/webhooks/endpoints", body, "Idempotency-Key", "create-1")
+	first := decode[endpointView](t, b)
+	if resp.StatusCode != http.StatusCreated || first.Secret == "" {
+		t.Fatalf("create: %d %s", resp.StatusCode, b)
+	}
+	resp, b = f.post(t, "/v1/webhooks/endpoints", `{"url":"http://127.0.0.1:9/hook","events":["job.failed","job.succeeded"],"description":"one"}`,
+		"Idempotency-Key", "create-1")
+	if again := decode[endpointView](t, b); resp.StatusCode != http.StatusOK || resp.Header.Get("Idempotent-Replayed") != "true" ||
+		again.ID != first.ID || again.Secret != first.Secret {
+		t.Errorf("the same creation again: %d %s, want %s replayed", resp.StatusCode, b, first.ID)
+	}
+	if resp, b := f.post(t, "/v1/webhooks/endpoints", `{"url":"http://127.0.0.1:9/other","events":["job.failed"]}`,
+		"Idempotency-Key", "create-1"); resp.StatusCode != http.StatusConflict || !strings.Contains(string(b), "idempotency_key_reused") {
+		t.Errorf("another creation with the key: %d %s, want 409 idempotency_key_reused", resp.StatusCode, b)
+	}
+	if resp, b := f.post(t, "/v1/webhooks/endpoints", body, "Idempotency-Key", strings.Repeat("k", 256)); resp.StatusCode != http.StatusBadRequest {
+		t.Errorf("a key of 256 bytes: %d %s, want 400", resp.StatusCode, b)
+	}
+	if _, b := f.post(t, "/v1/webhooks/endpoints", body); decode[endpointView](t, b).ID == first.ID {
+		t.Error("a creation without a key took the keyed one's id")
+	}
+
+	rot := "/v1/webhooks/endpoints/" + first.ID + "/rotate-secret"
+	_, b = f.post(t, rot, "", "Idempotency-Key", "rotate-1")
+	r1 := decode[endpointView](t, b)
+	resp, b = f.post(t, rot, "", "Idempotency-Key", "rotate-1")
+	if r2 := decode[endpointView](t, b); r1.Secret == first.Secret || r2.Secret != r1.Secret || resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Errorf("a rotation sent twice: %q then %q (created with %q), want one rotation", r1.Secret, r2.Secret, first.Secret)
+	}
+	if _, b = f.post(t, rot, "", "Idempotency-Key", "rotate-2"); decode[endpointView](t, b).Secret == r1.Secret {
+		t.Error("a rotation with another key did not rotate")
+	}
+}

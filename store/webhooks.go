@@ -154,7 +154,8 @@ type DeliveryFilter struct {
 
 // Webhooks is the store of endpoints and deliveries.
 type Webhooks interface {
-	// CreateEndpoint registers an endpoint.
+	// CreateEndpoint registers an endpoint; ErrExists if its id is taken
+	// (an id made from an Idempotency-Key: the same request again).
 	CreateEndpoint(ctx context.Context, e WebhookEndpoint) error
 	// Endpoint returns a tenant's endpoint ("" tenant: any tenant's).
 	Endpoint(ctx context.Context, tenant, id string) (WebhookEndpoint, error)
@@ -165,8 +166,10 @@ type Webhooks interface {
 	// DeleteEndpoint removes a tenant's endpoint and its deliveries.
 	DeleteEndpoint(ctx context.Context, tenant, id string) error
 	// RotateSecret makes secret the endpoint's, keeping the current one
-	// signing beside it until overlapUntil.
-	RotateSecret(ctx context.Context, tenant, id, secret string, overlapUntil, now time.Time) (WebhookEndpoint, error)
+	// signing beside it until overlapUntil. With a key, a rotation whose
+	// key was the last rotation's changes nothing and returns the
+	// endpoint as it is, with the secret that rotation made.
+	RotateSecret(ctx context.Context, tenant, id, secret, key string, overlapUntil, now time.Time) (WebhookEndpoint, error)
 	// SendTest makes a PENDING webhook.test delivery to one endpoint.
 	SendTest(ctx context.Context, tenant, endpointID, eventID string, now time.Time) (Delivery, error)
 	// ClaimDeliveries leases up to limit due deliveries (PENDING or

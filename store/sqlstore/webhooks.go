@@ -65,11 +65,19 @@ func tenantCond(tenant string, args []any) (string, []any) {
 
 // CreateEndpoint implements store.Store.
 func (s *Store) CreateEndpoint(ctx context.Context, e store.WebhookEndpoint) error {
-	_, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO webhook_endpoints (`+endpointColumns+`)
-		VALUES (?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?, ?, ?)`),
+	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO webhook_endpoints (`+endpointColumns+`)
+		VALUES (?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING`),
 		e.ID, e.Tenant, e.URL, joinEvents(e.Events), e.Description, e.Secret, e.IncludeResult, e.Disabled, e.DisabledReason,
 		micros(e.CreatedAt), micros(e.CreatedAt))
-	return s.err("create webhook endpoint", err)
+	if err != nil {
+		return s.err("create webhook endpoint", err)
+	}
+	if n, err := res.RowsAffected(); err != nil {
+		return s.err("create webhook endpoint", err)
+	} else if n == 0 {
+		return store.ErrExists
+	}
+	return nil
 }
 
 // Endpoint implements store.Store.
@@ -168,16 +176,28 @@ func (s *Store) DeleteEndpoint(ctx context.Context, tenant, id string) error {
 }
 
 // RotateSecret implements store.Store.
-func (s *Store) RotateSecret(ctx context.Context, tenant, id, secret string, overlapUntil, now time.Time) (store.WebhookEndpoint, error) {
+func (s *Store) RotateSecret(ctx context.Context, tenant, id, secret, key string, overlapUntil, now time.Time) (store.WebhookEndpoint, error) {
 	var out store.WebhookEndpoint
 	err := s.tx(ctx, "rotate webhook secret", func(tx *sql.Tx) error {
+		lock := ""
+		if s.d.LockShared != "" {
+			lock = " FOR UPDATE" // two rotations with one key: the second sees the first's
+		}
+		var last string
+		if err := tx.QueryRowContext(ctx, s.rb(`SELECT rotation_key FROM webhook_endpoints WHERE id = ?`+lock), id).Scan(&last); err != nil {
+			return s.err("rotate webhook secret", err)
+		}
 		e, err := s.endpointOn(ctx, tx, tenant, id)
 		if err != nil {
 			return err
 		}
+		if key != "" && key == last {
+			out = e
+			return nil
+		}
 		e.PrevSecret, e.PrevUntil, e.Secret, e.UpdatedAt = e.Secret, overlapUntil, secret, now
-		if _, err := tx.ExecContext(ctx, s.rb(`UPDATE webhook_endpoints SET secret = ?, prev_secret = ?, prev_until = ?, updated_at = ?
-			WHERE id = ?`), e.Secret, e.PrevSecret, micros(e.PrevUntil), micros(now), e.ID); err != nil {
+		if _, err := tx.ExecContext(ctx, s.rb(`UPDATE webhook_endpoints SET secret = ?, prev_secret = ?, prev_until = ?, updated_at = ?,
+			rotation_key = ? WHERE id = ?`), e.Secret, e.PrevSecret, micros(e.PrevUntil), micros(now), key, e.ID); err != nil {
 			return err
 		}
 		out = e

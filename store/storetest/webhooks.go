@@ -309,9 +309,21 @@ func testWebhookEndpoints(t *testing.T, s store.Store) {
 	if err != nil || got.URL != u || len(got.Events) != 2 || got.Events[1] != "job.superseded" {
 		t.Fatalf("update: %+v, %v", got, err)
 	}
-	r, err := s.RotateSecret(ctx, "acme", e.ID, "whsec_new", t0.Add(24*time.Hour), t0)
+	if err := s.CreateEndpoint(ctx, e); !errors.Is(err, store.ErrExists) {
+		t.Errorf("create an endpoint of a taken id: %v, want ErrExists", err)
+	}
+	r, err := s.RotateSecret(ctx, "acme", e.ID, "whsec_new", "rot-1", t0.Add(24*time.Hour), t0)
 	if err != nil || r.Secret != "whsec_new" || r.PrevSecret != e.Secret {
 		t.Fatalf("rotate: %+v, %v", r, err)
+	}
+	// The same rotation again (its key): nothing changes, and it returns
+	// the secret the first made; the previous one keeps its overlap.
+	again, err := s.RotateSecret(ctx, "acme", e.ID, "whsec_other", "rot-1", t0.Add(48*time.Hour), t0.Add(time.Minute))
+	if err != nil || again.Secret != "whsec_new" || again.PrevSecret != e.Secret || !again.PrevUntil.Equal(t0.Add(24*time.Hour)) {
+		t.Fatalf("the same rotation again: %+v, %v; want the first one's secret, nothing rotated", again, err)
+	}
+	if _, err := s.RotateSecret(ctx, "globex", e.ID, "whsec_x", "rot-2", t0.Add(24*time.Hour), t0); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("rotate another tenant's endpoint: %v, want ErrNotFound", err)
 	}
 	if ss := r.Secrets(t0.Add(time.Hour)); len(ss) != 2 {
 		t.Errorf("secrets within the overlap: %v", ss)
