@@ -457,6 +457,10 @@ type consolePage struct {
 	Error      string
 	Notice     string
 	Data       any
+	// Foreign is the tenant whose page an admin reads (?tenant=): shown
+	// read-only, since a change acts for the key's own tenant (readScope)
+	// and would find nothing there.
+	Foreign string
 }
 
 func (s *Server) render(w http.ResponseWriter, status int, name string, data any) {
@@ -481,6 +485,9 @@ func (s *Server) page(w http.ResponseWriter, r *http.Request, u consoleUser, nav
 // pageAs renders template tmpl under nav's entry.
 func (s *Server) pageAs(w http.ResponseWriter, r *http.Request, u consoleUser, nav, tmpl, title string, data any, err error) {
 	p := consolePage{Title: title, Nav: nav, User: u, Data: data, Notice: r.URL.Query().Get("notice")}
+	if t := r.URL.Query().Get("tenant"); t != "" && t != u.tenant && u.Admin() {
+		p.Foreign = t
+	}
 	status := http.StatusOK
 	if err != nil {
 		p.Error, status = err.Error(), statusOf(err)

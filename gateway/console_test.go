@@ -392,6 +392,27 @@ func TestConsoleAccess(t *testing.T) {
 	if status, _ := bearer(t, e.f, e.admin, http.MethodPost, "/v1/jobs/"+gjob+"/cancel?tenant=globex", ""); status != http.StatusNotFound {
 		t.Errorf("the admin cancelled globex's job with ?tenant=: %d, want 404 (writes act for the key's tenant)", status)
 	}
+	// Since writes act for the key's tenant, another tenant's job page
+	// offers none: no review, replay or redelivery that could only fail.
+	// The tenant's own admin has them.
+	gadm := newBrowser(t, base)
+	if status, _ := gadm.signIn(newKey(t, e.f.store, "globex", store.RoleAdmin)); status != http.StatusOK {
+		t.Fatalf("globex's admin's sign-in: %d", status)
+	}
+	actions := []string{"/review\"", "/replay\"", "/redeliver\""}
+	_, page = gadm.get("/console/jobs/" + e.reviewJob + "?tenant=acme")
+	if !strings.Contains(page, `id="foreign"`) || !strings.Contains(page, `data-job="`+e.reviewJob+`"`) {
+		t.Errorf("globex's admin's page of acme's review job is not marked read-only: %.400s", page)
+	}
+	for _, a := range actions {
+		if strings.Contains(page, a) {
+			t.Errorf("globex's admin's page of acme's review job has the action %s", a)
+		}
+	}
+	// (Reviewed by now, the job keeps its failed delivery to redeliver.)
+	if _, page = adm.get("/console/jobs/" + e.reviewJob); !strings.Contains(page, "/redeliver\"") || strings.Contains(page, `id="foreign"`) {
+		t.Errorf("acme's admin's page of its job lacks the redelivery, or is marked read-only: %.400s", page)
+	}
 	_, page = adm.get("/console/tenants")
 	if !strings.Contains(page, e.opKey) {
 		t.Fatalf("the admin's keys page lacks the operator's key: %.300s", page)
