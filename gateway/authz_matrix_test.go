@@ -290,6 +290,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "GET /v1/reviews", want: [nRoles]int{no, ok, fb, ok, ok}, check: hidesJob},
 		{pattern: "POST /v1/jobs/{id}/review", path: "/v1/jobs/{job}/review", body: `{"decision":"approve"}`,
 			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},
+		{pattern: "GET /v1/jobs/{id}/review", path: "/v1/jobs/{job}/review", want: [nRoles]int{no, nf, fb, nf, nf}},
 		{pattern: "GET /v1/jobs/{id}/audit", path: "/v1/jobs/{job}/audit", want: [nRoles]int{no, nf, fb, ok, ok}},
 		{pattern: "POST /v1/jobs/{id}/replay", path: "/v1/jobs/{job}/replay",
 			want: [nRoles]int{no, nf, fb, http.StatusConflict, http.StatusConflict}},

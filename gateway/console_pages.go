@@ -225,27 +225,13 @@ func (s *Server) consoleJob(w http.ResponseWriter, r *http.Request, u consoleUse
 	s.page(w, r, u, "job", title, d, err)
 }
 
-// reviewReasons finds a REVIEW_REQUIRED job's reasons in the review queue.
+// reviewReasons reads a REVIEW_REQUIRED job's reasons.
 func (s *Server) reviewReasons(r *http.Request, u consoleUser, id string) json.RawMessage {
-	after := ""
-	for range 20 {
-		var pg struct {
-			Data       []reviewView `json:"data"`
-			NextCursor string       `json:"next_cursor"`
-		}
-		if s.consoleGet(r, u, "/v1/reviews?limit=1000&after="+url.QueryEscape(after), &pg) != nil {
-			return nil
-		}
-		for _, v := range pg.Data {
-			if v.ID == id {
-				return v.Reasons
-			}
-		}
-		if after = pg.NextCursor; after == "" {
-			return nil
-		}
+	var v reviewView
+	if s.consoleGet(r, u, "/v1/jobs/"+url.PathEscape(id)+"/review", &v) != nil {
+		return nil
 	}
-	return nil
+	return v.Reasons
 }
 
 type reviewsData struct {

@@ -272,6 +272,10 @@ func TestConsoleAccess(t *testing.T) {
 		"/console/batches":               e.batch,
 		"/console/jobs?state=SUCCEEDED":  e.doneJob,
 		"/console/api/v1/jobs?limit=100": e.deadJob,
+		// The reasons its answer was withheld (GET /v1/jobs/{id}/review).
+		"/console/jobs/" + e.reviewJob + "#reasons": `<pre>[
+  {
+    &#34;code&#34;:`,
 	} {
 		if status, page := op.get(path); status != http.StatusOK || !strings.Contains(page, want) {
 			t.Errorf("%s: %d, want %q in %.300s", path, status, want, page)

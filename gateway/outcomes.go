@@ -31,6 +31,7 @@ func (s *Server) outcomeRoutes(reg *prometheus.Registry) {
 	s.mux.Handle("GET /v1/validation-policies/{name}/versions", s.api("/v1/validation-policies/{name}/versions", s.handlePolicyVersions))
 	s.mux.Handle("GET /v1/reviews", s.api("/v1/reviews", s.handleReviews))
 	s.mux.Handle("POST /v1/jobs/{id}/review", s.api("/v1/jobs/{id}/review", s.handleReview))
+	s.mux.Handle("GET /v1/jobs/{id}/review", s.api("/v1/jobs/{id}/review", s.handleGetReview))
 	s.mux.Handle("GET /v1/jobs/{id}/audit", s.api("/v1/jobs/{id}/audit", s.handleAudit))
 	s.mux.Handle("POST /v1/jobs/{id}/replay", s.api("/v1/jobs/{id}/replay", s.handleReplay))
 	s.mux.Handle("GET /v1/dead-letters", s.api("/v1/dead-letters", s.handleDeadLetters))
@@ -302,13 +303,34 @@ func (s *Server) handleReviews(w http.ResponseWriter, r *http.Request) int {
 	}
 	data := make([]reviewView, len(jobs))
 	for i, j := range jobs {
-		data[i] = reviewView{jobView: viewOf(j), Policy: vals[i].Policy, PolicyVersion: vals[i].Version, Reasons: vals[i].Reasons}
-		if data[i].Reasons == nil {
-			data[i].Reasons = json.RawMessage("[]")
-		}
+		data[i] = reviewViewOf(j, vals[i])
 	}
 	writeJSON(w, http.StatusOK, page(data, next))
 	return http.StatusOK
+}
+
+// handleGetReview is one job's entry of the review queue: its policy and
+// the reasons its answer was withheld; 404 for a job not waiting for a
+// review.
+func (s *Server) handleGetReview(w http.ResponseWriter, r *http.Request) int {
+	ctx := r.Context()
+	if !isOperator(ctx) {
+		return writeError(w, s.log, errOperatorOnly)
+	}
+	j, v, err := s.jobs.Store.Review(ctx, tenantOf(ctx), r.PathValue("id"))
+	if err != nil {
+		return writeError(w, s.log, err)
+	}
+	writeJSON(w, http.StatusOK, reviewViewOf(j, v))
+	return http.StatusOK
+}
+
+func reviewViewOf(j store.Job, v store.Validation) reviewView {
+	rv := reviewView{jobView: viewOf(j), Policy: v.Policy, PolicyVersion: v.Version, Reasons: v.Reasons}
+	if rv.Reasons == nil {
+		rv.Reasons = json.RawMessage("[]")
+	}
+	return rv
 }
 
 func page[T any](data []T, next string) any {

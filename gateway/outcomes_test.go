@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -70,13 +71,15 @@ func scrapeSum(t *testing.T, url, name string) float64 {
 }
 
 type reviewPage struct {
-	Data []struct {
-		ID            string            `json:"id"`
-		State         string            `json:"state"`
-		Policy        string            `json:"policy"`
-		PolicyVersion int               `json:"policy_version"`
-		Reasons       []validate.Reason `json:"reasons"`
-	} `json:"data"`
+	Data []reviewEntry `json:"data"`
+}
+
+type reviewEntry struct {
+	ID            string            `json:"id"`
+	State         string            `json:"state"`
+	Policy        string            `json:"policy"`
+	PolicyVersion int               `json:"policy_version"`
+	Reasons       []validate.Reason `json:"reasons"`
 }
 
 // TestValidationPolicyReviewFlow: policies are versioned; jobs pinned to
@@ -171,6 +174,16 @@ func TestValidationPolicyReviewFlow(t *testing.T) {
 		if r.Policy != "invoice" || r.PolicyVersion != 2 || len(r.Reasons) == 0 || r.Reasons[0].Code == "" {
 			t.Errorf("review %+v: want policy invoice v2 and reasons", r)
 		}
+	}
+	// One job's entry, as the list has it; 404 for a job not in review.
+	for _, r := range rp.Data {
+		status, b := f.get(t, "/v1/jobs/"+r.ID+"/review")
+		if one := decode[reviewEntry](t, b); status != http.StatusOK || one.ID != r.ID || one.PolicyVersion != 2 || !reflect.DeepEqual(one.Reasons, r.Reasons) {
+			t.Errorf("GET /v1/jobs/%s/review: %d %s, want the list's entry", r.ID, status, b)
+		}
+	}
+	if status, b := f.get(t, "/v1/jobs/no-such-job/review"); status != http.StatusNotFound {
+		t.Errorf("the review of no job: %d %s, want 404", status, b)
 	}
 	if got := scrapeSum(t, f.srv.URL+"/metrics", "kvgate_jobs_review_required"); got != float64(len(review)) {
 		t.Errorf("kvgate_jobs_review_required %v, want %d", got, len(review))

@@ -192,6 +192,9 @@ type Outcomes interface {
 	// Reviews returns a page of a tenant's REVIEW_REQUIRED jobs with
 	// their validation, newest first, and the next cursor.
 	Reviews(ctx context.Context, tenant, after string, limit int) ([]Job, []Validation, string, error)
+	// Review returns one of a tenant's REVIEW_REQUIRED jobs with its
+	// validation; ErrNotFound for a job not waiting for a review.
+	Review(ctx context.Context, tenant, id string) (Job, Validation, error)
 	// DeadLetters returns a page of dead letters and the next cursor.
 	DeadLetters(ctx context.Context, f DeadLetterFilter) ([]DeadLetter, string, error)
 	// CountOutcomes counts the REVIEW_REQUIRED jobs and the dead letters

@@ -352,11 +352,32 @@ const finalIndexed = ` AND jobs.state IN ('REVIEW_REQUIRED', 'FAILED_TERMINAL')`
 
 // Reviews implements store.Outcomes.
 func (s *Store) Reviews(ctx context.Context, tenant, after string, limit int) ([]store.Job, []store.Validation, string, error) {
+	return s.reviews(ctx, tenant, "", after, limit)
+}
+
+// Review implements store.Store.
+func (s *Store) Review(ctx context.Context, tenant, id string) (store.Job, store.Validation, error) {
+	jobs, vals, _, err := s.reviews(ctx, tenant, id, "", 1)
+	if err == nil && len(jobs) == 0 {
+		err = store.ErrNotFound
+	}
+	if err != nil {
+		return store.Job{}, store.Validation{}, err
+	}
+	return jobs[0], vals[0], nil
+}
+
+// reviews lists a tenant's REVIEW_REQUIRED jobs, or the one of id.
+func (s *Store) reviews(ctx context.Context, tenant, id, after string, limit int) ([]store.Job, []store.Validation, string, error) {
 	limit = pageLimit(limit)
 	q := `SELECT ` + qualified("jobs", refColumns) + `, st.data FROM jobs
 		LEFT JOIN stages st ON st.job_id = jobs.id AND st.stage = '` + store.StageValidation + `'
 		WHERE jobs.tenant = ? AND jobs.state = 'REVIEW_REQUIRED'` + finalIndexed
 	args := []any{tenant}
+	if id != "" {
+		q += ` AND jobs.id = ?`
+		args = append(args, id)
+	}
 	if after != "" {
 		q += ` AND jobs.id < ?`
 		args = append(args, after)

@@ -192,6 +192,16 @@ func testValidationStages(t *testing.T, s store.Store) {
 	if jobs, _, _, _ := s.Reviews(ctx, "globex", "", 10); len(jobs) != 0 {
 		t.Errorf("another tenant sees acme's reviews: %+v", jobs)
 	}
+	if one, v, err := s.Review(ctx, "acme", j.ID); err != nil || one.ID != j.ID || string(v.Reasons) != string(vals[0].Reasons) || v.Version != 1 {
+		t.Errorf("the one review: %+v %+v %v", one, v, err)
+	}
+	if _, _, err := s.Review(ctx, "globex", j.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("another tenant's review: %v, want ErrNotFound", err)
+	}
+	other := accept(t, s, newJob("acme", "not-in-review"))
+	if _, _, err := s.Review(ctx, "acme", other.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the review of a job not waiting for one: %v, want ErrNotFound", err)
+	}
 	// Not a success, and withheld: the result is stored but the job is
 	// not SUCCEEDED.
 	c, err := s.CountOutcomes(ctx)
