@@ -160,8 +160,12 @@ type TargetResult struct {
 	PrefixHitRate, PredictedHitRate float64
 	// Speedup is how much faster than wall time the fleet's clock ran.
 	Speedup float64
-	// Focus is the summary of the focus tenants (all, when none is named).
-	Focus bench.Summary
+	// Focus is the summary of the focus tenants' requests (all, when none
+	// is named) sent from the measured window's start (plan.measureFrom)
+	// on: the latency rows, past the warm-up as the throughput is.
+	// FocusFailed counts their failures over the whole run.
+	Focus       bench.Summary
+	FocusFailed int
 	// Events are the scenario's mid-run events that happened, in order.
 	Events []string
 	Dir    string // where its reports are, or ""
@@ -375,7 +379,7 @@ func runTarget(ctx context.Context, name, target string, p plan, o Options) (_ *
 	}
 	toSimTime(tr.Report, k, simCfg)
 	tr.Report.Metadata["effective_speedup"] = fmt.Sprintf("%.3f", k)
-	tr.Focus = focusSummary(tr.Report, p.focus)
+	tr.Focus, tr.FocusFailed = focusSummary(tr.Report, p.focus, p.measureFrom)
 	if o.Out != "" {
 		tr.Dir = filepath.Join(o.Out, name, target)
 		if err := tr.Report.WriteFiles(tr.Dir); err != nil {
@@ -427,19 +431,25 @@ func putFaults(ctx context.Context, backend, body string) error {
 }
 
 // focusSummary is the summary of the named tenants' requests (all when
-// none is named).
-func focusSummary(rep *bench.Report, focus []string) bench.Summary {
-	if len(focus) == 0 {
-		return rep.Summary
-	}
+// none is named) at the headline point sent from from on (simulated time
+// since the point's start), and how many of all their requests failed.
+func focusSummary(rep *bench.Report, focus []string, from time.Duration) (bench.Summary, int) {
 	var recs []bench.Record
+	failed := 0
 	for _, r := range rep.Requests {
-		if r.Point == rep.Headline && slices.Contains(focus, r.Tenant) {
+		if r.Point != rep.Headline || len(focus) > 0 && !slices.Contains(focus, r.Tenant) {
+			continue
+		}
+		if r.ErrorClass != "" {
+			failed++
+		}
+		if r.Intended >= from {
 			recs = append(recs, r)
 		}
 	}
 	pt := rep.LoadPoints[rep.Headline]
-	return bench.Summarize(recs, time.Duration(pt.Summary.Duration*float64(time.Second)), rep.Config.SLO, rep.Config.Percentiles)
+	dur := time.Duration(pt.Summary.Duration*float64(time.Second)) - from
+	return bench.Summarize(recs, max(dur, time.Nanosecond), rep.Config.SLO, rep.Config.Percentiles), failed
 }
 
 // llama is the simulated fleet's model.

@@ -102,9 +102,9 @@ func TestOptionsRejectBadValues(t *testing.T) {
 func TestVerdictRatios(t *testing.T) {
 	res := &Result{Scenario: "x", Describe: "d", Targets: []TargetResult{
 		{Target: TargetKVGate, Report: &bench.Report{Summary: bench.Summary{OutputThroughput: 90, Completed: 10}}, FleetTokPerSec: 100, Preemptions: 0,
-			Focus: bench.Summary{Failed: 2, TTFT: bench.Latency{Median: 50, Percentiles: map[float64]float64{99: 100}}}},
+			FocusFailed: 2, Focus: bench.Summary{TTFT: bench.Latency{Median: 50, Percentiles: map[float64]float64{99: 100}}}},
 		{Target: TargetRoundRobin, Report: &bench.Report{Summary: bench.Summary{OutputThroughput: 60, Completed: 8}}, FleetTokPerSec: 80, Preemptions: 300,
-			Focus: bench.Summary{Failed: 0, TTFT: bench.Latency{Median: 100, Percentiles: map[float64]float64{99: 400}}}},
+			Focus: bench.Summary{TTFT: bench.Latency{Median: 100, Percentiles: map[float64]float64{99: 400}}}},
 	}}
 	v := newVerdict(res)
 	for _, c := range []struct {
@@ -305,5 +305,31 @@ func TestPrefixPlansShape(t *testing.T) {
 		if name == "shared-prefix" && (prefixes <= perBackend || prefixes >= p.fleet.backends*perBackend) {
 			t.Errorf("%s: %d tokens of prefixes against %d per backend, %d in the fleet", name, prefixes, perBackend, p.fleet.backends*perBackend)
 		}
+	}
+}
+
+// TestFocusSummaryLeavesOutTheWarmUp: the latency rows count the requests
+// sent in the measured window, as the throughput does; the errors row
+// counts the whole run's.
+func TestFocusSummaryLeavesOutTheWarmUp(t *testing.T) {
+	rep := &bench.Report{Headline: 0, LoadPoints: []bench.LoadPoint{{Summary: bench.Summary{Duration: 30}}}}
+	add := func(tenant string, at, ttft time.Duration, class string) {
+		rep.Requests = append(rep.Requests, bench.Record{Tenant: tenant, Intended: at, TTFT: ttft, E2EL: 2 * ttft, OutputTokens: 4, ErrorClass: class})
+	}
+	for i := range 10 {
+		add("chat", time.Duration(i)*time.Second, 10*time.Millisecond, "") // warm-up: empty queues
+	}
+	add("chat", 5*time.Second, 0, bench.ErrServer)
+	for i := range 20 {
+		add("chat", 10*time.Second+time.Duration(i)*time.Second, time.Second, "")
+	}
+	add("batch", 20*time.Second, time.Hour, "")
+	s, failed := focusSummary(rep, []string{"chat"}, 10*time.Second)
+	if s.Completed != 20 || s.TTFT.Median != 1000 || failed != 1 || s.Failed != 0 {
+		t.Errorf("window of chat: %d completed, TTFT median %v ms, %d failed in the run (%d in the window); want 20, 1000, 1, 0",
+			s.Completed, s.TTFT.Median, failed, s.Failed)
+	}
+	if s, _ := focusSummary(rep, nil, 10*time.Second); s.Completed != 21 {
+		t.Errorf("window of all tenants: %d completed, want 21", s.Completed)
 	}
 }

@@ -81,7 +81,7 @@ func newVerdict(res *Result) Verdict {
 			case RowPreemptions:
 				x = t.Preemptions
 			case RowErrors:
-				x = float64(s.Failed)
+				x = float64(t.FocusFailed)
 			case RowCompleted:
 				x = float64(t.Report.Summary.Completed)
 			}
