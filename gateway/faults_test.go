@@ -46,7 +46,7 @@ func (d *dyingStore) Claim(ctx context.Context, now time.Time, lease time.Durati
 	if err := d.check(); err != nil {
 		return nil, err
 	}
-	return d.Store.Claim(ctx, now, lease, limit)
+	return d.Store.Claim(ctx, now, lease, limit, models...)
 }
 
 func (d *dyingStore) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {

@@ -148,7 +148,9 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 		if o.ledger {
 			o.gateway.Tenants.Store = f.store
 		}
-		o.gateway.Jobs.Store = f.store
+		if o.gateway.Jobs.Store == nil {
+			o.gateway.Jobs.Store = f.store
+		}
 		o.gateway.Jobs.Wake = func() {
 			if runner != nil {
 				runner.Wake()

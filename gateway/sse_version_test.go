@@ -3,8 +3,11 @@ package gateway
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -179,5 +182,66 @@ func TestTenantStreamResumeAfterSnapshotAheadOfFeed(t *testing.T) {
 		if ev.State == string(store.Cancelled) {
 			cancelled[ev.JobID] = true
 		}
+	}
+}
+
+// eventsDown is the store with its job events unreadable while down is
+// set: the rest answers.
+type eventsDown struct {
+	*sqlstore.Store
+	down atomic.Bool
+}
+
+func (e *eventsDown) Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error) {
+	if e.down.Load() {
+		return nil, fmt.Errorf("read events: %w", store.ErrUnavailable)
+	}
+	return e.Store.Events(ctx, tenant, jobID, after, limit)
+}
+
+// A client resuming with an id that does not say which state it was shown
+// (an after= of the feed's place alone) when the store cannot read that
+// place's event is refused (503, to retry), not sent the job's states
+// again from the start as if it had seen none.
+func TestJobStreamResumeFailsWhileEventsAreUnreadable(t *testing.T) {
+	st := sqliteStore(t)
+	ev := &eventsDown{Store: st}
+	sig := startTestSignals(t, st, func() {})
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Jobs: Jobs{Store: ev, Feed: sig.feed}}})
+	_, v := submitJob(t, f, "k1", chatJob("resume", 4))
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = sig.relay.Run(ctx) }()
+	defer func() { cancel(); <-done }()
+	var place int64
+	eventually.True(t, "the job's first event published", func() bool {
+		evs, err := st.Events(context.Background(), "default", v.ID, 0, 10)
+		if err != nil || len(evs) == 0 {
+			return false
+		}
+		place = evs[0].Cursor
+		return true
+	})
+	url := f.srv.URL + "/v1/jobs/" + v.ID + "/events?after=" + strconv.FormatInt(place, 10)
+	ev.down.Store(true)
+	s := openStream(t, url)
+	if s.resp.StatusCode != http.StatusServiceUnavailable {
+		t.Errorf("a resume whose place cannot be read: %d, want 503", s.resp.StatusCode)
+	}
+	s.cancel()
+	ev.down.Store(false)
+	if jobs, err := st.Claim(context.Background(), time.Now(), time.Minute, 10); err != nil || len(jobs) != 1 { // a newer state
+		t.Fatalf("claimed %d (%v), want the job", len(jobs), err)
+	}
+	s = openStream(t, url)
+	defer s.cancel()
+	// Its next state, as an event or (its event not yet published) a
+	// snapshot; never READY, the state at the place, again.
+	e, ok := s.next(t)
+	var got struct {
+		StateVersion int64 `json:"state_version"`
+	}
+	if !ok || json.Unmarshal([]byte(e.Data), &got) != nil || got.StateVersion != 2 {
+		t.Errorf("the same resume with the store back: %+v, want state_version 2 (RUNNING) first", e)
 	}
 }
