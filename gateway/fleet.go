@@ -39,7 +39,7 @@ type fleetBackendView struct {
 	Cooling        bool     `json:"cooling"`
 	HealthErr      string   `json:"health_error,omitempty"`
 	ScrapeErr      string   `json:"scrape_error,omitempty"`
-	KVUsage        float64  `json:"kv_usage"` // 0..1 of capacity, as vLLM reports it
+	KVUsage        *float64 `json:"kv_usage"` // 0..1 of capacity, as vLLM reports it; null when it does not
 	CapacityTokens int      `json:"capacity_tokens"`
 	Running        float64  `json:"running"`
 	Waiting        float64  `json:"waiting"`
@@ -154,11 +154,15 @@ func (s *Server) fleet(now time.Time) fleetView {
 	refusals := s.refusals()
 	for _, sn := range s.pool.Snapshots() {
 		b := fleetBackendView{Refusals: refusals[sn.Name], Name: sn.Name, Models: []string{}, Routable: sn.Routable(), Stale: sn.Stale(now), Ejected: sn.Ejected,
-			Cooling: sn.Cooling(now), HealthErr: sn.HealthErr, ScrapeErr: sn.ScrapeErr, KVUsage: sn.Metrics.KVUsage,
+			Cooling: sn.Cooling(now), HealthErr: sn.HealthErr, ScrapeErr: sn.ScrapeErr,
 			CapacityTokens: sn.CapacityTokens, Running: sn.Metrics.Running, Waiting: sn.Metrics.Waiting,
 			Preemptions: sn.Metrics.Preemptions, Inflight: loads[sn.Name].Inflight, ReservedTokens: loads[sn.Name].Reserved}
 		if b.Refusals == nil {
 			b.Refusals = map[string]float64{}
+		}
+		if sn.Metrics.HasKVUsage {
+			u := sn.Metrics.KVUsage
+			b.KVUsage = &u
 		}
 		for _, m := range sn.Models {
 			b.Models = append(b.Models, m.ID)

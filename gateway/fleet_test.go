@@ -205,3 +205,47 @@ func TestFleetShowsGPUs(t *testing.T) {
 		t.Errorf("the Fleet page: %d, want the GPUs in %.600s", status, page)
 	}
 }
+
+// TestFleetKVUsageNotPublished: a backend whose metrics page has no KV
+// cache usage shows it as unknown (null, "not published"), not as an
+// empty cache; the other backend's shows as read.
+func TestFleetKVUsageNotPublished(t *testing.T) {
+	strip := func(i int, h http.Handler) http.Handler {
+		if i != 0 {
+			return h
+		}
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				h.ServeHTTP(w, r)
+				return
+			}
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, r)
+			var kept []string
+			for _, l := range strings.Split(rec.Body.String(), "\n") {
+				if !strings.Contains(l, "cache_usage_perc") {
+					kept = append(kept, l)
+				}
+			}
+			w.Header().Set("Content-Type", rec.Header().Get("Content-Type"))
+			_, _ = w.Write([]byte(strings.Join(kept, "\n")))
+		})
+	}
+	f := startFleet(t, fleetOpts{backends: 2, wrap: strip})
+	var v fleetView
+	eventually.True(t, "both backends scraped", func() bool {
+		_, b := f.get(t, "/v1/fleet")
+		v = fleetView{}
+		return json.Unmarshal(b, &v) == nil && len(v.Backends) == 2 && !v.Backends[0].Stale && !v.Backends[1].Stale
+	})
+	byName := map[string]fleetBackendView{}
+	for _, b := range v.Backends {
+		byName[b.Name] = b
+	}
+	if b := byName["sim0"]; b.KVUsage != nil {
+		t.Errorf("the backend without KV usage shows %v, want null", *b.KVUsage)
+	}
+	if b := byName["sim1"]; b.KVUsage == nil {
+		t.Error("the backend with KV usage shows null")
+	}
+}

@@ -189,6 +189,9 @@ type backend struct {
 	// lastAnswer is when a dispatch last succeeded, in Unix nanoseconds
 	// (liveness.go).
 	lastAnswer atomic.Int64
+	// noKVUsage: the last page had no KV cache usage (logged when it
+	// begins).
+	noKVUsage atomic.Bool
 }
 
 // Check refuses a configuration the pool cannot run well, its defaults
@@ -534,6 +537,12 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 			s.GPUHealth, s.GPUReasons, s.GPUs = health, reasons, gpus
 		})
 		return
+	}
+	if !m.HasKVUsage && !b.noKVUsage.Swap(true) {
+		p.log.Warn("backend publishes no KV cache usage (vllm:kv_cache_usage_perc): admission there sees only kvgate's own requests, not other clients'",
+			"backend", b.cfg.Name)
+	} else if m.HasKVUsage {
+		b.noKVUsage.Store(false)
 	}
 	health, reasons, gpus := p.gpuHealth(b)
 	p.update(b, func(s *Snapshot) {

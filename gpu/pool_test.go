@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"net"
 	"net/http"
@@ -876,3 +877,57 @@ func TestGPUNamedByUUIDUnreadable(t *testing.T) {
 		t.Errorf("a GPU no NVML GPU can be, every GPU read: %v %v, want degraded (a configuration to check)", s.GPUHealth, s.GPUReasons)
 	}
 }
+
+// TestPoolWarnsOfPagesWithoutKVUsage: a server that publishes no KV cache
+// usage is read as such (HasKVUsage false, not an empty cache), and said
+// once in the log while it lasts, not at every scrape.
+func TestPoolWarnsOfPagesWithoutKVUsage(t *testing.T) {
+	var mu sync.Mutex
+	page := gauges
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /metrics", func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		defer mu.Unlock()
+		_, _ = w.Write([]byte(page))
+	})
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	var logs strings.Builder
+	var logMu sync.Mutex
+	pc := fastPool()
+	pc.Logger = slog.New(slog.NewTextHandler(writerFunc(func(b []byte) (int, error) {
+		logMu.Lock()
+		defer logMu.Unlock()
+		return logs.Write(b)
+	}), nil))
+	p := newTestPool(t, []BackendConfig{{Name: "a", URL: srv.URL}}, pc)
+	warned := func() int {
+		logMu.Lock()
+		defer logMu.Unlock()
+		return strings.Count(logs.String(), "publishes no KV cache usage")
+	}
+	for range 3 {
+		p.Scrape(t.Context())
+	}
+	if s := mustSnapshot(t, p, "a"); s.Metrics.HasKVUsage || warned() != 1 {
+		t.Errorf("three pages without KV usage: HasKVUsage %v, warned %d times; want false, once", s.Metrics.HasKVUsage, warned())
+	}
+	mu.Lock()
+	page = gauges + "vllm:kv_cache_usage_perc 0.25\n"
+	mu.Unlock()
+	p.Scrape(t.Context())
+	if s := mustSnapshot(t, p, "a"); !s.Metrics.HasKVUsage || s.Metrics.KVUsage != 0.25 {
+		t.Errorf("a page with KV usage: %+v", s.Metrics)
+	}
+	mu.Lock()
+	page = gauges
+	mu.Unlock()
+	p.Scrape(t.Context())
+	if warned() != 2 {
+		t.Errorf("KV usage gone again: warned %d times in all, want 2", warned())
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(b []byte) (int, error) { return f(b) }

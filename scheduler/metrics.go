@@ -122,7 +122,9 @@ func (c stateCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(descInflight, prometheus.GaugeValue, float64(l.Inflight), sn.Name)
 		ch <- prometheus.MustNewConstMetric(descReserved, prometheus.GaugeValue, float64(l.Reserved), sn.Name)
 		ch <- prometheus.MustNewConstMetric(descCapacity, prometheus.GaugeValue, float64(sn.CapacityTokens), sn.Name)
-		ch <- prometheus.MustNewConstMetric(descUsage, prometheus.GaugeValue, sn.Metrics.KVUsage, sn.Name)
+		if sn.Metrics.HasKVUsage { // unknown is no sample, not an empty cache
+			ch <- prometheus.MustNewConstMetric(descUsage, prometheus.GaugeValue, sn.Metrics.KVUsage, sn.Name)
+		}
 		ch <- prometheus.MustNewConstMetric(descAge, prometheus.GaugeValue, sn.Age(now).Seconds(), sn.Name)
 		ch <- prometheus.MustNewConstMetric(descStale, prometheus.GaugeValue, b2f(sn.Stale(now)), sn.Name)
 		ch <- prometheus.MustNewConstMetric(descRoutable, prometheus.GaugeValue, b2f(sn.Routable()), sn.Name)

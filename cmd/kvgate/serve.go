@@ -466,8 +466,12 @@ func runGPUs(ctx context.Context, args []string, getenv func(string) string, std
 		case !s.Routable():
 			health = "not routable " + s.HealthErr
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d tokens\t%.1f%%\t%.0f\t%.0f\t%s\t%s (%s)\n", s.Name, s.URL, strings.Join(models, ", "),
-			s.CapacityTokens, 100*s.Metrics.KVUsage, s.Metrics.Running, s.Metrics.Waiting, health,
+		used := "-" // not published
+		if s.Metrics.HasKVUsage {
+			used = fmt.Sprintf("%.1f%%", 100*s.Metrics.KVUsage)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d tokens\t%s\t%.0f\t%.0f\t%s\t%s (%s)\n", s.Name, s.URL, strings.Join(models, ", "),
+			s.CapacityTokens, used, s.Metrics.Running, s.Metrics.Waiting, health,
 			strings.Join(cfg.backendGPUs(s.Name), ","), s.GPUHealth)
 	}
 	return tw.Flush()

@@ -42,7 +42,7 @@
         var card = document.querySelector('[data-backend="' + CSS.escape(b.name) + '"]');
         if (!card) return;
         var field = function (n) { return card.querySelector('[data-field="' + n + '"]'); };
-        text(field("kv"), pct(b.kv_usage));
+        text(field("kv"), b.kv_usage == null ? "not published" : pct(b.kv_usage));
         text(field("capacity"), b.capacity_tokens);
         text(field("running"), b.running);
         text(field("waiting"), b.waiting);
@@ -52,7 +52,7 @@
         text(field("refusals"), rs.length ? rs.join(" ") : "none");
         text(field("state"), b.ejected ? "ejected" : b.cooling ? "cooling down" : b.stale ? "metrics stale" : b.routable ? "routable" : "not routable");
         var h = history[b.name] = history[b.name] || [];
-        h.push([f.at_ms, b.kv_usage]);
+        if (b.kv_usage != null) h.push([f.at_ms, b.kv_usage]);
         while (h.length && h[0][0] < f.at_ms - windowMs) h.shift();
         var svg = card.querySelector("[data-chart]");
         if (svg) draw(svg, h, f.kv_target);
