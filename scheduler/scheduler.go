@@ -39,14 +39,14 @@ type Scheduler struct {
 	// and Acquire's fast path keep to them. starving is what the pump
 	// under way finds.
 	starved, starving map[string]starve
-	recent   map[string]float64      // each backend's recent work, for placing new prefixes (prefix.go)
-	cands    []candidate             // tryAdmit's backends that can admit, kept to spare an allocation a call
-	closed   bool
-	share    float64 // of each backend's budget: 1 alone, less beside other replicas
-	admitted float64 // EWMA of admissions per second, for Retry-After
-	lastAdm  time.Time
-	routing  []routeSig        // backends' routability at the last queue check (models.go)
-	observe  func(AdmitRecord) // admittrace.go; nil: none
+	recent            map[string]float64 // each backend's recent work, for placing new prefixes (prefix.go)
+	cands             []candidate        // tryAdmit's backends that can admit, kept to spare an allocation a call
+	closed            bool
+	share             float64 // of each backend's budget: 1 alone, less beside other replicas
+	admitted          float64 // EWMA of admissions per second, for Retry-After
+	lastAdm           time.Time
+	routing           []routeSig        // backends' routability at the last queue check (models.go)
+	observe           func(AdmitRecord) // admittrace.go; nil: none
 	// lastInteractive is when an interactive ticket last arrived, per
 	// model: the batch share applies for BatchShareHold after it
 	// (classshare.go).
