@@ -825,3 +825,54 @@ func TestStarvingModelKeepsSharedBackend(t *testing.T) {
 		m.g.Release()
 	}
 }
+
+// TestStarvingHoldKeepsToItsClassAndTicket: the hold of a backend serving
+// several models is for the starving ticket while it waits, and against
+// tickets of its class or a later one. A starving batch ticket (which the
+// batch share may be what holds back) keeps nothing from interactive
+// tickets; a starving ticket that left the queue keeps nothing at all.
+func TestStarvingHoldKeepsToItsClassAndTicket(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		class  Class
+		leaves bool
+	}{
+		{name: "a batch ticket starving", class: Batch},
+		{name: "an interactive ticket that left", class: Interactive, leaves: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sn := backendSnap("a", 40_000)
+			sn.Models = append(sn.Models, gpu.Model{ID: "lora", MaxModelLen: 100_000})
+			s := newTestScheduler(t, Policy{KVTarget: 1, StarvationGuard: time.Nanosecond, MaxQueueWait: 5 * time.Second}, sn)
+			var held []*Grant
+			for _, tk := range []*Ticket{{Model: model, PromptTokens: 20_000, MaxTokens: 1_000}, {Model: model, PromptTokens: 10_000, MaxTokens: 11}} {
+				g, err := s.Acquire(context.Background(), tk)
+				if err != nil {
+					t.Fatal(err)
+				}
+				g.Progress(1)
+				held = append(held, g)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			starving := acquireAsync(ctx, s, &Ticket{Model: "lora", PromptTokens: 15_000, MaxTokens: 10, Class: tc.class})
+			waitQueued(t, s, 1)
+			s.Wake() // it starves: the backend is kept for it
+			if tc.leaves {
+				cancel()
+				if o := <-starving; o.err == nil {
+					t.Fatal("the starving ticket was granted")
+				}
+			}
+			// An interactive ticket that would delay it, at Acquire.
+			g, err := s.Acquire(context.Background(), &Ticket{Model: model, PromptTokens: 5_500, MaxTokens: 100})
+			if err != nil {
+				t.Fatalf("the interactive ticket: %v", err)
+			}
+			g.Release()
+			cancel()
+			for _, g := range held {
+				g.Release()
+			}
+		})
+	}
+}

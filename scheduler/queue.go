@@ -367,7 +367,7 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 // several, tickets of the others would take every room that appears, and
 // t would wait out its deadline. Kept, such a backend takes only what
 // does not delay t (delaysHolder), until a pump admits t or t leaves;
-// where several starve, the oldest keeps it.
+// where several starve, the oldest of the first class keeps it.
 func (s *Scheduler) starveLocked(t *Ticket, snaps []*gpu.Snapshot) {
 	need := max(t.PromptTokens+t.MaxTokens, 1)
 	for _, sn := range snaps {
@@ -380,19 +380,24 @@ func (s *Scheduler) starveLocked(t *Ticket, snaps []*gpu.Snapshot) {
 		if s.starving == nil {
 			s.starving = map[string]starve{}
 		}
-		if cur, ok := s.starving[sn.Name]; !ok || t.enqueued.Before(cur.t.enqueued) {
+		if cur, ok := s.starving[sn.Name]; !ok || t.Class < cur.t.Class || t.Class == cur.t.Class && t.enqueued.Before(cur.t.enqueued) {
 			s.starving[sn.Name] = starve{t: t, need: need}
 		}
 	}
 }
 
-// starvedFor returns the oldest starving ticket that keeps backend: of
-// those the last pump found (until they leave) and this one has so far.
-func (s *Scheduler) starvedFor(backend string) (starve, bool) {
+// starvedFor returns the oldest starving ticket that keeps backend for a
+// ticket of class c: of those the last pump found and this one has so
+// far, still queued, and of a class that goes before c or with it (a
+// starving batch ticket, which the batch share may be what holds back,
+// keeps nothing from interactive traffic).
+func (s *Scheduler) starvedFor(backend string, c Class) (starve, bool) {
 	a, okA := s.starved[backend]
 	b, okB := s.starving[backend]
+	okA = okA && a.t.state == ticketQueued && a.t.Class <= c
+	okB = okB && b.t.state == ticketQueued && b.t.Class <= c
 	switch {
-	case okA && okB && b.t.enqueued.Before(a.t.enqueued):
+	case okA && okB && (b.t.Class < a.t.Class || b.t.Class == a.t.Class && b.t.enqueued.Before(a.t.enqueued)):
 		return b, true
 	case okA:
 		return a, true

@@ -227,7 +227,7 @@ func (s *Scheduler) tryAdmit(t *Ticket, snaps []*gpu.Snapshot, now time.Time, pa
 		// (Scheduler.hold): decide lets t take room only where it does not
 		// delay that one (delaysHolder).
 		holdNeed := s.hold[sn.Name]
-		if st, ok := s.starvedFor(sn.Name); ok && holdNeed == 0 && st.t != t {
+		if st, ok := s.starvedFor(sn.Name, t.Class); ok && holdNeed == 0 && st.t != t {
 			holdNeed = st.need
 		}
 		ld := s.load(pass, sn, l, now, false)
