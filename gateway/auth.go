@@ -249,6 +249,11 @@ func (s *Server) authenticate(r *http.Request) (principal, error) {
 			return principal{}, err
 		}
 		if found {
+			// A key cached before its tenant was deleted (on another
+			// replica) works no longer once the tenant is read again.
+			if _, _, err := s.tenant(r.Context(), p.tenant); errors.Is(err, errTenantDeleted) {
+				return principal{}, err
+			}
 			return p, nil
 		}
 	}

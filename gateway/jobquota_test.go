@@ -405,6 +405,12 @@ func TestDeletedTenantsWorkIsRefused(t *testing.T) {
 	if resp.StatusCode != http.StatusUnauthorized || !strings.Contains(string(b), "tenant_deleted") {
 		t.Errorf("a request on a deleted tenant's cached key: %d %s, want 401 tenant_deleted", resp.StatusCode, b)
 	}
+	// Not only where a quota is taken: any call.
+	for _, path := range []string{"/v1/models", "/v1/jobs", "/v1/files"} {
+		if resp, b := send(t, f.srv.URL, http.MethodGet, path, user, ""); resp.StatusCode != http.StatusUnauthorized || !strings.Contains(string(b), "tenant_deleted") {
+			t.Errorf("GET %s on a deleted tenant's cached key: %d %s, want 401 tenant_deleted", path, resp.StatusCode, b)
+		}
+	}
 
 	// Accepted by another replica as the tenant was deleted.
 	now := time.Now()
