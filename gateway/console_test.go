@@ -413,6 +413,11 @@ func TestConsoleAccess(t *testing.T) {
 			t.Errorf("globex's admin's page of acme's review job has the action %s", a)
 		}
 	}
+	// Its endpoint's page keeps the tenant in its links and filter.
+	_, page = gadm.get("/console/webhooks/endpoints/" + e.endpoint + "?tenant=acme")
+	if !strings.Contains(page, `name="tenant" value="acme"`) || !strings.Contains(page, `?tenant=acme">`) || strings.Contains(page, "/redeliver\"") {
+		t.Errorf("globex's admin's page of acme's endpoint: the tenant not kept, or a redelivery offered: %.600s", page)
+	}
 	// (Reviewed by now, the job keeps its failed delivery to redeliver.)
 	if _, page = adm.get("/console/jobs/" + e.reviewJob); !strings.Contains(page, "/redeliver\"") || strings.Contains(page, `id="foreign"`) {
 		t.Errorf("acme's admin's page of its job lacks the redelivery, or is marked read-only: %.400s", page)

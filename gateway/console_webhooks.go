@@ -109,7 +109,11 @@ func (s *Server) consoleEndpoint(w http.ResponseWriter, r *http.Request, u conso
 		if err = s.consoleGet(r, u, "/v1/webhooks/endpoints/"+id+"/deliveries?"+api.Encode(), &pg); err == nil {
 			d.Deliveries = pg.Data
 			if pg.NextCursor != "" {
-				d.NextURL = "/console/webhooks/endpoints/" + id + "?" + url.Values{"after": {pg.NextCursor}, "state": {d.State}}.Encode()
+				next := url.Values{"after": {pg.NextCursor}, "state": {d.State}}
+				if t := q.Get("tenant"); t != "" {
+					next.Set("tenant", t) // an admin's read of another tenant's endpoint
+				}
+				d.NextURL = "/console/webhooks/endpoints/" + id + "?" + next.Encode()
 			}
 		}
 	}
