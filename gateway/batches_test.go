@@ -9,6 +9,7 @@ import (
 	"io"
 	"mime/multipart"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -715,5 +716,66 @@ func TestBatchValidationTakeoverFails(t *testing.T) {
 		if err != nil || j.State != store.Cancelled {
 			t.Errorf("line job %s: %s, %v; want CANCELLED", n.IdempotencyKey, j.State, err)
 		}
+	}
+}
+
+// TestBatchWorkerPagesThroughOpenBatches: batches in progress (here, lines
+// nobody runs) do not keep the worker from a batch submitted after them,
+// however many they are. The worker read one page of open batches, by
+// lease: those in progress hold none, so the oldest filled every page and
+// a later batch stayed validating.
+func TestBatchWorkerPagesThroughOpenBatches(t *testing.T) {
+	defer func(n int) { batchWorkPage = n }(batchWorkPage)
+	batchWorkPage = 2
+	f := startFleet(t, fleetOpts{jobs: true}) // no runner: lines stay queued
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
+	defer func() { cancel(); <-done }()
+	base := f.srv.URL
+	inProgress := func(id string) {
+		t.Helper()
+		eventually.True(t, "batch "+id+" in progress", func() bool {
+			_, body := bsend(t, http.MethodGet, base+"/v1/batches/"+id, "", "")
+			return decode[batchView](t, body).Status == store.BatchInProgress
+		})
+	}
+	for range 3 {
+		inProgress(createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(2, nil))).ID)
+	}
+	inProgress(createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(2, nil))).ID)
+}
+
+// TestBatchExpiresWhileValidating: a batch still validating when its
+// completion window ends does not wait on for ever. One whose lines are
+// valid is accepted and ends expired at once, each line a batch_expired
+// error; one whose acceptance began and whose lines now fail here (tried
+// again after each lease) fails with batch_expired, the lines already in
+// cancelled.
+func TestBatchExpiresWhileValidating(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true}) // the batch worker starts below
+	base := f.srv.URL
+	valid := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(3, nil)))
+	stuck := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(3, func(i int) string {
+		return `{"model":"no-such-model","messages":[{"role":"user","content":"hi"}],"max_tokens":3}`
+	})))
+	for _, q := range []string{
+		`UPDATE batches SET expires_at = ` + strconv.FormatInt(time.Now().UnixMicro(), 10) + ` WHERE id IN ('` + valid.ID + `', '` + stuck.ID + `')`,
+		`UPDATE batches SET priority_base = 1 WHERE id = '` + stuck.ID + `'`, // its acceptance began
+	} {
+		if _, err := f.store.DB().Exec(q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
+	defer func() { cancel(); <-done }()
+	if v := waitBatch(t, base, "", valid.ID, store.BatchExpired); v.RequestCounts.Total != 3 || v.RequestCounts.Failed != 3 {
+		t.Errorf("the valid batch past its window: %+v, want 3 lines expired", v.RequestCounts)
+	}
+	v := waitBatch(t, base, "", stuck.ID, store.BatchFailed)
+	if v.Errors == nil || !strings.Contains(string(v.Errors.Data), `"code":"batch_expired"`) {
+		t.Errorf("the batch stuck validating past its window: %+v, want failed with batch_expired", v)
 	}
 }

@@ -72,17 +72,24 @@ func (s *Server) RunBatches(ctx context.Context) error {
 			}
 			swept = now
 		}
-		bs, err := s.batches.BatchesToWork(ctx, now, 256)
-		if err != nil && ctx.Err() == nil {
-			s.log.Warn("looking for batch work", "err", err)
-		}
-		for _, b := range bs {
-			if ctx.Err() != nil {
+		// Every open batch, a page at a time.
+		for after := ""; ctx.Err() == nil; {
+			bs, err := s.batches.BatchesToWork(ctx, now, after, batchWorkPage)
+			if err != nil && ctx.Err() == nil {
+				s.log.Warn("looking for batch work", "err", err)
+			}
+			for _, b := range bs {
+				if ctx.Err() != nil {
+					break
+				}
+				if err := s.workBatch(ctx, b); err != nil && ctx.Err() == nil && !errors.Is(err, store.ErrLeaseLost) {
+					s.log.Warn("batch work", "batch", b.ID, "status", b.Status, "err", err)
+				}
+			}
+			if len(bs) < batchWorkPage {
 				break
 			}
-			if err := s.workBatch(ctx, b); err != nil && ctx.Err() == nil && !errors.Is(err, store.ErrLeaseLost) {
-				s.log.Warn("batch work", "batch", b.ID, "status", b.Status, "err", err)
-			}
+			after = bs[len(bs)-1].ID
 		}
 		select {
 		case <-ctx.Done():
@@ -92,6 +99,9 @@ func (s *Server) RunBatches(ctx context.Context) error {
 		}
 	}
 }
+
+// batchWorkPage is how many open batches one read finds.
+var batchWorkPage = 256
 
 // workBatch moves one batch on as far as it can now.
 func (s *Server) workBatch(ctx context.Context, b store.Batch) error {
@@ -329,12 +339,18 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 	if len(metas) == 0 {
 		return fail([]batchError{{Code: "empty_file", Message: "The input file holds no requests."}}, 0)
 	}
+	if nErrs > 0 && accepting && !time.Now().Before(b.ExpiresAt) {
+		// Tried again until its window ended (below): it fails, the lines
+		// already in cancelled, rather than being tried for ever.
+		return fail([]batchError{{Code: "batch_expired", Message: fmt.Sprintf("The batch's completion window (%s) ended before all its lines could be accepted (line %d: %s).",
+			b.CompletionWindow, *errs[0].Line, errs[0].Message)}}, len(metas))
+	}
 	if nErrs > 0 && accepting {
 		// Every line was valid when acceptance began: what fails now is
 		// this replica's view (no backend serving a model yet after a
 		// restart, its token estimates not yet learned), not the file.
-		// The batch stays validating, tried again after its lease; its
-		// expiry bounds the tries.
+		// The batch stays validating, tried again after its lease, until
+		// its window ends (above).
 		return fmt.Errorf("batch %s: %d of its lines, valid when their acceptance began, fail here now (line %d: %s): tried again later",
 			b.ID, nErrs, *errs[0].Line, errs[0].Message)
 	}

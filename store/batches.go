@@ -143,7 +143,10 @@ type Batches interface {
 	CreateBatch(ctx context.Context, b Batch) error
 	Batch(ctx context.Context, tenant, id string) (Batch, error)
 	ListBatches(ctx context.Context, tenant, after string, limit int) ([]Batch, bool, error)
-	BatchesToWork(ctx context.Context, now time.Time, limit int) ([]Batch, error)
+	// BatchesToWork returns up to limit unfinished batches whose lease is
+	// free at now, by id from after ("": the first): a worker pages
+	// through them all, so that no open batch waits behind others.
+	BatchesToWork(ctx context.Context, now time.Time, after string, limit int) ([]Batch, error)
 	LeaseBatch(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) (int64, error)
 	RenewBatch(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error
 	ReleaseBatch(ctx context.Context, id string, fence int64) error

@@ -104,13 +104,15 @@ func scanBatches(rows *sql.Rows) ([]store.Batch, error) {
 	return out, rows.Err()
 }
 
-// BatchesToWork returns up to limit unfinished batches whose lease is
-// free at now: those to validate, to watch (in progress, cancelling) and
-// to finalize (a finalizer that lost its lease).
-func (s *Store) BatchesToWork(ctx context.Context, now time.Time, limit int) ([]store.Batch, error) {
+// BatchesToWork implements store.Store: the batches to validate, to watch
+// (in progress, cancelling) and to finalize (a finalizer that lost its
+// lease), by id. Batches in progress have no lease: ordered by lease, as
+// they were, the oldest limit of them filled every page, and a batch
+// submitted after them was never validated.
+func (s *Store) BatchesToWork(ctx context.Context, now time.Time, after string, limit int) ([]store.Batch, error) {
 	rows, err := s.db.QueryContext(ctx, rebind(s.d, `SELECT `+batchColumns+` FROM batches
-		WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling') AND lease_until < ?
-		ORDER BY lease_until, id LIMIT ?`), micros(now), limit)
+		WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling') AND lease_until < ? AND id > ?
+		ORDER BY id LIMIT ?`), micros(now), after, limit)
 	if err != nil {
 		return nil, s.err("batches to work", err)
 	}

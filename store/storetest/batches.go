@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -25,6 +26,7 @@ func ExerciseBatches(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"BatchLinesInterleave", testBatchInterleave},
 		{"BatchCancelEndsClaims", testBatchCancelEndsClaims},
 		{"BatchReservationsAtomic", testBatchReservations},
+		{"BatchLinesOutlivePrune", testBatchLinesOutlivePrune},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -178,7 +180,7 @@ func lineJobs(tenant, batch string, n, base int) ([]store.NewJob, []string) {
 // leaseFree takes a batch's lease as the worker does.
 func leaseFree(t *testing.T, b store.Batches, id string, now time.Time) int64 {
 	t.Helper()
-	bs, err := b.BatchesToWork(context.Background(), now, 10)
+	bs, err := b.BatchesToWork(context.Background(), now, "", 10)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -204,8 +206,34 @@ func testBatchLines(t *testing.T, s store.Store, b store.Batches) {
 	if _, err := b.LeaseBatch(ctx, "batch_1", fence, t0.Add(time.Second), time.Minute); !errors.Is(err, store.ErrLeaseLost) {
 		t.Errorf("a held lease taken again: %v", err)
 	}
-	if bs, _ := b.BatchesToWork(ctx, t0.Add(time.Second), 10); len(bs) != 0 {
+	if bs, _ := b.BatchesToWork(ctx, t0.Add(time.Second), "", 10); len(bs) != 0 {
 		t.Errorf("a leased batch is offered: %v", bs)
+	}
+	// Paged by id, every free batch once.
+	for _, id := range []string{"batch_p1", "batch_p2", "batch_p3"} {
+		if err := b.CreateBatch(ctx, newBatch("acme", id)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var paged []string
+	for after := ""; ; {
+		bs, err := b.BatchesToWork(ctx, t0.Add(time.Second), after, 2)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, bt := range bs {
+			paged = append(paged, bt.ID)
+		}
+		if len(bs) < 2 {
+			break
+		}
+		after = bs[len(bs)-1].ID
+	}
+	if !slices.Equal(paged, []string{"batch_p1", "batch_p2", "batch_p3"}) {
+		t.Errorf("free batches paged two at a time: %v", paged)
+	}
+	for _, id := range paged {
+		leaseFree(t, b, id, t0.Add(time.Second)) // out of the way of what follows
 	}
 	js, cs := lineJobs("acme", "batch_1", 10, 1)
 	// A stale claim writes nothing.
@@ -555,5 +583,39 @@ func testBatchReservations(t *testing.T, s store.Store, b store.Batches) {
 	}
 	if err := b.ReserveBatch(ctx, "batch:after-lease", "acme", 99, 300, l, t0.Add(2*time.Minute), time.Minute); err != nil {
 		t.Fatalf("after the reservations' leases: %v", err)
+	}
+}
+
+// testBatchLinesOutlivePrune: the retention prune keeps the ended lines of
+// a batch not yet ended, however old: its files are written from them,
+// and their keys keep a validation taken over from accepting them again.
+// Once the batch ends, they go.
+func testBatchLinesOutlivePrune(t *testing.T, s store.Store, b store.Batches) {
+	ctx := context.Background()
+	if err := b.CreateBatch(ctx, newBatch("acme", "batch_r")); err != nil {
+		t.Fatal(err)
+	}
+	fence := leaseFree(t, b, "batch_r", t0)
+	js, cs := lineJobs("acme", "batch_r", 3, 1)
+	if err := b.AcceptBatchLines(ctx, "batch_r", fence, js, cs); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := b.CancelBatchLines(ctx, "batch_r", true, t0); err != nil || n != 3 {
+		t.Fatalf("cancelled %d lines (%v), want 3", n, err)
+	}
+	publishAll(t, s, t0)
+	if n, err := s.PruneFinal(ctx, t0.Add(48*time.Hour), 100); err != nil || n != 0 {
+		t.Errorf("the prune took %d lines of an open batch (%v), want none", n, err)
+	}
+	if c, _ := b.BatchCounts(ctx, "batch_r"); c.Total != 3 {
+		t.Errorf("the open batch has %d lines after the prune, want 3", c.Total)
+	}
+	if err := b.FailBatch(ctx, "acme", "batch_r", fence, []byte(`[]`), 3, "", t0); err != nil {
+		t.Fatal(err)
+	}
+	accept(t, s, newJob("acme", "later")) // its event, not a line's, holds the feed's last place (kept)
+	publishAll(t, s, t0)
+	if n, err := s.PruneFinal(ctx, t0.Add(48*time.Hour), 100); err != nil || n != 3 {
+		t.Errorf("the prune took %d lines of the ended batch (%v), want 3", n, err)
 	}
 }
