@@ -162,3 +162,61 @@ func TestPruneBounded(t *testing.T) {
 		}
 	}
 }
+
+// TestPruneFinalSkipsJobBeingReplayed: a final job a transaction in flight
+// is bringing back (a replay: READY, with its event) is not pruned under
+// it. The prune chose its jobs without locking them, then deleted the
+// chosen once the replay committed: the replayed job and its event went.
+func TestPruneFinalSkipsJobBeingReplayed(t *testing.T) {
+	ctx := context.Background()
+	s := migratedFresh(t)
+	old := time.Now().Add(-48 * time.Hour)
+	acceptAt(t, s, "acme", "old", old)
+	js, err := s.Claim(ctx, old, time.Minute, 1, "m")
+	if err != nil || len(js) != 1 {
+		t.Fatalf("claim: %d jobs, %v", len(js), err)
+	}
+	if _, err := s.Cancel(ctx, "acme", js[0].ID, uuid.Must(uuid.NewV7()).String(), old); err != nil {
+		t.Fatal(err)
+	}
+	publish := func() { // as the relay would
+		for {
+			evs, err := s.Unpublished(ctx, 100)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(evs) == 0 {
+				return
+			}
+			ids := make([]string, len(evs))
+			for i, e := range evs {
+				ids[i] = e.ID
+			}
+			if err := s.MarkPublished(ctx, ids, old); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	acceptAt(t, s, "acme", "later", time.Now()) // its event holds the feed's last place (kept)
+	publish()
+	tx, err := s.DB().BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.ExecContext(ctx, `UPDATE jobs SET state = 'READY', updated_at = $2 WHERE id = $1`, js[0].ID, time.Now().UnixMicro()); err != nil {
+		t.Fatal(err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	n, err := s.PruneFinal(pctx, time.Now().Add(-time.Hour), 10)
+	if err != nil || n != 0 {
+		t.Errorf("prune beside a replay in flight: %d pruned, %v; want none, at once", n, err)
+	}
+	if err := tx.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	if j, err := s.Get(ctx, "acme", js[0].ID); err != nil || j.State != store.Ready {
+		t.Errorf("the replayed job after the prune: %+v, %v; want READY", j, err)
+	}
+}

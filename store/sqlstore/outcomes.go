@@ -531,11 +531,23 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 		// holds the feed's last place, from which the relay numbers the
 		// next places (MarkPublished): without it they would be given
 		// again, behind cursors that readers have passed.
+		//
+		// A line of a batch not yet ended is kept too: its batch's files
+		// are written from its lines, and its key stops a validation
+		// taken over from accepting it again.
+		//
+		// The jobs are locked as they are chosen (PostgreSQL: a job a
+		// replay or review is changing is passed over; one it changed
+		// since is chosen only if still final and old), so that no change
+		// committed meanwhile, with its event, is deleted with them.
+		// SQLite runs one writer at a time.
 		found, err := scanTexts(tx.QueryContext(ctx, rebind(s.d, `SELECT id FROM jobs
 			WHERE state IN `+finalStatesSQL()+` AND updated_at < ?
 				AND id NOT IN (SELECT job_id FROM outbox WHERE published_at = 0)
 				AND id <> COALESCE((SELECT job_id FROM outbox WHERE feed_seq = (SELECT MAX(feed_seq) FROM outbox)), '')
-			ORDER BY updated_at LIMIT ?`), micros(before), limit))
+				AND (batch_id IS NULL OR batch_id NOT IN (SELECT id FROM batches
+					WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling')))
+			ORDER BY updated_at LIMIT ? `+s.d.LockRunnable), micros(before), limit))
 		if err != nil || len(found) == 0 {
 			return err
 		}
