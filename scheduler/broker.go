@@ -127,7 +127,7 @@ func StartBroker(st brokerStore, sched *Scheduler, cfg BrokerConfig) (*Broker, e
 		return nil, fmt.Errorf("connect to nats %s: %w", redactURLs(b.url), err)
 	}
 	b.nc = nc
-	if b.js, err = jetstream.New(nc); err != nil {
+	if b.js, err = NewJetStream(nc, DefaultAckTimeout); err != nil {
 		b.close()
 		return nil, err
 	}

@@ -55,11 +55,25 @@ type Relay struct {
 	m    *relayMetrics
 }
 
+// DefaultAckTimeout is how long a publish waits for the broker's ack, in
+// the relay and in the client's own books (NewJetStream).
+const DefaultAckTimeout = 5 * time.Second
+
+// NewJetStream is the JetStream client the relay publishes through. An
+// asynchronous publish whose ack never comes (a stream leader lost while
+// the connection stays up) is dropped from the client's pending acks
+// after ackTimeout, as the relay gives up on it: kept, such publishes
+// fill the client's window of 4,000 in a few incidents, and every later
+// publish stalls until the connection drops.
+func NewJetStream(nc *nats.Conn, ackTimeout time.Duration) (jetstream.JetStream, error) {
+	return jetstream.New(nc, jetstream.WithPublishAsyncTimeout(cmp.Or(ackTimeout, DefaultAckTimeout)))
+}
+
 // NewRelay returns a relay; Run starts it.
 func NewRelay(st outboxStore, js publisher, cfg RelayConfig) *Relay {
 	cfg.Batch = cmp.Or(cfg.Batch, 256)
 	cfg.Poll = cmp.Or(cfg.Poll, 200*time.Millisecond)
-	cfg.AckTimeout = cmp.Or(cfg.AckTimeout, 5*time.Second)
+	cfg.AckTimeout = cmp.Or(cfg.AckTimeout, DefaultAckTimeout)
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}

@@ -56,7 +56,7 @@ func connect(t *testing.T, url string) (*nats.Conn, jetstream.JetStream) {
 		t.Fatal(err)
 	}
 	t.Cleanup(nc.Close)
-	js, err := jetstream.New(nc)
+	js, err := NewJetStream(nc, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -544,4 +544,35 @@ func (l lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
+}
+
+// TestUnansweredPublishesLeaveTheClient: a publish whose ack never comes
+// (here a subject that a plain subscriber takes and never answers; in
+// production a stream leader lost while the connection stays up) leaves
+// the client's pending acks once the relay would have given up on it.
+// Kept there, a few such incidents filled the client's window, and every
+// later publish stalled until the connection dropped.
+func TestUnansweredPublishesLeaveTheClient(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	nc, err := nats.Connect(ns.ClientURL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := NewJetStream(nc, 100*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := nc.SubscribeSync("silent.>"); err != nil {
+		t.Fatal(err)
+	}
+	for range 50 {
+		if _, err := js.PublishAsync("silent.x", []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := js.PublishAsyncPending(); n == 0 {
+		t.Fatal("no publish pending: the test shows nothing")
+	}
+	eventually.True(t, "the unanswered publishes to leave the pending acks", func() bool { return js.PublishAsyncPending() == 0 })
 }
