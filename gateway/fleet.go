@@ -100,7 +100,7 @@ func (s *Server) handleFleetEvents(w http.ResponseWriter, r *http.Request) int {
 	default:
 		return writeError(w, s.log, badRequest("include", fmt.Sprintf("include %q is not known: the stream can include queues.", inc)))
 	}
-	sse, err := startSSE(w)
+	sse, err := startSSE(w, s.cfg.StreamIdleTimeout)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}

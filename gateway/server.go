@@ -45,7 +45,8 @@ type Config struct {
 	// before its first byte reaches the client [1].
 	Retries *int
 	// StreamIdleTimeout ends a stream whose backend sends nothing for this
-	// long, before its first byte too [2m].
+	// long, before its first byte too [2m]; and a stream, an event stream
+	// too, whose client takes nothing of a write for this long.
 	StreamIdleTimeout time.Duration
 	// RequestTimeout ends a non-streaming request whose backend has not
 	// answered in this long [10m]; a stalled backend counts as failed.

@@ -55,10 +55,19 @@ type eventView struct {
 	CreatedAt    int64  `json:"created_at"`
 }
 
-// sseWriter writes events and flushes each.
+// sseWriter writes events and flushes each. Each write has idle to
+// finish: a client that stops reading (its connection open, its window
+// shut) is let go of then, as a proxied stream's is (clientWrites), not
+// held, with its goroutine, until the drain closes it.
 type sseWriter struct {
-	w  http.ResponseWriter
-	rc *http.ResponseController
+	w    http.ResponseWriter
+	rc   *http.ResponseController
+	idle time.Duration
+}
+
+// due gives the next write idle to finish.
+func (e *sseWriter) due() {
+	_ = e.rc.SetWriteDeadline(time.Now().Add(e.idle)) // ErrNotSupported: no deadline
 }
 
 func (e *sseWriter) send(id, event string, data any) error {
@@ -66,6 +75,7 @@ func (e *sseWriter) send(id, event string, data any) error {
 	if err != nil {
 		return err
 	}
+	e.due()
 	if _, err := fmt.Fprintf(e.w, "id: %s\nevent: %s\ndata: %s\n\n", id, event, b); err != nil {
 		return err
 	}
@@ -80,27 +90,31 @@ func (e *sseWriter) fail(err error) {
 	if merr != nil {
 		return
 	}
+	e.due()
 	if _, err := fmt.Fprintf(e.w, "event: error\ndata: %s\n\n", b); err == nil {
 		_ = e.rc.Flush()
 	}
 }
 
 func (e *sseWriter) comment(text string) error {
+	e.due()
 	if _, err := fmt.Fprintf(e.w, ": %s\n\n", text); err != nil {
 		return err
 	}
 	return e.rc.Flush()
 }
 
-func startSSE(w http.ResponseWriter) (*sseWriter, error) {
+// startSSE begins an event stream whose writes have idle each to finish.
+// The stream outlives the server's write timeout: each write sets its own
+// deadline.
+func startSSE(w http.ResponseWriter, idle time.Duration) (*sseWriter, error) {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no")
+	e := &sseWriter{w: w, rc: http.NewResponseController(w), idle: idle}
+	e.due()
 	w.WriteHeader(http.StatusOK)
-	e := &sseWriter{w: w, rc: http.NewResponseController(w)}
-	// Streams outlive the server's write timeout.
-	_ = e.rc.SetWriteDeadline(time.Time{})
 	return e, e.rc.Flush()
 }
 
@@ -183,7 +197,7 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 		w.WriteHeader(http.StatusNoContent)
 		return http.StatusNoContent
 	}
-	sse, err := startSSE(w)
+	sse, err := startSSE(w, s.cfg.StreamIdleTimeout)
 	if err != nil {
 		return http.StatusOK
 	}
@@ -277,7 +291,7 @@ func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int 
 	if resume && (at.after > head || s.behind(ctx, tenant, at.after)) {
 		resume = false
 	}
-	sse, err := startSSE(w)
+	sse, err := startSSE(w, s.cfg.StreamIdleTimeout)
 	if err != nil {
 		return http.StatusOK
 	}

@@ -4,9 +4,13 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
+	"net"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -255,5 +259,54 @@ func TestJobEventStreamWithoutBroker(t *testing.T) {
 	}
 	if last.State != string(store.Succeeded) {
 		t.Errorf("stream ended on %s, want SUCCEEDED", last.State)
+	}
+}
+
+// TestSSEClientThatStopsReadingIsLetGo: an event stream whose client
+// keeps its connection but stops reading ends once a write has waited the
+// idle time, instead of holding the stream (and the drain) until the
+// connection is closed.
+func TestSSEClientThatStopsReadingIsLetGo(t *testing.T) {
+	ended := make(chan error, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sse, err := startSSE(w, 300*time.Millisecond)
+		if err != nil {
+			ended <- err
+			return
+		}
+		big := strings.Repeat("x", 64<<10)
+		for i := 0; ; i++ {
+			if err := sse.send(strconv.Itoa(i), "e", big); err != nil {
+				ended <- err
+				return
+			}
+		}
+	}))
+	defer srv.Close()
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}}
+	conn, err := d.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := fmt.Fprintf(conn, "GET /events HTTP/1.1\r\nHost: kvgate\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	// It reads nothing.
+	select {
+	case err := <-ended:
+		if err == nil {
+			t.Error("the stream ended without an error")
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the stream of a client that stopped reading is still held")
 	}
 }
