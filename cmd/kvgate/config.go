@@ -74,7 +74,7 @@ type config struct {
 		DefaultMaxTokens  int           `yaml:"default_max_tokens"`  // output reserved for a chat request without max_tokens, in tokens [1024]
 		TokenCount        string        `yaml:"token_count"`         // estimate (bytes times a learned ratio) or tokenize (ask the backend: exact, one more round trip) [estimate]
 		Retries           *int          `yaml:"retries"`             // other backends a request may be retried on before its first byte [1]
-		StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"` // a stream whose backend sends nothing this long is cut; a client that accepts no byte of its answer this long is let go of (499), its backend not blamed [2m]
+		StreamIdleTimeout time.Duration `yaml:"stream_idle_timeout"` // a stream whose backend sends nothing this long is cut; a client that accepts no byte of its answer, or of an event stream, this long is let go of (499), its backend not blamed [2m]
 		RequestTimeout    time.Duration `yaml:"request_timeout"`     // a non-streaming request whose backend has not answered in this long fails [10m]
 	} `yaml:"gateway"`
 	Metrics struct {
