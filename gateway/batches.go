@@ -127,7 +127,8 @@ func batchViewOf(b store.Batch, live *store.BatchCounts) batchView {
 		_ = json.Unmarshal(b.Usage, &v.Usage)
 	}
 	if live != nil {
-		v.RequestCounts = batchCounts{Total: max(b.Total, live.Total), Completed: live.Succeeded, Failed: live.Failed}
+		// A cancelled line counts as failed, as in the final counts.
+		v.RequestCounts = batchCounts{Total: max(b.Total, live.Total), Completed: live.Succeeded, Failed: live.Failed + live.Cancelled}
 	}
 	return v
 }

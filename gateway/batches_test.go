@@ -779,3 +779,32 @@ func TestBatchExpiresWhileValidating(t *testing.T) {
 		t.Errorf("the batch stuck validating past its window: %+v, want failed with batch_expired", v)
 	}
 }
+
+// TestBatchLiveCountsCountCancelledLines: a line cancelled while its batch
+// runs counts as failed in the live request_counts, as it will in the
+// final ones, so that completed + failed never falls short of the lines
+// that ended.
+func TestBatchLiveCountsCountCancelledLines(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true}) // no runner: lines stay queued
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
+	defer func() { cancel(); <-done }()
+	base := f.srv.URL
+	b := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(3, nil)))
+	eventually.True(t, "the batch in progress", func() bool {
+		_, body := bsend(t, http.MethodGet, base+"/v1/batches/"+b.ID, "", "")
+		return decode[batchView](t, body).Status == store.BatchInProgress
+	})
+	jobs, _, err := f.store.List(context.Background(), "default", store.ListFilter{Limit: 10})
+	if err != nil || len(jobs) != 3 {
+		t.Fatalf("the batch's lines: %d jobs, %v", len(jobs), err)
+	}
+	if status, body := bsend(t, http.MethodPost, base+"/v1/jobs/"+jobs[0].ID+"/cancel", "", ""); status != http.StatusOK {
+		t.Fatalf("cancel a line: %d %s", status, body)
+	}
+	_, body := bsend(t, http.MethodGet, base+"/v1/batches/"+b.ID, "", "")
+	if v := decode[batchView](t, body); v.RequestCounts.Total != 3 || v.RequestCounts.Failed != 1 || v.RequestCounts.Completed != 0 {
+		t.Errorf("live counts with a line cancelled: %+v, want total 3, failed 1", v.RequestCounts)
+	}
+}
