@@ -808,3 +808,22 @@ func TestBatchLiveCountsCountCancelledLines(t *testing.T) {
 		t.Errorf("live counts with a line cancelled: %+v, want total 3, failed 1", v.RequestCounts)
 	}
 }
+
+// TestBatchLineLargerThanABody: a line larger than a request body may be
+// is refused at validation (request_too_large, its line named), without
+// being read whole, as POST /v1/jobs refuses such a body.
+func TestBatchLineLargerThanABody(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, gateway: Config{MaxBodyBytes: 4096}})
+	base := f.srv.URL
+	input := batchLines(3, func(i int) string {
+		if i != 1 {
+			return ""
+		}
+		return fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"hi"}],"max_tokens":3,"user":%q}`, llama, strings.Repeat("u", 200<<10))
+	})
+	b := createBatch(t, base, "", uploadBatchFile(t, base, "", input))
+	v := waitBatch(t, base, "", b.ID, store.BatchFailed)
+	if v.Errors == nil || !strings.Contains(string(v.Errors.Data), `"code":"request_too_large"`) || !strings.Contains(string(v.Errors.Data), `"line":2`) {
+		t.Errorf("a batch with a 200 KiB line, bodies at most 4 KiB: %+v, want failed with request_too_large on line 2", v.Errors)
+	}
+}

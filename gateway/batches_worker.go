@@ -171,12 +171,37 @@ func (c *chunkReader) Read(p []byte) (int, error) {
 }
 
 // eachLine calls fn with every line of a stored file that holds more than
-// white space, and its line number (from 1).
+// white space, and its line number (from 1). A line longer than the
+// largest request body (Config.MaxBodyBytes) is not read into memory: fn
+// gets it as nil, to refuse it.
 func (s *Server) eachLine(ctx context.Context, fileID string, fn func(n int, line []byte) error) error {
 	br := bufio.NewReaderSize(&chunkReader{ctx: ctx, st: s.batches, id: fileID}, 64<<10)
+	limit := int(s.cfg.MaxBodyBytes) + 1<<10 // the body and its line's envelope
+	var line []byte
 	for n := 1; ; n++ {
-		line, err := br.ReadBytes('\n')
-		if len(bytes.TrimSpace(line)) > 0 {
+		line = line[:0]
+		tooLong := false
+		var err error
+		for {
+			var part []byte
+			part, err = br.ReadSlice('\n')
+			if !tooLong {
+				if len(line)+len(part) > limit {
+					tooLong, line = true, line[:0]
+				} else {
+					line = append(line, part...)
+				}
+			}
+			if !errors.Is(err, bufio.ErrBufferFull) {
+				break
+			}
+		}
+		switch {
+		case tooLong:
+			if ferr := fn(n, nil); ferr != nil {
+				return ferr
+			}
+		case len(bytes.TrimSpace(line)) > 0:
 			if ferr := fn(n, line); ferr != nil {
 				return ferr
 			}
@@ -268,6 +293,10 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 			if len(metas) == maxBatchFileLines+1 {
 				addErr(n, "too_many_requests", "", fmt.Sprintf("A batch holds at most %d requests.", maxBatchFileLines))
 			}
+			return nil
+		}
+		if line == nil {
+			addErr(n, "request_too_large", "body", fmt.Sprintf("This line is larger than the %d bytes a request body may be.", s.cfg.MaxBodyBytes))
 			return nil
 		}
 		var in batchInput
