@@ -157,6 +157,9 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrWrongState):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_state",
 			msg: "The job's state does not allow this: a review needs REVIEW_REQUIRED, a replay FAILED_TERMINAL or REVIEW_REQUIRED."}
+	case errors.Is(err, store.ErrBatchClosed):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "batch_not_in_progress",
+			msg: "This job is a line of a batch that is no longer in progress: the batch's files hold it as it ended, and a replay would reach neither."}
 	case errors.Is(err, store.ErrFinal):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "job_final", msg: "The job has already ended."}
 	case errors.Is(err, store.ErrUnavailable):

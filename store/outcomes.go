@@ -31,6 +31,10 @@ var (
 	// (a review of a job not REVIEW_REQUIRED, a replay of a job that has
 	// not failed); nothing was written.
 	ErrWrongState = errors.New("store: the job's state does not allow this")
+	// ErrBatchClosed refuses to replay a line of a batch no longer in
+	// progress: its files are written (or being written) from the line as
+	// it ended, and a run now would reach neither.
+	ErrBatchClosed = errors.New("store: the job is a line of a batch no longer in progress")
 )
 
 // Stage names, in the order a job runs them. A stage's checkpoint (see

@@ -276,6 +276,14 @@ func (s *Store) Replay(ctx context.Context, r store.Replay) (store.Job, error) {
 		if j.State != store.FailedTerminal && j.State != store.ReviewRequired {
 			return store.ErrWrongState
 		}
+		var batch sql.NullString
+		if err := tx.QueryRowContext(ctx, rebind(s.d, `SELECT b.status FROM jobs j JOIN batches b ON b.id = j.batch_id
+			WHERE j.id = ? `+s.d.LockShared), r.JobID).Scan(&batch); err != nil && !errors.Is(err, sql.ErrNoRows) {
+			return err
+		}
+		if batch.Valid && batch.String != store.BatchInProgress {
+			return store.ErrBatchClosed
+		}
 		name, version, err := s.outcomeOf(ctx, tx, r.JobID)
 		if err != nil {
 			return err

@@ -27,6 +27,7 @@ func ExerciseBatches(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"BatchCancelEndsClaims", testBatchCancelEndsClaims},
 		{"BatchReservationsAtomic", testBatchReservations},
 		{"BatchLinesOutlivePrune", testBatchLinesOutlivePrune},
+		{"BatchLineReplay", testBatchLineReplay},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -617,5 +618,55 @@ func testBatchLinesOutlivePrune(t *testing.T, s store.Store, b store.Batches) {
 	publishAll(t, s, t0)
 	if n, err := s.PruneFinal(ctx, t0.Add(48*time.Hour), 100); err != nil || n != 3 {
 		t.Errorf("the prune took %d lines of the ended batch (%v), want 3", n, err)
+	}
+}
+
+// testBatchLineReplay: a failed line may be replayed while its batch is
+// in progress; once the batch is no longer (its files written, or being
+// written, from the line as it ended), a replay is refused, the line kept.
+func testBatchLineReplay(t *testing.T, s store.Store, b store.Batches) {
+	ctx := context.Background()
+	if err := b.CreateBatch(ctx, newBatch("acme", "batch_x")); err != nil {
+		t.Fatal(err)
+	}
+	fence := leaseFree(t, b, "batch_x", t0)
+	js, cs := lineJobs("acme", "batch_x", 2, 1)
+	if err := b.AcceptBatchLines(ctx, "batch_x", fence, js, cs); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.StartBatch(ctx, "batch_x", fence, 2, "m", t0); err != nil {
+		t.Fatal(err)
+	}
+	failed := func() []store.Job { // both lines claimed, and failed for good
+		claimed, err := s.Claim(ctx, t0, time.Minute, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, j := range claimed {
+			if err := s.Fail(ctx, store.Failure{JobID: j.ID, Fence: j.Fence, Now: t0, Attempt: store.Attempt{JobID: j.ID, Attempt: 1, Fence: j.Fence,
+				Outcome: store.OutcomeFailed, Spent: true, ErrorClass: "invalid", StartedAt: t0, EndedAt: t0}}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return claimed
+	}()
+	if len(failed) != 2 {
+		t.Fatalf("claimed %d lines, want 2", len(failed))
+	}
+	replay := func(id string) error {
+		_, err := s.Replay(ctx, store.Replay{Tenant: "acme", JobID: id, MaxAttempts: 3, Deadline: t0.Add(time.Hour), Now: t0})
+		return err
+	}
+	if err := replay(failed[0].ID); err != nil {
+		t.Errorf("replay a line of a batch in progress: %v", err)
+	}
+	if _, err := b.CancelBatch(ctx, "acme", "batch_x", t0); err != nil {
+		t.Fatal(err)
+	}
+	if err := replay(failed[1].ID); !errors.Is(err, store.ErrBatchClosed) {
+		t.Errorf("replay a line of a batch being cancelled: %v, want ErrBatchClosed", err)
+	}
+	if j, _ := s.Get(ctx, "acme", failed[1].ID); j.State != store.FailedTerminal {
+		t.Errorf("the refused replay's line is %s, want FAILED_TERMINAL still", j.State)
 	}
 }
