@@ -212,7 +212,61 @@ func (b *Broker) setup(ctx context.Context, g *errgroup.Group, metrics *sync.Onc
 	b.log.Info("signals over nats", "url", redactURLs(b.url), "stream", StreamName)
 	g.Go(func() error { return ignoreCanceled(inbox.Run(ctx)) })
 	g.Go(func() error { return ignoreCanceled(mem.Run(ctx)) })
+	g.Go(func() error {
+		return ignoreCanceled(KeepSignals(ctx, b.js, SignalsConfig{Replicas: b.cfg.Replicas}, mem.cfg.TTL, 10*time.Second, b.log))
+	})
 	return nil
+}
+
+// KeepSignals looks every interval for what SetupSignals and the
+// membership made on the broker, and makes again what is gone: a server
+// that restarted without its storage (and the membership bucket, in
+// memory, after any restart) would otherwise leave the relay, the inbox
+// and the membership failing until kvgate restarts. The inbox's consumer
+// and the bucket are used by name, so they work again as they were.
+func KeepSignals(ctx context.Context, js jetstream.JetStream, cfg SignalsConfig, memberTTL, interval time.Duration, log *slog.Logger) error {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		gone, err := signalsGone(cctx, js)
+		if err == nil && gone != "" {
+			log.Warn("nats lost kvgate's "+gone+": making it again", "stream", StreamName)
+			if _, err = SetupSignals(cctx, js, cfg); err == nil {
+				_, err = js.CreateOrUpdateKeyValue(cctx, membershipBucket(memberTTL))
+			}
+		}
+		cancel()
+		if err != nil && ctx.Err() == nil {
+			log.Warn("checking kvgate's stream on nats", "err", err)
+		}
+	}
+}
+
+// signalsGone names what of kvgate's is missing on the broker ("" when
+// nothing is).
+func signalsGone(ctx context.Context, js jetstream.JetStream) (string, error) {
+	if _, err := js.Stream(ctx, StreamName); errors.Is(err, jetstream.ErrStreamNotFound) {
+		return "stream", nil
+	} else if err != nil {
+		return "", err
+	}
+	if _, err := js.Consumer(ctx, StreamName, InboxConsumer); errors.Is(err, jetstream.ErrConsumerNotFound) {
+		return "inbox consumer", nil
+	} else if err != nil {
+		return "", err
+	}
+	if _, err := js.KeyValue(ctx, MembershipBucket); errors.Is(err, jetstream.ErrBucketNotFound) {
+		return "membership bucket", nil
+	} else if err != nil {
+		return "", err
+	}
+	return "", nil
 }
 
 func (b *Broker) close() {

@@ -82,10 +82,7 @@ func NewMembership(ctx context.Context, js jetstream.JetStream, sched *Scheduler
 	}
 	cfg.Interval = cmp.Or(cfg.Interval, time.Second)
 	cfg.TTL = cmp.Or(cfg.TTL, 5*time.Second)
-	kv, err := js.CreateOrUpdateKeyValue(ctx, jetstream.KeyValueConfig{
-		Bucket: MembershipBucket, Description: "live kvgate replicas", TTL: cfg.TTL,
-		History: 1, Storage: jetstream.MemoryStorage,
-	})
+	kv, err := js.CreateOrUpdateKeyValue(ctx, membershipBucket(cfg.TTL))
 	if err != nil {
 		return nil, fmt.Errorf("membership bucket: %w", err)
 	}
@@ -98,6 +95,13 @@ func NewMembership(ctx context.Context, js jetstream.JetStream, sched *Scheduler
 	return &Membership{kv: kv, sched: sched, cfg: cfg, log: log.With("component", "membership", "replica", cfg.ID),
 		live: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvgate_scheduler_replicas",
 			Help: "Live kvgate replicas sharing the fleet, as this replica last counted them."})}, nil
+}
+
+// membershipBucket is the key-value bucket of the live replicas, each key
+// living ttl unless refreshed.
+func membershipBucket(ttl time.Duration) jetstream.KeyValueConfig {
+	return jetstream.KeyValueConfig{Bucket: MembershipBucket, Description: "live kvgate replicas", TTL: ttl,
+		History: 1, Storage: jetstream.MemoryStorage}
 }
 
 // Collectors returns the membership's metrics.

@@ -576,3 +576,56 @@ func TestUnansweredPublishesLeaveTheClient(t *testing.T) {
 	}
 	eventually.True(t, "the unanswered publishes to leave the pending acks", func() bool { return js.PublishAsyncPending() == 0 })
 }
+
+// TestKeepSignalsMakesAgainWhatTheBrokerLost: a broker that lost kvgate's
+// stream, the inbox's consumer or the membership bucket (a restart without
+// storage; the bucket, in memory, at any restart) has them made again,
+// and the handles made before work on by name.
+func TestKeepSignalsMakesAgainWhatTheBrokerLost(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	_, js := connect(t, ns.ClientURL())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cons, err := SetupSignals(ctx, js, SignalsConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := js.CreateOrUpdateKeyValue(ctx, membershipBucket(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- KeepSignals(ctx, js, SignalsConfig{}, time.Second, 20*time.Millisecond, slog.New(slog.DiscardHandler)) }()
+	for _, lose := range []func() error{
+		func() error { return js.DeleteKeyValue(ctx, MembershipBucket) },
+		func() error { return js.DeleteConsumer(ctx, StreamName, InboxConsumer) },
+		func() error { return js.DeleteStream(ctx, StreamName) },
+	} {
+		if err := lose(); err != nil {
+			t.Fatal(err)
+		}
+		eventually.True(t, "kvgate's stream, consumer and bucket made again", func() bool {
+			gone, err := signalsGone(ctx, js)
+			return err == nil && gone == ""
+		})
+	}
+	// The consumer handle from before reads an event published now.
+	if _, err := js.Publish(ctx, "kvgate.events.t.j1", []byte(`{}`), jetstream.WithMsgID("ev-after-loss")); err != nil {
+		t.Fatal(err)
+	}
+	batch, err := cons.Fetch(1, jetstream.FetchMaxWait(5*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for m := range batch.Messages() {
+		n++
+		_ = m.Ack()
+	}
+	if n != 1 {
+		t.Errorf("the consumer made before the loss read %d events, want 1", n)
+	}
+	cancel()
+	if err := <-done; !errors.Is(err, context.Canceled) {
+		t.Errorf("KeepSignals ended with %v", err)
+	}
+}
