@@ -594,7 +594,9 @@ func TestKeepSignalsMakesAgainWhatTheBrokerLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
-	go func() { done <- KeepSignals(ctx, js, SignalsConfig{}, time.Second, 20*time.Millisecond, slog.New(slog.DiscardHandler)) }()
+	go func() {
+		done <- KeepSignals(ctx, js, SignalsConfig{}, time.Second, 20*time.Millisecond, slog.New(slog.DiscardHandler))
+	}()
 	for _, lose := range []func() error{
 		func() error { return js.DeleteKeyValue(ctx, MembershipBucket) },
 		func() error { return js.DeleteConsumer(ctx, StreamName, InboxConsumer) },
