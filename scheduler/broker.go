@@ -243,7 +243,8 @@ func KeepSignals(ctx context.Context, js jetstream.JetStream, cfg SignalsConfig,
 		}
 		cancel()
 		if err != nil && ctx.Err() == nil {
-			log.Warn("checking kvgate's stream on nats", "err", err)
+			// A broker out of reach: the relay says so already.
+			log.Debug("checking kvgate's stream on nats", "err", err)
 		}
 	}
 }
