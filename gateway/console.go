@@ -11,7 +11,6 @@ import (
 	"encoding/base64"
 	"encoding/json"
 	"errors"
-	"github.com/google/uuid"
 	"html/template"
 	"io"
 	"io/fs"
@@ -20,6 +19,8 @@ import (
 	pathpkg "path"
 	"strings"
 	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/kvgate/kvgate/store"
 )

@@ -3,7 +3,6 @@ package scheduler
 import (
 	"context"
 	"errors"
-	"maps"
 	"math"
 	"slices"
 	"time"
@@ -314,7 +313,6 @@ func (s *Scheduler) pumpLocked(snaps []*gpu.Snapshot, now time.Time) {
 				}
 			}
 			if g := s.tryAdmit(t, snaps, now, true, loads); g != nil {
-				maps.DeleteFunc(s.starved, func(_ string, st starve) bool { return st.t == t })
 				t.grant, t.state = g, ticketGranted
 				s.dequeuedLocked(t)
 				s.fair[c].of(t.Model).admitted(t, s.queued)
