@@ -728,10 +728,7 @@ func TestBatchWorkerPagesThroughOpenBatches(t *testing.T) {
 	defer func(n int) { batchWorkPage = n }(batchWorkPage)
 	batchWorkPage = 2
 	f := startFleet(t, fleetOpts{jobs: true}) // no runner: lines stay queued
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
-	defer func() { cancel(); <-done }()
+	runBatchWorker(t, f)
 	base := f.srv.URL
 	inProgress := func(id string) {
 		t.Helper()
@@ -767,10 +764,7 @@ func TestBatchExpiresWhileValidating(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
-	defer func() { cancel(); <-done }()
+	runBatchWorker(t, f)
 	if v := waitBatch(t, base, "", valid.ID, store.BatchExpired); v.RequestCounts.Total != 3 || v.RequestCounts.Failed != 3 {
 		t.Errorf("the valid batch past its window: %+v, want 3 lines expired", v.RequestCounts)
 	}
@@ -786,10 +780,7 @@ func TestBatchExpiresWhileValidating(t *testing.T) {
 // that ended.
 func TestBatchLiveCountsCountCancelledLines(t *testing.T) {
 	f := startFleet(t, fleetOpts{jobs: true}) // no runner: lines stay queued
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
-	defer func() { cancel(); <-done }()
+	runBatchWorker(t, f)
 	base := f.srv.URL
 	b := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(3, nil)))
 	eventually.True(t, "the batch in progress", func() bool {
@@ -826,4 +817,14 @@ func TestBatchLineLargerThanABody(t *testing.T) {
 	if v.Errors == nil || !strings.Contains(string(v.Errors.Data), `"code":"request_too_large"`) || !strings.Contains(string(v.Errors.Data), `"line":2`) {
 		t.Errorf("a batch with a 200 KiB line, bodies at most 4 KiB: %+v, want failed with request_too_large on line 2", v.Errors)
 	}
+}
+
+// runBatchWorker runs the batch worker of a fleet started without a
+// runner until the test ends.
+func runBatchWorker(t *testing.T, f *fleet) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
 }

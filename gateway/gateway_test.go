@@ -701,20 +701,7 @@ func TestNSequencesReserveEach(t *testing.T) {
 // and counted as stalled for the client's fault.
 func TestClientThatStopsReadingIsLetGo(t *testing.T) {
 	f := startFleet(t, fleetOpts{speedup: 1000, gateway: Config{StreamIdleTimeout: 300 * time.Millisecond}})
-	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		if err := c.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	conn, err := d.Dial("tcp", strings.TrimPrefix(f.srv.URL, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialSmallWindow(t, f.srv.URL)
 	body := fmt.Sprintf(`{"model":%q,"prompt":"p","max_tokens":20000,"ignore_eos":true,"stream":true}`, llama)
 	if _, err := fmt.Fprintf(conn, "POST /v1/completions HTTP/1.1\r\nHost: kvgate\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body); err != nil {
 		t.Fatal(err)
@@ -730,4 +717,26 @@ func TestClientThatStopsReadingIsLetGo(t *testing.T) {
 	if s.Failures != 0 || s.Ejected {
 		t.Errorf("the backend was counted as failed (%d failures, ejected %v) for a client that stopped reading", s.Failures, s.Ejected)
 	}
+}
+
+// dialSmallWindow connects to an http:// URL with a 4 KiB receive buffer,
+// so that a client that stops reading fills it soon; closed when the test
+// ends.
+func dialSmallWindow(t *testing.T, base string) net.Conn {
+	t.Helper()
+	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		var serr error
+		if err := c.Control(func(fd uintptr) {
+			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		}); err != nil {
+			return err
+		}
+		return serr
+	}}
+	conn, err := d.Dial("tcp", strings.TrimPrefix(base, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
 }

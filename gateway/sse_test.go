@@ -5,12 +5,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -283,20 +281,7 @@ func TestSSEClientThatStopsReadingIsLetGo(t *testing.T) {
 		}
 	}))
 	defer srv.Close()
-	d := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-		var serr error
-		if err := c.Control(func(fd uintptr) {
-			serr = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-		}); err != nil {
-			return err
-		}
-		return serr
-	}}
-	conn, err := d.Dial("tcp", strings.TrimPrefix(srv.URL, "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn := dialSmallWindow(t, srv.URL)
 	if _, err := fmt.Fprintf(conn, "GET /events HTTP/1.1\r\nHost: kvgate\r\n\r\n"); err != nil {
 		t.Fatal(err)
 	}
