@@ -725,9 +725,8 @@ func TestBatchValidationTakeoverFails(t *testing.T) {
 // lease: those in progress hold none, so the oldest filled every page and
 // a later batch stayed validating.
 func TestBatchWorkerPagesThroughOpenBatches(t *testing.T) {
-	defer func(n int) { batchWorkPage = n }(batchWorkPage)
-	batchWorkPage = 2
 	f := startFleet(t, fleetOpts{jobs: true}) // no runner: lines stay queued
+	f.api.batchWk.page = 2                    // before the worker starts
 	runBatchWorker(t, f)
 	base := f.srv.URL
 	inProgress := func(id string) {

@@ -39,7 +39,12 @@ const (
 // maxBatchErrors bounds the errors a failed validation records.
 const maxBatchErrors = 1000
 
-type batchWork struct{ ch chan struct{} }
+// batchWork wakes the batch worker; page is how many open batches one
+// read finds (0: batchWorkPage).
+type batchWork struct {
+	ch   chan struct{}
+	page int
+}
 
 func (b batchWork) wake() {
 	select {
@@ -73,8 +78,9 @@ func (s *Server) RunBatches(ctx context.Context) error {
 			swept = now
 		}
 		// Every open batch, a page at a time.
+		page := cmp.Or(s.batchWk.page, batchWorkPage)
 		for after := ""; ctx.Err() == nil; {
-			bs, err := s.batches.BatchesToWork(ctx, now, after, batchWorkPage)
+			bs, err := s.batches.BatchesToWork(ctx, now, after, page)
 			if err != nil && ctx.Err() == nil {
 				s.log.Warn("looking for batch work", "err", err)
 			}
@@ -86,7 +92,7 @@ func (s *Server) RunBatches(ctx context.Context) error {
 					s.log.Warn("batch work", "batch", b.ID, "status", b.Status, "err", err)
 				}
 			}
-			if len(bs) < batchWorkPage {
+			if len(bs) < page {
 				break
 			}
 			after = bs[len(bs)-1].ID
@@ -101,7 +107,7 @@ func (s *Server) RunBatches(ctx context.Context) error {
 }
 
 // batchWorkPage is how many open batches one read finds.
-var batchWorkPage = 256
+const batchWorkPage = 256
 
 // workBatch moves one batch on as far as it can now.
 func (s *Server) workBatch(ctx context.Context, b store.Batch) error {
