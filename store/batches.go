@@ -160,6 +160,9 @@ type Batches interface {
 	BatchCounts(ctx context.Context, id string) (BatchCounts, error)
 	BatchOpen(ctx context.Context, id string) (bool, error)
 	BeginFinalize(ctx context.Context, tenant, id string, fence int64, endStatus string, out, errFile File, now time.Time) error
+	// BatchLines returns up to limit lines of a batch after the job id
+	// after, fewer where their results are large: only an empty page
+	// says there are no more.
 	BatchLines(ctx context.Context, id, after string, limit int) ([]BatchLine, error)
 	EndBatch(ctx context.Context, e BatchEnd) error
 	// ReserveBatch holds room for a batch's jobs lines of tokens in all

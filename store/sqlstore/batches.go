@@ -481,8 +481,12 @@ func (s *Store) BeginFinalize(ctx context.Context, tenant, id string, fence int6
 	return nil
 }
 
+// batchLinesBytes is the result bytes that end a page of BatchLines.
+const batchLinesBytes = 32 << 20
+
 // BatchLines returns up to limit lines of a batch after the job id
-// after, in job id order.
+// after, in job id order; fewer once their results hold batchLinesBytes
+// (an empty page is the end).
 func (s *Store) BatchLines(ctx context.Context, id, after string, limit int) ([]store.BatchLine, error) {
 	rows, err := s.db.QueryContext(ctx, rebind(s.d, `SELECT id, custom_id, state, result, error_class, last_error, updated_at
 		FROM jobs WHERE batch_id = ? AND id > ? ORDER BY id LIMIT ?`), id, after, limit)
@@ -491,6 +495,7 @@ func (s *Store) BatchLines(ctx context.Context, id, after string, limit int) ([]
 	}
 	defer rows.Close()
 	var out []store.BatchLine
+	size := 0
 	for rows.Next() {
 		var l store.BatchLine
 		var custom sql.NullString
@@ -502,6 +507,11 @@ func (s *Store) BatchLines(ctx context.Context, id, after string, limit int) ([]
 		}
 		l.CustomID, l.State, l.Result, l.UpdatedAt = custom.String, store.State(st), nilIfEmpty(res), fromMicros(updated)
 		out = append(out, l)
+		if size += len(res); size >= s.batchLinesBytes {
+			// A page of large results (embeddings of many inputs) ends
+			// early: the next page starts after its last line.
+			break
+		}
 	}
 	return out, s.err("batch lines", rows.Err())
 }

@@ -32,3 +32,6 @@ func QuotaPending(s *Store) int {
 	}
 	return len(g.pending.calls)
 }
+
+// SetBatchLinesBytes sets the result bytes that end a page of BatchLines.
+func SetBatchLinesBytes(s *Store, n int) { s.batchLinesBytes = n }

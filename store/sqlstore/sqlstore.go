@@ -87,13 +87,17 @@ type Store struct {
 	// quotaWait bounds a limiter call's wait for its batch [quotaWait;
 	// tests shorten it].
 	quotaWait time.Duration
+	// batchLinesBytes ends a page of BatchLines once its results hold this
+	// many bytes [batchLinesBytes], so that a finalization's memory does
+	// not grow with the size of the lines' results.
+	batchLinesBytes int
 
 	fair fairList // the fair claim's copy of the listing (fair.go)
 }
 
 // New returns a store over db, whose schema is already migrated.
 func New(db *sql.DB, d Dialect) *Store {
-	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}, quotaWait: quotaWait}
+	s := &Store{db: db, d: d, stmts: map[string]*sql.Stmt{}, quotaWait: quotaWait, batchLinesBytes: batchLinesBytes}
 	s.q = buildQueries(d)
 	s.quotas = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
 	s.behind = newGroup(quotaSlots(d), groupMax, s.quotaGroup)
