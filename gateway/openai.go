@@ -821,10 +821,20 @@ func eventData(event []byte) []byte {
 		} else {
 			event = nil
 		}
-		if rest, ok := bytes.CutPrefix(line, dataPrefix); ok {
+		rest, ok := bytes.CutPrefix(line, dataPrefix)
+		if !ok && bytes.Equal(bytes.TrimRight(line, "\r"), dataPrefix[:len(dataPrefix)-1]) {
+			// "data" alone: a field with no colon is its whole line's
+			// name with an empty value, and still a data line.
+			rest, ok = []byte{}, true
+		}
+		if ok {
+			// Each data line after the first begins a new line of the
+			// data, an empty one too (the client's parser joins them so).
 			rest = bytes.TrimPrefix(bytes.TrimRight(rest, "\r"), []byte(" "))
 			if data != nil {
 				data = append(data, '\n')
+			} else {
+				data = []byte{}
 			}
 			data = append(data, rest...)
 		}

@@ -40,6 +40,12 @@ func TestEventData(t *testing.T) {
 		{"event: x\ndata: y\n\n", "y"},
 		{"data: a\ndata: b\n\n", "a\nb"},
 		{": comment\n\n", ""},
+		// A data line with an empty value, with its colon or without
+		// (a field's whole line is its name), is a line of the data too,
+		// as the client's parser reads it: not [DONE].
+		{"data\ndata:[DONE]\n\n", "\n[DONE]"},
+		{"data:\ndata: [DONE]\n\n", "\n[DONE]"},
+		{"data: [DONE]\ndata\n\n", "[DONE]\n"},
 	} {
 		if got := string(eventData([]byte(tc.event))); got != tc.want {
 			t.Errorf("eventData(%q) = %q, want %q", tc.event, got, tc.want)
