@@ -189,10 +189,7 @@ func (s *Store) addAudit(ctx context.Context, tx *sql.Tx, a store.AuditRecord) e
 // dialect locks rows, so that the change that follows is decided on the
 // version it replaces.
 func (s *Store) lockedJob(ctx context.Context, tx *sql.Tx, tenant, id string) (store.Job, error) {
-	lock := ""
-	if s.d.LockShared != "" {
-		lock = " FOR UPDATE"
-	}
+	lock := s.forUpdate()
 	j, err := scanJob(tx.QueryRowContext(ctx, rebind(s.d, `SELECT `+jobColumns+` FROM jobs WHERE tenant = ? AND id = ?`+lock), tenant, id))
 	if errors.Is(err, sql.ErrNoRows) {
 		return j, store.ErrNotFound

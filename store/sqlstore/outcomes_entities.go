@@ -111,10 +111,7 @@ func (s *Store) completeEntity(ctx context.Context, je store.JobEntity, e *end) 
 // Every decision that a version succeeded goes through it: the runner's
 // completion and an operator's approval.
 func (s *Store) lockEntity(ctx context.Context, tx *sql.Tx, je store.JobEntity) (int64, error) {
-	lock := ""
-	if s.d.LockShared != "" {
-		lock = " FOR UPDATE"
-	}
+	lock := s.forUpdate()
 	var won int64
 	err := tx.QueryRowContext(ctx, rebind(s.d, `SELECT won_version FROM entities WHERE tenant = ? AND entity_key = ?`+lock),
 		je.Tenant, je.Key).Scan(&won)

@@ -415,6 +415,15 @@ func (s *Store) err(op string, err error) error {
 	return fmt.Errorf("%s: %w", op, err)
 }
 
+// forUpdate is the clause that locks a row read for a change to it, where
+// the dialect locks rows ("" where writers are serialised anyway).
+func (s *Store) forUpdate() string {
+	if s.d.LockShared == "" {
+		return ""
+	}
+	return " FOR UPDATE"
+}
+
 // tx runs fn in a transaction and commits it, or rolls it back on error.
 func (s *Store) tx(ctx context.Context, op string, fn func(*sql.Tx) error) error {
 	if err := s.ready(ctx); err != nil {

@@ -72,10 +72,7 @@ func (s *Store) tenantRow(ctx context.Context, q querier, name, lock string) (st
 // to what the other wrote.
 func (s *Store) UpdateTenant(ctx context.Context, name string, now time.Time, change func(*store.Tenant) error) (store.Tenant, error) {
 	defer s.fair.invalidate() // its weight
-	lock := ""
-	if s.d.LockShared != "" {
-		lock = " FOR UPDATE"
-	}
+	lock := s.forUpdate()
 	var t store.Tenant
 	var refused error // change's own, returned as it is
 	err := s.tx(ctx, "update tenant", func(tx *sql.Tx) error {

@@ -179,10 +179,7 @@ func (s *Store) DeleteEndpoint(ctx context.Context, tenant, id string) error {
 func (s *Store) RotateSecret(ctx context.Context, tenant, id, secret, key string, overlapUntil, now time.Time) (store.WebhookEndpoint, error) {
 	var out store.WebhookEndpoint
 	err := s.tx(ctx, "rotate webhook secret", func(tx *sql.Tx) error {
-		lock := ""
-		if s.d.LockShared != "" {
-			lock = " FOR UPDATE" // two rotations with one key: the second sees the first's
-		}
+		lock := s.forUpdate() // two rotations with one key: the second sees the first's
 		var last string
 		if err := tx.QueryRowContext(ctx, s.rb(`SELECT rotation_key FROM webhook_endpoints WHERE id = ?`+lock), id).Scan(&last); err != nil {
 			return s.err("rotate webhook secret", err)
