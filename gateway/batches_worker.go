@@ -710,6 +710,11 @@ func (s *Server) finalizeBatch(ctx context.Context, b store.Batch, end string) e
 	out := store.File{ID: newObjectID("file-"), Tenant: b.Tenant, Filename: b.ID + "_output.jsonl", Purpose: "batch_output", CreatedAt: now, ExpiresAt: expires}
 	errFile := store.File{ID: newObjectID("file-"), Tenant: b.Tenant, Filename: b.ID + "_error.jsonl", Purpose: "batch_output", CreatedAt: now, ExpiresAt: expires}
 	if err := s.batches.BeginFinalize(ctx, b.Tenant, b.ID, fence, end, out, errFile, now); err != nil {
+		if errors.Is(err, store.ErrBatchOpen) {
+			// A line was replayed after the look that sent us here: the
+			// batch waits for it, its lease given up for the next poll.
+			return s.batches.ReleaseBatch(ctx, b.ID, fence)
+		}
 		return err
 	}
 	ow := &fileWriter{ctx: ctx, st: s.batches, id: out.ID}

@@ -159,6 +159,10 @@ type Batches interface {
 	CancelBatchLines(ctx context.Context, id string, running bool, now time.Time) (int, error)
 	BatchCounts(ctx context.Context, id string) (BatchCounts, error)
 	BatchOpen(ctx context.Context, id string) (bool, error)
+	// BeginFinalize moves a batch to finalizing; ErrBatchOpen, the batch
+	// unchanged, where a line is open again (a replay committed after
+	// the caller saw every line ended): the batch's files must not be
+	// written while a line can still change.
 	BeginFinalize(ctx context.Context, tenant, id string, fence int64, endStatus string, out, errFile File, now time.Time) error
 	// BatchLines returns up to limit lines of a batch after the job id
 	// after, fewer where their results are large: only an empty page

@@ -35,6 +35,8 @@ var (
 	// progress: its files are written (or being written) from the line as
 	// it ended, and a run now would reach neither.
 	ErrBatchClosed = errors.New("store: the job is a line of a batch no longer in progress")
+	// ErrBatchOpen refuses to finalize a batch with a line not ended.
+	ErrBatchOpen = errors.New("store: a line of the batch has not ended")
 )
 
 // Stage names, in the order a job runs them. A stage's checkpoint (see

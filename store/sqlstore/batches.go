@@ -422,16 +422,19 @@ func (s *Store) BatchCounts(ctx context.Context, id string) (store.BatchCounts, 
 
 // BatchOpen reports whether any line of a batch has not ended.
 func (s *Store) BatchOpen(ctx context.Context, id string) (bool, error) {
+	open, err := s.batchOpen(ctx, s.db, id)
+	return open, s.err("batch lines open", err)
+}
+
+// batchOpen reports whether any line of a batch has not ended, read on q.
+func (s *Store) batchOpen(ctx context.Context, q querier, id string) (bool, error) {
 	var one int
-	err := s.db.QueryRowContext(ctx, rebind(s.d, `SELECT 1 FROM jobs WHERE batch_id = ?
+	err := q.QueryRowContext(ctx, rebind(s.d, `SELECT 1 FROM jobs WHERE batch_id = ?
 		AND state IN ('READY', 'RUNNING', 'RETRY_SCHEDULED') LIMIT 1`), id).Scan(&one)
-	switch {
-	case err == sql.ErrNoRows:
+	if err == sql.ErrNoRows {
 		return false, nil
-	case err != nil:
-		return false, s.err("batch lines open", err)
 	}
-	return true, nil
+	return err == nil, err
 }
 
 // BeginFinalize starts (or, after a finalizer lost its lease, restarts)
@@ -459,6 +462,20 @@ func (s *Store) BeginFinalize(ctx context.Context, tenant, id string, fence int6
 			endStatus, micros(now), out.ID, errFile.ID, id, fence)
 		if err := affected(res, err); err != nil {
 			return err
+		}
+		// The update holds the batch's row, which a replay of a line
+		// reads under a shared lock (Replay): a replay committed before
+		// it is seen here, one after it finds the batch finalizing. A
+		// restarted finalization needs no look, as no replay reopens a
+		// line once the batch is finalizing.
+		if b.Status != store.BatchFinalizing {
+			open, err := s.batchOpen(ctx, tx, id)
+			if err != nil {
+				return err
+			}
+			if open {
+				return store.ErrBatchOpen
+			}
 		}
 		for _, f := range []store.File{out, errFile} {
 			if _, err := tx.ExecContext(ctx, rebind(s.d, `INSERT INTO files (`+fileColumns+`) VALUES (?, ?, ?, ?, 0, 0, ?, ?, ?)`),

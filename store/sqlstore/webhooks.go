@@ -85,11 +85,7 @@ func (s *Store) Endpoint(ctx context.Context, tenant, id string) (store.WebhookE
 	return s.endpointOn(ctx, s.db, tenant, id)
 }
 
-type queryRower interface {
-	QueryRowContext(ctx context.Context, q string, args ...any) *sql.Row
-}
-
-func (s *Store) endpointOn(ctx context.Context, q queryRower, tenant, id string) (store.WebhookEndpoint, error) {
+func (s *Store) endpointOn(ctx context.Context, q querier, tenant, id string) (store.WebhookEndpoint, error) {
 	cond, args := tenantCond(tenant, []any{id})
 	e, err := scanEndpoint(q.QueryRowContext(ctx, s.rb(`SELECT `+endpointColumns+` FROM webhook_endpoints WHERE id = ?`+cond), args...))
 	if errors.Is(err, sql.ErrNoRows) {
@@ -425,7 +421,7 @@ func (s *Store) Delivery(ctx context.Context, tenant, id string) (store.Delivery
 	return s.deliveryOn(ctx, s.db, tenant, id)
 }
 
-func (s *Store) deliveryOn(ctx context.Context, q queryRower, tenant, id string) (store.Delivery, error) {
+func (s *Store) deliveryOn(ctx context.Context, q querier, tenant, id string) (store.Delivery, error) {
 	cond, args := tenantCond(tenant, []any{id})
 	d, err := scanDelivery(q.QueryRowContext(ctx, s.rb(`SELECT `+deliveryColumns+` FROM webhook_deliveries WHERE id = ?`+cond), args...))
 	if errors.Is(err, sql.ErrNoRows) {

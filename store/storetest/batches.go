@@ -370,8 +370,27 @@ func testBatchFinalize(t *testing.T, s store.Store, b store.Batches) {
 	if err := b.StartBatch(ctx, "batch_f", fence, 3, "m", t0); err != nil {
 		t.Fatal(err)
 	}
-	// A first finalizer begins, writes, and loses its lease.
+	// No finalization begins while a line is open: the batch stays in
+	// progress, no file made.
 	now := t0.Add(time.Minute)
+	f0 := leaseFree(t, b, "batch_f", now)
+	out0, err0 := newFile("acme", "file-o0", "batch_output", now), newFile("acme", "file-e0", "batch_output", now)
+	if err := b.BeginFinalize(ctx, "acme", "batch_f", f0, store.BatchCompleted, out0, err0, now); !errors.Is(err, store.ErrBatchOpen) {
+		t.Fatalf("finalize a batch with its lines open: %v, want ErrBatchOpen", err)
+	}
+	if bt, err := b.Batch(ctx, "acme", "batch_f"); err != nil || bt.Status != store.BatchInProgress || bt.EndStatus != "" {
+		t.Fatalf("after a refused finalization: %+v, %v", bt, err)
+	}
+	if _, err := b.File(ctx, "acme", out0.ID, now); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a refused finalization made its output file: %v", err)
+	}
+	if err := b.ReleaseBatch(ctx, "batch_f", f0); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := b.CancelBatchLines(ctx, "batch_f", true, now); err != nil || n != 3 {
+		t.Fatalf("cancelled %d lines, %v", n, err)
+	}
+	// A first finalizer begins, writes, and loses its lease.
 	f1 := leaseFree(t, b, "batch_f", now)
 	out1, err1 := newFile("acme", "file-o1", "batch_output", now), newFile("acme", "file-e1", "batch_output", now)
 	if err := b.BeginFinalize(ctx, "acme", "batch_f", f1, store.BatchCompleted, out1, err1, now); err != nil {
@@ -390,7 +409,7 @@ func testBatchFinalize(t *testing.T, s store.Store, b store.Batches) {
 		t.Errorf("the first finalizer's file survived the second's start: %v", err)
 	}
 	lines, err := b.BatchLines(ctx, "batch_f", "", 10)
-	if err != nil || len(lines) != 3 || lines[0].CustomID != "c-0" || lines[0].State != store.Ready {
+	if err != nil || len(lines) != 3 || lines[0].CustomID != "c-0" || lines[0].State != store.Cancelled {
 		t.Fatalf("lines %+v, %v", lines, err)
 	}
 	if more, _ := b.BatchLines(ctx, "batch_f", lines[2].JobID, 10); len(more) != 0 {
@@ -657,8 +676,18 @@ func testBatchLineReplay(t *testing.T, s store.Store, b store.Batches) {
 		_, err := s.Replay(ctx, store.Replay{Tenant: "acme", JobID: id, MaxAttempts: 3, Deadline: t0.Add(time.Hour), Now: t0})
 		return err
 	}
+	// The worker saw every line ended; a replay commits before its
+	// finalization begins, which then waits for the line.
+	fin := leaseFree(t, b, "batch_x", t0.Add(2*time.Minute))
 	if err := replay(failed[0].ID); err != nil {
 		t.Errorf("replay a line of a batch in progress: %v", err)
+	}
+	out, errf := newFile("acme", "file-o", "batch_output", t0), newFile("acme", "file-e", "batch_output", t0)
+	if err := b.BeginFinalize(ctx, "acme", "batch_x", fin, store.BatchCompleted, out, errf, t0); !errors.Is(err, store.ErrBatchOpen) {
+		t.Errorf("finalize past a replayed line: %v, want ErrBatchOpen", err)
+	}
+	if err := b.ReleaseBatch(ctx, "batch_x", fin); err != nil {
+		t.Fatal(err)
 	}
 	if _, err := b.CancelBatch(ctx, "acme", "batch_x", t0); err != nil {
 		t.Fatal(err)
