@@ -158,6 +158,13 @@ func lastEventID(r *http.Request) (place, bool, error) {
 	return p, true, nil
 }
 
+// streamEnds reports whether a job's stream ends once it has shown the
+// state: a final state, but for REVIEW_REQUIRED, whose next step, a
+// reviewer's decision, the client waits for as it waits for a run. A
+// replay of a final job is a person starting it over: a new stream
+// follows it.
+func streamEnds(st store.State) bool { return st.Final() && st != store.ReviewRequired }
+
 func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 	ctx, tenant, id := r.Context(), tenantOf(r.Context()), r.PathValue("id")
 	at, resume, err := lastEventID(r)
@@ -190,7 +197,7 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 		}
 	}
 	shown := at.shown // the state_version the client has seen
-	if resume && j.State.Final() && j.StateVersion <= shown {
+	if resume && streamEnds(j.State) && j.StateVersion <= shown {
 		// The client has seen the end already. 204, not an empty
 		// stream: a browser's EventSource reconnects after a stream
 		// that ends, and stops only on 204.
@@ -202,7 +209,7 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 		return http.StatusOK
 	}
 	if !resume {
-		if sse.send(place{at.after, j.StateVersion}.id(), "snapshot", viewOf(j)) != nil || j.State.Final() {
+		if sse.send(place{at.after, j.StateVersion}.id(), "snapshot", viewOf(j)) != nil || streamEnds(j.State) {
 			return http.StatusOK
 		}
 		shown = j.StateVersion
@@ -212,7 +219,7 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 			return false, false
 		}
 		shown = e.StateVersion
-		return true, e.State.Final()
+		return true, streamEnds(e.State)
 	}
 	// The job's row is the truth: on each recheck, a state the feed has
 	// not shown yet (its events wait for the broker) goes out as a fresh
@@ -224,13 +231,13 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 			return false, err
 		}
 		if j.StateVersion <= shown {
-			return j.State.Final(), nil // nothing new; the end if it was shown
+			return streamEnds(j.State), nil // nothing new; the end if it was shown
 		}
 		shown = j.StateVersion
 		if err := sse.send(place{after, shown}.id(), "snapshot", viewOf(j)); err != nil {
 			return true, err
 		}
-		return j.State.Final(), nil
+		return streamEnds(j.State), nil
 	}
 	s.follow(r, sse, id, at.after, keep, recheck)
 	return http.StatusOK

@@ -12,8 +12,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/google/uuid"
 
+	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -293,5 +294,54 @@ func TestSSEClientThatStopsReadingIsLetGo(t *testing.T) {
 		}
 	case <-time.After(20 * time.Second):
 		t.Fatal("the stream of a client that stopped reading is still held")
+	}
+}
+
+// TestJobStreamWaitsForTheReview: a job in review keeps its stream open,
+// and a client resumed there is followed on (not told 204), until the
+// reviewer's decision, the stream's last event.
+func TestJobStreamWaitsForTheReview(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 1, jobs: true, signals: true})
+	ctx := context.Background()
+	_, v := submitJob(t, f, "in-review", chatJob("review me", 4))
+	held, err := f.store.Claim(ctx, time.Now(), time.Minute, 1)
+	if err != nil || len(held) != 1 {
+		t.Fatalf("claimed %d: %v", len(held), err)
+	}
+	j, now := held[0], time.Now()
+	if err := f.store.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.ReviewRequired,
+		Result:  []byte(`{"id":"c","object":"chat.completion","choices":[]}`),
+		Attempt: store.Attempt{JobID: j.ID, Attempt: j.Attempt + 1, Fence: j.Fence, Outcome: store.OutcomeSucceeded, StartedAt: now, EndedAt: now},
+		EventID: uuid.Must(uuid.NewV7()).String(), Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	url := f.srv.URL + "/v1/jobs/" + v.ID + "/events"
+	// The snapshot shows the review; the stream does not end there.
+	s := openStream(t, url)
+	first, _ := s.next(t)
+	if first.Event != "snapshot" || !strings.Contains(first.Data, `"REVIEW_REQUIRED"`) {
+		t.Fatalf("first event %+v, want the snapshot in review", first)
+	}
+	// A client that reconnects from there is followed on, as it would be
+	// from any state before the job's end.
+	s2 := openStream(t, url, "Last-Event-ID", first.RawID)
+	if s2.resp.StatusCode != http.StatusOK {
+		t.Fatalf("resumed in review: %d, want 200 and the stream", s2.resp.StatusCode)
+	}
+	if resp, b := f.post(t, "/v1/jobs/"+v.ID+"/review", `{"decision":"approve"}`); resp.StatusCode != http.StatusOK {
+		t.Fatalf("approve: %d %s", resp.StatusCode, b)
+	}
+	for _, st := range []*sseStream{s, s2} {
+		var last string
+		for {
+			e, ok := st.next(t)
+			if !ok {
+				break
+			}
+			last = e.Data
+		}
+		if !strings.Contains(last, `"SUCCEEDED"`) {
+			t.Errorf("the stream ended on %s, want the decision, SUCCEEDED", last)
+		}
 	}
 }

@@ -92,8 +92,9 @@
       ol.appendChild(li);
       var st = document.querySelector('[data-job="' + CSS.escape(ol.dataset.job) + '"] [data-field="state"]');
       if (ev.state) text(st, ev.state);
-      // A job's stream ends after its final state: do not reconnect.
-      if (["SUCCEEDED", "REVIEW_REQUIRED", "FAILED_TERMINAL", "CANCELLED", "SUPERSEDED"].indexOf(ev.state) >= 0) es.close();
+      // A job's stream ends after its final state (REVIEW_REQUIRED waits
+      // on for the decision): do not reconnect.
+      if (["SUCCEEDED", "FAILED_TERMINAL", "CANCELLED", "SUPERSEDED"].indexOf(ev.state) >= 0) es.close();
     }
     jobEvents.forEach(function (t) { es.addEventListener(t, add); });
   }
