@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -826,4 +827,65 @@ func runBatchWorker(t *testing.T, f *fleet) {
 	done := make(chan struct{})
 	go func() { defer close(done); _ = f.api.RunBatches(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
+}
+
+// countingReader is an endless upload body of one byte, counting what
+// the server reads of it.
+type countingReader struct{ n atomic.Int64 }
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = 'x'
+	}
+	c.n.Add(int64(len(p)))
+	return len(p), nil
+}
+
+// TestUploadLimits: a file larger than its purpose allows is a 413
+// file_too_large, none of it kept; when the purpose comes before the file,
+// the upload stops at the purpose's limit instead of reading (and
+// storing) up to the largest file of any purpose first.
+func TestUploadLimits(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 1, jobs: true, server: func(s *Server) {
+		s.fileMax = fileMax{batch: 1 << 20, any: 64 << 20}
+	}})
+	big := bytes.Repeat([]byte(`{"custom_id":"x"}`+"\n"), (1<<20)/18+1) // past the batch limit
+	status, b := upload(t, f.srv.URL, "", "input.jsonl", "batch", big)
+	if status != http.StatusRequestEntityTooLarge || !strings.Contains(string(b), `"file_too_large"`) {
+		t.Errorf("a batch file past its limit, purpose last: %d %s", status, b)
+	}
+	if status, b := upload(t, f.srv.URL, "", "notes.txt", "user_data", big); status != http.StatusOK {
+		t.Errorf("the same bytes under another purpose: %d %s", status, b)
+	}
+
+	// Purpose first, then a file far past the batch limit but within
+	// any purpose's: read no further than a few chunks past the limit.
+	body := &countingReader{}
+	pr, pw := io.Pipe()
+	mw := multipart.NewWriter(pw)
+	go func() {
+		mw.WriteField("purpose", "batch")
+		fw, _ := mw.CreateFormFile("file", "input.jsonl")
+		_, err := io.Copy(fw, io.LimitReader(body, 48<<20))
+		if err == nil {
+			err = mw.Close()
+		}
+		pw.CloseWithError(err)
+	}()
+	req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/files", pr)
+	req.Header.Set("Content-Type", mw.FormDataContentType())
+	if resp, err := http.DefaultClient.Do(req); err == nil { // the server may close before the client's write ends
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestEntityTooLarge {
+			t.Errorf("a batch file past its limit, purpose first: %d %s", resp.StatusCode, b)
+		}
+	}
+	pr.CloseWithError(io.ErrClosedPipe)
+	if n := body.n.Load(); n > 16<<20 {
+		t.Errorf("the upload read %d MiB of a batch file whose limit is 1 MiB", n>>20)
+	}
+	if fs, _, err := f.store.ListFiles(context.Background(), "default", store.FileFilter{}, time.Now()); err != nil || len(fs) != 1 {
+		t.Errorf("files kept: %d (%v), want the user_data file alone", len(fs), err)
+	}
 }

@@ -93,6 +93,9 @@ func (s *Server) fileRoutes() {
 	s.mux.Handle("DELETE /v1/files/{id}", s.api("/v1/files/{id}", s.handleDeleteFile))
 }
 
+// fileMax is the largest upload, in bytes: of purpose batch, and of any.
+type fileMax struct{ batch, any int64 }
+
 func fileNotFound(id string) error {
 	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", param: "id",
 		msg: fmt.Sprintf("No such File object: %s", id)}
@@ -136,7 +139,7 @@ func (c *fileCounter) end() int64 {
 func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 	tenant := tenantOf(r.Context())
 	if raw, ok := r.Context().Value(rawBodyKey{}).(io.ReadCloser); ok {
-		r.Body = http.MaxBytesReader(w, raw, maxFileBytes+multipartSlack)
+		r.Body = http.MaxBytesReader(w, raw, s.fileMax.any+multipartSlack)
 	}
 	mr, err := r.MultipartReader()
 	if err != nil {
@@ -188,16 +191,23 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 				file = nil
 				break
 			}
-			err = s.storeChunks(r.Context(), file.ID, part, &counted)
+			// A purpose sent before the file bounds it at once; sent
+			// after (as the Node SDK does), at the end.
+			limit := s.fileMax.any
+			if purpose == "batch" {
+				limit = s.fileMax.batch
+			}
+			err = s.storeChunks(r.Context(), file.ID, part, &counted, limit)
 		default:
 			if _, cerr := io.Copy(io.Discard, io.LimitReader(part, multipartSlack)); cerr != nil {
 				err = bodyError{cerr}
 			}
 		}
-		part.Close()
 		if err != nil {
+			// Not part.Close, which would read the rest of the part.
 			return abandon(s.uploadError(err))
 		}
+		part.Close()
 	}
 	switch {
 	case file == nil:
@@ -213,8 +223,8 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 		switch {
 		case !strings.HasSuffix(strings.ToLower(file.Filename), ".jsonl"):
 			return abandon(badRequest("file", "Invalid file format for Batch API. Must be .jsonl"))
-		case counted.bytes > maxBatchFileBytes:
-			return abandon(tooLargeFile(maxBatchFileBytes))
+		case counted.bytes > s.fileMax.batch:
+			return abandon(tooLargeFile(s.fileMax.batch))
 		case lines > maxBatchFileLines:
 			return abandon(badRequest("file", fmt.Sprintf("The file has %d requests; a batch holds at most %d.", lines, maxBatchFileLines)))
 		case counted.bytes == 0:
@@ -239,10 +249,10 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 }
 
 // storeChunks writes a file part to the store chunk by chunk, one buffer
-// reused, counting it; it stops at the largest file any purpose allows.
-// The part ends at io.EOF alone: a body cut short before the part's
-// boundary (io.ErrUnexpectedEOF from the multipart reader) fails it.
-func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *fileCounter) error {
+// reused, counting it; it stops past limit bytes. The part ends at io.EOF
+// alone: a body cut short before the part's boundary
+// (io.ErrUnexpectedEOF from the multipart reader) fails it.
+func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *fileCounter, limit int64) error {
 	buf := make([]byte, fileChunk)
 	for seq := 0; ; seq++ {
 		n, err := 0, error(nil)
@@ -253,8 +263,8 @@ func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *
 		}
 		if n > 0 {
 			c.Write(buf[:n])
-			if c.bytes > maxFileBytes {
-				return tooLargeFile(maxFileBytes)
+			if c.bytes > limit {
+				return tooLargeFile(limit)
 			}
 			if werr := s.batches.PutFileChunk(ctx, id, seq, buf[:n]); werr != nil {
 				return werr
@@ -283,7 +293,7 @@ func (s *Server) uploadError(err error) error {
 	var body bodyError
 	switch {
 	case errors.As(err, &maxBytes):
-		return tooLargeFile(maxFileBytes)
+		return tooLargeFile(s.fileMax.any)
 	case errors.As(err, &body):
 		return badRequest("file", "The multipart body could not be read: "+body.err.Error())
 	}

@@ -75,6 +75,8 @@ type fleetOpts struct {
 	// simConfig, when set, adjusts backend i's simulator configuration
 	// (its profile, its served model name).
 	simConfig func(i int, c *vllmsim.Config)
+	// server, when set, adjusts the gateway before it serves or works.
+	server func(*Server)
 }
 
 func llamaProfile(t testing.TB) vllmsim.Profile {
@@ -173,6 +175,9 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	f.api, err = New(o.gateway, f.pool, f.sched, reg, nil)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if o.server != nil {
+		o.server(f.api)
 	}
 	if o.runner {
 		runner = scheduler.NewRunner(f.store, f.sched, f.api, scheduler.RunnerConfig{

@@ -135,6 +135,7 @@ type Server struct {
 	accepted    prometheus.Histogram
 	batches     batchStore // nil unless the job store keeps files and batches
 	batchWk     batchWork
+	fileMax     fileMax             // the upload limits (files.go)
 	consoleSeal *consoleSealer      // console.go
 	gatherer    prometheus.Gatherer // the registry, for the fleet's refusal counts (fleet.go)
 	backlogs    backlogCache        // the durable backlog's last read (fleet_queues.go)
@@ -220,6 +221,7 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	if bs, ok := s.jobs.Store.(batchStore); ok {
 		s.batches = bs
 		s.batchWk = batchWork{ch: make(chan struct{}, 1)}
+		s.fileMax = fileMax{any: maxFileBytes, batch: maxBatchFileBytes}
 		s.fileRoutes()
 		s.batchRoutes()
 	}
