@@ -635,8 +635,27 @@ func testBatchLinesOutlivePrune(t *testing.T, s store.Store, b store.Batches) {
 	}
 	accept(t, s, newJob("acme", "later")) // its event, not a line's, holds the feed's last place (kept)
 	publishAll(t, s, t0)
+	batchEvents := func() int {
+		evs, err := s.Events(ctx, "acme", "batch_r", 0, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(evs)
+	}
+	if n := batchEvents(); n != 1 {
+		t.Fatalf("the ended batch has %d events in the feed, want its batch.failed", n)
+	}
+	if n, err := s.PruneFinal(ctx, t0, 100); err != nil || n != 0 || batchEvents() != 1 {
+		t.Errorf("a prune of what is older than the batch's end took %d lines (%v) and left %d of its events, want 0 and 1", n, err, batchEvents())
+	}
 	if n, err := s.PruneFinal(ctx, t0.Add(48*time.Hour), 100); err != nil || n != 3 {
 		t.Errorf("the prune took %d lines of the ended batch (%v), want 3", n, err)
+	}
+	if n := batchEvents(); n != 0 {
+		t.Errorf("the ended batch's event outlived its retention: %d left", n)
+	}
+	if _, err := b.Batch(ctx, "acme", "batch_r"); err != nil {
+		t.Errorf("the prune took the batch: %v", err)
 	}
 }
 
