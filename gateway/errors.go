@@ -124,6 +124,9 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, errTenantDeleted):
 		return &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "tenant_deleted",
 			msg: "This key's tenant has been deleted; its keys no longer work."}
+	case errors.Is(err, store.ErrEndpointDeleted):
+		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "endpoint_deleted",
+			msg: "The webhook endpoint this Idempotency-Key made has been deleted; send a new key to make another."}
 	case errors.Is(err, store.ErrTenantNameRetired):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "tenant_name_retired",
 			msg: "A deleted tenant had this name, and its jobs, files, batches, webhooks and usage stay under it; a new tenant of the name would see them. Choose another name."}

@@ -188,8 +188,11 @@ func (s *Server) handleCreateEndpoint(w http.ResponseWriter, r *http.Request) in
 		e.IncludeResult = *req.IncludeResult
 	}
 	err = s.cfg.Webhooks.Store.CreateEndpoint(ctx, e)
-	if key != "" && errors.Is(err, store.ErrExists) {
+	if key != "" && errors.Is(err, store.ErrExists) && !errors.Is(err, store.ErrEndpointDeleted) {
 		made, err := s.cfg.Webhooks.Store.Endpoint(ctx, e.Tenant, e.ID)
+		if errors.Is(err, store.ErrNotFound) {
+			err = store.ErrEndpointDeleted // since the insert
+		}
 		if err != nil {
 			return writeError(w, s.log, err)
 		}

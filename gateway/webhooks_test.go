@@ -665,4 +665,16 @@ func TestWebhookIdempotencyKeys(t *testing.T) {
 	if _, b = f.post(t, rot, "", "Idempotency-Key", "rotate-2"); decode[endpointView](t, b).Secret == r1.Secret {
 		t.Error("a rotation with another key did not rotate")
 	}
+
+	// Deleted, the endpoint is not made again by its creation's key.
+	if status, b := bsend(t, http.MethodDelete, f.srv.URL+"/v1/webhooks/endpoints/"+first.ID, "", ""); status != http.StatusOK {
+		t.Fatalf("delete: %d %s", status, b)
+	}
+	if resp, b := f.post(t, "/v1/webhooks/endpoints", body, "Idempotency-Key", "create-1"); resp.StatusCode != http.StatusConflict ||
+		!strings.Contains(string(b), `"endpoint_deleted"`) {
+		t.Errorf("the deleted endpoint's creation again: %d %s, want 409 endpoint_deleted", resp.StatusCode, b)
+	}
+	if status, _ := f.get(t, "/v1/webhooks/endpoints/"+first.ID); status != http.StatusNotFound {
+		t.Errorf("the deleted endpoint reads %d, want 404", status)
+	}
 }

@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"time"
 )
@@ -155,7 +156,8 @@ type DeliveryFilter struct {
 // Webhooks is the store of endpoints and deliveries.
 type Webhooks interface {
 	// CreateEndpoint registers an endpoint; ErrExists if its id is taken
-	// (an id made from an Idempotency-Key: the same request again).
+	// (an id made from an Idempotency-Key: the same request again),
+	// ErrEndpointDeleted if an endpoint of the id was deleted.
 	CreateEndpoint(ctx context.Context, e WebhookEndpoint) error
 	// Endpoint returns a tenant's endpoint ("" tenant: any tenant's).
 	Endpoint(ctx context.Context, tenant, id string) (WebhookEndpoint, error)
@@ -163,7 +165,8 @@ type Webhooks interface {
 	Endpoints(ctx context.Context, tenant string) ([]WebhookEndpoint, error)
 	// UpdateEndpoint patches a tenant's endpoint ("" tenant: any).
 	UpdateEndpoint(ctx context.Context, tenant, id string, p EndpointPatch) (WebhookEndpoint, error)
-	// DeleteEndpoint removes a tenant's endpoint and its deliveries.
+	// DeleteEndpoint removes a tenant's endpoint and its deliveries; its
+	// id is kept, and never made again.
 	DeleteEndpoint(ctx context.Context, tenant, id string) error
 	// RotateSecret makes secret the endpoint's, keeping the current one
 	// signing beside it until overlapUntil. With a key, a rotation whose
@@ -203,3 +206,7 @@ type Webhooks interface {
 
 // ErrEndpointDisabled: the endpoint is disabled; nothing was sent.
 var ErrEndpointDisabled = errors.New("store: webhook endpoint is disabled")
+
+// ErrEndpointDeleted: CreateEndpoint was given the id of a deleted
+// endpoint (its Idempotency-Key's). It is an ErrExists too.
+var ErrEndpointDeleted = fmt.Errorf("%w: the id of a deleted webhook endpoint", ErrExists)

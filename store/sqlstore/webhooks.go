@@ -63,21 +63,33 @@ func tenantCond(tenant string, args []any) (string, []any) {
 	return " AND tenant = ?", append(args, tenant)
 }
 
-// CreateEndpoint implements store.Store.
+// CreateEndpoint implements store.Store. The deleted ids are read after
+// the insert, in its transaction: a delete of the id that the insert
+// waited for (PostgreSQL) has committed by then, its id recorded.
 func (s *Store) CreateEndpoint(ctx context.Context, e store.WebhookEndpoint) error {
-	res, err := s.db.ExecContext(ctx, s.rb(`INSERT INTO webhook_endpoints (`+endpointColumns+`)
-		VALUES (?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING`),
-		e.ID, e.Tenant, e.URL, joinEvents(e.Events), e.Description, e.Secret, e.IncludeResult, e.Disabled, e.DisabledReason,
-		micros(e.CreatedAt), micros(e.CreatedAt))
-	if err != nil {
-		return s.err("create webhook endpoint", err)
-	}
-	if n, err := res.RowsAffected(); err != nil {
-		return s.err("create webhook endpoint", err)
-	} else if n == 0 {
-		return store.ErrExists
-	}
-	return nil
+	return s.tx(ctx, "create webhook endpoint", func(tx *sql.Tx) error {
+		res, err := tx.ExecContext(ctx, s.rb(`INSERT INTO webhook_endpoints (`+endpointColumns+`)
+			VALUES (?, ?, ?, ?, ?, ?, '', 0, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING`),
+			e.ID, e.Tenant, e.URL, joinEvents(e.Events), e.Description, e.Secret, e.IncludeResult, e.Disabled, e.DisabledReason,
+			micros(e.CreatedAt), micros(e.CreatedAt))
+		if err != nil {
+			return err
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return err
+		}
+		var deleted int
+		switch err := tx.QueryRowContext(ctx, s.rb(`SELECT 1 FROM webhook_endpoints_deleted WHERE id = ?`), e.ID).Scan(&deleted); {
+		case err == nil:
+			return store.ErrEndpointDeleted
+		case !errors.Is(err, sql.ErrNoRows):
+			return err
+		case n == 0:
+			return store.ErrExists
+		}
+		return nil
+	})
 }
 
 // Endpoint implements store.Store.
@@ -162,6 +174,9 @@ func (s *Store) DeleteEndpoint(ctx context.Context, tenant, id string) error {
 			`DELETE FROM webhook_attempts WHERE delivery_id IN (SELECT id FROM webhook_deliveries WHERE endpoint_id = ?)`,
 			`DELETE FROM webhook_deliveries WHERE endpoint_id = ?`,
 			`DELETE FROM webhook_endpoints WHERE id = ?`,
+			// Kept, so that its Idempotency-Key, sent again, does not
+			// make the endpoint anew (CreateEndpoint).
+			`INSERT INTO webhook_endpoints_deleted (id) VALUES (?) ON CONFLICT (id) DO NOTHING`,
 		} {
 			if _, err := tx.ExecContext(ctx, s.rb(q), id); err != nil {
 				return err

@@ -347,6 +347,14 @@ func testWebhookEndpoints(t *testing.T, s store.Store) {
 	if err := s.DeleteEndpoint(ctx, "acme", e.ID); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("delete twice: %v", err)
 	}
+	// A deleted endpoint's id is not made again (an Idempotency-Key's
+	// request sent after the delete).
+	if err := s.CreateEndpoint(ctx, e); !errors.Is(err, store.ErrEndpointDeleted) || !errors.Is(err, store.ErrExists) {
+		t.Errorf("create a deleted endpoint's id: %v, want ErrEndpointDeleted", err)
+	}
+	if _, err := s.Endpoint(ctx, "acme", e.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("the refused creation made the endpoint: %v", err)
+	}
 }
 
 // testForeignBytesStored: a webhook receiver's answer and a backend's
