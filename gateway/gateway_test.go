@@ -35,6 +35,7 @@ const llama = "meta-llama/Llama-3.1-8B-Instruct"
 // fleet is kvgate in front of simulated vLLM servers, all in-process and
 // on real HTTP.
 type fleet struct {
+	sig   *testSignals // nil without fleetOpts.signals
 	store *sqlstore.Store
 	sims  []*vllmsim.Sim
 	urls  []string
@@ -196,6 +197,7 @@ func startFleet(t testing.TB, o fleetOpts) *fleet {
 	}
 	if sig != nil {
 		sig.run(ctx, &wg)
+		f.sig = sig
 	}
 	f.srv = httptest.NewServer(f.api)
 	t.Cleanup(func() {

@@ -17,6 +17,7 @@ import (
 // testSignals is kvgate's signal path on a real NATS server with
 // JetStream: the relay, the inbox and the feed notices.
 type testSignals struct {
+	ns    *server.Server
 	nc    *nats.Conn
 	feed  *scheduler.Feed
 	relay *scheduler.Relay
@@ -56,8 +57,8 @@ func startTestSignals(t testing.TB, st store.Store, wake func()) *testSignals {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &testSignals{nc: nc, feed: scheduler.NewFeed()}
-	s.relay = scheduler.NewRelay(st, js, scheduler.RelayConfig{Poll: 20 * time.Millisecond,
+	s := &testSignals{ns: ns, nc: nc, feed: scheduler.NewFeed()}
+	s.relay = scheduler.NewRelay(st, js, scheduler.RelayConfig{Poll: 20 * time.Millisecond, AckTimeout: time.Second,
 		Announce: func() { _ = nc.Publish(scheduler.FeedSubject, nil) }})
 	s.inbox = scheduler.NewInbox(st, cons, scheduler.InboxConfig{MaxWait: 200 * time.Millisecond,
 		OnEvent: func(scheduler.Event) { wake() }})

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -343,5 +344,35 @@ func TestJobStreamWaitsForTheReview(t *testing.T) {
 		if !strings.Contains(last, `"SUCCEEDED"`) {
 			t.Errorf("the stream ended on %s, want the decision, SUCCEEDED", last)
 		}
+	}
+}
+
+// TestTenantStreamThroughBrokerOutage: with the broker gone, a tenant's
+// event stream goes on showing its jobs' states: the relay, failing to
+// publish, places the events in the feed unpublished.
+func TestTenantStreamThroughBrokerOutage(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 1, jobs: true, runner: true, signals: true, speedup: 20})
+	s := openStream(t, f.srv.URL+"/v1/events")
+	if snap, _ := s.next(t); snap.Event != "snapshot" {
+		t.Fatalf("first event %+v, want the snapshot", snap)
+	}
+	f.sig.ns.Shutdown()
+	f.sig.ns.WaitForShutdown()
+	_, v := submitJob(t, f, "in-the-outage", chatJob("no broker", 4))
+	var seen []string
+	for !slices.Contains(seen, "job.succeeded") {
+		e, ok := s.next(t)
+		if !ok {
+			t.Fatalf("the stream ended after %v", seen)
+		}
+		if ev := decodeEvent(t, e); ev.JobID == v.ID {
+			seen = append(seen, e.Event)
+		}
+	}
+	if seen[0] != "job.accepted" {
+		t.Errorf("the outage's job showed %v, want job.accepted first", seen)
+	}
+	if evs, err := f.store.Unpublished(context.Background(), 100); err != nil || len(evs) < 3 {
+		t.Errorf("%d events unpublished (%v): the stream's events should still wait for the broker", len(evs), err)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/nats-io/nats.go"
@@ -19,6 +20,7 @@ import (
 type outboxStore interface {
 	Unpublished(ctx context.Context, limit int) ([]store.Event, error)
 	MarkPublished(ctx context.Context, ids []string, at time.Time) error
+	FeedUnpublished(ctx context.Context, limit int) (int, error)
 }
 
 // publisher is what the relay needs of JetStream.
@@ -46,6 +48,12 @@ type RelayConfig struct {
 // window; several relays (one per replica) are safe for the same reason.
 // Marking covers the longest acknowledged prefix of a batch, so the feed
 // keeps the outbox's order.
+//
+// While its batches fail (the broker away, or its stream without a
+// leader), the relay also places the committed events in the feed without
+// publishing them (store.FeedUnpublished), every Poll: the event streams
+// read the feed, and go on showing each state. Once the broker takes
+// them, the events keep those places.
 type Relay struct {
 	st   outboxStore
 	js   publisher
@@ -53,6 +61,7 @@ type Relay struct {
 	log  *slog.Logger
 	wake chan struct{}
 	m    *relayMetrics
+	away atomic.Bool // the last batch failed
 }
 
 // DefaultAckTimeout is how long a publish waits for the broker's ack, in
@@ -100,9 +109,16 @@ func (r *Relay) Collectors() []prometheus.Collector { return r.m.collectors() }
 // Run relays until ctx ends, and returns ctx's error. Store and broker
 // errors are logged and retried with backoff; they never stop it.
 func (r *Relay) Run(ctx context.Context) error {
+	placing := make(chan struct{})
+	defer func() { <-placing }()
+	go func() {
+		defer close(placing)
+		r.placeWhileAway(ctx)
+	}()
 	failures := 0
 	for {
 		n, err := r.Once(ctx)
+		r.away.Store(err != nil)
 		switch {
 		case ctx.Err() != nil:
 			return ctx.Err()
@@ -129,6 +145,34 @@ func (r *Relay) Run(ctx context.Context) error {
 		case <-t.C:
 		}
 		t.Stop()
+	}
+}
+
+// placeWhileAway places the unpublished events in the feed every Poll
+// while the relay's batches fail, until ctx ends.
+func (r *Relay) placeWhileAway(ctx context.Context) {
+	t := time.NewTicker(r.cfg.Poll)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if !r.away.Load() {
+			continue
+		}
+		for ctx.Err() == nil {
+			n, err := r.st.FeedUnpublished(ctx, r.cfg.Batch)
+			if err != nil {
+				r.log.Debug("placing unpublished events in the feed", "err", err)
+				break
+			}
+			r.m.placed.Add(float64(n))
+			if n < r.cfg.Batch {
+				break
+			}
+		}
 	}
 }
 
@@ -222,7 +266,7 @@ func sleepCtx(ctx context.Context, d time.Duration) bool {
 }
 
 type relayMetrics struct {
-	published, duplicates, errors prometheus.Counter
+	published, duplicates, errors, placed prometheus.Counter
 }
 
 func newRelayMetrics() *relayMetrics {
@@ -233,9 +277,11 @@ func newRelayMetrics() *relayMetrics {
 			Help: "Publishes JetStream acknowledged as duplicates (another relay, or a retry after a crash, published the event first)."}),
 		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_relay_errors_total",
 			Help: "Relay batches that failed on the store or the broker and were retried."}),
+		placed: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_scheduler_relay_placed_total",
+			Help: "Outbox events placed in the feed, for the event streams, while the relay's batches failed (published later)."}),
 	}
 }
 
 func (m *relayMetrics) collectors() []prometheus.Collector {
-	return []prometheus.Collector{m.published, m.duplicates, m.errors}
+	return []prometheus.Collector{m.published, m.duplicates, m.errors, m.placed}
 }

@@ -337,9 +337,10 @@ func TestInboxQuarantinesDigestMismatch(t *testing.T) {
 	}
 }
 
-// With the broker down, acceptance goes on (it only touches the store);
-// when it returns, the relay drains the backlog and the inbox sees every
-// event once.
+// With the broker down, acceptance goes on (it only touches the store),
+// and the events reach the feed, for the event streams, unpublished; when
+// it returns, the relay drains the backlog, the events keeping their
+// places, and the inbox sees every event once.
 func TestNATSDownThenBacklogDrains(t *testing.T) {
 	dir := t.TempDir()
 	ns := startNATS(t, dir, 0)
@@ -356,8 +357,20 @@ func TestNATSDownThenBacklogDrains(t *testing.T) {
 	ns.WaitForShutdown()
 	acceptJobs(t, st, "acme", 40) // acceptance does not need the broker
 	eventually.True(t, "the relay to notice the outage", func() bool { return testutil.ToFloat64(r.m.errors) > 0 })
+	feed := func() []store.Event {
+		evs, err := st.Events(context.Background(), "acme", "", 0, 1000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return evs
+	}
+	eventually.True(t, "the outage's events in the feed", func() bool { return len(feed()) == 50 })
+	during := feed()
 	if n := unpublished(t, st); n != 40 {
 		t.Fatalf("%d unpublished during the outage, want 40", n)
+	}
+	if got := testutil.ToFloat64(r.m.placed); got != 40 {
+		t.Errorf("kvgate_scheduler_relay_placed_total %v, want 40", got)
 	}
 
 	startNATS(t, dir, port) // the same files, the same address
@@ -365,6 +378,12 @@ func TestNATSDownThenBacklogDrains(t *testing.T) {
 	eventually.True(t, "all 50 events in the inbox", func() bool { d, _ := f.log.count(); return d == 50 })
 	if _, total := f.log.count(); total != 50 {
 		t.Errorf("inbox acted on %d events, want 50", total)
+	}
+	after := feed()
+	for i := range during {
+		if after[i].ID != during[i].ID || after[i].Cursor != during[i].Cursor || after[i].PublishedAt.IsZero() {
+			t.Fatalf("event %d: %+v once published, was %+v in the outage: want its place kept", i, after[i], during[i])
+		}
 	}
 }
 

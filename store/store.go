@@ -110,7 +110,7 @@ type NewJob struct {
 // published to the broker by the relay.
 type Event struct {
 	Seq          int64 // insertion order: the relay's publishing order
-	Cursor       int64 // place in the published feed (0 until published): the replay cursor
+	Cursor       int64 // place in the feed (0 until published or placed): the replay cursor
 	ID           string
 	JobID        string
 	Tenant       string
@@ -118,7 +118,7 @@ type Event struct {
 	State        State
 	StateVersion int64
 	CreatedAt    time.Time
-	PublishedAt  time.Time // zero until published
+	PublishedAt  time.Time // zero until published (a placed event may be in the feed before)
 }
 
 // Attempt records how one claim of a job ended, written with its outcome.
@@ -347,18 +347,26 @@ type Store interface {
 	SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error
 	// Stage returns a checkpointed stage's output; ErrNotFound if none.
 	Stage(ctx context.Context, id, stage string) ([]byte, error)
-	// Unpublished returns up to limit outbox events not yet published,
-	// oldest first.
+	// Unpublished returns up to limit outbox events not yet published:
+	// those placed in the feed without the broker (FeedUnpublished) first,
+	// in feed order, then the oldest others.
 	Unpublished(ctx context.Context, limit int) ([]Event, error)
+	// FeedUnpublished gives up to limit unpublished events without a feed
+	// place their places, oldest first, and returns how many it placed:
+	// while the broker is away, the feed (the event streams) goes on. They
+	// stay unpublished, for the relay to publish once the broker is back;
+	// MarkPublished keeps their places.
+	FeedUnpublished(ctx context.Context, limit int) (int, error)
 	// MarkPublished records the publication of events, giving each its
 	// place in the published feed (Cursor) in the order of ids. Places
 	// follow commit order, even with several relays marking at once: a
 	// reader never finds a new event behind a cursor it has passed.
-	// Marking an event again changes nothing.
+	// Marking an event again changes nothing; an event placed by
+	// FeedUnpublished keeps its place.
 	MarkPublished(ctx context.Context, ids []string, at time.Time) error
-	// Events returns a tenant's published events with a Cursor after the
-	// given one, in feed order; jobID narrows them to one job. Events not
-	// yet published are not in the feed.
+	// Events returns a tenant's events with a Cursor after the given one,
+	// in feed order; jobID narrows them to one job. An event is in the
+	// feed once published or placed by FeedUnpublished.
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]Event, error)
 	// FeedHead returns the cursor of a tenant's latest published event, 0
 	// when there is none: where a reader without a cursor starts.

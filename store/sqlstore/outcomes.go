@@ -549,14 +549,15 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 		// An ended batch's event goes by its own time (the batch is
 		// kept): published, and not the feed's last place.
 		if _, err := tx.ExecContext(ctx, rebind(s.d, `DELETE FROM outbox WHERE id IN (SELECT id FROM outbox
-				WHERE type LIKE 'batch.%' AND created_at < ? AND published_at <> 0
+				WHERE type LIKE 'batch.%' AND created_at < ? AND published_at > 0
 					AND feed_seq < (SELECT MAX(feed_seq) FROM outbox)
 				ORDER BY created_at LIMIT ?)`), micros(before), limit); err != nil {
 			return err
 		}
 		found, err := scanTexts(tx.QueryContext(ctx, rebind(s.d, `SELECT id FROM jobs
 			WHERE state IN `+finalStatesSQL()+` AND updated_at < ?
-				AND id NOT IN (SELECT job_id FROM outbox WHERE published_at = 0)
+				AND id NOT IN (SELECT job_id FROM outbox WHERE published_at = 0
+					UNION ALL SELECT job_id FROM outbox WHERE published_at = `+placed+`)
 				AND id <> COALESCE((SELECT job_id FROM outbox WHERE feed_seq = (SELECT MAX(feed_seq) FROM outbox)), '')
 				AND (batch_id IS NULL OR batch_id NOT IN (SELECT id FROM batches
 					WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling')))

@@ -293,7 +293,7 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 
 type queries struct {
 	insertKey, insertJob, selectByKey, selectJob, insertAttempt, insertEvent,
-	cancel, result, attempts, stage, unpublished, markPublished,
+	cancel, result, attempts, stage, unpublished, markPublished, markPlaced, feedUnpublished,
 	feedHead, events, eventsOfJob, insertInbox, selectInbox string
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLock, reapLeases, reapDeadlines string
@@ -342,16 +342,27 @@ func buildQueries(d Dialect) queries {
 				lease_until = 0
 			WHERE tenant = ? AND id = ? AND state NOT IN ` + finalStatesSQL() + `
 			RETURNING ` + jobColumns + `, sent_tokens, sent_cost`),
-		result:        r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
-		attempts:      r(`SELECT job_id, attempt, fence, backend, outcome, spent, sent, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY fence, attempt`),
-		stage:         r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
-		unpublished:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, 0 FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?`),
+		result:   r(`SELECT result FROM jobs WHERE tenant = ? AND id = ?`),
+		attempts: r(`SELECT job_id, attempt, fence, backend, outcome, spent, sent, error_class, error, prompt_tokens, completion_tokens, started_at, ended_at FROM attempts WHERE job_id = ? ORDER BY fence, attempt`),
+		stage:    r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
+		// The placed events first (an empty index but in a broker's
+		// outage), then the others.
+		unpublished: r(`SELECT * FROM (SELECT seq, id, job_id, tenant, type, state, state_version, created_at, 0, feed_seq FROM outbox
+				WHERE published_at = ` + placed + ` ORDER BY feed_seq LIMIT ?) placed
+			UNION ALL
+			SELECT * FROM (SELECT seq, id, job_id, tenant, type, state, state_version, created_at, 0, 0 FROM outbox
+				WHERE published_at = 0 ORDER BY seq LIMIT ?) unplaced`),
 		markPublished: r(`UPDATE outbox SET published_at = ?, feed_seq = ? WHERE id = ? AND published_at = 0`),
-		feedHead:      r(`SELECT COALESCE(MAX(feed_seq), 0) FROM outbox WHERE feed_seq IS NOT NULL`),
-		events:        r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
-		eventsOfJob:   r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND job_id = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
-		insertInbox:   r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
-		selectInbox:   r(`SELECT digest FROM inbox WHERE event_id = ?`),
+		markPlaced:    r(`UPDATE outbox SET published_at = ? WHERE id = ? AND published_at = ` + placed),
+		feedUnpublished: r(`UPDATE outbox SET published_at = ` + placed + `, feed_seq = CAST(? AS BIGINT) + todo.n
+			FROM (SELECT id, row_number() OVER (ORDER BY seq) AS n FROM (
+				SELECT id, seq FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?) o) todo
+			WHERE outbox.id = todo.id`),
+		feedHead:    r(`SELECT COALESCE(MAX(feed_seq), 0) FROM outbox WHERE feed_seq IS NOT NULL`),
+		events:      r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
+		eventsOfJob: r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND job_id = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
+		insertInbox: r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
+		selectInbox: r(`SELECT digest FROM inbox WHERE event_id = ?`),
 	}
 	ownershipQueries(d, &q)
 	inboxBatchQueries(d, &q)
@@ -367,13 +378,15 @@ func buildQueries(d Dialect) queries {
 		// a relay's batch of 133 in the acceptance test. The update
 		// finds its rows through the same key, the primary key since
 		// migration 24 (seq has none).
+		// An event placed in the feed while the broker was away
+		// (FeedUnpublished) keeps its place, and takes none of the new.
 		q.markPublishedBatch = r(`WITH input AS (
 				SELECT id, min(ord) AS ord FROM unnest(?::text[]) WITH ORDINALITY AS t(id, ord) GROUP BY id),
 			todo AS (
-				SELECT o.id, row_number() OVER (ORDER BY input.ord) AS n
+				SELECT o.id, o.feed_seq, row_number() OVER (PARTITION BY o.feed_seq IS NULL ORDER BY input.ord) AS n
 				FROM input CROSS JOIN LATERAL (
-					SELECT id FROM outbox WHERE outbox.id = input.id AND outbox.published_at = 0) o)
-			UPDATE outbox SET published_at = ?, feed_seq = ?::bigint + todo.n FROM todo WHERE outbox.id = todo.id`)
+					SELECT id, feed_seq FROM outbox WHERE outbox.id = input.id AND outbox.published_at IN (0, ` + placed + `)) o)
+			UPDATE outbox SET published_at = ?, feed_seq = COALESCE(todo.feed_seq, ?::bigint + todo.n) FROM todo WHERE outbox.id = todo.id`)
 		// RecordInbox in one statement: the record, or the digest of the
 		// one there (a record inserted by a transaction that commits while
 		// this one waits is not seen: RecordInbox reads again).
@@ -685,7 +698,7 @@ func scanEvents(rows *sql.Rows) ([]store.Event, error) {
 		if err := rows.Scan(&e.Seq, &e.ID, &e.JobID, &e.Tenant, &e.Type, &st, &e.StateVersion, &created, &published, &e.Cursor); err != nil {
 			return nil, err
 		}
-		e.State, e.CreatedAt, e.PublishedAt = store.State(st), fromMicros(created), fromMicros(published)
+		e.State, e.CreatedAt, e.PublishedAt = store.State(st), fromMicros(created), fromMicros(max(published, 0))
 		out = append(out, e)
 	}
 	return out, rows.Err()
@@ -693,25 +706,55 @@ func scanEvents(rows *sql.Rows) ([]store.Event, error) {
 
 // Unpublished implements store.Store.
 func (s *Store) Unpublished(ctx context.Context, limit int) ([]store.Event, error) {
-	rows, err := s.query(ctx, nil, s.q.unpublished, limit)
+	rows, err := s.query(ctx, nil, s.q.unpublished, limit, limit)
 	if err != nil {
 		return nil, s.err("list unpublished events", err)
 	}
 	evs, err := scanEvents(rows)
-	return evs, s.err("list unpublished events", err)
+	return evs[:min(len(evs), limit)], s.err("list unpublished events", err)
+}
+
+// placed is the published_at of an event placed in the feed while the
+// broker was away (FeedUnpublished): not published yet, but read.
+const placed = "-1"
+
+// FeedUnpublished implements store.Store.
+func (s *Store) FeedUnpublished(ctx context.Context, limit int) (int, error) {
+	n := 0
+	err := s.tx(ctx, "place unpublished events", func(tx *sql.Tx) error {
+		head, err := s.lockFeedHead(ctx, tx)
+		if err != nil {
+			return err
+		}
+		res, err := s.exec(ctx, tx, s.q.feedUnpublished, head, limit)
+		if err != nil {
+			return err
+		}
+		m, err := res.RowsAffected()
+		n = int(m)
+		return err
+	})
+	return n, err
+}
+
+// lockFeedHead takes the feed's lock and returns its last place.
+func (s *Store) lockFeedHead(ctx context.Context, tx *sql.Tx) (int64, error) {
+	if s.d.LockFeed != "" {
+		if _, err := tx.ExecContext(ctx, s.d.LockFeed); err != nil {
+			return 0, err
+		}
+	}
+	var head int64
+	err := s.queryRow(ctx, tx, s.q.feedHead).Scan(&head)
+	return head, err
 }
 
 // MarkPublished implements store.Store. The events get the next feed
 // places in the order given; an event published before keeps its place.
 func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) error {
 	return s.tx(ctx, "mark events published", func(tx *sql.Tx) error {
-		if s.d.LockFeed != "" {
-			if _, err := tx.ExecContext(ctx, s.d.LockFeed); err != nil {
-				return err
-			}
-		}
-		var head int64
-		if err := s.queryRow(ctx, tx, s.q.feedHead).Scan(&head); err != nil {
+		head, err := s.lockFeedHead(ctx, tx)
+		if err != nil {
 			return err
 		}
 		if s.q.markPublishedBatch != "" {
@@ -719,7 +762,16 @@ func (s *Store) MarkPublished(ctx context.Context, ids []string, at time.Time) e
 			return err
 		}
 		for _, id := range ids {
-			res, err := s.exec(ctx, tx, s.q.markPublished, micros(at), head+1, id)
+			res, err := s.exec(ctx, tx, s.q.markPlaced, micros(at), id)
+			if err != nil {
+				return err
+			}
+			if n, err := res.RowsAffected(); err != nil {
+				return err
+			} else if n == 1 {
+				continue // placed before: its place kept
+			}
+			res, err = s.exec(ctx, tx, s.q.markPublished, micros(at), head+1, id)
 			if err != nil {
 				return err
 			}

@@ -38,7 +38,11 @@ func (s *Store) Stats(ctx context.Context, now time.Time) (store.Stats, error) {
 		return st, s.err("stats", err)
 	}
 	var created int64
-	err = s.db.QueryRowContext(ctx, `SELECT created_at FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT 1`).Scan(&created)
+	err = s.db.QueryRowContext(ctx, `SELECT MIN(created_at) FROM (
+			SELECT * FROM (SELECT created_at FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT 1) unplaced
+			UNION ALL
+			SELECT * FROM (SELECT created_at FROM outbox WHERE published_at = `+placed+` ORDER BY feed_seq LIMIT 1) placed) o
+		HAVING COUNT(*) > 0`).Scan(&created)
 	switch {
 	case errors.Is(err, sql.ErrNoRows):
 	case err != nil:

@@ -52,6 +52,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Cancel", testCancel},
 		{"Stages", testStages},
 		{"Outbox", testOutbox},
+		{"FeedWithoutBroker", testFeedWithoutBroker},
 		{"Inbox", testInbox},
 		{"PruneInbox", testPruneInbox},
 		{"Tenants", testTenants},
@@ -1069,6 +1070,71 @@ func testOutbox(t *testing.T, s store.Store) {
 	}
 	if head, err := s.FeedHead(ctx, "nobody"); err != nil || head != 0 {
 		t.Errorf("an empty feed's head: %d, %v", head, err)
+	}
+}
+
+// testFeedWithoutBroker: while the broker is away, unpublished events are
+// placed in the feed (FeedUnpublished), readable by the event streams; they
+// stay unpublished, first for the relay, and keep their places when it
+// publishes them; the events after them take the places after. Their jobs
+// outlive a prune, as unpublished events' do.
+func testFeedWithoutBroker(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	published := accept(t, s, newJob("acme", "before"))
+	publishAll(t, s, t0)
+	head, _ := s.FeedHead(ctx, "acme")
+	a := accept(t, s, newJob("acme", "a"))
+	if _, err := s.Cancel(ctx, "acme", a.ID, "", t0); err != nil { // final, its events unpublished
+		t.Fatal(err)
+	}
+	b := accept(t, s, newJob("acme", "b"))
+	if n, err := s.FeedUnpublished(ctx, 1); err != nil || n != 1 {
+		t.Fatalf("placed %d events (%v), want 1: the limit", n, err)
+	}
+	if n, err := s.FeedUnpublished(ctx, 10); err != nil || n != 2 {
+		t.Fatalf("placed %d events (%v), want the other two", n, err)
+	}
+	if n, err := s.FeedUnpublished(ctx, 10); err != nil || n != 0 {
+		t.Fatalf("placed %d events again (%v)", n, err)
+	}
+	feed, err := s.Events(ctx, "acme", "", head, 10)
+	if err != nil || len(feed) != 3 || feed[0].JobID != a.ID || feed[1].Type != "job.cancelled" || feed[2].JobID != b.ID ||
+		feed[0].Cursor <= head || feed[1].Cursor <= feed[0].Cursor || feed[2].Cursor <= feed[1].Cursor {
+		t.Fatalf("the feed after placing: %+v, %v; want a's two events then b's after %d", feed, err, head)
+	}
+	if !feed[0].PublishedAt.IsZero() {
+		t.Errorf("a placed event reads published at %v", feed[0].PublishedAt)
+	}
+	if h, _ := s.FeedHead(ctx, "acme"); h != feed[2].Cursor {
+		t.Errorf("the feed's head %d, want the last placed event's %d", h, feed[2].Cursor)
+	}
+	// A final job whose events the broker has not taken is kept.
+	if n, err := s.PruneFinal(ctx, t0.Add(1000*time.Hour), 100); err != nil || n != 0 {
+		t.Errorf("the prune took %d jobs (%v), want none: a's events are not published", n, err)
+	}
+	c := accept(t, s, newJob("acme", "c")) // the broker still away
+	un, err := s.Unpublished(ctx, 10)
+	if err != nil || len(un) != 4 || un[0].ID != feed[0].ID || un[2].ID != feed[2].ID || un[3].JobID != c.ID {
+		t.Fatalf("unpublished: %+v, %v; want the placed three first, then c's", un, err)
+	}
+	if first, _ := s.Unpublished(ctx, 1); len(first) != 1 || first[0].ID != feed[0].ID {
+		t.Errorf("one unpublished: %+v, want the first placed", first)
+	}
+	// The broker is back: the relay publishes c's first (any order), then
+	// the placed ones; they keep their places, c's comes after them.
+	if err := s.MarkPublished(ctx, []string{un[3].ID, un[0].ID, un[1].ID, un[2].ID}, t0); err != nil {
+		t.Fatal(err)
+	}
+	if rest, _ := s.Unpublished(ctx, 10); len(rest) != 0 {
+		t.Errorf("unpublished after the relay: %+v", rest)
+	}
+	all, _ := s.Events(ctx, "acme", "", head, 10)
+	if len(all) != 4 || all[0].Cursor != feed[0].Cursor || all[2].Cursor != feed[2].Cursor || all[3].JobID != c.ID ||
+		all[3].Cursor <= feed[2].Cursor || all[0].PublishedAt.IsZero() {
+		t.Errorf("the feed once published: %+v; want the places kept and c's after", all)
+	}
+	if old, _ := s.Events(ctx, "acme", published.ID, 0, 10); len(old) != 1 || old[0].Cursor > head {
+		t.Errorf("the event published before: %+v", old)
 	}
 }
 
