@@ -387,5 +387,5 @@ func runEach[C any](s *Store, cs []*C, run func([]*C) error, fail func(*C, error
 // up): then each call gets the error instead of a second try on its own.
 func (s *Store) lostTouch(err error) bool {
 	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) ||
-		(s.d.Unavailable != nil && s.d.Unavailable(err))
+		errors.Is(err, store.ErrUnavailable) || (s.d.Unavailable != nil && s.d.Unavailable(err))
 }

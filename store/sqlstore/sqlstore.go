@@ -423,7 +423,9 @@ func (s *Store) err(op string, err error) error {
 	case errors.Is(err, sql.ErrNoRows):
 		return store.ErrNotFound
 	case s.d.Unavailable != nil && s.d.Unavailable(err):
-		return fmt.Errorf("%s: %w: %v", op, store.ErrUnavailable, err)
+		// Both in the chain: callers test for ErrUnavailable, and the
+		// dialect's Unavailable (lostTouch) for the driver's error.
+		return fmt.Errorf("%s: %w: %w", op, store.ErrUnavailable, err)
 	}
 	return fmt.Errorf("%s: %w", op, err)
 }
