@@ -465,14 +465,30 @@ func (deafStore) Heartbeat(context.Context, string, int64, time.Time, time.Durat
 	return fmt.Errorf("heartbeat: %w: connection refused", store.ErrUnavailable)
 }
 
-// TestRunnerGivesUpPastItsLease: a worker whose heartbeats cannot land
-// stops its call once its lease has run out by its own clock, rather than
-// run on beside the replica that may own the job now.
+// hungStore's heartbeats never answer: a connection half open.
+type hungStore struct{ store.Store }
+
+func (hungStore) Heartbeat(ctx context.Context, _ string, _ int64, _ time.Time, _ time.Duration) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// TestRunnerGivesUpPastItsLease: a worker whose heartbeats cannot land,
+// refused or never answered, stops its call once its lease has run out by
+// its own clock, rather than run on beside the replica that may own the
+// job now.
 func TestRunnerGivesUpPastItsLease(t *testing.T) {
-	exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 4)}
-	defer close(exec.hold)
-	f := startRunnerOn(t, deafStore{openStore(t)}, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, 300*time.Millisecond)
-	f.submit(t, "k")
-	<-exec.started
-	eventually.True(t, "the worker to give the job up", func() bool { return testutil.ToFloat64(f.runner.m.stale) >= 1 })
+	for name, st := range map[string]func(store.Store) store.Store{
+		"refused": func(s store.Store) store.Store { return deafStore{s} },
+		"hung":    func(s store.Store) store.Store { return hungStore{s} },
+	} {
+		t.Run(name, func(t *testing.T) {
+			exec := &scriptedExecutor{hold: make(chan struct{}), started: make(chan struct{}, 4)}
+			defer close(exec.hold)
+			f := startRunnerOn(t, st(openStore(t)), &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, 300*time.Millisecond)
+			f.submit(t, "k")
+			<-exec.started
+			eventually.True(t, "the worker to give the job up", func() bool { return testutil.ToFloat64(f.runner.m.stale) >= 1 })
+		})
+	}
 }

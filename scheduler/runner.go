@@ -821,7 +821,11 @@ func (r *Runner) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 		case <-t.C:
 		}
 		now := r.cfg.Now()
-		err := r.st.Heartbeat(ctx, j.ID, j.Fence, now, r.cfg.Lease)
+		// No longer than the lease held: a beat that hangs (a connection
+		// half open) must not keep the work going past it.
+		bctx, stop := context.WithTimeout(ctx, held.Sub(now))
+		err := r.st.Heartbeat(bctx, j.ID, j.Fence, now, r.cfg.Lease)
+		stop()
 		switch {
 		case err == nil:
 			held = now.Add(r.cfg.Lease)
