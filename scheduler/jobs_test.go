@@ -492,3 +492,26 @@ func TestRunnerGivesUpPastItsLease(t *testing.T) {
 		})
 	}
 }
+
+// TestRetriesKeepWithinTheDeadline: a job handed back again and again (a
+// backend refusing connections) keeps trying until near its deadline: a
+// jittered backoff that would pass the deadline waits half the time left
+// instead of ending the job at once, however early.
+func TestRetriesKeepWithinTheDeadline(t *testing.T) {
+	exec := &scriptedExecutor{fail: &ExecError{Class: ClassRefused, Err: errors.New("dial tcp: connection refused")}}
+	f := startRunnerOn(t, openStore(t), &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute,
+		func(c *RunnerConfig) { c.Backoff = Backoff{Base: 10 * time.Millisecond, Max: time.Hour} })
+	deadline := time.Now().Add(4 * time.Second)
+	j := f.submit(t, "k", func(n *store.NewJob) { n.Deadline = deadline })
+	var got store.Job
+	eventually.Within(t, 10*time.Second, "the job to end", func() bool {
+		got, _ = f.st.Get(context.Background(), "acme", j.ID)
+		return got.State.Final()
+	})
+	if got.State != store.FailedTerminal || got.ErrorClass != "deadline_exceeded" {
+		t.Fatalf("ended %s (%s), want FAILED_TERMINAL deadline_exceeded", got.State, got.ErrorClass)
+	}
+	if early := deadline.Sub(got.UpdatedAt); early > 150*time.Millisecond {
+		t.Errorf("the job ended %v before its deadline, after %d tries: a backoff draw past the deadline ended it", early, exec.calls.Load())
+	}
+}

@@ -751,6 +751,9 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 		a.Outcome, a.Spent = store.OutcomeFailed, true
 	}
 	r.rngMu.Unlock()
+	if !f.RetryAt.IsZero() {
+		f.RetryAt = r.withinDeadline(now, j.Deadline, f.RetryAt, xe.RetryAfter)
+	}
 	f.Attempt = a
 	if err := r.record(wctx, func(now time.Time) error {
 		f.Now = now
@@ -770,6 +773,24 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 		r.m.waits.WithLabelValues(string(xe.Class)).Inc()
 		log.Debug("job handed back without spending an attempt", "error_class", xe.Class, "retry_at", f.RetryAt, "err", xe.Err)
 	}
+}
+
+// withinDeadline keeps a retry inside its job's deadline, which the store
+// ends a retry past (deadline_exceeded): a jittered backoff that would
+// pass it waits half the time left instead, so that a job waiting out a
+// backend's absence gets its tries until near its deadline, not one
+// unlucky draw's end 40 s early. A floor that passes it (a Retry-After, a
+// quota's reset) is kept, as is a wait once half the time left is under
+// the backoff's base: the job then ends at its deadline.
+func (r *Runner) withinDeadline(now, deadline, at time.Time, floor time.Duration) time.Time {
+	if deadline.IsZero() || at.Before(deadline) {
+		return at
+	}
+	half := deadline.Sub(now) / 2
+	if half < max(floor, cmp.Or(r.cfg.Backoff.Base, time.Second)) {
+		return at
+	}
+	return now.Add(half)
 }
 
 // record runs one of an attempt's final writes (its checkpoint, its end)
