@@ -237,6 +237,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 		{pattern: "POST /v1/embeddings", body: `{"model":"` + llama + `","input":"hi"}`,
 			want: [nRoles]int{no, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest, http.StatusBadRequest}},
 		{pattern: "GET /v1/models", want: keyed},
+		{pattern: "GET /v1/models/{model...}", path: "/v1/models/" + llama, want: keyed},
 		{pattern: "POST /v1/jobs", body: chatJob("matrix", 2), header: []string{"Idempotency-Key", "{unique}"},
 			want: [nRoles]int{no, http.StatusAccepted, http.StatusAccepted, http.StatusAccepted, http.StatusAccepted}},
 		{pattern: "GET /v1/jobs", want: keyed, check: hidesJob},

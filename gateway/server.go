@@ -213,6 +213,9 @@ func (s *Server) routes(reg *prometheus.Registry) {
 	s.mux.Handle("POST /v1/completions", s.api("/v1/completions", s.handleCompletion))
 	s.mux.Handle("POST /v1/embeddings", s.api("/v1/embeddings", s.handleEmbeddings))
 	s.mux.Handle("GET /v1/models", s.api("/v1/models", s.handleModels))
+	// The rest of the path: a model's id may hold slashes (org/name),
+	// sent as they are or escaped (%2F, as the Node SDK does).
+	s.mux.Handle("GET /v1/models/{model...}", s.api("/v1/models/{model}", s.handleModel))
 	s.surfaceRoutes()
 	if s.jobs.Store != nil {
 		s.jobRoutes()
@@ -342,24 +345,43 @@ func (w *statusWriter) Write(b []byte) (int, error) {
 	return w.ResponseWriter.Write(b)
 }
 
-func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
-	type model struct {
-		ID          string `json:"id"`
-		Object      string `json:"object"`
-		Created     int64  `json:"created"`
-		OwnedBy     string `json:"owned_by"`
-		MaxModelLen int    `json:"max_model_len,omitempty"`
-		Root        string `json:"root,omitempty"` // an alias's model
-	}
-	list := listOf([]model{})
+// modelView is a model as /v1/models shows it.
+type modelView struct {
+	ID          string `json:"id"`
+	Object      string `json:"object"`
+	Created     int64  `json:"created"`
+	OwnedBy     string `json:"owned_by"`
+	MaxModelLen int    `json:"max_model_len,omitempty"`
+	Root        string `json:"root,omitempty"` // an alias's model
+}
+
+// models are the served models, then the aliases.
+func (s *Server) models() []modelView {
+	out := []modelView{}
 	for _, m := range s.pool.Models() {
-		list.Data = append(list.Data, model{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
+		out = append(out, modelView{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
 	}
 	for _, a := range s.aliasModels() {
-		list.Data = append(list.Data, model{ID: a.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: a.MaxModelLen, Root: a.root})
+		out = append(out, modelView{ID: a.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: a.MaxModelLen, Root: a.root})
 	}
-	writeJSON(w, http.StatusOK, list)
+	return out
+}
+
+func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) int {
+	writeJSON(w, http.StatusOK, listOf(s.models()))
 	return http.StatusOK
+}
+
+// handleModel is GET /v1/models/{model}: the model as the list shows it.
+func (s *Server) handleModel(w http.ResponseWriter, r *http.Request) int {
+	id := r.PathValue("model")
+	for _, m := range s.models() {
+		if m.ID == id {
+			writeJSON(w, http.StatusOK, m)
+			return http.StatusOK
+		}
+	}
+	return writeError(w, s.log, modelNotFound(id, "model"))
 }
 
 var startTime = time.Now().Unix()

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -365,6 +366,21 @@ func TestModelAliases(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || !found {
 		t.Errorf("/v1/models: %s", b)
 	}
+	// One model by its id, as the SDKs' models.retrieve asks: an alias, a
+	// served model whose id holds a slash, sent as it is or escaped.
+	for path, want := range map[string]string{
+		"/v1/models/gpt-4o-mini":       "gpt-4o-mini",
+		"/v1/models/primary":           "primary",
+		"/v1/models/no-such-model":     "",
+		"/v1/models/gpt-4o-mini/extra": "",
+	} {
+		resp, b := send(t, f.srv.URL, http.MethodGet, path, "", "")
+		m := decode[modelView](t, b)
+		if want == "" && (resp.StatusCode != http.StatusNotFound || !strings.Contains(string(b), `"model_not_found"`)) ||
+			want != "" && (resp.StatusCode != http.StatusOK || m.ID != want || m.Object != "model") {
+			t.Errorf("GET %s: %d %s, want %q", path, resp.StatusCode, b, want)
+		}
+	}
 	if got := served(); got != "primary" {
 		t.Errorf("alias served by %q, want primary", got)
 	}
@@ -541,5 +557,18 @@ func TestResponsesTrail(t *testing.T) {
 	want := `event: error` + "\n" + `data: {"code":"upstream_error","message":"The model backend failed mid-stream; the response is incomplete.","param":null,"sequence_number":4,"type":"error"}` + "\n\n"
 	if ev != want {
 		t.Errorf("error event %q, want %q", ev, want)
+	}
+}
+
+// TestModelBySlashedID: GET /v1/models/{model} finds a model whose id
+// holds a slash (org/name), sent as it is (the Python SDK) or escaped
+// (the Node SDK's %2F).
+func TestModelBySlashedID(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 1})
+	for _, path := range []string{"/v1/models/" + llama, "/v1/models/" + url.PathEscape(llama)} {
+		eventually.True(t, "GET "+path, func() bool {
+			resp, b := send(t, f.srv.URL, http.MethodGet, path, "", "")
+			return resp.StatusCode == http.StatusOK && decode[modelView](t, b).ID == llama
+		})
 	}
 }

@@ -107,6 +107,15 @@ describe('models', () => {
     assert.ok(Number.isInteger(found.max_model_len) && found.max_model_len > 0, `max_model_len ${found.max_model_len}`);
   });
 
+  test('models.retrieve() finds a model by its id (slashes and all), and 404s an unknown one', async () => {
+    const m = await client.models.retrieve(model);
+    assert.equal(m.id, model);
+    assert.equal(m.object, 'model');
+    assert.ok(m.max_model_len > 0);
+    const err = await expectError(() => client.models.retrieve('no-such-model'), NotFoundError, 404);
+    assert.equal(err.code, 'model_not_found');
+  });
+
   test('models.list() on the embedding gateway', async () => {
     const page = await embedClient.models.list();
     const m = page.data.find((m) => m.id === embedModel);
