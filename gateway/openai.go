@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -133,24 +134,33 @@ type call struct {
 	// sequences is how many sequences the backend will run: n times the
 	// number of prompts of a batched completion.
 	sequences int
+	// shortest is the shortest prompt's share of a batched completion's
+	// prompt bytes (1 for one prompt): each prompt runs as a request of
+	// its own, whose output has the context its own prompt leaves.
+	shortest float64
 }
 
-// promptCount is how many prompts a completion's prompt field holds: a
-// list of strings or of token lists is several, anything else one.
-func promptCount(raw json.RawMessage) int {
+// promptCount is how many prompts a completion's prompt field holds (a
+// list of strings or of token lists is several, anything else one), and
+// the shortest one's share of their bytes.
+func promptCount(raw json.RawMessage) (n int, shortest float64) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) < 2 || raw[0] != '[' {
-		return 1
+		return 1, 1
 	}
 	inner := bytes.TrimSpace(raw[1:])
 	if len(inner) == 0 || (inner[0] != '"' && inner[0] != '[') {
-		return 1 // one prompt of token ids
+		return 1, 1 // one prompt of token ids
 	}
 	var items []json.RawMessage
 	if json.Unmarshal(raw, &items) != nil || len(items) == 0 {
-		return 1
+		return 1, 1
 	}
-	return len(items)
+	least, total := len(items[0]), 0
+	for _, it := range items {
+		least, total = min(least, len(it)), total+len(it)
+	}
+	return len(items), float64(least) / float64(max(total, 1))
 }
 
 func (s *Server) readCall(r *http.Request, ep endpoint) (*call, error) {
@@ -211,12 +221,13 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 	if c.f.N != nil && *c.f.N < 1 {
 		return nil, badRequest("n", fmt.Sprintf("n must be at least 1, got %d.", *c.f.N))
 	}
-	c.sequences = 1
+	c.sequences, c.shortest = 1, 1
 	if c.f.N != nil {
 		c.sequences = min(*c.f.N, maxReservation)
 	}
 	if ep == epCompletion {
-		c.sequences = satMul(c.sequences, promptCount(c.f.Prompt))
+		n, shortest := promptCount(c.f.Prompt)
+		c.sequences, c.shortest = satMul(c.sequences, n), shortest
 	}
 	if c.f.StreamOptions != nil && !c.f.Stream {
 		return nil, badRequest("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
@@ -293,7 +304,9 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 	if c.ep.pooling() {
 		return prompt, 0
 	}
-	room := model.MaxModelLen - prompt
+	// Each prompt of a batched completion has the context its own prompt
+	// leaves: the shortest prompt's room bounds every sequence's output.
+	room := model.MaxModelLen - int(float64(prompt)*cmp.Or(c.shortest, 1))
 	if model.MaxModelLen <= 0 {
 		room = 1 << 30
 	}

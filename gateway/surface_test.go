@@ -572,3 +572,36 @@ func TestModelBySlashedID(t *testing.T) {
 		})
 	}
 }
+
+// TestBatchedCompletionReservation: each prompt of a completion with a
+// list of prompts runs as a request of its own, with the context its own
+// prompt leaves: four prompts of ~1,000 tokens with max_tokens 3,000 in a
+// 4,096 context need 4 × (1,000 + 3,000), not the 96 tokens of output that
+// the four prompts together leave.
+func TestBatchedCompletionReservation(t *testing.T) {
+	s := &Server{cfg: Config{DefaultMaxTokens: 1024}}
+	m := gpu.Model{ID: "m", MaxModelLen: 4096}
+	p := strings.Repeat("x", 4000)
+	for _, c := range []struct {
+		body          string
+		prompt        int
+		wantTotal     int
+		wantOutputMin int
+	}{
+		{`{"model":"m","prompt":["` + p + `","` + p + `","` + p + `","` + p + `"],"max_tokens":3000}`, 4000, 16000, 12000},
+		// The shortest prompt bounds each output: a long one beside it
+		// does not shrink the short one's room.
+		{`{"model":"m","prompt":["hi","` + p + p + p + `"],"max_tokens":3000}`, 3000, 9000, 6000},
+		{`{"model":"m","prompt":"` + p + `","max_tokens":3000}`, 1000, 4000, 3000},
+		{`{"model":"m","prompt":"` + p + `","max_tokens":4000}`, 1000, 4096, 3096}, // what the context leaves
+	} {
+		call, err := parseCall([]byte(c.body), epCompletion)
+		if err != nil {
+			t.Fatal(err)
+		}
+		total, out := s.reservationWith(call, m, c.prompt)
+		if total != c.wantTotal || out < c.wantOutputMin {
+			t.Errorf("%.60s…: reserves %d (output %d), want %d (output at least %d)", c.body, total, out, c.wantTotal, c.wantOutputMin)
+		}
+	}
+}
