@@ -542,14 +542,16 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	// failed reports a transport failure: the client's leaving, a stall,
 	// or a broken backend.
 	failed := func(kind string, err error) result {
-		switch {
-		case ctx.Err() != nil:
+		if ctx.Err() != nil {
 			return result{status: 499, err: errClientGone}
-		case errors.Is(context.Cause(actx), errStalled):
+		}
+		up := classifyTransport(err, errors.Is(context.Cause(actx), errStalled))
+		if up.class == upstreamTimeout { // not a dial the stall cut: that sent nothing
 			kind, err = "stall", errStalled
+			up.err = err
 		}
 		s.m.upstreamError(g.Backend, kind)
-		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), up: classifyTransport(err, err == errStalled)}
+		return result{status: http.StatusBadGateway, err: fmt.Errorf("backend %s: %w", g.Backend, err), up: up}
 	}
 
 	req, err := http.NewRequestWithContext(actx, http.MethodPost, g.URL+endpointPath[c.ep], bytes.NewReader(body))

@@ -113,14 +113,16 @@ func classifyResponse(status int, h http.Header, body []byte) upstream {
 }
 
 // classifyTransport classifies a round trip or body read that failed
-// with err; stalled says kvgate's own timeout cut it.
+// with err; stalled says kvgate's own timeout cut it. A connection never
+// made sent nothing, even when the timeout cut its dial (a host that drops
+// connection attempts): no attempt spent.
 func classifyTransport(err error, stalled bool) upstream {
 	var op *net.OpError
 	switch {
-	case stalled:
-		return upstream{class: upstreamTimeout, err: err}
 	case errors.As(err, &op) && op.Op == "dial":
 		return upstream{class: upstreamNotSent, err: err}
+	case stalled:
+		return upstream{class: upstreamTimeout, err: err}
 	}
 	return upstream{class: upstreamBackendError, err: err}
 }

@@ -1,9 +1,11 @@
 package gateway
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"slices"
 	"strings"
@@ -69,6 +71,15 @@ func TestClassifyTransport(t *testing.T) {
 	}
 	if u := classifyTransport(errStalled, true); u.class != upstreamTimeout || u.class.errorClass() != scheduler.ClassTimeout {
 		t.Errorf("stall: %v", u.class)
+	}
+	// A dial that kvgate's timeout cut (a host dropping connection
+	// attempts) sent nothing.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if _, err := (&net.Dialer{}).DialContext(ctx, "tcp", "127.0.0.1:9"); err == nil {
+		t.Fatal("a cancelled dial connected")
+	} else if u := classifyTransport(err, true); u.class != upstreamNotSent || u.class.sent() {
+		t.Errorf("a dial cut by the timeout (%v): %v (sent %v), want not sent", err, u.class, u.class.sent())
 	}
 	if u := malformedAnswer(200, errors.New("unexpected end of JSON input")); u.class != upstreamBackendError || u.status != 200 {
 		t.Errorf("malformed: %v %d", u.class, u.status)
