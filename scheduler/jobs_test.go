@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -414,15 +415,16 @@ func TestRunnerClaimsOnlyWhatCanStart(t *testing.T) {
 }
 
 // flakyStore fails its first writes of each kind with ErrUnavailable, as
-// a database restarting would.
+// a database restarting would (or, for completions, with completeErr).
 type flakyStore struct {
 	store.Store
 	completes, marks atomic.Int64 // failures left
+	completeErr      error
 }
 
 func (s *flakyStore) Complete(ctx context.Context, c store.Completion) error {
 	if s.completes.Add(-1) >= 0 {
-		return fmt.Errorf("complete job: %w: connection refused", store.ErrUnavailable)
+		return cmp.Or(s.completeErr, fmt.Errorf("complete job: %w: connection refused", store.ErrUnavailable))
 	}
 	return s.Store.Complete(ctx, c)
 }
@@ -455,6 +457,34 @@ func TestRunnerOutlastsAStoreRestart(t *testing.T) {
 	}
 	if n := testutil.ToFloat64(f.runner.m.recordRetries); n != 3 {
 		t.Errorf("%v writes tried again, want 3", n)
+	}
+}
+
+// TestRunnerOutlastsPassingStoreErrors: an answer in hand outlasts the
+// store's passing refusals too, not only its absence: SQLite's file held
+// by another process past the busy timeout, a PostgreSQL deadlock or a
+// failover's read-only moment. The end is written again; no second
+// backend call, no attempt spent, the job not left to its lease.
+func TestRunnerOutlastsPassingStoreErrors(t *testing.T) {
+	for name, err := range map[string]error{
+		"sqlite busy": errors.New("complete job: database is locked (5) (SQLITE_BUSY)"),
+		"deadlock":    errors.New("complete job: ERROR: deadlock detected (SQLSTATE 40P01)"),
+		"read-only":   errors.New("complete job: ERROR: cannot execute UPDATE in a read-only transaction (SQLSTATE 25006)"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			st := &flakyStore{Store: openStore(t), completeErr: err}
+			st.completes.Store(2)
+			exec := &scriptedExecutor{}
+			f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute)
+			j := f.submit(t, "k", func(n *store.NewJob) { n.MaxAttempts = 1 })
+			got := f.waitState(t, j.ID, store.Succeeded)
+			if got.Attempt != 1 || exec.calls.Load() != 1 {
+				t.Errorf("attempt %d, %d backend calls; want 1 and 1", got.Attempt, exec.calls.Load())
+			}
+			if n := testutil.ToFloat64(f.runner.m.recordRetries); n != 2 {
+				t.Errorf("%v writes tried again, want 2", n)
+			}
+		})
 	}
 }
 

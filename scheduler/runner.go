@@ -794,17 +794,18 @@ func (r *Runner) withinDeadline(now, deadline, at time.Time, floor time.Duration
 }
 
 // record runs one of an attempt's final writes (its checkpoint, its end)
-// at the time it is tried, trying again while the store cannot be reached
-// and the claim's lease may still hold: a database restart must not lose
-// an answer the backend gave, which would pay for the inference again and
-// spend another attempt. Whether the lease still holds is the store's to
-// say (ErrLeaseLost, returned at once); the tries stop one lease after
-// the first. It returns the last error.
+// at the time it is tried, trying again while the store fails it and the
+// claim's lease may still hold: a database restart, a deadlock, SQLite's
+// file held past its busy timeout or a failover's read-only moment must
+// not lose an answer the backend gave, which would pay for the inference
+// again and spend another attempt. Only the store's answers about the job
+// end the tries at once (final: its lease lost, the job ended or gone);
+// the others stop one lease after the first. It returns the last error.
 func (r *Runner) record(ctx context.Context, write func(now time.Time) error) error {
 	giveUp := r.cfg.Now().Add(r.cfg.Lease)
 	for wait := 50 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
 		err := write(r.cfg.Now())
-		if !errors.Is(err, store.ErrUnavailable) || !r.cfg.Now().Add(wait).Before(giveUp) {
+		if err == nil || final(err) || !r.cfg.Now().Add(wait).Before(giveUp) {
 			return err
 		}
 		r.m.recordRetries.Inc()
@@ -816,6 +817,17 @@ func (r *Runner) record(ctx context.Context, write func(now time.Time) error) er
 		case <-t.C:
 		}
 	}
+}
+
+// final reports whether a store's error is its answer about the job, which
+// trying again would only repeat.
+func final(err error) bool {
+	for _, e := range []error{store.ErrLeaseLost, store.ErrFinal, store.ErrNotFound, store.ErrConflict, context.Canceled, context.DeadlineExceeded} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // lost records that the runner no longer owns a job: its result is
