@@ -152,9 +152,6 @@ func (s *Server) handleCreateTenant(w http.ResponseWriter, r *http.Request) int 
 	if err := readJSON(r, &p); err != nil {
 		return writeError(w, s.log, err)
 	}
-	if p.Name == "" || len(p.Name) > 128 {
-		return writeError(w, s.log, badRequest("name", "A tenant needs a name of 1 to 128 characters."))
-	}
 	now := s.cfg.Tenants.Now()
 	t := store.Tenant{Name: p.Name, Weight: 1, CreatedAt: now, UpdatedAt: now}
 	if err := p.apply(&t); err != nil {

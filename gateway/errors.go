@@ -124,6 +124,8 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, errTenantDeleted):
 		return &apiError{status: http.StatusUnauthorized, typ: "invalid_request_error", code: "tenant_deleted",
 			msg: "This key's tenant has been deleted; its keys no longer work."}
+	case errors.Is(err, store.ErrTenantName):
+		return badRequest("name", "A tenant needs a name of 1 to 128 bytes.")
 	case errors.Is(err, store.ErrEndpointDeleted):
 		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "endpoint_deleted",
 			msg: "The webhook endpoint this Idempotency-Key made has been deleted; send a new key to make another."}

@@ -47,6 +47,10 @@ var (
 	// tenant, whose jobs, files, batches, webhooks and usage stay under
 	// it. It is an ErrExists too.
 	ErrTenantNameRetired = fmt.Errorf("%w: the name of a deleted tenant", ErrExists)
+	// ErrTenantName: CreateTenant was given a name that is empty or
+	// longer than 128 bytes. An empty one would read as "every tenant"
+	// where a tenant narrows a read (usage, keys).
+	ErrTenantName = errors.New("store: a tenant's name is 1 to 128 bytes")
 )
 
 // Role is what a key may do.
@@ -259,8 +263,9 @@ func DayOf(t time.Time) int {
 // Methods are safe for concurrent use, also from several processes on one
 // database.
 type Tenants interface {
-	// CreateTenant adds a tenant; ErrExists if the name is taken,
-	// ErrTenantNameRetired if it was a deleted tenant's.
+	// CreateTenant adds a tenant; ErrTenantName for a name out of bounds,
+	// ErrExists if the name is taken, ErrTenantNameRetired if it was a
+	// deleted tenant's.
 	CreateTenant(ctx context.Context, t Tenant) error
 	// UpdateTenant changes a tenant's weight and limits: change is given
 	// the tenant as stored, under a lock held until its result is written

@@ -30,6 +30,9 @@ func scanTenant(r scanner) (store.Tenant, error) {
 
 // CreateTenant implements store.Store.
 func (s *Store) CreateTenant(ctx context.Context, t store.Tenant) error {
+	if t.Name == "" || len(t.Name) > 128 {
+		return store.ErrTenantName
+	}
 	defer s.fair.invalidate() // its weight
 	l := t.Limits
 	now := micros(t.CreatedAt)

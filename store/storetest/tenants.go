@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -90,6 +91,13 @@ func testTenants(t *testing.T, s store.Store) {
 	}
 	if got, _ := s.GetTenant(ctx, "acme"); got.Limits.RPM != 555 || got.Limits.TPM != 777 {
 		t.Errorf("two updates at once: rpm %d tpm %d, want 555 and 777", got.Limits.RPM, got.Limits.TPM)
+	}
+	// An empty name would read as every tenant where a tenant narrows a
+	// read (usage, keys): refused, as is one past 128 bytes.
+	for _, name := range []string{"", strings.Repeat("n", 129)} {
+		if err := s.CreateTenant(ctx, store.Tenant{Name: name, Weight: 1, CreatedAt: t0, UpdatedAt: t0}); !errors.Is(err, store.ErrTenantName) {
+			t.Errorf("a tenant named %d bytes: %v, want ErrTenantName", len(name), err)
+		}
 	}
 	list, err := s.ListTenants(ctx)
 	if err != nil || len(list) != 2 || list[0].Name != "acme" || list[1].Name != "globex" {
