@@ -44,6 +44,9 @@ func TestAdminAPIAndRoles(t *testing.T) {
 		t.Errorf("create twice: %d %s", resp.StatusCode, b)
 	}
 	admin(http.MethodPost, "/v1/admin/tenants", `{"name":"globex"}`)
+	if resp, b := admin(http.MethodPost, "/v1/admin/tenants", `{"name":""}`); resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"param":"name"`) {
+		t.Errorf("a tenant without a name: %d %s, want 400 naming name", resp.StatusCode, b)
+	}
 	resp, b = admin(http.MethodPatch, "/v1/admin/tenants/acme", `{"tpm":5000,"weight":2}`)
 	if v := decode[TenantView](t, b); resp.StatusCode != http.StatusOK || v.RPM != 100 || v.TPM != 5000 || v.Weight != 2 {
 		t.Errorf("update tenant: %d %s", resp.StatusCode, b)
