@@ -1,10 +1,12 @@
 package gateway
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvgate/kvgate/bench/eventually"
@@ -216,5 +218,35 @@ func TestJobInvalidRequestFailsAtOnce(t *testing.T) {
 	as, _ := f.store.Attempts(t.Context(), v.ID)
 	if len(as) != 1 || as[0].ErrorClass != "invalid_request" {
 		t.Errorf("attempts %+v", as)
+	}
+}
+
+// TestJobWaitsOutAModelMissing: a backend that answers 404 for the model
+// kvgate routed to it (restarted with another model, an adapter unloaded)
+// does not end the job as an invalid request: the attempt is a wait that
+// spends nothing, and the job runs once the model is served again.
+func TestJobWaitsOutAModelMissing(t *testing.T) {
+	var missing atomic.Int64
+	missing.Store(2)
+	f := startFleet(t, fleetOpts{backends: 1, jobs: true, runner: true, speedup: 50, wrap: func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/completions") && missing.Add(-1) >= 0 {
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusNotFound)
+				_, _ = w.Write([]byte(`{"object":"error","message":"The model does not exist.","type":"NotFoundError","param":null,"code":404}`))
+				return
+			}
+			h.ServeHTTP(w, r)
+		})
+	}})
+	_, v := submitJob(t, f, "model-missing", chatJob("still there?", 2))
+	waitJob(t, f, "default", v.ID, store.Succeeded)
+	j, err := f.store.Get(context.Background(), "default", v.ID)
+	if err != nil || j.Attempt != 1 {
+		t.Errorf("attempts spent %d (%v), want 1: the 404s spend none", j.Attempt, err)
+	}
+	as, _ := f.store.Attempts(context.Background(), v.ID)
+	if len(as) < 3 || as[0].Spent || as[0].ErrorClass != "no_backend" {
+		t.Errorf("attempts %+v: want unspent no_backend waits first", as)
 	}
 }

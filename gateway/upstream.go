@@ -33,12 +33,17 @@ const (
 	upstreamBackendError
 	// upstreamTimeout: the backend went silent past kvgate's timeout.
 	upstreamTimeout
-	// upstreamRequestError: 4xx but 429; the request itself is wrong.
+	// upstreamRequestError: 4xx but 404 and 429; the request itself is
+	// wrong.
 	upstreamRequestError
+	// upstreamModelMissing: 404, the backend does not serve the model
+	// (now): kvgate's view of it is stale (a restart with another model,
+	// a LoRA adapter unloaded). Another backend, or this one later, may.
+	upstreamModelMissing
 )
 
 func (c upstreamClass) String() string {
-	return [...]string{"none", "ok", "not_sent", "rate_limited", "backend_error", "timeout", "request_error"}[c]
+	return [...]string{"none", "ok", "not_sent", "rate_limited", "backend_error", "timeout", "request_error", "model_missing"}[c]
 }
 
 // errorClass maps the class to a job attempt's: a request that never
@@ -53,6 +58,8 @@ func (c upstreamClass) errorClass() scheduler.ErrorClass {
 		return scheduler.ClassTimeout
 	case upstreamRequestError:
 		return scheduler.ClassInvalid
+	case upstreamModelMissing:
+		return scheduler.ClassNoBackend // a wait: no backend serves it now
 	}
 	return scheduler.ClassBackend
 }
@@ -64,7 +71,7 @@ func (c upstreamClass) sent() bool { return c != upstreamNotSent }
 // retryElsewhere reports whether another backend may do better with a
 // request that failed so, nothing having reached the client.
 func (c upstreamClass) retryElsewhere() bool {
-	return c == upstreamNotSent || c == upstreamRateLimited || c == upstreamBackendError || c == upstreamTimeout
+	return c == upstreamNotSent || c == upstreamRateLimited || c == upstreamBackendError || c == upstreamTimeout || c == upstreamModelMissing
 }
 
 // ambiguous reports whether a failure so may be the request's own doing
@@ -106,6 +113,8 @@ func classifyResponse(status int, h http.Header, body []byte) upstream {
 		u.class = upstreamRateLimited
 	case status >= 500:
 		u.class = upstreamBackendError
+	case status == http.StatusNotFound:
+		u.class = upstreamModelMissing
 	default:
 		u.class = upstreamRequestError
 	}
