@@ -142,8 +142,17 @@ func toAPIError(err error) *apiError {
 		return &apiError{status: http.StatusRequestEntityTooLarge, typ: "invalid_request_error",
 			msg: "Request body is larger than the " + strconv.FormatInt(maxBytes.Limit, 10) + " bytes this gateway accepts."}
 	case errors.As(err, &tooLarge):
-		return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
+		e := &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "context_length_exceeded",
 			param: "max_tokens", msg: tooLarge.Error() + ". Reduce the prompt or max_tokens."}
+		var named *tooLargeCall
+		switch {
+		case !errors.As(err, &named):
+		case named.input:
+			e.param, e.msg = named.param, tooLarge.Error()+". Reduce "+named.param+"."
+		default:
+			e.param, e.msg = named.param, tooLarge.Error()+". Reduce the prompt or "+named.param+"."
+		}
+		return e
 	case errors.As(err, &rejected):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_overloaded",
 			retryAfter: rejected.RetryAfter,

@@ -422,6 +422,13 @@ func TestErrors(t *testing.T) {
 		{name: "body too large", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"` + big + `"}`, header: auth, status: 413},
 		{name: "backend's context length", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":9000}`, header: auth, status: 400, code: "context_length_exceeded"},
 		{name: "more KV than any backend holds", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":8000,"n":1}`, header: auth, status: 200},
+		// Past every backend's KV cache: the error names the field that sized it.
+		{name: "too large by max_completion_tokens", path: "/v1/chat/completions", body: `{"model":"` + llama + `","messages":[{"role":"user","content":"a"}],"max_completion_tokens":4000,"n":5}`,
+			header: auth, status: 400, code: "context_length_exceeded", param: "max_completion_tokens"},
+		{name: "too large by max_tokens", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":4000,"n":5}`,
+			header: auth, status: 400, code: "context_length_exceeded", param: "max_tokens"},
+		{name: "too large by n", path: "/v1/chat/completions", body: `{"model":"` + llama + `","messages":[{"role":"user","content":"a"}],"n":100}`,
+			header: auth, status: 400, code: "context_length_exceeded", param: "n"},
 		{name: "unknown route", path: "/v1/nothing", body: `{}`, header: auth, status: 404},
 	}
 	for _, tc := range tests {

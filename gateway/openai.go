@@ -123,6 +123,48 @@ var endpointPath = map[endpoint]string{
 // reserve their prompt, and no output.
 func (ep endpoint) pooling() bool { return ep == epEmbedding || ep == epRerank || ep == epScore }
 
+// tooLargeCall is a request too large for every backend, with the field
+// that sized it: the client's error names it (toAPIError).
+type tooLargeCall struct {
+	err   *scheduler.TooLargeError
+	param string // the output's field, or the input's where there is no output
+	input bool   // param is the input: nothing else to reduce
+}
+
+func (e *tooLargeCall) Error() string { return e.err.Error() }
+func (e *tooLargeCall) Unwrap() error { return e.err }
+
+// tooLarge names, in a *scheduler.TooLargeError, the field that sized the
+// call; any other error is returned as it is.
+func (c *call) tooLarge(err error) error {
+	var tl *scheduler.TooLargeError
+	if !errors.As(err, &tl) {
+		return err
+	}
+	e := &tooLargeCall{err: tl}
+	switch {
+	case c.ep == epEmbedding:
+		e.param, e.input = "input", true
+	case c.ep == epRerank:
+		e.param, e.input = "documents", true
+	case c.ep == epScore:
+		e.param, e.input = "text_2", true
+	case c.ep == epResponses:
+		e.param = "max_output_tokens"
+	case c.f.MaxCompletionTokens != nil:
+		e.param = "max_completion_tokens"
+	case c.f.MaxTokens != nil:
+		e.param = "max_tokens"
+	case c.f.N != nil && *c.f.N > 1:
+		e.param = "n"
+	case c.ep == epChat:
+		e.param, e.input = "messages", true
+	default:
+		e.param, e.input = "prompt", true
+	}
+	return e
+}
+
 // call is one validated inference request.
 type call struct {
 	ep          endpoint
@@ -409,7 +451,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 			}
 			// Only refused connections so far, if any: no backend serving
 			// the model is reachable (ErrNoRoutableBackend), or none has room.
-			return writeError(w, s.log, err)
+			return writeError(w, s.log, c.tooLarge(err))
 		}
 		res := func() result {
 			defer grant.Release() // deferred: a panic (net/http recovers it) must not keep the backend's room

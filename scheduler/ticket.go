@@ -91,7 +91,7 @@ type TooLargeError struct {
 }
 
 func (e *TooLargeError) Error() string {
-	return fmt.Sprintf("request needs %d KV tokens (prompt plus max_tokens), more than any backend can hold (%d)", e.Need, e.Capacity)
+	return fmt.Sprintf("request needs %d KV tokens (its prompt and output), more than any backend can hold (%d)", e.Need, e.Capacity)
 }
 
 // ErrNoBackend is returned for a model that no backend serves, is
