@@ -60,7 +60,10 @@ func TestPreemptionUnderKVPressure(t *testing.T) {
 		{"demand is four times the cache", 64, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			_, srv := NewTestServer(t, Config{Profile: p, Seed: 3})
+			// Paced, so that the requests run together however slowly the
+			// host starts them: unpaced, each could end before the next
+			// arrives on a loaded machine, and none be preempted.
+			_, srv := NewTestServer(t, Config{Profile: p, Seed: 3, Speedup: 50})
 			var wg sync.WaitGroup
 			errs := make(chan error, tc.concurrency)
 			for i := range tc.concurrency {
