@@ -98,6 +98,9 @@ func (s *Server) tokenize(ctx context.Context, base string, c *call) (int, error
 	req := map[string]json.RawMessage{"model": mustJSON(c.model)}
 	if c.ep == epChat {
 		req["messages"] = c.f.Messages
+		if toolBytes(c.f.Tools) > 0 {
+			req["tools"] = c.f.Tools // the template renders them
+		}
 	} else {
 		req["prompt"] = c.f.Prompt
 	}

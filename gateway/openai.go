@@ -31,6 +31,7 @@ type reqFields struct {
 	Stream              bool            `json:"stream"`
 	StreamOptions       *streamOptions  `json:"stream_options"`
 	Messages            json.RawMessage `json:"messages"`
+	Tools               json.RawMessage `json:"tools"` // chat and responses: their schemas are prompt tokens
 	Prompt              json.RawMessage `json:"prompt"`
 	Input               json.RawMessage `json:"input"`
 	// The Responses API's and the scoring routes': responses.go, pooling.go.
@@ -55,7 +56,7 @@ func (f *reqFields) decode(body []byte) error {
 	err := decodeExact(body, []namedField{
 		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
 		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
-		{"messages", &f.Messages}, {"prompt", &f.Prompt}, {"input", &f.Input},
+		{"messages", &f.Messages}, {"tools", &f.Tools}, {"prompt", &f.Prompt}, {"input", &f.Input},
 		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
 		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
 	})
@@ -236,7 +237,8 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 		if !isNonEmptyArray(c.f.Messages) {
 			return nil, badRequest("messages", "'messages' must be a non-empty array of messages.")
 		}
-		c.promptBytes = len(c.f.Messages)
+		// The chat template renders the tools' schemas into the prompt.
+		c.promptBytes = len(c.f.Messages) + toolBytes(c.f.Tools)
 	case epCompletion:
 		if len(c.f.Prompt) == 0 || string(c.f.Prompt) == "null" {
 			return nil, badRequest("prompt", "You must provide a prompt.")
@@ -275,6 +277,14 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 		return nil, badRequest("stream_options", "The 'stream_options' parameter is only allowed when 'stream' is enabled.")
 	}
 	return c, nil
+}
+
+// toolBytes is the size of a request's tools, 0 for none.
+func toolBytes(tools json.RawMessage) int {
+	if t := bytes.TrimSpace(tools); string(t) != "null" && string(t) != "[]" {
+		return len(t)
+	}
+	return 0
 }
 
 func isNonEmptyArray(raw json.RawMessage) bool {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"strings"
 	"testing"
@@ -603,5 +604,38 @@ func TestBatchedCompletionReservation(t *testing.T) {
 		if total != c.wantTotal || out < c.wantOutputMin {
 			t.Errorf("%.60s…: reserves %d (output %d), want %d (output at least %d)", c.body, total, out, c.wantTotal, c.wantOutputMin)
 		}
+	}
+}
+
+// TestToolsCountInThePrompt: a chat request's tools are rendered into its
+// prompt by the chat template, so they count in its reservation: sent to
+// /tokenize with the messages (the count then matches what the backend
+// reports), and in the estimate's bytes.
+func TestToolsCountInThePrompt(t *testing.T) {
+	tools := `[{"type":"function","function":{"name":"lookup","description":"` + strings.Repeat("find the invoice by its number ", 40) +
+		`","parameters":{"type":"object","properties":{"n":{"type":"string"}}}}}]`
+	body := `{"model":"` + llama + `","messages":[{"role":"user","content":"hi"}],"tools":` + tools + `,"max_tokens":2}`
+	f := startFleet(t, fleetOpts{gateway: Config{TokenCount: "tokenize"}})
+	c, err := f.api.readCall(httptest.NewRequest(http.MethodPost, "/v1/chat/completions", strings.NewReader(body)), epChat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.promptBytes < len(tools) {
+		t.Errorf("the estimate reads %d prompt bytes, fewer than the tools' %d", c.promptBytes, len(tools))
+	}
+	var prompt int
+	eventually.True(t, "an exact count", func() bool {
+		model, ok := f.api.lookupModel(llama)
+		var exact bool
+		prompt, _, exact = f.api.reservation(context.Background(), c, model)
+		return ok && exact
+	})
+	resp, b := f.post(t, "/v1/chat/completions", body)
+	var out struct{ Usage usage }
+	if err := json.Unmarshal(b, &out); err != nil || resp.StatusCode != http.StatusOK {
+		t.Fatalf("chat with tools: %d %s", resp.StatusCode, b)
+	}
+	if out.Usage.PromptTokens != prompt || prompt < 300 {
+		t.Errorf("reserved %d prompt tokens, the backend counted %d: the tools must count", prompt, out.Usage.PromptTokens)
 	}
 }

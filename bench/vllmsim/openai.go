@@ -62,6 +62,7 @@ type chatRequest struct {
 	samplingFields
 	Messages            []chatMessageIn `json:"messages"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
+	Tools               json.RawMessage `json:"tools"`
 }
 
 type completionRequest struct {
@@ -173,7 +174,7 @@ func (s *Sim) handleChat(w http.ResponseWriter, r *http.Request) {
 		writeErrorType(w, http.StatusBadRequest, "BadRequestError", err.Error(), "messages")
 		return
 	}
-	prompt := Tokenize(RenderChat(msgs, boolOr(req.AddGenerationPrompt, true)), false)
+	prompt := Tokenize(RenderChatTools(msgs, req.Tools, boolOr(req.AddGenerationPrompt, true)), false)
 	maxTok := req.MaxCompletionTokens
 	if maxTok == nil {
 		maxTok = req.MaxTokens

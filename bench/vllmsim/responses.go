@@ -119,7 +119,7 @@ func (s *Sim) handleResponses(w http.ResponseWriter, r *http.Request) {
 		writeErrorType(w, http.StatusBadRequest, "BadRequestError", "input must not be empty", "input")
 		return
 	}
-	prompt := Tokenize(RenderChat(msgs, true), false)
+	prompt := Tokenize(RenderChatTools(msgs, req.Tools, true), false)
 	req.StreamOptions = nil // not a Responses API field
 	req.responses = &responsesMeta{req: &req}
 	s.generate(w, r, kindResponses, prompt, req.MaxOutputTokens, req.samplingFields)

@@ -263,6 +263,7 @@ type tokenizeRequest struct {
 	AddSpecialTokens    *bool           `json:"add_special_tokens"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
 	ReturnTokenStrs     bool            `json:"return_token_strs"`
+	Tools               json.RawMessage `json:"tools"`
 }
 
 func (s *Sim) handleTokenize(w http.ResponseWriter, r *http.Request) {
@@ -280,7 +281,7 @@ func (s *Sim) handleTokenize(w http.ResponseWriter, r *http.Request) {
 			writeError(w, http.StatusBadRequest, err.Error())
 			return
 		}
-		toks = Tokenize(RenderChat(msgs, boolOr(req.AddGenerationPrompt, true)), boolOr(req.AddSpecialTokens, false))
+		toks = Tokenize(RenderChatTools(msgs, req.Tools, boolOr(req.AddGenerationPrompt, true)), boolOr(req.AddSpecialTokens, false))
 	default:
 		writeError(w, http.StatusBadRequest, "exactly one of prompt and messages must be given")
 		return

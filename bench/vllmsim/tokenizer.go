@@ -1,6 +1,8 @@
 package vllmsim
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"strings"
 )
@@ -189,6 +191,17 @@ func RenderChat(msgs []ChatMessage, generationPrompt bool) string {
 		sb.WriteString("\n\n")
 	}
 	return sb.String()
+}
+
+// RenderChatTools is RenderChat with a request's tools, as a chat
+// template renders them: their JSON in a system turn ahead of the
+// messages, so that a request's tool schemas count in its prompt tokens.
+func RenderChatTools(msgs []ChatMessage, tools json.RawMessage, generationPrompt bool) string {
+	var b bytes.Buffer
+	if t := bytes.TrimSpace(tools); len(t) > 0 && string(t) != "null" && string(t) != "[]" && json.Compact(&b, t) == nil {
+		msgs = append([]ChatMessage{{Role: "system", Content: "Environment: tools\n" + b.String()}}, msgs...)
+	}
+	return RenderChat(msgs, generationPrompt)
 }
 
 // outputWords are the pieces the simulated model "generates": short English
