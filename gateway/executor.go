@@ -77,10 +77,11 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 	var (
 		p    *permit
 		once sync.Once
+		kept = func() {} // stops the permit's renewal
 	)
 	price := s.priceOf(model.ID, c.alias)
 	release := func(o store.Outcome, attempts int, u *usage) {
-		once.Do(func() { p.release(ctx, o, attempts, u) })
+		once.Do(func() { kept(); p.release(ctx, o, attempts, u) })
 	}
 	call := &scheduler.Call{Ticket: t}
 	call.Admit = func(ctx context.Context) error {
@@ -93,6 +94,7 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 		if p, err = s.acquireQuotaFor(ctx, j.Tenant, "", store.Limits{}, prompt, maxOut, price); err != nil {
 			return jobQuotaError(err)
 		}
+		kept = p.keep() // the job may wait for a backend longer than a lease
 		return nil
 	}
 	call.Release = func() { release(store.NotSent, 0, nil); endAttempt() }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -15,6 +16,7 @@ import (
 	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
 
+	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
 	"github.com/kvgate/kvgate/scheduler"
@@ -423,5 +425,47 @@ func TestDeletedTenantsWorkIsRefused(t *testing.T) {
 	waitJob(t, f, "acme", id, store.FailedTerminal)
 	if j, _ := st.Get(context.Background(), "acme", id); !strings.Contains(j.LastError, "tenant deleted") {
 		t.Errorf("the job accepted in the window failed with %q, want for its deleted tenant", j.LastError)
+	}
+}
+
+// TestJobPermitKeptWhileItWaits: a job's quota permit is renewed while
+// the job holds it (waiting for a backend may take longer than a lease),
+// so the tenant's concurrency cap holds: an acquisition past the first
+// lease finds the permit still counting, not swept; released, it counts
+// no more.
+func TestJobPermitKeptWhileItWaits(t *testing.T) {
+	st := sqliteStore(t)
+	const lease = 200 * time.Millisecond
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st, PermitLease: lease}}})
+	key := newTenant(t, st, "tiny", store.Limits{MaxConcurrency: 1}, store.RoleUser)
+	ids := submitJobs(t, f, key, "held", chatJob("wait for a backend", 2), 1)
+	j, err := f.store.Get(context.Background(), "tiny", ids[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	call, err := f.api.Prepare(context.Background(), j)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := call.Admit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	another := func() error {
+		a := store.Acquisition{PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: "tiny", Tokens: 1,
+			Limits: store.Limits{MaxConcurrency: 1}, Now: time.Now(), Lease: lease}
+		p, err := st.Acquire(context.Background(), a)
+		if err == nil {
+			_ = st.Release(context.Background(), store.Release{Permit: p, Outcome: store.NotSent, Now: time.Now()})
+		}
+		return err
+	}
+	time.Sleep(4 * lease) // the job waits past its permit's first lease
+	var qe *store.QuotaError
+	if err := another(); !errors.As(err, &qe) || qe.Limit != "concurrency" {
+		t.Errorf("another request past the held permit's first lease: %v, want refused for concurrency", err)
+	}
+	call.Release()
+	if err := another(); err != nil {
+		t.Errorf("another request once the job let its permit go: %v", err)
 	}
 }

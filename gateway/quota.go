@@ -345,6 +345,40 @@ func (s *Server) acquisition(tenant string, l store.Limits, prompt, maxOut int, 
 // writtenBehind says whether the permit is written behind its request.
 func (p *permit) writtenBehind() bool { return p != nil && p.acquired != nil }
 
+// keep renews a permit's lease every third of it until stop is called: a
+// job's permit is held while the job waits for a backend, which may take
+// longer than the lease, and a permit swept once its lease ran out would
+// no longer count against its tenant's concurrency. A permit written
+// behind its request is a request's, never held so long: not renewed.
+func (p *permit) keep() (stop func()) {
+	if p == nil || p.writtenBehind() || p.p.ID == "" || p.s.cfg.Tenants.PermitLease <= 0 {
+		return func() {}
+	}
+	lease := p.s.cfg.Tenants.PermitLease
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(lease / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			err := p.s.cfg.Tenants.Store.RenewPermit(ctx, p.p.ID, p.s.cfg.Tenants.Now().Add(lease))
+			if errors.Is(err, store.ErrNotFound) {
+				return // released, or swept already: nothing to keep
+			}
+			if err != nil && ctx.Err() == nil {
+				p.s.log.Warn("renewing a job's quota permit", "tenant", p.p.Tenant, "permit", p.p.ID, "err", err)
+			}
+		}
+	}()
+	return func() { cancel(); <-done }
+}
+
 // headers sets OpenAI's x-ratelimit-* headers for the permit's window
 // (none for a permit written behind: nothing limits it).
 func (p *permit) headers(h http.Header) {

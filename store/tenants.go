@@ -311,6 +311,11 @@ type Tenants interface {
 	// twice changes nothing more; a permit that expired first is
 	// reconciled from the uncertain usage it was moved to.
 	Release(ctx context.Context, r Release) error
+	// RenewPermit moves a permit's lease to expires: a permit held longer
+	// than a lease (a job's, while the job waits for a backend) keeps
+	// counting against its tenant's concurrency. ErrNotFound once the
+	// permit is released or swept.
+	RenewPermit(ctx context.Context, id string, expires time.Time) error
 	// RecordUsage charges the ledger with an ended request as Acquire and
 	// then Release would have, with no permit ever stored: for a request
 	// that nothing could refuse (Acquisition.Unrefusable) and that ended

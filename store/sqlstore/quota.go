@@ -455,6 +455,17 @@ func (s *Store) checkSpend(ctx context.Context, tx *sql.Tx, a store.Acquisition,
 	return nil
 }
 
+// RenewPermit implements store.Store.
+func (s *Store) RenewPermit(ctx context.Context, id string, expires time.Time) error {
+	res, err := s.db.ExecContext(ctx, s.rb(`UPDATE quota_permits SET expires_at = ? WHERE id = ? AND swept = 0`), micros(expires), id)
+	if err := affected(res, err); errors.Is(err, store.ErrLeaseLost) {
+		return store.ErrNotFound
+	} else if err != nil {
+		return s.err("renew permit", err)
+	}
+	return nil
+}
+
 // Release implements store.Store. Concurrent acquisitions and releases
 // commit together (quotabatch.go).
 func (s *Store) Release(ctx context.Context, r store.Release) error {

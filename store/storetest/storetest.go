@@ -61,6 +61,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"QuotaRefusalWindow", testQuotaRefusalWindow},
 		{"QuotaKeyWindowRelease", testQuotaKeyWindowRelease},
 		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},
+		{"PermitRenewal", testPermitRenewal},
 		{"QuotaBudgets", testQuotaBudgets},
 		{"SpendBudgets", testSpendBudgets},
 		{"QuotaRace", testQuotaRace},

@@ -383,6 +383,36 @@ func testQuotaKeyWindowRelease(t *testing.T, s store.Store) {
 	}
 }
 
+// testPermitRenewal: a permit renewed past its first lease (a job's,
+// waiting for a backend) keeps counting against its tenant's concurrency
+// when an acquisition after that lease would have swept it; released, it
+// can no longer be renewed.
+func testPermitRenewal(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	l := store.Limits{MaxConcurrency: 1}
+	held, err := s.Acquire(ctx, acquisition("acme", 10, l, t0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease := time.Minute // acquisition's
+	if err := s.RenewPermit(ctx, held.ID, t0.Add(3*lease)); err != nil {
+		t.Fatal(err)
+	}
+	later := t0.Add(2 * lease) // past the first lease, within the renewed one
+	if _, err := s.Acquire(ctx, acquisition("acme", 10, l, later)); quotaLimit(err) != "concurrency" {
+		t.Fatalf("an acquisition past the first lease of a renewed permit: %v, want concurrency", err)
+	}
+	if err := s.Release(ctx, store.Release{Permit: held, Outcome: store.NotSent, Now: later}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.RenewPermit(ctx, held.ID, later.Add(lease)); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("renew a released permit: %v, want ErrNotFound", err)
+	}
+	if _, err := s.Acquire(ctx, acquisition("acme", 10, l, later)); err != nil {
+		t.Errorf("an acquisition once the renewed permit is released: %v", err)
+	}
+}
+
 func testQuotaConcurrencyAndLedger(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	l := store.Limits{MaxConcurrency: 2}
