@@ -18,12 +18,16 @@ import (
 	"github.com/kvgate/kvgate/store"
 )
 
+// errUnknownEndpoint: a job's endpoint this replica does not serve; only
+// a newer replica can have accepted it.
+var errUnknownEndpoint = errors.New("an endpoint this replica does not serve: a newer one accepted the job")
+
 // jobCall parses a job's request and looks up its model: a model no
 // backend serves yet stands for itself (the scheduler waits for one).
 func (s *Server) jobCall(j store.Job) (*call, gpu.Model, error) {
 	ep, ok := jobEndpoints[j.Endpoint]
 	if !ok {
-		return nil, gpu.Model{}, fmt.Errorf("job %s: unknown endpoint %q", j.ID, j.Endpoint)
+		return nil, gpu.Model{}, fmt.Errorf("job %s: %w: %q", j.ID, errUnknownEndpoint, j.Endpoint)
 	}
 	c, err := parseCall(j.Body, ep)
 	if err != nil {
@@ -50,7 +54,11 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 	if err != nil {
 		_, span := startAttempt(ctx, j)
 		endSpan(span, 0, err)
-		return nil, &scheduler.ExecError{Class: scheduler.ClassInvalid, Err: err}
+		class := scheduler.ClassInvalid
+		if errors.Is(err, errUnknownEndpoint) {
+			class = scheduler.ClassUnknownEndpoint // another replica may run it
+		}
+		return nil, &scheduler.ExecError{Class: class, Err: err}
 	}
 	// The attempt's span, in the job's trace: the admission wait (quota,
 	// then a backend's KV grant) and the backend call below it.

@@ -8,6 +8,9 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/kvgate/kvgate/bench/eventually"
 
@@ -248,5 +251,29 @@ func TestJobWaitsOutAModelMissing(t *testing.T) {
 	as, _ := f.store.Attempts(context.Background(), v.ID)
 	if len(as) < 3 || as[0].Spent || as[0].ErrorClass != "no_backend" {
 		t.Errorf("attempts %+v: want unspent no_backend waits first", as)
+	}
+}
+
+// TestJobOfANewerEndpointWaits: a job whose endpoint this replica does
+// not serve (a newer replica accepted it, mid rolling upgrade) is handed
+// back without spending an attempt, for a replica that serves it, rather
+// than failed for good as an invalid request.
+func TestJobOfANewerEndpointWaits(t *testing.T) {
+	f := startFleet(t, fleetOpts{backends: 1, jobs: true, runner: true})
+	now := time.Now()
+	j, _, err := f.store.Accept(context.Background(), store.NewJob{ID: uuid.Must(uuid.NewV7()).String(), EventID: uuid.Must(uuid.NewV7()).String(),
+		Tenant: "default", IdempotencyKey: "newer", RequestHash: "h", Endpoint: "/v1/from-the-future", Model: llama,
+		Body: []byte(`{"model":"` + llama + `"}`), MaxAttempts: 1, Deadline: now.Add(time.Hour), Now: now})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var as []store.Attempt
+	eventually.True(t, "the job tried", func() bool {
+		as, _ = f.store.Attempts(context.Background(), j.ID)
+		return len(as) > 0
+	})
+	got, _ := f.store.Get(context.Background(), "default", j.ID)
+	if got.State.Final() || got.Attempt != 0 || as[0].Spent || as[0].ErrorClass != "unknown_endpoint" {
+		t.Errorf("job %s with %d attempts spent, first attempt %+v: want it waiting, nothing spent", got.State, got.Attempt, as[0])
 	}
 }

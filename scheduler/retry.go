@@ -32,6 +32,10 @@ const (
 	// ClassStore: the job store could not be reached before the request
 	// left; it was not sent.
 	ClassStore ErrorClass = "store_unavailable"
+	// ClassUnknownEndpoint: this replica does not know the job's endpoint,
+	// which a newer one accepted (a rolling upgrade, a rollback): a wait
+	// for a replica that knows it, until the job's deadline.
+	ClassUnknownEndpoint ErrorClass = "unknown_endpoint"
 )
 
 // Transient reports whether an attempt that failed so may succeed later.
