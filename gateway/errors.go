@@ -203,7 +203,7 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, context.Canceled):
 		// The client went away; nobody reads this, but the metrics do.
 		return &apiError{status: 499, typ: "invalid_request_error", code: "client_closed_request", msg: "The client closed the request."}
-	case errors.Is(err, context.DeadlineExceeded):
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, errStalled):
 		return &apiError{status: http.StatusGatewayTimeout, typ: "server_error", code: "timeout", msg: "The backend did not answer in time."}
 	}
 	return &apiError{status: http.StatusBadGateway, typ: "server_error", code: "upstream_error",
