@@ -45,6 +45,7 @@ func forbidden(code, msg string) *apiError {
 type upstreamError struct {
 	status     int
 	msg        string
+	param      string // the field the backend named, if any
 	retryAfter time.Duration
 }
 
@@ -188,7 +189,7 @@ func toAPIError(err error) *apiError {
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "model_not_found", param: "model",
 			msg: "No backend serves this model."}
 	case errors.As(err, &up):
-		e := &apiError{status: up.status, msg: up.msg, retryAfter: up.retryAfter}
+		e := &apiError{status: up.status, msg: up.msg, param: up.param, retryAfter: up.retryAfter}
 		switch {
 		case up.status == http.StatusBadRequest && strings.Contains(strings.ToLower(up.msg), "maximum context length"):
 			e.typ, e.code = "invalid_request_error", "context_length_exceeded"

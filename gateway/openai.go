@@ -671,21 +671,26 @@ func (s *Server) upstreamFailure(g *scheduler.Grant, resp *http.Response) result
 	return result{status: resp.StatusCode, err: up.err, up: up}
 }
 
-// errorMessage digs the message out of an OpenAI- or vLLM-shaped error body.
-func errorMessage(b []byte) string {
+// errorMessage digs the message, and the field it names if any, out of an
+// OpenAI- or vLLM-shaped error body.
+func errorMessage(b []byte) (msg, param string) {
 	var nested struct {
 		Error struct {
 			Message string `json:"message"`
+			Param   any    `json:"param"`
 		} `json:"error"`
 		Message string `json:"message"` // older vLLM: flat
+		Param   any    `json:"param"`
 	}
 	if json.Unmarshal(b, &nested) != nil {
-		return ""
+		return "", ""
 	}
 	if nested.Error.Message != "" {
-		return nested.Error.Message
+		p, _ := nested.Error.Param.(string)
+		return nested.Error.Message, p
 	}
-	return nested.Message
+	p, _ := nested.Param.(string)
+	return nested.Message, p
 }
 
 // parseRetryAfter reads Retry-After as seconds or an HTTP date.

@@ -102,12 +102,12 @@ func classifyResponse(status int, h http.Header, body []byte) upstream {
 	if status < 400 {
 		return upstream{class: upstreamOK, status: status}
 	}
-	msg := errorMessage(body)
+	msg, param := errorMessage(body)
 	if msg == "" {
 		msg = fmt.Sprintf("The backend answered %d.", status)
 	}
 	u := upstream{status: status, retryAfter: parseRetryAfter(h.Get("Retry-After"))}
-	u.err = &upstreamError{status: status, msg: msg, retryAfter: u.retryAfter}
+	u.err = &upstreamError{status: status, msg: msg, param: param, retryAfter: u.retryAfter}
 	switch {
 	case status == http.StatusTooManyRequests:
 		u.class = upstreamRateLimited

@@ -157,3 +157,18 @@ func TestReportAlone(t *testing.T) {
 		}
 	}
 }
+
+// TestBackendErrorKeepsItsParam: a backend's 4xx that names the field at
+// fault reaches the client with it, as the SDKs' errors expose param.
+func TestBackendErrorKeepsItsParam(t *testing.T) {
+	for body, want := range map[string]string{
+		`{"error":{"message":"temperature must be at least 0","type":"BadRequestError","param":"temperature","code":400}}`: "temperature",
+		`{"object":"error","message":"bad top_p","type":"BadRequestError","param":"top_p","code":400}`:                     "top_p",
+		`{"error":{"message":"no field named","param":null}}`:                                                              "",
+	} {
+		u := classifyResponse(http.StatusBadRequest, http.Header{}, []byte(body))
+		if e := toAPIError(u.err); e.param != want || e.status != http.StatusBadRequest || e.typ != "invalid_request_error" {
+			t.Errorf("%s: param %q, status %d, type %q; want param %q, 400 invalid_request_error", body, e.param, e.status, e.typ, want)
+		}
+	}
+}
