@@ -413,7 +413,7 @@ func (e *env) snapshot() (snapshot, error) {
 	if err := rows.Err(); err != nil {
 		return s, err
 	}
-	rows, err = e.db.QueryContext(ctx, `SELECT job_id, type, state, published_at <> 0 FROM outbox ORDER BY seq`)
+	rows, err = e.db.QueryContext(ctx, `SELECT job_id, type, state, published_at > 0 FROM outbox ORDER BY seq`)
 	if err != nil {
 		return s, err
 	}
