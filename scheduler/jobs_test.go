@@ -470,6 +470,9 @@ func TestRunnerOutlastsPassingStoreErrors(t *testing.T) {
 		"sqlite busy": errors.New("complete job: database is locked (5) (SQLITE_BUSY)"),
 		"deadlock":    errors.New("complete job: ERROR: deadlock detected (SQLSTATE 40P01)"),
 		"read-only":   errors.New("complete job: ERROR: cannot execute UPDATE in a read-only transaction (SQLSTATE 25006)"),
+		// pgconn's connect_timeout to a host out of reach matches the
+		// context's error: the store out of reach, not the caller gone.
+		"connect timeout": fmt.Errorf("complete job: %w: failed to connect: %w", store.ErrUnavailable, context.DeadlineExceeded),
 	} {
 		t.Run(name, func(t *testing.T) {
 			st := &flakyStore{Store: openStore(t), completeErr: err}
@@ -543,5 +546,34 @@ func TestRetriesKeepWithinTheDeadline(t *testing.T) {
 	}
 	if early := deadline.Sub(got.UpdatedAt); early > 150*time.Millisecond {
 		t.Errorf("the job ended %v before its deadline, after %d tries: a backoff draw past the deadline ended it", early, exec.calls.Load())
+	}
+}
+
+// TestWithinDeadline: a retry that would pass the deadline waits half the
+// time left, or its floor where that is longer and still fits; a floor
+// past the deadline, or too little time left, keeps the retry as it was
+// (the job then ends).
+func TestWithinDeadline(t *testing.T) {
+	r := &Runner{cfg: RunnerConfig{Backoff: Backoff{Base: time.Second}}}
+	now := time.Now()
+	deadline := now.Add(30 * time.Second)
+	past := deadline.Add(time.Minute)
+	for _, c := range []struct {
+		name  string
+		at    time.Time
+		floor time.Duration
+		want  time.Time
+	}{
+		{"fits already", now.Add(10 * time.Second), 0, now.Add(10 * time.Second)},
+		{"half the time left", past, 0, now.Add(15 * time.Second)},
+		{"a floor longer than half that fits", past, 20 * time.Second, now.Add(20 * time.Second)},
+		{"a floor past the deadline", past, 40 * time.Second, past},
+	} {
+		if got := r.withinDeadline(now, deadline, c.at, c.floor); !got.Equal(c.want) {
+			t.Errorf("%s: retry at %v, want %v", c.name, got.Sub(now), c.want.Sub(now))
+		}
+	}
+	if got := r.withinDeadline(now, now.Add(time.Second), past, 0); !got.Equal(past) {
+		t.Errorf("half a second left: retry at %v, want it left past the deadline", got.Sub(now))
 	}
 }

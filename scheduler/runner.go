@@ -777,20 +777,21 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 
 // withinDeadline keeps a retry inside its job's deadline, which the store
 // ends a retry past (deadline_exceeded): a jittered backoff that would
-// pass it waits half the time left instead, so that a job waiting out a
-// backend's absence gets its tries until near its deadline, not one
-// unlucky draw's end 40 s early. A floor that passes it (a Retry-After, a
-// quota's reset) is kept, as is a wait once half the time left is under
-// the backoff's base: the job then ends at its deadline.
+// pass it waits half the time left instead (no less than the floor), so
+// that a job waiting out a backend's absence gets its tries until near
+// its deadline, not one unlucky draw's end 40 s early. A floor that passes
+// it (a Retry-After, a quota's reset) is kept, as is a wait once half the
+// time left is under the backoff's base: the job then ends.
 func (r *Runner) withinDeadline(now, deadline, at time.Time, floor time.Duration) time.Time {
 	if deadline.IsZero() || at.Before(deadline) {
 		return at
 	}
-	half := deadline.Sub(now) / 2
-	if half < max(floor, cmp.Or(r.cfg.Backoff.Base, time.Second)) {
+	left := deadline.Sub(now)
+	d := max(left/2, floor)
+	if d >= left || d < cmp.Or(r.cfg.Backoff.Base, time.Second) {
 		return at
 	}
-	return now.Add(half)
+	return now.Add(d)
 }
 
 // record runs one of an attempt's final writes (its checkpoint, its end)
@@ -805,7 +806,7 @@ func (r *Runner) record(ctx context.Context, write func(now time.Time) error) er
 	giveUp := r.cfg.Now().Add(r.cfg.Lease)
 	for wait := 50 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
 		err := write(r.cfg.Now())
-		if err == nil || final(err) || !r.cfg.Now().Add(wait).Before(giveUp) {
+		if err == nil || final(err) || ctx.Err() != nil || !r.cfg.Now().Add(wait).Before(giveUp) {
 			return err
 		}
 		r.m.recordRetries.Inc()
@@ -820,9 +821,12 @@ func (r *Runner) record(ctx context.Context, write func(now time.Time) error) er
 }
 
 // final reports whether a store's error is its answer about the job, which
-// trying again would only repeat.
+// trying again would only repeat. Not a context's error: a driver's own
+// timeout (a connect_timeout to a host out of reach) matches
+// context.DeadlineExceeded, and is a store out of reach; record's caller
+// ending is record's own look (ctx.Done).
 func final(err error) bool {
-	for _, e := range []error{store.ErrLeaseLost, store.ErrFinal, store.ErrNotFound, store.ErrConflict, context.Canceled, context.DeadlineExceeded} {
+	for _, e := range []error{store.ErrLeaseLost, store.ErrFinal, store.ErrNotFound, store.ErrConflict} {
 		if errors.Is(err, e) {
 			return true
 		}
