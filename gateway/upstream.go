@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/kvgate/kvgate/scheduler"
@@ -36,7 +37,7 @@ const (
 	// upstreamRequestError: 4xx but 404 and 429; the request itself is
 	// wrong.
 	upstreamRequestError
-	// upstreamModelMissing: 404, the backend does not serve the model
+	// upstreamModelMissing: a 404 that says the backend does not serve the model
 	// (now): kvgate's view of it is stale (a restart with another model,
 	// a LoRA adapter unloaded). Another backend, or this one later, may.
 	upstreamModelMissing
@@ -113,12 +114,20 @@ func classifyResponse(status int, h http.Header, body []byte) upstream {
 		u.class = upstreamRateLimited
 	case status >= 500:
 		u.class = upstreamBackendError
-	case status == http.StatusNotFound:
+	case status == http.StatusNotFound && modelMissing(msg):
 		u.class = upstreamModelMissing
 	default:
 		u.class = upstreamRequestError
 	}
 	return u
+}
+
+// modelMissing reports whether a backend's 404 says the model is not
+// served there ("The model `x` does not exist."), rather than something
+// the request named (a previous_response_id, a route).
+func modelMissing(msg string) bool {
+	m := strings.ToLower(msg)
+	return strings.Contains(m, "model") && (strings.Contains(m, "does not exist") || strings.Contains(m, "not found"))
 }
 
 // classifyTransport classifies a round trip or body read that failed

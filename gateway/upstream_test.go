@@ -31,7 +31,9 @@ func TestClassifyResponse(t *testing.T) {
 		{503, "2", `not json`, upstreamBackendError, scheduler.ClassBackend, "The backend answered 503.", 2 * time.Second},
 		{400, "", `{"error":{"message":"maximum context length is 8192"}}`, upstreamRequestError, scheduler.ClassInvalid, "maximum context length is 8192", 0},
 		// The backend does not serve the model now: a wait, not the request's fault.
-		{404, "", `{"error":{"message":"no such model"}}`, upstreamModelMissing, scheduler.ClassNoBackend, "no such model", 0},
+		{404, "", `{"error":{"message":"The model ` + "`m`" + ` does not exist."}}`, upstreamModelMissing, scheduler.ClassNoBackend, "The model `m` does not exist.", 0},
+		// Another 404 is the request's: what it named is not there.
+		{404, "", `{"error":{"message":"Response with id 'resp_1' not found."}}`, upstreamRequestError, scheduler.ClassInvalid, "Response with id 'resp_1' not found.", 0},
 		{422, "", `{"error":{"message":"bad field"}}`, upstreamRequestError, scheduler.ClassInvalid, "bad field", 0},
 	} {
 		t.Run(fmt.Sprint(tc.status), func(t *testing.T) {
