@@ -347,11 +347,13 @@ func buildQueries(d Dialect) queries {
 		stage:    r(`SELECT data FROM stages WHERE job_id = ? AND stage = ?`),
 		// The placed events first (an empty index but in a broker's
 		// outage), then the others.
-		unpublished: r(`SELECT * FROM (SELECT seq, id, job_id, tenant, type, state, state_version, created_at, 0, feed_seq FROM outbox
-				WHERE published_at = ` + placed + ` ORDER BY feed_seq LIMIT ?) placed
-			UNION ALL
-			SELECT * FROM (SELECT seq, id, job_id, tenant, type, state, state_version, created_at, 0, 0 FROM outbox
-				WHERE published_at = 0 ORDER BY seq LIMIT ?) unplaced`),
+		unpublished: r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, 0, feed FROM (
+				SELECT * FROM (SELECT 0 AS placed, seq, id, job_id, tenant, type, state, state_version, created_at, feed_seq AS feed
+					FROM outbox WHERE published_at = ` + placed + ` ORDER BY feed_seq LIMIT ?) p
+				UNION ALL
+				SELECT * FROM (SELECT 1, seq, id, job_id, tenant, type, state, state_version, created_at, 0
+					FROM outbox WHERE published_at = 0 ORDER BY seq LIMIT ?) u) o
+			ORDER BY placed, feed, seq`),
 		markPublished: r(`UPDATE outbox SET published_at = ?, feed_seq = ? WHERE id = ? AND published_at = 0`),
 		markPlaced:    r(`UPDATE outbox SET published_at = ? WHERE id = ? AND published_at = ` + placed),
 		feedUnpublished: r(`UPDATE outbox SET published_at = ` + placed + `, feed_seq = CAST(? AS BIGINT) + todo.n
