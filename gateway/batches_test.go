@@ -829,25 +829,38 @@ func runBatchWorker(t *testing.T, f *fleet) {
 	t.Cleanup(func() { cancel(); <-done })
 }
 
-// countingReader is an endless upload body of one byte, counting what
-// the server reads of it.
-type countingReader struct{ n atomic.Int64 }
+// countingReader is an endless upload body of one byte.
+type countingReader struct{}
 
-func (c *countingReader) Read(p []byte) (int, error) {
+func (countingReader) Read(p []byte) (int, error) {
 	for i := range p {
 		p[i] = 'x'
 	}
-	c.n.Add(int64(len(p)))
 	return len(p), nil
+}
+
+// chunkCounter counts the file chunks the gateway stores.
+type chunkCounter struct {
+	store.Batches
+	n atomic.Int64
+}
+
+func (c *chunkCounter) PutFileChunk(ctx context.Context, id string, seq int, data []byte) error {
+	c.n.Add(1)
+	return c.Batches.PutFileChunk(ctx, id, seq, data)
 }
 
 // TestUploadLimits: a file larger than its purpose allows is a 413
 // file_too_large, none of it kept; when the purpose comes before the file,
-// the upload stops at the purpose's limit instead of reading (and
-// storing) up to the largest file of any purpose first.
+// the upload stops storing at the purpose's limit instead of storing up to
+// the largest file of any purpose first, and the client, still sending,
+// hears the 413.
 func TestUploadLimits(t *testing.T) {
+	var chunks *chunkCounter
 	f := startFleet(t, fleetOpts{backends: 1, jobs: true, server: func(s *Server) {
 		s.fileMax = fileMax{batch: 1 << 20, any: 64 << 20}
+		chunks = &chunkCounter{Batches: s.batches}
+		s.batches = chunks
 	}})
 	big := bytes.Repeat([]byte(`{"custom_id":"x"}`+"\n"), (1<<20)/18+1) // past the batch limit
 	status, b := upload(t, f.srv.URL, "", "input.jsonl", "batch", big)
@@ -859,14 +872,14 @@ func TestUploadLimits(t *testing.T) {
 	}
 
 	// Purpose first, then a file far past the batch limit but within
-	// any purpose's: read no further than a few chunks past the limit.
-	body := &countingReader{}
+	// any purpose's: stored no further than the limit.
+	chunks.n.Store(0)
 	pr, pw := io.Pipe()
 	mw := multipart.NewWriter(pw)
 	go func() {
 		mw.WriteField("purpose", "batch")
 		fw, _ := mw.CreateFormFile("file", "input.jsonl")
-		_, err := io.Copy(fw, io.LimitReader(body, 48<<20))
+		_, err := io.Copy(fw, io.LimitReader(countingReader{}, 48<<20))
 		if err == nil {
 			err = mw.Close()
 		}
@@ -874,16 +887,17 @@ func TestUploadLimits(t *testing.T) {
 	}()
 	req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/files", pr)
 	req.Header.Set("Content-Type", mw.FormDataContentType())
-	if resp, err := http.DefaultClient.Do(req); err == nil { // the server may close before the client's write ends
-		b, _ := io.ReadAll(resp.Body)
-		resp.Body.Close()
-		if resp.StatusCode != http.StatusRequestEntityTooLarge {
-			t.Errorf("a batch file past its limit, purpose first: %d %s", resp.StatusCode, b)
-		}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatalf("a batch file past its limit, purpose first: %v, want the 413 heard", err)
 	}
-	pr.CloseWithError(io.ErrClosedPipe)
-	if n := body.n.Load(); n > 16<<20 {
-		t.Errorf("the upload read %d MiB of a batch file whose limit is 1 MiB", n>>20)
+	b, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestEntityTooLarge {
+		t.Errorf("a batch file past its limit, purpose first: %d %s", resp.StatusCode, b)
+	}
+	if n := chunks.n.Load(); n > 2 {
+		t.Errorf("the upload stored %d chunks (1 MiB each) of a batch file whose limit is 1 MiB", n)
 	}
 	if fs, _, err := f.store.ListFiles(context.Background(), "default", store.FileFilter{}, time.Now()); err != nil || len(fs) != 1 {
 		t.Errorf("files kept: %d (%v), want the user_data file alone", len(fs), err)

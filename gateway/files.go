@@ -203,11 +203,13 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 				err = bodyError{cerr}
 			}
 		}
+		// The rest of a refused part is read, not stored (up to the body's
+		// limit), so that a client still sending hears the answer rather
+		// than a reset connection, which SDKs retry.
+		part.Close()
 		if err != nil {
-			// Not part.Close, which would read the rest of the part.
 			return abandon(s.uploadError(err))
 		}
-		part.Close()
 	}
 	switch {
 	case file == nil:
