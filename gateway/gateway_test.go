@@ -649,17 +649,16 @@ func TestStalledBackendIsCut(t *testing.T) {
 	if f.inflight() != 0 {
 		t.Errorf("%d reservations held after the stalls", f.inflight())
 	}
+	s, _ := f.pool.Snapshot("sim0")
+	if s.Failures == 0 && !s.Ejected {
+		t.Error("the stalled backend was not counted as failed")
+	}
 	// With every backend silent, the client hears a timeout: 504, not a
 	// 502 that says the backend failed.
 	f.sims[1].SetFaults(vllmsim.Faults{HangRate: 1})
 	resp, body := f.post(t, "/v1/completions", fmt.Sprintf(`{"model":"%s","prompt":"silence","max_tokens":4}`, llama))
 	if resp.StatusCode != http.StatusGatewayTimeout || !strings.Contains(string(body), `"timeout"`) {
 		t.Errorf("every backend silent: %d %s, want 504 timeout", resp.StatusCode, body)
-	}
-	f.sims[1].SetFaults(vllmsim.Faults{})
-	s, _ := f.pool.Snapshot("sim0")
-	if s.Failures == 0 && !s.Ejected {
-		t.Error("the stalled backend was not counted as failed")
 	}
 }
 
