@@ -22,7 +22,9 @@ import (
 // the models an alias has fallen back from.
 
 // checkAliases refuses a configuration whose aliases cannot resolve: an
-// alias without models, or one that names an alias (no chains).
+// alias without models, or one that names another alias (no chains). An
+// alias may name itself, a served model given fallbacks: {m: [m, other]}
+// serves m while a backend of m can take work, other when none can.
 func checkAliases(m map[string][]string) error {
 	for a, targets := range m {
 		if a == "" || len(targets) == 0 {
@@ -32,7 +34,7 @@ func checkAliases(m map[string][]string) error {
 			if t == "" {
 				return fmt.Errorf("model alias %q: an empty model name", a)
 			}
-			if _, ok := m[t]; ok {
+			if _, ok := m[t]; ok && t != a {
 				return fmt.Errorf("model alias %q names %q, itself an alias: aliases name models, not aliases", a, t)
 			}
 		}

@@ -355,10 +355,15 @@ type modelView struct {
 	Root        string `json:"root,omitempty"` // an alias's model
 }
 
-// models are the served models, then the aliases.
+// models are the served models, then the aliases. A served model that an
+// alias of the same name stands for (itself with fallbacks) is listed once,
+// as the alias, which is what a request for the name gets.
 func (s *Server) models() []modelView {
 	out := []modelView{}
 	for _, m := range s.pool.Models() {
+		if _, ok := s.cfg.Models[m.ID]; ok {
+			continue
+		}
 		out = append(out, modelView{ID: m.ID, Object: "model", Created: startTime, OwnedBy: "kvgate", MaxModelLen: m.MaxModelLen})
 	}
 	for _, a := range s.aliasModels() {

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -637,5 +638,44 @@ func TestToolsCountInThePrompt(t *testing.T) {
 	}
 	if out.Usage.PromptTokens != prompt || prompt < 300 {
 		t.Errorf("reserved %d prompt tokens, the backend counted %d: the tools must count", prompt, out.Usage.PromptTokens)
+	}
+}
+
+// TestAliasOfItsOwnModel: an alias named like the model it names first
+// gives that served model fallbacks. /v1/models lists the name once, as
+// the alias; requests for it fall back when its backends go.
+func TestAliasOfItsOwnModel(t *testing.T) {
+	f := startFleet(t, fleetOpts{speedup: 50, backends: 2,
+		simConfig: func(i int, c *vllmsim.Config) { c.ServedModelName = []string{"primary", "fallback"}[i] },
+		gateway:   Config{Models: map[string][]string{"primary": {"primary", "fallback"}}}})
+	resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/models", "", "")
+	models := decode[list[modelView]](t, b)
+	var ids []string
+	for _, m := range models.Data {
+		ids = append(ids, m.ID+"→"+m.Root)
+	}
+	slices.Sort(ids)
+	if resp.StatusCode != http.StatusOK || !slices.Equal(ids, []string{"fallback→", "primary→primary"}) {
+		t.Errorf("/v1/models: %d %v, want fallback and the alias primary once", resp.StatusCode, ids)
+	}
+	chat := `{"model":"primary","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	served := func() string {
+		resp, b := f.post(t, "/v1/chat/completions", chat)
+		if resp.StatusCode != http.StatusOK {
+			return fmt.Sprintf("%d %s", resp.StatusCode, b)
+		}
+		return decode[struct{ Model string }](t, b).Model
+	}
+	if got := served(); got != "primary" {
+		t.Errorf("served by %q, want primary", got)
+	}
+	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
+	eventually.True(t, "primary falls back", func() bool { return served() == "fallback" })
+	resp, b = send(t, f.srv.URL, http.MethodGet, "/v1/models/primary", "", "")
+	if m := decode[modelView](t, b); resp.StatusCode != http.StatusOK || m.Root != "fallback" {
+		t.Errorf("GET /v1/models/primary: %d %s, want the alias, root fallback", resp.StatusCode, b)
+	}
+	if err := checkAliases(map[string][]string{"a": {"b"}, "b": {"b", "c"}}); err == nil {
+		t.Error("an alias naming another alias (itself named after its model) was accepted")
 	}
 }
