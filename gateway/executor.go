@@ -189,6 +189,7 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		return fail(sentNothing, scheduler.ClassInvalid, 0, 0, err)
 	}
 	req.Header.Set("Content-Type", "application/json")
+	nameBackendCall(req, j.ID)
 	if err := sending(); err != nil {
 		return execOutcome{}, sentNothing, err // the claim lost the job: send nothing
 	}

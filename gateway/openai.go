@@ -614,6 +614,7 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if c.f.Stream {
 		req.Header.Set("Accept", "text/event-stream")
 	}
+	nameBackendCall(req, RequestID(ctx))
 	span := startBackendSpan(req, g)
 	start := time.Now()
 	resp, err := s.client.Do(req)

@@ -75,6 +75,22 @@ func validRequestID(id string) bool {
 	return true
 }
 
+// nameBackendCall sets the X-Request-Id of a call to a backend: base (the
+// request's id, or the job's) and 8 random hex digits. vLLM takes the
+// header for its own id of the request, in its logs and in the answer's id
+// (chatcmpl-<id>), so an operator finds a kvgate request or job in the
+// backend's logs by its id. The suffix makes each call's name its own: a
+// client that reuses an id, or a job's attempts, never puts two requests
+// of one name in a backend at once.
+func nameBackendCall(req *http.Request, base string) {
+	if base == "" {
+		base = newRequestID()
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	req.Header.Set(RequestIDHeader, base+"-"+hex.EncodeToString(b[:]))
+}
+
 // newRequestID makes an id in OpenAI's form: req_ and 32 hex digits.
 func newRequestID() string {
 	var b [16]byte

@@ -5,10 +5,13 @@ import (
 	"context"
 	"encoding/json"
 	"log/slog"
+	"net/http"
+	"regexp"
 	"strings"
 	"testing"
 
 	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
 )
 
 func TestValidRequestID(t *testing.T) {
@@ -56,5 +59,33 @@ func TestLogHandler(t *testing.T) {
 		if _, ok := parseAccessLog(v); ok != want {
 			t.Errorf("parseAccessLog(%q) ok %v", v, ok)
 		}
+	}
+}
+
+// TestBackendCallsCarryTheRequestID: each call to a backend is named after
+// its request (the caller's X-Request-Id) or its job, with a suffix of its
+// own, and vLLM (the simulator, as vLLM does) builds its answer's id from
+// that name. Two calls under one client id get two names.
+func TestBackendCallsCarryTheRequestID(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 50})
+	chat := `{"model":"` + llama + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
+	answerID := func() string {
+		resp, b := f.post(t, "/v1/chat/completions", chat, RequestIDHeader, "client-7")
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("chat: %d %s", resp.StatusCode, b)
+		}
+		return decode[struct{ ID string }](t, b).ID
+	}
+	named := regexp.MustCompile(`^chatcmpl-client-7-[0-9a-f]{8}$`)
+	first, second := answerID(), answerID()
+	if !named.MatchString(first) || !named.MatchString(second) || first == second {
+		t.Errorf("answer ids %q and %q, want chatcmpl-client-7- and a suffix of each call's own", first, second)
+	}
+	_, j := submitJob(t, f, "named-job", `{"endpoint":"/v1/chat/completions","body":`+chat+`}`)
+	waitJob(t, f, "default", j.ID, store.Succeeded)
+	resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/jobs/"+j.ID+"/result", "", "")
+	if id := decode[struct{ ID string }](t, b).ID; resp.StatusCode != http.StatusOK ||
+		!regexp.MustCompile(`^chatcmpl-`+regexp.QuoteMeta(j.ID)+`-[0-9a-f]{8}$`).MatchString(id) {
+		t.Errorf("job result: %d, id %q, want chatcmpl-%s- and a suffix", resp.StatusCode, id, j.ID)
 	}
 }

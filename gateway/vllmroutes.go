@@ -152,6 +152,7 @@ func (s *Server) passThrough(ctx context.Context, w http.ResponseWriter, url str
 		return 0, false, err
 	}
 	req.Header.Set("Content-Type", "application/json")
+	nameBackendCall(req, RequestID(ctx))
 	resp, err := s.client.Do(req)
 	if err != nil {
 		return 0, false, err

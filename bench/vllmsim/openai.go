@@ -270,12 +270,12 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 		c.usage = boolOr(f.StreamOptions.IncludeUsage, true)
 		c.contUsage = c.usage && f.StreamOptions.ContinuousUsageStats
 	}
-	c.id = s.newID("cmpl-")
+	c.id = s.requestID(r, "cmpl-")
 	switch kind {
 	case kindChat:
-		c.id = s.newID("chatcmpl-")
+		c.id = s.requestID(r, "chatcmpl-")
 	case kindResponses:
-		c.id = s.newID("resp_")
+		c.id = s.newID("resp_") // vLLM's Responses API takes its id from the body, not the header
 	}
 
 	if !s.structuredCall(w, r, &c, f.structuredFields) {

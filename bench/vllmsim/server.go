@@ -216,6 +216,16 @@ func (s *Sim) newID(prefix string) string {
 	return fmt.Sprintf("%s%016x%016x", prefix, s.idSalt, n)
 }
 
+// requestID is an answer's id as vLLM makes it for chat and completions:
+// prefix and the caller's X-Request-Id, taken as it came, or one of its
+// own without it.
+func (s *Sim) requestID(r *http.Request, prefix string) string {
+	if id := r.Header.Get("X-Request-Id"); id != "" {
+		return prefix + id
+	}
+	return s.newID(prefix)
+}
+
 type modelCard struct {
 	ID          string       `json:"id"`
 	Object      string       `json:"object"`
