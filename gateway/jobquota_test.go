@@ -469,3 +469,48 @@ func TestJobPermitKeptWhileItWaits(t *testing.T) {
 		t.Errorf("another request once the job let its permit go: %v", err)
 	}
 }
+
+// TestRequestPermitKeptWhileItRuns: an interactive request's permit is
+// renewed while the request runs, however long that is (a long
+// max_queue_wait, retries, a slow stream): the tenant's concurrency cap
+// holds past the permit's first lease.
+func TestRequestPermitKeptWhileItRuns(t *testing.T) {
+	st := sqliteStore(t)
+	const lease = 200 * time.Millisecond
+	f := startFleet(t, fleetOpts{store: st, backends: 1, gateway: Config{Tenants: Tenants{Store: st, PermitLease: lease}}})
+	key := newTenant(t, st, "tiny", store.Limits{MaxConcurrency: 1}, store.RoleUser)
+	f.sims[0].SetFaults(vllmsim.Faults{HangRate: 1, Match: "hold me"})
+	another := func() error {
+		a := store.Acquisition{PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: "tiny", Tokens: 1,
+			Limits: store.Limits{MaxConcurrency: 1}, Now: time.Now(), Lease: lease}
+		p, err := st.Acquire(context.Background(), a)
+		if err == nil {
+			_ = st.Release(context.Background(), store.Release{Permit: p, Outcome: store.NotSent, Now: time.Now()})
+		}
+		return err
+	}
+	refused := func() bool {
+		var qe *store.QuotaError
+		return errors.As(another(), &qe) && qe.Limit == "concurrency"
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, f.srv.URL+"/v1/chat/completions",
+			strings.NewReader(`{"model":"`+llama+`","messages":[{"role":"user","content":"hold me"}],"max_tokens":2}`))
+		req.Header.Set("Authorization", "Bearer "+key)
+		req.Header.Set("Content-Type", "application/json")
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	eventually.True(t, "the request holds its permit", refused)
+	time.Sleep(4 * lease) // the request runs past its permit's first lease
+	if !refused() {
+		t.Error("another request past the running request's first lease was admitted beside it")
+	}
+	cancel()
+	<-done
+	eventually.True(t, "the permit is let go once the client leaves", func() bool { return another() == nil })
+}

@@ -413,6 +413,10 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		return writeError(w, s.log, err)
 	}
 	permit.headers(w.Header())
+	// A request may run past its permit's lease (a long max_queue_wait,
+	// retries, a slow stream); swept, the permit would no longer count
+	// against its tenant's concurrency.
+	kept := permit.keep()
 	var (
 		attempts int // that reached a backend, or may have
 		last     *result
@@ -420,6 +424,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	)
 	defer health.settle(s.pool)
 	defer func() {
+		kept()
 		o, u := outcome(attempts, last, usage{PromptTokens: prompt, CompletionTokens: maxOut})
 		if permit.writtenBehind() {
 			// Under way before the answer's last bytes leave: a usage

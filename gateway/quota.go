@@ -346,10 +346,11 @@ func (s *Server) acquisition(tenant string, l store.Limits, prompt, maxOut int, 
 func (p *permit) writtenBehind() bool { return p != nil && p.acquired != nil }
 
 // keep renews a permit's lease every third of it until stop is called: a
-// job's permit is held while the job waits for a backend, which may take
-// longer than the lease, and a permit swept once its lease ran out would
-// no longer count against its tenant's concurrency. A permit written
-// behind its request is a request's, never held so long: not renewed.
+// job's permit is held while the job waits for a backend, a request's
+// while it waits and runs, either of which may take longer than the lease,
+// and a permit swept once its lease ran out would no longer count against
+// its tenant's concurrency. A permit written behind its request limits
+// nothing: not renewed.
 func (p *permit) keep() (stop func()) {
 	if p == nil || p.writtenBehind() || p.p.ID == "" || p.s.cfg.Tenants.PermitLease <= 0 {
 		return func() {}
@@ -372,7 +373,7 @@ func (p *permit) keep() (stop func()) {
 				return // released, or swept already: nothing to keep
 			}
 			if err != nil && ctx.Err() == nil {
-				p.s.log.Warn("renewing a job's quota permit", "tenant", p.p.Tenant, "permit", p.p.ID, "err", err)
+				p.s.log.Warn("renewing a quota permit", "tenant", p.p.Tenant, "permit", p.p.ID, "err", err)
 			}
 		}
 	}()
