@@ -89,7 +89,7 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 	)
 	price := s.priceOf(model.ID, c.alias)
 	release := func(o store.Outcome, attempts int, u *usage) {
-		once.Do(func() { kept(); p.release(ctx, o, attempts, u) })
+		once.Do(func() { kept(); p.release(ctx, o, attempts, 0, u) }) // one backend call an attempt
 	}
 	call := &scheduler.Call{Ticket: t}
 	call.Admit = func(ctx context.Context) error {

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvgate/kvgate/gpu"
 	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
 )
 
 // reqFields are the request fields admission needs; everything else in the
@@ -418,24 +419,27 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 	// against its tenant's concurrency.
 	kept := permit.keep()
 	var (
-		attempts int // that reached a backend, or may have
-		last     *result
+		attempts int     // that reached a backend, or may have
+		last     *result // the last attempt's
+		sent     *result // the last of the attempts that reached a backend
+		cut      int     // the attempts before sent cut with no answer: their usage is unknown
 		health   requestHealth
 	)
+	reserved := usage{PromptTokens: prompt, CompletionTokens: maxOut}
 	defer health.settle(s.pool)
 	defer func() {
 		kept()
-		o, u := outcome(attempts, last, usage{PromptTokens: prompt, CompletionTokens: maxOut})
+		o, u := outcome(attempts, sent, reserved)
 		if permit.writtenBehind() {
 			// Under way before the answer's last bytes leave: a usage
 			// read made once the client has them waits for it (quota.go).
-			permit.release(ctx, o, attempts, u)
+			permit.release(ctx, o, attempts, cut, u)
 			return
 		}
 		if permit != nil && last != nil && last.wrote {
 			_ = http.NewResponseController(w).Flush() // the client need not wait for the release
 		}
-		permit.release(ctx, o, attempts, u)
+		permit.release(ctx, o, attempts, cut, u)
 	}()
 	ticket := &scheduler.Ticket{
 		Tenant: tenantOf(ctx), Weight: s.weight(ctx, tenantOf(ctx)), Class: scheduler.Interactive, Model: model.ID,
@@ -474,7 +478,11 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}()
 		last = &res
 		if res.up.class.sent() {
+			if o, _ := outcome(1, sent, reserved); sent != nil && o == store.Uncertain {
+				cut++ // retried, and what it used stays charged
+			}
 			attempts++
+			sent = &res
 		}
 		sameTwice := health.observe(s.pool, grant.Backend, res.up)
 		if res.err == nil {

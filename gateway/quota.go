@@ -402,18 +402,21 @@ func rateLimitHeaders(h http.Header, w store.Window) {
 	}
 }
 
-// release gives the permit back with how its request ended. It runs after
-// the client may have left, so it does not take the request's context.
+// release gives the permit back with how its request ended: o and u as
+// outcome says, attempts those that reached a backend or may have, and cut
+// how many of them before the last were cut with no answer (each charged
+// the reservation as uncertain usage). It runs after the client may have
+// left, so it does not take the request's context.
 //
 // A permit written behind its request is released behind it too: after
 // its acquisition, in a goroutine of its own, and settle waits for it.
-func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *usage) {
+func (p *permit) release(ctx context.Context, o store.Outcome, attempts, cut int, u *usage) {
 	if p == nil {
 		return
 	}
 	now := p.s.cfg.Tenants.Now()
 	if !p.writtenBehind() {
-		p.releaseNow(ctx, o, attempts, u, now)
+		p.releaseNow(ctx, o, attempts, cut, u, now)
 		return
 	}
 	ctx = context.WithoutCancel(ctx)
@@ -432,7 +435,7 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 		if p.start != nil && p.start.Stop() {
 			// The acquisition never began: the request's usage in one
 			// write, and no permit.
-			r := p.ended(p.a.Permit(), o, attempts, u, now)
+			r := p.ended(p.a.Permit(), o, attempts, cut, u, now)
 			rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 			defer cancel()
 			if err := p.s.cfg.Tenants.Store.RecordUsage(rctx, r); err != nil {
@@ -458,13 +461,14 @@ func (p *permit) release(ctx context.Context, o store.Outcome, attempts int, u *
 				return
 			}
 		}
-		p.releaseNow(ctx, o, attempts, u, now)
+		p.releaseNow(ctx, o, attempts, cut, u, now)
 	}()
 }
 
 // ended is how the request of permit pp ended, at now.
-func (p *permit) ended(pp store.Permit, o store.Outcome, attempts int, u *usage, now time.Time) store.Release {
+func (p *permit) ended(pp store.Permit, o store.Outcome, attempts, cut int, u *usage, now time.Time) store.Release {
 	r := ending(o, attempts, u, p.price)
+	r.EarlierUncertain = cut
 	r.Permit, r.Now, r.Behind = pp, now, p.writtenBehind()
 	return r
 }
@@ -515,8 +519,8 @@ func chargeEnded(ch *store.Charge, o store.Outcome, attempts int, u *usage, pric
 }
 
 // releaseNow gives the acquired permit back, as release says, at now.
-func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, u *usage, now time.Time) {
-	r := p.ended(p.p, o, attempts, u, now)
+func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts, cut int, u *usage, now time.Time) {
+	r := p.ended(p.p, o, attempts, cut, u, now)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if err := p.s.cfg.Tenants.Store.Release(ctx, r); err != nil {
@@ -526,8 +530,10 @@ func (p *permit) releaseNow(ctx context.Context, o store.Outcome, attempts int, 
 }
 
 // outcome says how a proxied request ended for its permit: attempts is how
-// many backends were tried, res the last one's result (nil if none was
-// tried), reserved the usage to charge for a success without a report.
+// many attempts reached a backend (or may have), res the last of them's
+// result (nil if none did), reserved the usage to charge for a success
+// without a report. With attempts 1 and an earlier attempt's res, it says
+// whether that attempt's usage is unknown (store.Uncertain).
 func outcome(attempts int, res *result, reserved usage) (store.Outcome, *usage) {
 	var up *upstreamError
 	switch {

@@ -606,3 +606,56 @@ func TestShortRequestsRecordedInOneWrite(t *testing.T) {
 		t.Errorf("store down after a failed record: %d %s", resp.StatusCode, b)
 	}
 }
+
+// TestRetriedRequestChargesItsCutAttempt: a request whose first backend
+// stalls past the timeout (it may have computed the answer) and whose
+// retry on another backend answers is charged both: the answer's usage as
+// reported, and the cut attempt's reservation as uncertain usage. Both
+// ways a request's usage is written: a limited tenant's permit released,
+// an unlimited tenant's usage recorded behind the request.
+func TestRetriedRequestChargesItsCutAttempt(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		limits store.Limits
+	}{{"permit", store.Limits{MaxConcurrency: 10}}, {"recorded", store.Limits{}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			st := sqliteStore(t)
+			clock := &testClock{now: quotaT0}
+			var first atomic.Bool // the first inference request of either backend stalls
+			stallFirst := func(_ int, h http.Handler) http.Handler {
+				return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+					if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/completions") && first.CompareAndSwap(false, true) {
+						_, _ = io.Copy(io.Discard, r.Body) // read whole, as vLLM does: the server then sees the client go
+						<-r.Context().Done()
+						return
+					}
+					h.ServeHTTP(w, r)
+				})
+			}
+			f := startFleet(t, fleetOpts{store: st, backends: 2, wrap: stallFirst,
+				gateway: Config{RequestTimeout: 200 * time.Millisecond, Tenants: Tenants{Store: st, Now: clock.Now}}})
+			key := newTenant(t, st, "retried", tc.limits, store.RoleUser)
+			resp, b := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"hello","max_tokens":5,"ignore_eos":true}`,
+				"Authorization", "Bearer "+key)
+			if resp.StatusCode != http.StatusOK {
+				t.Fatalf("request: %d %s", resp.StatusCode, b)
+			}
+			got := decode[struct{ Usage usage }](t, b).Usage
+			var u store.UsageDay
+			eventually.True(t, "the request's usage is in the ledger", func() bool {
+				us, _ := st.Usage(context.Background(), "retried", quotaT0, quotaT0)
+				if len(us) == 1 {
+					u = us[0]
+				}
+				return len(us) == 1 && u.ReservedTokens == 0 && u.Attempts == 2
+			})
+			// The cut attempt's reservation: the prompt as kvgate counted it
+			// before sending, and the 5 tokens asked for.
+			if u.Requests != 1 || u.PromptTokens != int64(got.PromptTokens) || u.CompletionTokens != 5 ||
+				u.Uncertain != 1 || u.UncertainTokens <= 5 {
+				t.Errorf("ledger %+v; want 1 request of 2 attempts, the answer's %d+5 tokens reported and the cut attempt's reservation uncertain",
+					u, got.PromptTokens)
+			}
+		})
+	}
+}

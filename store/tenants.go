@@ -190,9 +190,15 @@ const (
 
 // Release returns a permit.
 type Release struct {
-	Permit           Permit
-	Outcome          Outcome
-	Attempts         int // backend attempts made (retries included)
+	Permit   Permit
+	Outcome  Outcome
+	Attempts int // backend attempts made (retries included)
+	// EarlierUncertain counts the request's attempts before its last that
+	// were sent and cut with no answer (a stalled backend, a connection
+	// dropped before the first byte): whatever they used is unknown, and
+	// each is charged the permit's reservation as an uncertain request,
+	// whatever the last attempt's outcome.
+	EarlierUncertain int
 	PromptTokens     int64
 	CompletionTokens int64
 	Cost             int64 // the reported usage's price, micro-units
@@ -209,7 +215,7 @@ type UsageDay struct {
 	PromptTokens     int64     // reported
 	CompletionTokens int64     // reported
 	ReservedTokens   int64     // held by requests in flight
-	Uncertain        int64     // requests whose usage never came back
+	Uncertain        int64     // requests (or cut attempts of retried ones) whose usage never came back
 	UncertainTokens  int64     // their reservations, still charged
 	// Money, in micro-units: reported usage's, held by requests in flight,
 	// and that of the uncertain requests' reservations.

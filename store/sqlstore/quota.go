@@ -154,14 +154,15 @@ func acquiredChange(a store.Acquisition) ledgerChange {
 // acquisition and release would have left the ledger; false for one
 // never sent, which leaves nothing.
 func recordedChange(r store.Release) (ledgerChange, bool) {
-	d := ledgerChange{attempts: int64(r.Attempts)}
+	d := earlierChange(r)
 	switch r.Outcome {
 	case store.NotSent:
 		return d, r.Attempts != 0
 	case store.Reported:
 		d.requests, d.prompt, d.completion, d.cost = 1, r.PromptTokens, r.CompletionTokens, r.Cost
 	case store.Uncertain:
-		d.requests, d.uncertain, d.uncertainTokens, d.uncertainCost = 1, 1, r.Permit.Tokens, r.Permit.Cost
+		d.requests = 1
+		d = d.add(ledgerChange{uncertain: 1, uncertainTokens: r.Permit.Tokens, uncertainCost: r.Permit.Cost})
 	}
 	return d, true
 }
@@ -193,7 +194,7 @@ func takenChange(tokens, cost int64) ledgerChange {
 // already (sweptChange): it is taken back from there.
 func releasedChange(r store.Release, swept bool) ledgerChange {
 	p := r.Permit
-	d := ledgerChange{attempts: int64(r.Attempts)}
+	d := earlierChange(r)
 	held, heldCost, heldCount := &d.reserved, &d.reservedCost, int64(0) // where the reservation sits
 	if swept {
 		held, heldCost, heldCount = &d.uncertainTokens, &d.uncertainCost, 1
@@ -211,11 +212,18 @@ func releasedChange(r store.Release, swept bool) ledgerChange {
 		d.uncertain -= heldCount
 	case store.Uncertain:
 		if !swept {
-			d.reserved, d.uncertain, d.uncertainTokens = -p.Tokens, 1, p.Tokens
-			d.reservedCost, d.uncertainCost = -p.Cost, p.Cost
+			d = d.add(sweptChange(p.Tokens, p.Cost)) // the reservation, uncertain now
 		}
 	}
 	return d
+}
+
+// earlierChange is the part of a request's end that its last attempt's
+// outcome does not change: its attempts, and the reservation charged as
+// an uncertain request for each earlier attempt cut with no answer.
+func earlierChange(r store.Release) ledgerChange {
+	n := int64(r.EarlierUncertain)
+	return ledgerChange{attempts: int64(r.Attempts), uncertain: n, uncertainTokens: n * r.Permit.Tokens, uncertainCost: n * r.Permit.Cost}
 }
 
 // sweptChange: an expired permit's reservation becomes uncertain usage.

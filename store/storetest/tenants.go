@@ -700,6 +700,8 @@ func testRecordUsage(t *testing.T, s store.Store) {
 		"reported":  {Outcome: store.Reported, Attempts: 2, PromptTokens: 7, CompletionTokens: 5, Cost: 40},
 		"uncertain": {Outcome: store.Uncertain, Attempts: 1},
 		"not-sent":  {Outcome: store.NotSent},
+		"retried":   {Outcome: store.Reported, Attempts: 2, EarlierUncertain: 1, PromptTokens: 7, CompletionTokens: 5, Cost: 40},
+		"stalled":   {Outcome: store.Uncertain, Attempts: 2, EarlierUncertain: 1},
 	}
 	for name, end := range ends {
 		for range 2 {
@@ -731,6 +733,17 @@ func testRecordUsage(t *testing.T, s store.Store) {
 		}
 		if got != want {
 			t.Errorf("%s: recorded %+v, want %+v as acquired and released", name, got, want)
+		}
+		// Each of the two requests: its reservation (30, cost 90) charged
+		// uncertain for each attempt cut with no answer.
+		if w := map[string]store.UsageDay{
+			"retried": {Requests: 2, Attempts: 4, PromptTokens: 14, CompletionTokens: 10, Cost: 80, Uncertain: 2, UncertainTokens: 60, UncertainCost: 180},
+			"stalled": {Requests: 2, Attempts: 4, Uncertain: 4, UncertainTokens: 120, UncertainCost: 360},
+		}[name]; w.Requests > 0 {
+			w.Day = want.Day
+			if want != w {
+				t.Errorf("%s: %+v, want %+v", name, want, w)
+			}
 		}
 	}
 
@@ -794,6 +807,8 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 		u := day(r.Permit.Day)
 		u.Attempts += int64(r.Attempts)
 		p := r.Permit
+		n := int64(r.EarlierUncertain) // each charged the reservation, uncertain
+		u.Uncertain, u.UncertainTokens, u.UncertainCost = u.Uncertain+n, u.UncertainTokens+n*p.Tokens, u.UncertainCost+n*p.Cost
 		if stored && swept { // back from uncertain usage, then as if never swept
 			u.Uncertain, u.UncertainTokens, u.UncertainCost = u.Uncertain-1, u.UncertainTokens-p.Tokens, u.UncertainCost-p.Cost
 			u.ReservedTokens, u.ReservedCost = u.ReservedTokens+p.Tokens, u.ReservedCost+p.Cost
@@ -856,6 +871,9 @@ func testQuotaPlainTogether(t *testing.T, s store.Store) {
 			{Outcome: store.NotSent, Now: later},
 			{Outcome: store.NotSent, Attempts: 2, Now: later},
 			{Outcome: store.Uncertain, Attempts: 1, Now: later},
+			// Retried after attempts cut with no answer.
+			{Outcome: store.Reported, Attempts: 2, EarlierUncertain: 1, PromptTokens: 2, CompletionTokens: 1, Cost: 5, Now: later},
+			{Outcome: store.Uncertain, Attempts: 3, EarlierUncertain: 2, Now: later},
 		}
 		// A permit whose lease will have ended, one of yesterday's, and
 		// n of today's with long leases.
