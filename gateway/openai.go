@@ -144,6 +144,7 @@ func (c *call) tooLarge(err error) error {
 		return err
 	}
 	e := &tooLargeCall{err: tl}
+	capName, _ := c.outputCap()
 	switch {
 	case c.ep == epEmbedding:
 		e.param, e.input = "input", true
@@ -153,10 +154,8 @@ func (c *call) tooLarge(err error) error {
 		e.param, e.input = "text_2", true
 	case c.ep == epResponses:
 		e.param = "max_output_tokens"
-	case c.f.MaxCompletionTokens != nil:
-		e.param = "max_completion_tokens"
-	case c.f.MaxTokens != nil:
-		e.param = "max_tokens"
+	case capName != "":
+		e.param = capName
 	case c.f.N != nil && *c.f.N > 1:
 		e.param = "n"
 	case c.ep == epChat:
@@ -165,6 +164,25 @@ func (c *call) tooLarge(err error) error {
 		e.param, e.input = "prompt", true
 	}
 	return e
+}
+
+// outputCap is the field that bounds the call's output as vLLM reads it,
+// and its value ("" and nil when the call sets none): on chat
+// max_completion_tokens, else max_tokens; on completions max_tokens alone
+// (vLLM's completions API has no max_completion_tokens and ignores one
+// sent); on the Responses API max_output_tokens alone.
+func (c *call) outputCap() (string, *int) {
+	switch {
+	case c.ep == epResponses:
+		if c.f.MaxOutputTokens != nil {
+			return "max_output_tokens", c.f.MaxOutputTokens
+		}
+	case c.f.MaxCompletionTokens != nil && c.ep != epCompletion:
+		return "max_completion_tokens", c.f.MaxCompletionTokens
+	case c.f.MaxTokens != nil:
+		return "max_tokens", c.f.MaxTokens
+	}
+	return "", nil
 }
 
 // call is one validated inference request.
@@ -363,18 +381,9 @@ func (s *Server) reservationWith(c *call, model gpu.Model, prompt int) (total, m
 	if model.MaxModelLen <= 0 {
 		room = 1 << 30
 	}
-	switch {
-	case c.ep == epResponses:
-		// The Responses API has max_output_tokens only; vLLM ignores
-		// the others there.
-		maxOut = s.cfg.DefaultMaxTokens
-		if c.f.MaxOutputTokens != nil {
-			maxOut = *c.f.MaxOutputTokens
-		}
-	case c.f.MaxCompletionTokens != nil:
-		maxOut = *c.f.MaxCompletionTokens
-	case c.f.MaxTokens != nil:
-		maxOut = *c.f.MaxTokens
+	switch _, v := c.outputCap(); {
+	case v != nil:
+		maxOut = *v
 	case c.ep == epCompletion:
 		maxOut = 16 // the completions API's default
 	default:

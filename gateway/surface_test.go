@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -17,6 +18,7 @@ import (
 	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -677,5 +679,47 @@ func TestAliasOfItsOwnModel(t *testing.T) {
 	}
 	if err := checkAliases(map[string][]string{"a": {"b"}, "b": {"b", "c"}}); err == nil {
 		t.Error("an alias naming another alias (itself named after its model) was accepted")
+	}
+}
+
+// TestOutputCapAsVLLMReadsIt: the output a request reserves is bounded by
+// the field vLLM bounds it by on that endpoint: max_completion_tokens
+// before max_tokens on chat, max_tokens alone on completions (vLLM's
+// completions API ignores max_completion_tokens: reserving by it there
+// would let a request with max_tokens 1,000 reserve 10), max_output_tokens
+// alone on the Responses API.
+func TestOutputCapAsVLLMReadsIt(t *testing.T) {
+	s := &Server{cfg: Config{DefaultMaxTokens: 1024}}
+	m := gpu.Model{ID: "m", MaxModelLen: 32768}
+	for _, c := range []struct {
+		ep        endpoint
+		fields    string
+		wantOut   int
+		wantParam string
+	}{
+		{epCompletion, `"max_tokens":1000,"max_completion_tokens":10`, 1000, "max_tokens"},
+		{epCompletion, `"max_completion_tokens":500`, 16, "prompt"},
+		{epChat, `"max_tokens":1000,"max_completion_tokens":10`, 10, "max_completion_tokens"},
+		{epChat, `"max_tokens":100`, 100, "max_tokens"},
+		{epChat, `"n":1`, 1024, "messages"},
+		{epResponses, `"max_output_tokens":50,"max_tokens":900`, 50, "max_output_tokens"},
+		{epResponses, `"max_tokens":900`, 1024, "max_output_tokens"},
+	} {
+		body := map[endpoint]string{
+			epCompletion: `{"model":"m","prompt":"hi",` + c.fields + `}`,
+			epChat:       `{"model":"m","messages":[{"role":"user","content":"hi"}],` + c.fields + `}`,
+			epResponses:  `{"model":"m","input":"hi",` + c.fields + `}`,
+		}[c.ep]
+		call, err := parseCall([]byte(body), c.ep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, out := s.reservationWith(call, m, 10); out != c.wantOut {
+			t.Errorf("%s: reserves %d output tokens, want %d", body, out, c.wantOut)
+		}
+		var tl *tooLargeCall
+		if !errors.As(call.tooLarge(&scheduler.TooLargeError{}), &tl) || tl.param != c.wantParam {
+			t.Errorf("%s: too large names %+v, want %s", body, tl, c.wantParam)
+		}
 	}
 }
