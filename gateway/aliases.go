@@ -30,9 +30,12 @@ func checkAliases(m map[string][]string) error {
 		if a == "" || len(targets) == 0 {
 			return fmt.Errorf("model alias %q: it needs a name and at least one model", a)
 		}
-		for _, t := range targets {
+		for i, t := range targets {
 			if t == "" {
 				return fmt.Errorf("model alias %q: an empty model name", a)
+			}
+			if t == a && i > 0 {
+				return fmt.Errorf("model alias %q names itself after another model: a model given fallbacks comes first", a)
 			}
 			if _, ok := m[t]; ok && t != a {
 				return fmt.Errorf("model alias %q names %q, itself an alias: aliases name models, not aliases", a, t)

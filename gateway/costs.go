@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"time"
 
@@ -44,10 +45,16 @@ func checkPrices(m map[string]Price) error {
 }
 
 // priceOf is the price of a call to model, asked for as asked (an alias,
-// or the model itself): the model's price, else the alias's.
+// or the model itself): the model's price, else the alias's. An alias
+// named after its own model (a served model with fallbacks) has no price
+// of its own: the name's price is the model's, and a fallback is priced
+// as itself.
 func (s *Server) priceOf(model, asked string) Price {
 	if p, ok := s.cfg.Prices[model]; ok {
 		return p
+	}
+	if slices.Contains(s.cfg.Models[asked], asked) {
+		return Price{}
 	}
 	return s.cfg.Prices[asked]
 }

@@ -112,6 +112,7 @@ func (s *Server) tokenize(ctx context.Context, base string, c *call) (int, error
 		return 0, err
 	}
 	hr.Header.Set("Content-Type", "application/json")
+	nameBackendCall(hr, RequestID(ctx))
 	resp, err := s.client.Do(hr)
 	if err != nil {
 		return 0, err

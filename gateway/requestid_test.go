@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"regexp"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvgate/kvgate/scheduler"
@@ -67,7 +68,16 @@ func TestLogHandler(t *testing.T) {
 // own, and vLLM (the simulator, as vLLM does) builds its answer's id from
 // that name. Two calls under one client id get two names.
 func TestBackendCallsCarryTheRequestID(t *testing.T) {
-	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 50})
+	var counted atomic.Value // the name of the last /tokenize call
+	f := startFleet(t, fleetOpts{jobs: true, runner: true, speedup: 50, gateway: Config{TokenCount: "tokenize"},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/tokenize" {
+					counted.Store(r.Header.Get(RequestIDHeader))
+				}
+				h.ServeHTTP(w, r)
+			})
+		}})
 	chat := `{"model":"` + llama + `","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`
 	answerID := func() string {
 		resp, b := f.post(t, "/v1/chat/completions", chat, RequestIDHeader, "client-7")
@@ -80,6 +90,9 @@ func TestBackendCallsCarryTheRequestID(t *testing.T) {
 	first, second := answerID(), answerID()
 	if !named.MatchString(first) || !named.MatchString(second) || first == second {
 		t.Errorf("answer ids %q and %q, want chatcmpl-client-7- and a suffix of each call's own", first, second)
+	}
+	if got, _ := counted.Load().(string); !regexp.MustCompile(`^client-7-[0-9a-f]{8}$`).MatchString(got) {
+		t.Errorf("the prompt's /tokenize call was named %q, want client-7- and a suffix", got)
 	}
 	_, j := submitJob(t, f, "named-job", `{"endpoint":"/v1/chat/completions","body":`+chat+`}`)
 	waitJob(t, f, "default", j.ID, store.Succeeded)

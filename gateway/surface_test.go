@@ -680,6 +680,20 @@ func TestAliasOfItsOwnModel(t *testing.T) {
 	if err := checkAliases(map[string][]string{"a": {"b"}, "b": {"b", "c"}}); err == nil {
 		t.Error("an alias naming another alias (itself named after its model) was accepted")
 	}
+	if err := checkAliases(map[string][]string{"m": {"other", "m"}}); err == nil {
+		t.Error("an alias naming itself after another model was accepted: m would go to other while m is up")
+	}
+	// The name's price is the model's; a fallback is priced as itself.
+	s := &Server{cfg: Config{Models: map[string][]string{"big": {"big", "small"}, "gpt": {"big"}},
+		Prices: map[string]Price{"big": {Prompt: 3}, "gpt": {Prompt: 1}}}}
+	for _, c := range []struct {
+		model, asked string
+		want         float64
+	}{{"big", "big", 3}, {"small", "big", 0}, {"big", "gpt", 3}, {"small", "small", 0}} {
+		if got := s.priceOf(c.model, c.asked).Prompt; got != c.want {
+			t.Errorf("price of %s asked as %s: %v, want %v", c.model, c.asked, got, c.want)
+		}
+	}
 }
 
 // TestOutputCapAsVLLMReadsIt: the output a request reserves is bounded by

@@ -700,7 +700,7 @@ func (s *Sim) handleEmbeddings(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	writeJSON(w, http.StatusOK, map[string]any{
-		"id": s.newID("embd-"), "object": "list", "created": time.Now().Unix(), "model": s.model, "data": data,
+		"id": s.requestID(r, "embd-"), "object": "list", "created": time.Now().Unix(), "model": s.model, "data": data,
 		"usage": usageInfo{PromptTokens: total, TotalTokens: total},
 	})
 }

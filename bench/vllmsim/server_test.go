@@ -1672,3 +1672,41 @@ func TestRestartResetsCounters(t *testing.T) {
 		t.Errorf("request_success_total after the restart: %v, want 1", got)
 	}
 }
+
+// TestRequestIDHeaderNamesTheAnswer: as vLLM does, a chat, completions or
+// embeddings request's X-Request-Id becomes its answer's id, after the
+// endpoint's prefix; without the header the id is the server's own.
+func TestRequestIDHeaderNamesTheAnswer(t *testing.T) {
+	_, c := startSim(t, Config{Profile: testProfile(t, 256, 64)})
+	_, ce := startSim(t, Config{Profile: embeddingProfile(t)})
+	for _, tc := range []struct {
+		c      simClient
+		path   string
+		body   map[string]any
+		prefix string
+	}{
+		{c, "/v1/chat/completions", map[string]any{"messages": chatMessages("hi"), "max_tokens": 2}, "chatcmpl-"},
+		{c, "/v1/completions", map[string]any{"prompt": "hi", "max_tokens": 2}, "cmpl-"},
+		{ce, "/v1/embeddings", map[string]any{"input": "hi"}, "embd-"},
+	} {
+		for _, named := range []bool{true, false} {
+			req := tc.c.newRequest(context.Background(), t, http.MethodPost, tc.path, tc.body)
+			if named {
+				req.Header.Set("X-Request-Id", "caller-7-0a1b2c3d")
+			}
+			resp, err := tc.c.hc.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out struct{ ID string }
+			err = json.NewDecoder(resp.Body).Decode(&out)
+			resp.Body.Close()
+			if err != nil || resp.StatusCode != http.StatusOK {
+				t.Fatalf("%s: %d %v", tc.path, resp.StatusCode, err)
+			}
+			if got := out.ID == tc.prefix+"caller-7-0a1b2c3d"; got != named || !strings.HasPrefix(out.ID, tc.prefix) {
+				t.Errorf("%s with the header %v: id %q", tc.path, named, out.ID)
+			}
+		}
+	}
+}

@@ -529,6 +529,9 @@ func (s *Store) releaseIn(ctx context.Context, tx *sql.Tx, r store.Release) erro
 	case store.Reported:
 		window = [2]int64{0, actual - p.Tokens}
 	}
+	// The attempts cut with no answer keep a reservation each in the
+	// window, as in the ledger (earlierChange).
+	window[1] += int64(r.EarlierUncertain) * p.Tokens
 	// The windows first, as in Acquire (the tenant's, then the key's;
 	// then the permits, then the ledger), so the two never deadlock.
 	// Only while the permit is there (not released before), and only

@@ -58,6 +58,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) store.Store) {
 		{"Tenants", testTenants},
 		{"Keys", testKeys},
 		{"QuotaWindow", testQuotaWindow},
+		{"QuotaWindowCutAttempts", testQuotaWindowCutAttempts},
 		{"QuotaRefusalWindow", testQuotaRefusalWindow},
 		{"QuotaKeyWindowRelease", testQuotaKeyWindowRelease},
 		{"QuotaConcurrencyAndLedger", testQuotaConcurrencyAndLedger},

@@ -248,6 +248,32 @@ func usageOn(t *testing.T, s store.Store, tenant string, day time.Time) store.Us
 	return us[0]
 }
 
+// testQuotaWindowCutAttempts: a request retried after attempts cut with
+// no answer keeps a reservation in its minute's token window for each of
+// them, as the ledger charges them (store.Release.EarlierUncertain).
+func testQuotaWindowCutAttempts(t *testing.T, s store.Store) {
+	ctx := context.Background()
+	l := store.Limits{TPM: 100}
+	createTenant(t, s, "cut", l)
+	now := t0.Add(10 * time.Second)
+	p, err := s.Acquire(ctx, acquisition("cut", 40, l, now))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 10 tokens of answer, and one attempt cut before it: 50 in the window.
+	if err := s.Release(ctx, store.Release{Permit: p, Outcome: store.Reported, Attempts: 2, EarlierUncertain: 1,
+		PromptTokens: 5, CompletionTokens: 5, Now: now}); err != nil {
+		t.Fatal(err)
+	}
+	q, err := s.Acquire(ctx, acquisition("cut", 50, l, now))
+	if err != nil {
+		t.Fatalf("50 tokens after 50 used: %v", err)
+	}
+	if q.Window.RemainingTokens != 0 {
+		t.Errorf("window after a request of 10 tokens with a cut attempt of 40, and 50 more: %+v, want none left", q.Window)
+	}
+}
+
 func testQuotaWindow(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	l := store.Limits{RPM: 3, TPM: 100}
