@@ -20,6 +20,7 @@ import (
 
 	"github.com/kvgate/kvgate/bench/eventually"
 	"github.com/kvgate/kvgate/bench/vllmsim"
+	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres/pgtest"
 )
@@ -901,5 +902,91 @@ func TestUploadLimits(t *testing.T) {
 	}
 	if fs, _, err := f.store.ListFiles(context.Background(), "default", store.FileFilter{}, time.Now()); err != nil || len(fs) != 1 {
 		t.Errorf("files kept: %d (%v), want the user_data file alone", len(fs), err)
+	}
+}
+
+// TestBatchAtTheEndOfItsWindow: the window decides a batch's end only for
+// the lines it cuts. A batch whose lines all ended is completed though the
+// worker looks after its window (one replica's worker goes through the
+// batches one at a time, and a large file's validation delays the rest);
+// a cancel that the window overtakes ends the batch expired, its open
+// lines cut as batch_expired, not cancelled.
+func TestBatchAtTheEndOfItsWindow(t *testing.T) {
+	f := startFleet(t, fleetOpts{jobs: true, speedup: 100})
+	base, ctx := f.srv.URL, context.Background()
+	started := func(n int) store.Batch {
+		t.Helper()
+		v := createBatch(t, base, "", uploadBatchFile(t, base, "", batchLines(n, nil)))
+		b, err := f.store.Batch(ctx, "default", v.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := f.api.workBatch(ctx, b); err != nil { // validates it
+			t.Fatal(err)
+		}
+		if b, err = f.store.Batch(ctx, "default", v.ID); err != nil || b.Status != store.BatchInProgress {
+			t.Fatalf("validated batch: %+v %v", b, err)
+		}
+		return b
+	}
+	pastWindow := func(b store.Batch) store.Batch {
+		t.Helper()
+		if _, err := f.store.DB().Exec(`UPDATE batches SET expires_at = ? WHERE id = ?`, time.Now().Add(-time.Second).UnixMicro(), b.ID); err != nil {
+			t.Fatal(err)
+		}
+		b, err := f.store.Batch(ctx, "default", b.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+
+	done := started(3)
+	rctx, cancel := context.WithCancel(ctx)
+	runner := scheduler.NewRunner(f.store, f.sched, f.api, scheduler.RunnerConfig{Concurrency: 4, Lease: 10 * time.Second, Poll: 10 * time.Millisecond})
+	stopped := make(chan struct{})
+	go func() { defer close(stopped); _ = runner.Run(rctx) }()
+	eventually.True(t, "the lines end", func() bool {
+		open, err := f.store.BatchOpen(ctx, done.ID)
+		return err == nil && !open
+	})
+	cancel()
+	<-stopped
+	if err := f.api.workBatch(ctx, pastWindow(done)); err != nil {
+		t.Fatal(err)
+	}
+	if v := waitBatch(t, base, "", done.ID); v.Status != store.BatchCompleted || v.RequestCounts.Completed != 3 || v.ExpiredAt != nil {
+		t.Errorf("a batch whose lines all ended, looked at after its window: %s, counts %+v", v.Status, v.RequestCounts)
+	}
+
+	queued := started(3) // no runner: its lines stay queued
+	if status, b := bsend(t, http.MethodPost, base+"/v1/batches/"+queued.ID+"/cancel", "", ""); status != http.StatusOK {
+		t.Fatalf("cancel: %d %s", status, b)
+	}
+	if err := f.api.workBatch(ctx, pastWindow(queued)); err != nil {
+		t.Fatal(err)
+	}
+	v := waitBatch(t, base, "", queued.ID)
+	if v.Status != store.BatchExpired || v.ExpiredAt == nil || v.RequestCounts.Failed != 3 {
+		t.Fatalf("a cancel the window overtook: %s, counts %+v", v.Status, v.RequestCounts)
+	}
+	for id, o := range outputFile(t, base, "", v.ErrorFileID) {
+		if o.Error == nil || o.Error.Code != "batch_expired" {
+			t.Errorf("line %s: %+v, want batch_expired", id, o)
+		}
+	}
+}
+
+// TestBatchUsageOfEachAPI: a batch's usage sums its lines' usage as each
+// API names it: chat and completions' prompt and completion tokens with
+// their details, the Responses API's input and output tokens with theirs.
+func TestBatchUsageOfEachAPI(t *testing.T) {
+	var u batchUsage
+	addUsage(&u, json.RawMessage(`{"usage":{"prompt_tokens":10,"completion_tokens":4,"prompt_tokens_details":{"cached_tokens":8},"completion_tokens_details":{"reasoning_tokens":2}}}`))
+	addUsage(&u, json.RawMessage(`{"usage":{"input_tokens":20,"output_tokens":6,"input_tokens_details":{"cached_tokens":16},"output_tokens_details":{"reasoning_tokens":3}}}`))
+	addUsage(&u, json.RawMessage(`{"usage":{"prompt_tokens":5,"total_tokens":5}}`)) // embeddings
+	if u.InputTokens != 35 || u.OutputTokens != 10 || u.TotalTokens != 45 ||
+		u.InputTokensDetails.CachedTokens != 24 || u.OutputTokensDetails.ReasoningTokens != 5 {
+		t.Errorf("batch usage %+v, want 35 in (24 cached), 10 out (5 reasoning), 45 in all", u)
 	}
 }

@@ -120,15 +120,30 @@ func (s *Server) workBatch(ctx context.Context, b store.Batch) error {
 		}
 		return s.validateBatch(ctx, b, fence)
 	case store.BatchInProgress:
-		if !now.Before(b.ExpiresAt) {
+		// A batch whose lines have all ended is completed, even when this
+		// look comes after its window: it is expired only with lines open.
+		open, err := s.batches.BatchOpen(ctx, b.ID)
+		switch {
+		case err != nil:
+			return err
+		case !open:
+			return s.finalizeBatch(ctx, b, store.BatchCompleted)
+		case !now.Before(b.ExpiresAt):
 			return s.finalizeBatch(ctx, b, store.BatchExpired)
 		}
-		open, err := s.batches.BatchOpen(ctx, b.ID)
-		if err != nil || open {
-			return err
-		}
-		return s.finalizeBatch(ctx, b, store.BatchCompleted)
+		return nil
 	case store.BatchCancelling:
+		if !now.Before(b.ExpiresAt) {
+			// The window ended before the cancel did: the lines still open
+			// are cut by it, running ones too, as an in-progress batch's.
+			open, err := s.batches.BatchOpen(ctx, b.ID)
+			if err != nil {
+				return err
+			}
+			if open {
+				return s.finalizeBatch(ctx, b, store.BatchExpired)
+			}
+		}
 		// Queued lines are cancelled at once; running ones finish.
 		if _, err := s.batches.CancelBatchLines(ctx, b.ID, false, now); err != nil {
 			return err
@@ -631,6 +646,13 @@ func addUsage(u *batchUsage, result json.RawMessage) {
 			CompletionTokensDetails struct {
 				ReasoningTokens int `json:"reasoning_tokens"`
 			} `json:"completion_tokens_details"`
+			// The Responses API's names for the same details.
+			InputTokensDetails struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"input_tokens_details"`
+			OutputTokensDetails struct {
+				ReasoningTokens int `json:"reasoning_tokens"`
+			} `json:"output_tokens_details"`
 		} `json:"usage"`
 	}
 	if json.Unmarshal(result, &r) != nil {
@@ -640,8 +662,8 @@ func addUsage(u *batchUsage, result json.RawMessage) {
 	u.InputTokens += in
 	u.OutputTokens += out
 	u.TotalTokens += in + out
-	u.InputTokensDetails.CachedTokens += r.Usage.PromptTokensDetails.CachedTokens
-	u.OutputTokensDetails.ReasoningTokens += r.Usage.CompletionTokensDetails.ReasoningTokens
+	u.InputTokensDetails.CachedTokens += r.Usage.PromptTokensDetails.CachedTokens + r.Usage.InputTokensDetails.CachedTokens
+	u.OutputTokensDetails.ReasoningTokens += r.Usage.CompletionTokensDetails.ReasoningTokens + r.Usage.OutputTokensDetails.ReasoningTokens
 }
 
 // fileWriter writes a file's lines to the store in chunks of about
