@@ -65,6 +65,7 @@ type gpuView struct {
 	ECCCorrected   uint64   `json:"ecc_corrected"`
 	ECCUncorrected uint64   `json:"ecc_uncorrected"`
 	Health         string   `json:"health"`
+	Reasons        []string `json:"health_reasons,omitempty"` // why it is not healthy
 }
 
 // The scheduler's reports, when the admitter offers them (*scheduler.Scheduler does).
@@ -173,7 +174,7 @@ func (s *Server) fleet(now time.Time) fleetView {
 		for _, g := range sn.GPUs {
 			b.GPUs = append(b.GPUs, gpuView{Index: g.Index, Name: g.Name, UtilGPU: g.UtilGPU, MemoryUsed: g.MemoryUsed,
 				MemoryTotal: g.MemoryTotal, TemperatureC: g.TemperatureC, Throttle: g.Throttle, ECCCorrected: g.ECCCorrected,
-				ECCUncorrected: g.ECCUncorrected, Health: healthName(g.Health)})
+				ECCUncorrected: g.ECCUncorrected, Health: healthName(g.Health), Reasons: g.Reasons})
 		}
 		v.Backends = append(v.Backends, b)
 	}

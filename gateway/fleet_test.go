@@ -194,7 +194,8 @@ func TestFleetShowsGPUs(t *testing.T) {
 		return json.Unmarshal([]byte(b), &fv) == nil && len(fv.Backends) == 1 && len(fv.Backends[0].GPUs) == 2
 	})
 	b := fv.Backends[0]
-	if g := b.GPUs[0]; g.TemperatureC != 91 || g.UtilGPU != 87 || g.Health != "degraded" || g.MemoryTotal == 0 || b.GPUHealth != "degraded" {
+	if g := b.GPUs[0]; g.TemperatureC != 91 || g.UtilGPU != 87 || g.Health != "degraded" || g.MemoryTotal == 0 || b.GPUHealth != "degraded" ||
+		len(g.Reasons) != 1 || !strings.Contains(g.Reasons[0], "temperature 91C") {
 		t.Errorf("GPU 0: %+v (backend's GPU health %q)", g, b.GPUHealth)
 	}
 	if g := b.GPUs[1]; g.TemperatureC != 35 || g.Health != "healthy" {
