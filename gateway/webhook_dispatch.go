@@ -27,9 +27,23 @@ import (
 // inference.
 
 // DefaultRetrySchedule is Standard Webhooks' schedule: entry n is the
-// wait before attempt n+1 (the first is immediate).
+// wait before attempt n+1 (the first is immediate): ten attempts, the
+// last about 75 h 35 min after the first.
 var DefaultRetrySchedule = []time.Duration{0, 5 * time.Second, 5 * time.Minute, 30 * time.Minute, 2 * time.Hour,
-	5 * time.Hour, 10 * time.Hour, 10 * time.Hour}
+	5 * time.Hour, 10 * time.Hour, 14 * time.Hour, 20 * time.Hour, 24 * time.Hour}
+
+// CheckRetrySchedule refuses a retry schedule the dispatcher cannot keep:
+// an empty one, or one whose first entry is not 0 (a delivery's first
+// attempt is due when its event is written).
+func CheckRetrySchedule(s []time.Duration) error {
+	switch {
+	case len(s) == 0:
+		return errors.New("the retry schedule is empty")
+	case s[0] != 0:
+		return fmt.Errorf("the retry schedule's first entry (%s) must be 0: a delivery's first attempt goes when its event is written, the later entries are the waits before each retry", s[0])
+	}
+	return nil
+}
 
 // DispatcherConfig configures a Dispatcher.
 type DispatcherConfig struct {
@@ -94,8 +108,8 @@ func NewDispatcher(cfg DispatcherConfig) (*Dispatcher, error) {
 	if cfg.Schedule == nil {
 		cfg.Schedule = DefaultRetrySchedule
 	}
-	if len(cfg.Schedule) == 0 {
-		return nil, errors.New("webhook dispatcher: the retry schedule is empty")
+	if err := CheckRetrySchedule(cfg.Schedule); err != nil {
+		return nil, fmt.Errorf("webhook dispatcher: %w", err)
 	}
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 15 * time.Second
@@ -408,10 +422,9 @@ func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery, ep store.We
 		return deferTo(now.Add(time.Second), err.Error())
 	}
 	if ep.Disabled {
-		r.State = store.DeliveryFailed
-		r.Attempt = store.DeliveryAttempt{StartedAt: now, Error: "endpoint disabled: " + ep.DisabledReason}
-		d.outcomes.WithLabelValues("failed").Inc()
-		return r
+		// Disabled since the claim: the delivery waits, no attempt spent,
+		// until the endpoint is enabled again (claims skip it till then).
+		return deferTo(now, "endpoint disabled: "+ep.DisabledReason)
 	}
 	until, ok := d.admit(ep.ID, now)
 	if !ok {

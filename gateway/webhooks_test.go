@@ -550,7 +550,8 @@ func TestWebhookOutcomes(t *testing.T) {
 		return d.State == store.DeliveryDelivered
 	})
 
-	// 410: the endpoint is disabled, and gets no more deliveries.
+	// 410: the endpoint is disabled; its later events' deliveries wait
+	// for it to be enabled again, neither sent nor failed.
 	rc.status.Store(http.StatusGone)
 	j5 := runJob("gone")
 	eventually.True(t, "the 410", func() bool { return deliveryOf(j5).State == store.DeliveryFailed })
@@ -560,12 +561,19 @@ func TestWebhookOutcomes(t *testing.T) {
 		t.Errorf("endpoint after a 410: %+v", ep)
 	}
 	j6 := runJob("after-gone")
-	if d := deliveryOf(j6); d.ID != "" {
-		t.Errorf("a disabled endpoint got a delivery: %+v", d)
-	}
 	if resp, b := f.post(t, "/v1/webhooks/endpoints/"+e.ID+"/test", ""); resp.StatusCode != http.StatusConflict {
 		t.Errorf("test of a disabled endpoint: %d %s", resp.StatusCode, b)
 	}
+	if d := deliveryOf(j6); d.State != store.DeliveryPending || d.AttemptCount != 0 {
+		t.Errorf("a disabled endpoint's delivery: %+v, want it pending, never tried", d)
+	}
+	rc.status.Store(http.StatusOK)
+	if resp, b := doRequest(t, f, http.MethodPatch, "/v1/webhooks/endpoints/"+e.ID, `{"disabled":false}`); resp.StatusCode != http.StatusOK {
+		t.Fatalf("enable: %d %s", resp.StatusCode, b)
+	}
+	eventually.True(t, "the held delivery goes once the endpoint is enabled", func() bool {
+		return deliveryOf(j6).State == store.DeliveryDelivered
+	})
 	if calls := backendCalls(t, f); calls != 6 {
 		t.Errorf("the backends served %v requests for 6 jobs", calls)
 	}
@@ -676,5 +684,20 @@ func TestWebhookIdempotencyKeys(t *testing.T) {
 	}
 	if status, _ := f.get(t, "/v1/webhooks/endpoints/"+first.ID); status != http.StatusNotFound {
 		t.Errorf("the deleted endpoint reads %d, want 404", status)
+	}
+}
+
+// TestDeliveryToAnEndpointDisabledSinceItsClaim: a delivery claimed just
+// before its endpoint was disabled is handed back, no attempt spent and
+// nothing sent, to wait for the endpoint to be enabled again.
+func TestDeliveryToAnEndpointDisabledSinceItsClaim(t *testing.T) {
+	d, err := NewDispatcher(DispatcherConfig{Store: sqliteStore(t), Guard: loopbackGuard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := d.attempt(context.Background(), store.Delivery{ID: "msg_1", Fence: 3, Attempts: 2},
+		store.WebhookEndpoint{ID: "we_1", URL: "http://127.0.0.1:1/never", Disabled: true, DisabledReason: "by its owner"}, nil)
+	if !r.Deferred || r.State == store.DeliveryFailed || r.Attempt.StartedAt != (time.Time{}) {
+		t.Errorf("result %+v, want it handed back untried", r)
 	}
 }

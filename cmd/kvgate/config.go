@@ -122,7 +122,7 @@ type config struct {
 	Webhooks struct {
 		AllowCIDRs    []string        `yaml:"allow_cidrs"`    // address ranges deliveries may reach although refused by default (loopback, RFC 1918, link-local, ...), e.g. 10.0.0.0/8
 		AllowHTTP     bool            `yaml:"allow_http"`     // permit plain http endpoint URLs [false: https only]
-		RetrySchedule []time.Duration `yaml:"retry_schedule"` // wait before each attempt, the first included; a delivery FAILS after the last [0, 5s, 5m, 30m, 2h, 5h, 10h, 10h]
+		RetrySchedule []time.Duration `yaml:"retry_schedule"` // wait before each attempt: the first entry 0 (the first attempt goes when the event is written), then before each retry; a delivery FAILS after the last [0, 5s, 5m, 30m, 2h, 5h, 10h, 14h, 20h, 24h]
 		Timeout       time.Duration   `yaml:"timeout"`        // each attempt's whole deadline [15s]
 		Concurrency   int             `yaml:"concurrency"`    // deliveries sent at once by this process; one endpoint gets a quarter of them at most [64]
 	} `yaml:"webhooks"`
@@ -365,6 +365,11 @@ func (c *config) validate() error {
 	}
 	for i, d := range c.Webhooks.RetrySchedule {
 		numbers = append(numbers, number{fmt.Sprintf("webhooks.retry_schedule[%d]", i), int64(d), true})
+	}
+	if len(c.Webhooks.RetrySchedule) > 0 {
+		if err := gateway.CheckRetrySchedule(c.Webhooks.RetrySchedule); err != nil {
+			return fmt.Errorf("webhooks.retry_schedule: %w", err)
+		}
 	}
 	if _, err := c.webhookGuard(); err != nil {
 		return err

@@ -38,7 +38,8 @@ func TestWebhooksConfig(t *testing.T) {
 	}
 	for yaml, want := range map[string]string{
 		"webhooks:\n  allow_cidrs: [localhost]\n":  "webhooks.allow_cidrs[0]",
-		"webhooks:\n  retry_schedule: [1s, -1s]\n": "webhooks.retry_schedule[1]",
+		"webhooks:\n  retry_schedule: [0s, -1s]\n": "webhooks.retry_schedule[1]",
+		"webhooks:\n  retry_schedule: [1s, 1m]\n":  "first entry (1s) must be 0",
 		"webhooks:\n  timeout: -1s\n":              "webhooks.timeout",
 	} {
 		write(yaml)

@@ -78,6 +78,6 @@ var fanout = `INSERT INTO webhook_deliveries (id, endpoint_id, tenant, event_id,
 			state, due_at, created_at, updated_at)
 		SELECT 'msg_' || replace(gen_random_uuid()::text, '-', ''), e.id, ev.tenant, ev.id, ev.job_id, ` + deliveredAsSQL("ev.type") + `,
 			ev.state, ev.state_version, ev.created_at, 'PENDING', ev.created_at, ev.created_at, ev.created_at
-		FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant AND NOT e.disabled
+		FROM ev JOIN webhook_endpoints e ON e.tenant = ev.tenant
 			AND position(',' || ` + deliveredAsSQL("ev.type") + ` || ',' IN e.events) > 0
 		ORDER BY ev.seq, e.id`

@@ -258,8 +258,11 @@ func (s *Store) ClaimDeliveries(ctx context.Context, now time.Time, lease time.D
 		return nil, err
 	}
 	due := `state IN ('PENDING', 'RETRY_SCHEDULED', 'SENDING') AND due_at <= ?`
+	// A disabled endpoint's deliveries wait, claimed by nobody, until it
+	// is enabled again.
+	enabled := `NOT EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = webhook_deliveries.endpoint_id AND e.disabled <> FALSE)`
 	rows, err := s.db.QueryContext(ctx, s.rb(`UPDATE webhook_deliveries SET state = 'SENDING', fence = fence + 1, due_at = ?, updated_at = ?
-		WHERE id IN (SELECT id FROM webhook_deliveries WHERE `+due+` ORDER BY due_at LIMIT ? `+s.d.LockRunnable+`)
+		WHERE id IN (SELECT id FROM webhook_deliveries WHERE `+due+` AND `+enabled+` ORDER BY due_at LIMIT ? `+s.d.LockRunnable+`)
 		AND `+due+` RETURNING `+deliveryColumns), micros(now.Add(lease)), micros(now), micros(now), limit, micros(now))
 	if err != nil {
 		return nil, s.err("claim deliveries", err)

@@ -57,8 +57,9 @@ func deliveriesOf(t *testing.T, s store.Store, f store.DeliveryFilter) []store.D
 }
 
 // testWebhookFanout: a job's final event makes one delivery per
-// subscribed, enabled endpoint of its tenant; other events, other
-// tenants' endpoints and disabled endpoints get none.
+// subscribed endpoint of its tenant, disabled ones included (their
+// deliveries wait, claimed by nobody, until they are enabled again); other
+// events and other tenants' endpoints get none.
 func testWebhookFanout(t *testing.T, s store.Store) {
 	ctx := context.Background()
 	both := endpoint(t, s, "acme", "job.succeeded", "job.failed")
@@ -74,10 +75,14 @@ func testWebhookFanout(t *testing.T, s store.Store) {
 		t.Fatalf("job.accepted made deliveries: %+v", ds)
 	}
 	succeed(t, s, claimOne(t, s, t0), t0)
-	ds := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme"})
+	ds := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme", EndpointID: both.ID})
 	if len(ds) != 1 || ds[0].EndpointID != both.ID || ds[0].Type != "job.succeeded" || ds[0].JobID != j.ID ||
 		ds[0].State != store.DeliveryPending || ds[0].JobState != store.Succeeded || ds[0].StateVersion != 3 {
 		t.Fatalf("deliveries after success: %+v", ds)
+	}
+	held := deliveriesOf(t, s, store.DeliveryFilter{Tenant: "acme", EndpointID: off.ID})
+	if len(held) != 1 || held[0].JobID != j.ID || held[0].State != store.DeliveryPending {
+		t.Fatalf("the disabled endpoint's deliveries: %+v, want the success's, pending", held)
 	}
 	// A dead letter is delivered as job.failed.
 	j2 := accept(t, s, newJob("acme", "k2", func(n *store.NewJob) { n.MaxAttempts = 1 }))
@@ -110,8 +115,8 @@ func testWebhookFanout(t *testing.T, s store.Store) {
 	if ds := deliveriesOf(t, s, store.DeliveryFilter{EndpointID: other.ID}); len(ds) != 0 {
 		t.Errorf("another tenant's endpoint got %+v", ds)
 	}
-	if n, err := s.PendingDeliveries(ctx); err != nil || n != 3 {
-		t.Errorf("pending: %d, %v; want 3", n, err)
+	if n, err := s.PendingDeliveries(ctx); err != nil || n != 4 {
+		t.Errorf("pending: %d, %v; want 4", n, err)
 	}
 	// A cancel's event (written apart from the ends of attempts) fans out
 	// too, to each subscribed endpoint in the endpoints' order; a claim's
@@ -125,6 +130,28 @@ func testWebhookFanout(t *testing.T, s store.Store) {
 	if len(ds) != 2 || ds[0].Type != "job.cancelled" || ds[1].Type != "job.cancelled" || ds[0].JobState != store.Cancelled ||
 		min(c1.ID, c2.ID) != ds[0].EndpointID || max(c1.ID, c2.ID) != ds[1].EndpointID {
 		t.Errorf("deliveries of the cancel: %+v", ds)
+	}
+	// Claims pass the disabled endpoint's delivery by until it is enabled.
+	claimed := func() map[string]bool {
+		cs, err := s.ClaimDeliveries(ctx, t0.Add(time.Minute), time.Minute, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := map[string]bool{}
+		for _, d := range cs {
+			ids[d.ID] = true
+		}
+		return ids
+	}
+	if got := claimed(); len(got) != 5 || got[held[0].ID] {
+		t.Errorf("claimed %d deliveries (the disabled endpoint's among them: %v), want the 5 of enabled endpoints", len(got), got[held[0].ID])
+	}
+	no := false
+	if _, err := s.UpdateEndpoint(ctx, "acme", off.ID, store.EndpointPatch{Disabled: &no, Now: t0}); err != nil {
+		t.Fatal(err)
+	}
+	if got := claimed(); len(got) != 1 || !got[held[0].ID] {
+		t.Errorf("once enabled again, claimed %v, want its held delivery", got)
 	}
 }
 
