@@ -61,6 +61,12 @@ func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	if e.retryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((e.retryAfter+time.Second-1)/time.Second)))
 	}
+	if e.status == http.StatusConflict || e.status == http.StatusUnprocessableEntity {
+		// The OpenAI SDKs retry a 409 on their own (twice, by default);
+		// a conflict with the resource's state or a reused key is not
+		// one a retry clears.
+		w.Header().Set("x-should-retry", "false")
+	}
 	for k, v := range e.header {
 		w.Header()[k] = v
 	}
@@ -161,7 +167,9 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrNotFound):
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", msg: "No such job."}
 	case errors.Is(err, store.ErrConflict):
-		return &apiError{status: http.StatusConflict, typ: "invalid_request_error", code: "idempotency_key_reused",
+		// 422, as the idempotency-key draft and Stripe have it: the same
+		// request again cannot succeed (and 409 is one the SDKs retry).
+		return &apiError{status: http.StatusUnprocessableEntity, typ: "invalid_request_error", code: "idempotency_key_reused",
 			msg: "This Idempotency-Key was used for a different request; use a new key for a new request."}
 	case errors.Is(err, store.ErrPolicyNotFound):
 		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "policy_not_found", param: "validation.policy",

@@ -146,7 +146,10 @@ func requestHash(endpoint string, body []byte) string {
 
 func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	key, err := optionalIdempotencyKey(r)
-	if err != nil || key == "" {
+	if err != nil {
+		return writeError(w, s.log, err) // there, and not a key
+	}
+	if key == "" {
 		return writeError(w, s.log, &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "idempotency_key_required",
 			msg: "POST /v1/jobs needs an Idempotency-Key header of 1 to 255 bytes of UTF-8 text: the same key returns the same job."})
 	}

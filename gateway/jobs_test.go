@@ -106,8 +106,16 @@ func TestJobIdempotencyAndScoping(t *testing.T) {
 	if resp.StatusCode != http.StatusAccepted {
 		t.Errorf("same request, other whitespace: %d", resp.StatusCode)
 	}
-	if resp, _ := submitJob(t, f, "k", chatJob("goodbye", 4), acme...); resp.StatusCode != http.StatusConflict {
-		t.Errorf("same key, different request: %d, want 409", resp.StatusCode)
+	if resp, _ := submitJob(t, f, "k", chatJob("goodbye", 4), acme...); resp.StatusCode != http.StatusUnprocessableEntity ||
+		resp.Header.Get("x-should-retry") != "false" {
+		t.Errorf("same key, different request: %d (x-should-retry %q), want 422, not to be retried", resp.StatusCode, resp.Header.Get("x-should-retry"))
+	}
+	// A key that is there but is not one is said to be so, not missing.
+	for _, bad := range []string{strings.Repeat("k", 256), "\xff\xfe"} {
+		resp, b := f.post(t, "/v1/jobs", chatJob("hello", 4), append([]string{"Idempotency-Key", bad}, acme...)...)
+		if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), "invalid_idempotency_key") {
+			t.Errorf("Idempotency-Key %.20q: %d %s, want 400 invalid_idempotency_key", bad, resp.StatusCode, b)
+		}
 	}
 	if resp, _ := submitJob(t, f, "", chatJob("hello", 4), acme...); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("no key: %d, want 400", resp.StatusCode)
@@ -145,8 +153,9 @@ func TestJobIdempotencyAndScoping(t *testing.T) {
 	if resp.StatusCode != 200 || !strings.Contains(string(b), `"CANCELLED"`) {
 		t.Errorf("cancel: %d %s", resp.StatusCode, b)
 	}
-	if resp, _ := f.post(t, "/v1/jobs/"+first.ID+"/cancel", "", acme...); resp.StatusCode != http.StatusConflict {
-		t.Errorf("cancel twice: %d, want 409", resp.StatusCode)
+	if resp, _ := f.post(t, "/v1/jobs/"+first.ID+"/cancel", "", acme...); resp.StatusCode != http.StatusConflict ||
+		resp.Header.Get("x-should-retry") != "false" {
+		t.Errorf("cancel twice: %d (x-should-retry %q), want 409, not to be retried", resp.StatusCode, resp.Header.Get("x-should-retry"))
 	}
 	req, _ := http.NewRequest(http.MethodGet, f.srv.URL+"/v1/jobs/"+first.ID+"/result", nil)
 	req.Header.Set("Authorization", "Bearer sk-a")

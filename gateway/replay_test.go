@@ -35,8 +35,8 @@ func TestIdempotentReplayAtPendingLimit(t *testing.T) {
 		t.Errorf("a new job over the pending limit: %d, want 429", resp.StatusCode)
 	}
 	// The same key with another request is still a conflict, not a replay.
-	if resp, _ := submitJob(t, f, "k1", chatJob("something else", 4), auth...); resp.StatusCode != http.StatusConflict {
-		t.Errorf("the key reused for another request: %d, want 409", resp.StatusCode)
+	if resp, _ := submitJob(t, f, "k1", chatJob("something else", 4), auth...); resp.StatusCode != http.StatusUnprocessableEntity {
+		t.Errorf("the key reused for another request: %d, want 422", resp.StatusCode)
 	}
 }
 

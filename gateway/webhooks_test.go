@@ -653,8 +653,8 @@ func TestWebhookIdempotencyKeys(t *testing.T) {
 		t.Errorf("the same creation again: %d %s, want %s replayed", resp.StatusCode, b, first.ID)
 	}
 	if resp, b := f.post(t, "/v1/webhooks/endpoints", `{"url":"http://127.0.0.1:9/other","events":["job.failed"]}`,
-		"Idempotency-Key", "create-1"); resp.StatusCode != http.StatusConflict || !strings.Contains(string(b), "idempotency_key_reused") {
-		t.Errorf("another creation with the key: %d %s, want 409 idempotency_key_reused", resp.StatusCode, b)
+		"Idempotency-Key", "create-1"); resp.StatusCode != http.StatusUnprocessableEntity || !strings.Contains(string(b), "idempotency_key_reused") {
+		t.Errorf("another creation with the key: %d %s, want 422 idempotency_key_reused", resp.StatusCode, b)
 	}
 	if resp, b := f.post(t, "/v1/webhooks/endpoints", body, "Idempotency-Key", strings.Repeat("k", 256)); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("a key of 256 bytes: %d %s, want 400", resp.StatusCode, b)

@@ -634,10 +634,14 @@ func (s *Store) Cancel(ctx context.Context, tenant, id, eventID string, now time
 		)
 		j, err = scanJob(s.queryRow(ctx, tx, s.q.cancel, micros(now), tenant, id), &tokens, &cost)
 		if errors.Is(err, sql.ErrNoRows) {
-			if _, gerr := scanJob(s.queryRow(ctx, tx, s.q.selectJob, tenant, id)); gerr == nil {
+			_, gerr := scanJob(s.queryRow(ctx, tx, s.q.selectJob, tenant, id))
+			switch {
+			case gerr == nil:
 				return store.ErrFinal
+			case errors.Is(gerr, sql.ErrNoRows):
+				return store.ErrNotFound
 			}
-			return store.ErrNotFound
+			return gerr // the read failed: not an answer about the job
 		}
 		if err != nil {
 			return err
