@@ -71,6 +71,28 @@ var jobEndpoints = map[string]endpoint{
 	"/v1/responses": epResponses,
 }
 
+// decodeJobRequest parses a job submission's JSON body. A field the job
+// API does not have is refused, as OpenAI refuses an unrecognized
+// argument: a misspelled deadline_seconds or an unsupported priority
+// would otherwise be ignored without a word.
+func decodeJobRequest(raw []byte) (jobRequest, error) {
+	var req jobRequest
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	err := dec.Decode(&req)
+	if err == nil && dec.More() {
+		err = errors.New("more than one JSON value")
+	}
+	if err == nil {
+		return req, nil
+	}
+	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+		name, _ = strconv.Unquote(name)
+		return req, badRequest(name, fmt.Sprintf("Unrecognized request argument supplied: %s. A job takes endpoint, body, deadline or deadline_seconds, metadata, validation, source, entity and ordering.", name))
+	}
+	return req, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
+}
+
 type jobRequest struct {
 	Endpoint        string          `json:"endpoint"`
 	Body            json.RawMessage `json:"body"`
@@ -163,9 +185,9 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	var req jobRequest
-	if err := json.Unmarshal(raw, &req); err != nil {
-		return writeError(w, s.log, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")"))
+	req, err := decodeJobRequest(raw)
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
 	hash := outcomeHash(requestHash(req.Endpoint, req.Body), req)
 	// A client retrying a lost 202 must get its job back whatever refuses
@@ -212,18 +234,20 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		return refuse(err)
 	}
 	now := time.Now()
-	deadline := now.Add(s.jobs.DefaultDeadline)
+	deadline, param := now.Add(s.jobs.DefaultDeadline), "deadline"
 	switch {
+	case req.Deadline != nil && req.DeadlineSeconds != nil:
+		return refuse(badRequest("deadline_seconds", "Give a job's deadline as deadline or as deadline_seconds, not both."))
 	case req.Deadline != nil:
 		deadline = *req.Deadline
 	case req.DeadlineSeconds != nil:
 		// Clamped first: seconds times time.Second wraps past 2^63 ns,
 		// and a wrapped value can land back in range.
 		secs := max(-1, min(*req.DeadlineSeconds, int(s.jobs.MaxDeadline/time.Second)+1))
-		deadline = now.Add(time.Duration(secs) * time.Second)
+		deadline, param = now.Add(time.Duration(secs)*time.Second), "deadline_seconds"
 	}
 	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
-		return refuse(badRequest("deadline", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
+		return refuse(badRequest(param, fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, estOut := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))

@@ -28,7 +28,7 @@ func FuzzSubmitJobPostgres(f *testing.F) {
 // fuzzSubmitJob checks the job submission's contract: every request is
 // answered 202 or an OpenAI-shaped 4xx, never a 5xx or a panic; a
 // request valid by the API's rules (tested here independently of the
-// handler) is accepted (or 409 when its key already named another
+// handler) is accepted (or 422 when its key already named another
 // request), and its job holds what was asked: the deadline, the
 // metadata, a positive token estimate; the same key and body again
 // return the same job.
@@ -73,11 +73,11 @@ func fuzzSubmitJob(f *testing.F, fl *fleet) {
 			// request gets that job back (a client retrying a lost 202,
 			// whatever refuses a new job now): only that is allowed.
 			t.Fatalf("an invalid submission was accepted: %s", rec.Body.Bytes())
-		case want == accept && rec.Code != http.StatusAccepted && rec.Code != http.StatusConflict:
+		case want == accept && rec.Code != http.StatusAccepted && rec.Code != http.StatusUnprocessableEntity:
 			t.Fatalf("a valid submission got %d: %s", rec.Code, rec.Body.Bytes())
-		case rec.Code == http.StatusConflict && want == accept:
+		case rec.Code == http.StatusUnprocessableEntity && want == accept:
 			if h := requestHash(req.Endpoint, req.Body); seen[key] == "" || seen[key] == h {
-				t.Fatalf("409 for key %q, which named no other request: %s", key, rec.Body.Bytes())
+				t.Fatalf("422 for key %q, which named no other request: %s", key, rec.Body.Bytes())
 			}
 		}
 		if rec.Code != http.StatusAccepted {
@@ -141,6 +141,12 @@ const (
 func expectJob(s *Server, key string, body []byte, before, after time.Time) (verdict, jobRequest) {
 	var req jobRequest
 	if key == "" || len(key) > 255 || !utf8.ValidString(key) || json.Unmarshal(body, &req) != nil {
+		return reject, req
+	}
+	// Only the job API's arguments, one JSON value, one deadline.
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if dec.Decode(new(jobRequest)) != nil || dec.More() || (req.Deadline != nil && req.DeadlineSeconds != nil) {
 		return reject, req
 	}
 	ep, ok := jobEndpoints[req.Endpoint]

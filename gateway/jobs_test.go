@@ -134,14 +134,23 @@ func TestJobIdempotencyAndScoping(t *testing.T) {
 	if code, v := getJob(t, f, first.ID, acme...); code != 200 || v.ID != first.ID {
 		t.Errorf("own job: %d", code)
 	}
-	for _, tc := range []struct{ name, body string }{
-		{"unknown endpoint", `{"endpoint":"/v1/images","body":{}}`},
-		{"invalid inner body", `{"endpoint":"/v1/chat/completions","body":{"model":"` + llama + `"}}`},
-		{"streaming", `{"endpoint":"/v1/completions","body":{"model":"` + llama + `","prompt":"x","stream":true}}`},
-		{"deadline in the past", `{"endpoint":"/v1/completions","deadline_seconds":-5,"body":{"model":"` + llama + `","prompt":"x"}}`},
+	completion := `"body":{"model":"` + llama + `","prompt":"x"}`
+	for _, tc := range []struct{ name, body, param string }{
+		{"unknown endpoint", `{"endpoint":"/v1/images","body":{}}`, ""},
+		{"invalid inner body", `{"endpoint":"/v1/chat/completions","body":{"model":"` + llama + `"}}`, ""},
+		{"streaming", `{"endpoint":"/v1/completions","body":{"model":"` + llama + `","prompt":"x","stream":true}}`, ""},
+		{"deadline in the past", `{"endpoint":"/v1/completions","deadline_seconds":-5,` + completion + `}`, "deadline_seconds"},
+		// An argument the job API does not have is refused, not ignored.
+		{"misspelled field", `{"endpoint":"/v1/completions","deadline_second":60,` + completion + `}`, "deadline_second"},
+		{"unsupported field", `{"endpoint":"/v1/completions","priority":1,` + completion + `}`, "priority"},
+		{"two deadlines", `{"endpoint":"/v1/completions","deadline_seconds":60,"deadline":"2099-01-01T00:00:00Z",` + completion + `}`, "deadline_seconds"},
+		{"two values", `{"endpoint":"/v1/completions",` + completion + `} {}`, ""},
 	} {
-		if resp, _ := submitJob(t, f, "bad-"+tc.name, tc.body, acme...); resp.StatusCode != http.StatusBadRequest {
-			t.Errorf("%s: %d, want 400", tc.name, resp.StatusCode)
+		resp, b := f.post(t, "/v1/jobs", tc.body, append([]string{"Idempotency-Key", "bad-" + tc.name}, acme...)...)
+		var e errorBody
+		_ = json.Unmarshal(b, &e)
+		if resp.StatusCode != http.StatusBadRequest || (tc.param != "" && (e.Error.Param == nil || *e.Error.Param != tc.param)) {
+			t.Errorf("%s: %d %s, want 400 naming %q", tc.name, resp.StatusCode, b, tc.param)
 		}
 	}
 	if resp, _ := submitJob(t, f, "nomodel", `{"endpoint":"/v1/completions","body":{"model":"nope","prompt":"x"}}`, acme...); resp.StatusCode != http.StatusNotFound {
