@@ -67,7 +67,7 @@ func (s *Server) consoleEndpointState(w http.ResponseWriter, r *http.Request, u 
 	off := r.PostFormValue("disabled") == "true"
 	done := "Endpoint " + id + " enabled."
 	if off {
-		done = "Endpoint " + id + " disabled."
+		done = "Endpoint " + id + " disabled: its deliveries wait, none sent or failed, until it is enabled again."
 	}
 	s.consoleActionAs(w, r, u, http.MethodPatch, "/v1/webhooks/endpoints/"+url.PathEscape(id), endpointRequest{Disabled: &off}, done)
 }
