@@ -428,6 +428,18 @@ func TestDeletedTenantsWorkIsRefused(t *testing.T) {
 	}
 }
 
+// acquireBeside takes and gives back a permit of tenant under a
+// concurrency cap of one: nil when nothing else holds the tenant's.
+func acquireBeside(st store.Store, tenant string, lease time.Duration) error {
+	a := store.Acquisition{PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: tenant, Tokens: 1,
+		Limits: store.Limits{MaxConcurrency: 1}, Now: time.Now(), Lease: lease}
+	p, err := st.Acquire(context.Background(), a)
+	if err == nil {
+		_ = st.Release(context.Background(), store.Release{Permit: p, Outcome: store.NotSent, Now: time.Now()})
+	}
+	return err
+}
+
 // TestJobPermitKeptWhileItWaits: a job's quota permit is renewed while
 // the job holds it (waiting for a backend may take longer than a lease),
 // so the tenant's concurrency cap holds: an acquisition past the first
@@ -450,15 +462,7 @@ func TestJobPermitKeptWhileItWaits(t *testing.T) {
 	if err := call.Admit(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	another := func() error {
-		a := store.Acquisition{PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: "tiny", Tokens: 1,
-			Limits: store.Limits{MaxConcurrency: 1}, Now: time.Now(), Lease: lease}
-		p, err := st.Acquire(context.Background(), a)
-		if err == nil {
-			_ = st.Release(context.Background(), store.Release{Permit: p, Outcome: store.NotSent, Now: time.Now()})
-		}
-		return err
-	}
+	another := func() error { return acquireBeside(st, "tiny", lease) }
 	time.Sleep(4 * lease) // the job waits past its permit's first lease
 	var qe *store.QuotaError
 	if err := another(); !errors.As(err, &qe) || qe.Limit != "concurrency" {
@@ -480,15 +484,7 @@ func TestRequestPermitKeptWhileItRuns(t *testing.T) {
 	f := startFleet(t, fleetOpts{store: st, backends: 1, gateway: Config{Tenants: Tenants{Store: st, PermitLease: lease}}})
 	key := newTenant(t, st, "tiny", store.Limits{MaxConcurrency: 1}, store.RoleUser)
 	f.sims[0].SetFaults(vllmsim.Faults{HangRate: 1, Match: "hold me"})
-	another := func() error {
-		a := store.Acquisition{PermitID: uuid.Must(uuid.NewV7()).String(), Tenant: "tiny", Tokens: 1,
-			Limits: store.Limits{MaxConcurrency: 1}, Now: time.Now(), Lease: lease}
-		p, err := st.Acquire(context.Background(), a)
-		if err == nil {
-			_ = st.Release(context.Background(), store.Release{Permit: p, Outcome: store.NotSent, Now: time.Now()})
-		}
-		return err
-	}
+	another := func() error { return acquireBeside(st, "tiny", lease) }
 	refused := func() bool {
 		var qe *store.QuotaError
 		return errors.As(another(), &qe) && qe.Limit == "concurrency"
