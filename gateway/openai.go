@@ -487,8 +487,10 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		}()
 		last = &res
 		if res.up.class.sent() {
-			if o, _ := outcome(1, sent, reserved); sent != nil && o == store.Uncertain {
-				cut++ // retried, and what it used stays charged
+			if sent != nil {
+				if o, _ := outcome(1, sent, reserved); o == store.Uncertain {
+					cut++ // retried, and what it used stays charged
+				}
 			}
 			attempts++
 			sent = &res
