@@ -1,10 +1,12 @@
 package gateway
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -104,30 +106,48 @@ func (p tenantPatch) apply(t *store.Tenant) error {
 		dst *int64
 	}{{p.DailySpend, &t.Limits.DailySpend}, {p.MonthlySpend, &t.Limits.MonthlySpend}} {
 		if f.v != nil {
-			if !(*f.v >= 0 && *f.v < 1e12) {
-				return badRequest("", "Spending budgets are 0 (unlimited) or more, in the configured currency.")
+			if !(*f.v >= 0 && *f.v < 1e12) || (*f.v > 0 && toMicros(*f.v) == 0) {
+				return badRequest("", "Spending budgets are 0 (unlimited) or at least 0.000001, in the configured currency.")
 			}
 			*f.dst = toMicros(*f.v)
 		}
 	}
 	if p.Weight != nil {
-		if *p.Weight < 1 {
-			return badRequest("weight", "weight is 1 or more.")
+		if *p.Weight < 1 || *p.Weight > store.MaxWeight {
+			return badRequest("weight", fmt.Sprintf("weight is 1 to %d.", store.MaxWeight))
 		}
 		t.Weight = *p.Weight
 	}
 	return nil
 }
 
+// readJSON reads an admin body into v, strictly (decodeStrict).
 func readJSON(r *http.Request, v any) error {
 	b, err := readBody(r)
 	if err != nil {
 		return err
 	}
-	if err := json.Unmarshal(b, v); err != nil {
-		return badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
+	return decodeStrict(b, v)
+}
+
+// decodeStrict parses one JSON value into v, refusing a field v does not
+// have as OpenAI refuses an unrecognized argument: a misspelled limit or
+// role would otherwise be ignored without a word.
+func decodeStrict(raw []byte, v any) error {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	err := dec.Decode(v)
+	if err == nil && dec.More() {
+		err = errors.New("more than one JSON value")
 	}
-	return nil
+	if err == nil {
+		return nil
+	}
+	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
+		name, _ = strconv.Unquote(name)
+		return badRequest(name, "Unrecognized request argument supplied: "+name+".")
+	}
+	return badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
 }
 
 func notFound(what string) *apiError {
@@ -367,13 +387,17 @@ type UsageView struct {
 	ChargedCost   float64 `json:"charged_cost"`
 }
 
+// maxUsageSpan bounds a usage report's days (a year, a leap one too).
+const maxUsageSpan = 365 * 24 * time.Hour
+
 // handleUsage answers GET /v1/usage (the caller's tenant) and GET
 // /v1/admin/usage (?tenant=, every tenant without it), ?from= and ?to= as
-// YYYY-MM-DD (the last 30 days by default).
+// YYYY-MM-DD: the 30 days ending at to (today without it) by default,
+// at most 366 days, from on or before to.
 func (s *Server) handleUsage(w http.ResponseWriter, r *http.Request) int {
 	q := r.URL.Query()
 	now := s.cfg.Tenants.Now().UTC()
-	to, from := now, now.AddDate(0, 0, -29)
+	to, from := now, time.Time{}
 	for _, p := range []struct {
 		name string
 		dst  *time.Time
@@ -385,6 +409,15 @@ func (s *Server) handleUsage(w http.ResponseWriter, r *http.Request) int {
 			}
 			*p.dst = t
 		}
+	}
+	if from.IsZero() {
+		from = to.AddDate(0, 0, -29) // the 30 days ending at to
+	}
+	switch {
+	case from.After(to):
+		return writeError(w, s.log, badRequest("from", "from is a day on or before to."))
+	case to.Sub(from) > maxUsageSpan:
+		return writeError(w, s.log, badRequest("from", "A usage report spans at most 366 days: narrow from and to."))
 	}
 	tenant := tenantOf(r.Context())
 	if r.URL.Path != "/v1/usage" {

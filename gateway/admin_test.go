@@ -155,6 +155,33 @@ func TestAdminAPIAndRoles(t *testing.T) {
 	if resp, _ := admin(http.MethodGet, "/v1/admin/usage?from=yesterday", ""); resp.StatusCode != http.StatusBadRequest {
 		t.Errorf("a bad date: %d", resp.StatusCode)
 	}
+	// A report's days run forward and span a year at most; to alone ends
+	// the 30 days before it.
+	for q, want := range map[string]int{
+		"?from=2026-12-01&to=2026-11-01": http.StatusBadRequest,
+		"?from=2020-01-01&to=2026-11-30": http.StatusBadRequest,
+		"?to=2026-11-30":                 http.StatusOK,
+	} {
+		resp, b := admin(http.MethodGet, "/v1/admin/usage"+q, "")
+		if resp.StatusCode != want || (want == http.StatusOK && len(decode[struct{ Data []UsageView }](t, b).Data) != 2) {
+			t.Errorf("usage%s: %d %s, want %d", q, resp.StatusCode, b, want)
+		}
+	}
+	// A misspelled or impossible setting is refused, not ignored or
+	// stored as something else.
+	for body, param := range map[string]string{
+		`{"max_concurency":5}`:      "max_concurency",
+		`{"weight":3000000000}`:     "weight",
+		`{"daily_spend":0.0000004}`: "",
+		`{"weight":2} {"weight":3}`: "",
+	} {
+		resp, b := admin(http.MethodPatch, "/v1/admin/tenants/acme", body)
+		var e errorBody
+		_ = json.Unmarshal(b, &e)
+		if resp.StatusCode != http.StatusBadRequest || (param != "" && (e.Error.Param == nil || *e.Error.Param != param)) {
+			t.Errorf("PATCH %s: %d %s, want 400 naming %q", body, resp.StatusCode, b, param)
+		}
+	}
 
 	// Rotation and deletion.
 	resp, b = admin(http.MethodPost, "/v1/admin/keys/"+keys[store.RoleUser].ID+"/rotate", "")

@@ -77,20 +77,12 @@ var jobEndpoints = map[string]endpoint{
 // would otherwise be ignored without a word.
 func decodeJobRequest(raw []byte) (jobRequest, error) {
 	var req jobRequest
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.DisallowUnknownFields()
-	err := dec.Decode(&req)
-	if err == nil && dec.More() {
-		err = errors.New("more than one JSON value")
+	err := decodeStrict(raw, &req)
+	var e *apiError
+	if errors.As(err, &e) && e.param != "" {
+		e.msg += " A job takes endpoint, body, deadline or deadline_seconds, metadata, validation, source, entity and ordering."
 	}
-	if err == nil {
-		return req, nil
-	}
-	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok {
-		name, _ = strconv.Unquote(name)
-		return req, badRequest(name, fmt.Sprintf("Unrecognized request argument supplied: %s. A job takes endpoint, body, deadline or deadline_seconds, metadata, validation, source, entity and ordering.", name))
-	}
-	return req, badRequest("", "We could not parse the JSON body of your request. ("+err.Error()+")")
+	return req, err
 }
 
 type jobRequest struct {

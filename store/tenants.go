@@ -53,6 +53,11 @@ var (
 	ErrTenantName = errors.New("store: a tenant's name is 1 to 128 bytes")
 )
 
+// MaxWeight is the largest fair-share weight a tenant may have: the
+// stores keep it in a 32-bit column, and a million times another tenant's
+// share is already all of it.
+const MaxWeight = 1_000_000
+
 // Role is what a key may do.
 type Role string
 

@@ -160,8 +160,8 @@ func (l *limitFlags) apply(fs *flag.FlagSet, t *store.Tenant) error {
 			err = errors.New("limits are 0 (unlimited) or more")
 		}
 	}
-	if t.Weight < 1 {
-		err = errors.New("--weight is 1 or more")
+	if t.Weight < 1 || t.Weight > store.MaxWeight {
+		err = fmt.Errorf("--weight is 1 to %d", store.MaxWeight)
 	}
 	return err
 }
