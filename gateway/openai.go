@@ -458,7 +458,9 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		ticket.PromptEstimate = func() int { return s.est.estimate(model.ID, c.promptBytes) }
 	}
 	body, injected := c.body, false
-	clientUsage := c.f.StreamOptions != nil && c.f.StreamOptions.IncludeUsage != nil && *c.f.StreamOptions.IncludeUsage
+	// vLLM's include_usage is true by default once stream_options is
+	// there: a client that sent stream_options without it gets usage.
+	clientUsage := c.f.StreamOptions != nil && (c.f.StreamOptions.IncludeUsage == nil || *c.f.StreamOptions.IncludeUsage)
 	if c.f.Stream && c.ep != epResponses && !clientUsage && (permit != nil || (!exact && s.est.wantSample(model.ID))) {
 		// Ask for usage to settle the estimate, or the tenant's quota; the
 		// client does not see it.

@@ -659,3 +659,21 @@ func TestRetriedRequestChargesItsCutAttempt(t *testing.T) {
 		})
 	}
 }
+
+// TestStreamUsageAsVLLMDefaultsIt: a stream's stream_options without
+// include_usage asks for usage (vLLM's default), so the client gets its
+// usage chunk even where kvgate asks for usage itself to settle a permit;
+// include_usage false still gets none.
+func TestStreamUsageAsVLLMDefaultsIt(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st}}})
+	key := newTenant(t, st, "streamer", store.Limits{MaxConcurrency: 10}, store.RoleUser)
+	for opts, want := range map[string]bool{`{}`: true, `{"continuous_usage_stats":false}`: true, `{"include_usage":false}`: false} {
+		resp, b := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true,"stream_options":`+opts+`}`,
+			"Authorization", "Bearer "+key)
+		got := strings.Contains(string(b), `"choices":[],`) && strings.Contains(string(b), `"usage":{`)
+		if resp.StatusCode != http.StatusOK || got != want {
+			t.Errorf("stream_options %s: %d, usage chunk %v, want %v: %s", opts, resp.StatusCode, got, want, b)
+		}
+	}
+}
