@@ -135,6 +135,15 @@ func endStream(w http.ResponseWriter, rc *http.ResponseController, ep endpoint, 
 	} else if b, err := json.Marshal(e.body()); err == nil {
 		ev = fmt.Appendf(nil, "data: %s\n\n", b)
 	}
+	// A deadline of its own: the one the stream's events kept moving
+	// (clientWrites) runs out with the backend's watchdog, so a stream
+	// cut as stalled would drop its connection mid-chunk instead. A
+	// client that reads nothing more still lets go of this write soon.
+	_ = rc.SetWriteDeadline(time.Now().Add(endStreamWrite))
 	_, _ = w.Write(ev)
 	_ = rc.Flush()
+	_ = rc.SetWriteDeadline(time.Time{}) // net/http would carry it into the connection's next request
 }
+
+// endStreamWrite bounds the write of a stream's last event.
+const endStreamWrite = 5 * time.Second

@@ -761,3 +761,37 @@ func dialSmallWindow(t *testing.T, base string) net.Conn {
 	t.Cleanup(func() { conn.Close() })
 	return conn
 }
+
+// TestStreamStallingMidwayEndsWithAnError: a backend that goes silent
+// after its first events is cut at the stream idle timeout, and the
+// client hears why: the stream's error event, whole, not a connection
+// dropped mid-chunk (the client's write deadline had been moved by the
+// same events that reset the backend's watchdog, and ran out with it).
+func TestStreamStallingMidwayEndsWithAnError(t *testing.T) {
+	const idle = 300 * time.Millisecond
+	f := startFleet(t, fleetOpts{gateway: Config{StreamIdleTimeout: idle, RequestTimeout: 10 * time.Second},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
+					h.ServeHTTP(w, r)
+					return
+				}
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = io.WriteString(w, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+					`","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}`+"\n\n")
+				_ = http.NewResponseController(w).Flush()
+				<-r.Context().Done() // silent from here
+			})
+		}})
+	resp, err := http.Post(f.srv.URL+"/v1/chat/completions", "application/json", strings.NewReader(
+		`{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil || !bytes.Contains(body, []byte(`"Hel"`)) || !bytes.Contains(body, []byte(`data: {"error":`)) {
+		t.Errorf("the stalled stream: read error %v, body %s; want its first event, then the error event", err, tail(body))
+	}
+}
