@@ -742,6 +742,7 @@ var (
 	dataPrefix = []byte("data:")
 	doneData   = []byte("[DONE]")
 	usageKey   = []byte(`"usage"`)
+	errorData  = []byte(`{"error"`)
 )
 
 // relay copies a backend's event stream to the client event by event,
@@ -773,6 +774,10 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		midLine   bool // the last read ended inside a line longer than the buffer
 		readErr   error
 		lastPet   time.Time // the watchdog's last reset (stream_relay.go)
+		// failure is the error event the backend sent in its stream (vLLM
+		// sends one, then [DONE], when its engine fails a request): passed
+		// to the client, and the attempt is a failure, its usage unknown.
+		failure []byte
 		trail     responsesTrail
 	)
 	for !done {
@@ -816,6 +821,8 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		case data == nil:
 		case bytes.Equal(data, doneData):
 			done = true
+		case bytes.HasPrefix(data, errorData):
+			failure = data
 		case bytes.Contains(data, usageKey):
 			var chunk struct {
 				Choices []json.RawMessage `json:"choices"`
@@ -884,6 +891,11 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 	if done {
 		g.BackendDone()
 		readTail(br, watchdog)
+		if failure != nil {
+			res := failed("stream_error", fmt.Errorf("the backend ended its stream with an error: %.300s", failure))
+			res.wrote = true // the client has the backend's error event
+			return res
+		}
 		return result{status: http.StatusOK, usage: u, wrote: true, up: upstream{class: upstreamOK, status: http.StatusOK}}
 	}
 	if readErr == io.EOF {

@@ -677,3 +677,44 @@ func TestStreamUsageAsVLLMDefaultsIt(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamEndingInABackendError: vLLM ends a stream whose request its
+// engine failed with an error event and then [DONE]. The client gets the
+// error event; the attempt is a failure, not a success charged its whole
+// reservation as reported usage: what it used is unknown, so uncertain.
+func TestStreamEndingInABackendError(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
+					h.ServeHTTP(w, r)
+					return
+				}
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = io.WriteString(w, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+					`","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}`+"\n\n"+
+					`data: {"error":{"message":"engine failed","type":"InternalServerError","param":null,"code":500}}`+"\n\n"+
+					"data: [DONE]\n\n")
+			})
+		}})
+	key := newTenant(t, st, "errs", store.Limits{MaxConcurrency: 10}, store.RoleUser)
+	resp, b := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":20,"stream":true}`,
+		"Authorization", "Bearer "+key)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"engine failed"`) {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	var u store.UsageDay
+	eventually.True(t, "the request's end in the ledger", func() bool {
+		us, _ := st.Usage(context.Background(), "errs", quotaT0, quotaT0)
+		if len(us) == 1 {
+			u = us[0]
+		}
+		return len(us) == 1 && u.ReservedTokens == 0
+	})
+	if u.Uncertain != 1 || u.CompletionTokens != 0 || u.PromptTokens != 0 {
+		t.Errorf("ledger %+v: want the request uncertain, nothing reported", u)
+	}
+}
