@@ -778,7 +778,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		// sends one, then [DONE], when its engine fails a request): passed
 		// to the client, and the attempt is a failure, its usage unknown.
 		failure []byte
-		trail     responsesTrail
+		trail   responsesTrail
 	)
 	for !done {
 		line, err := br.ReadSlice('\n')
