@@ -868,7 +868,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 				watchdog.Reset(s.cfg.StreamIdleTimeout)
 			}
 			if err != nil {
-				return result{status: 499, err: errClientGone, wrote: true}
+				return result{status: 499, err: errClientGone, wrote: true, usage: u}
 			}
 			unflushed = true
 		}
@@ -883,7 +883,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 				watchdog.Reset(s.cfg.StreamIdleTimeout)
 			}
 			if err != nil {
-				return result{status: 499, err: errClientGone, wrote: true}
+				return result{status: 499, err: errClientGone, wrote: true, usage: u}
 			}
 			unflushed = false
 		}
@@ -902,6 +902,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		readErr = io.ErrUnexpectedEOF // the stream ended without [DONE]
 	}
 	res := failed("stream_cut", readErr)
+	res.usage = u // the backend's report, when it came before the cut
 	if started && errors.Is(context.Cause(ctx), errDrainDeadline) {
 		// Shutting down: the client is still there, and must hear why the
 		// stream ends.

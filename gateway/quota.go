@@ -539,7 +539,9 @@ func outcome(attempts int, res *result, reserved usage) (store.Outcome, *usage) 
 	switch {
 	case attempts == 0 || res == nil:
 		return store.NotSent, nil
-	case res.err == nil && res.usage != nil:
+	case res.usage != nil:
+		// The backend reported what it used (a stream's usage comes
+		// after its last token), whatever cut the exchange after that.
 		return store.Reported, res.usage
 	case res.err == nil:
 		return store.Reported, &reserved // served without a report: charge what was reserved

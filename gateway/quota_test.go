@@ -718,3 +718,45 @@ func TestStreamEndingInABackendError(t *testing.T) {
 		t.Errorf("ledger %+v: want the request uncertain, nothing reported", u)
 	}
 }
+
+// TestStreamCutAfterItsUsage: a stream whose backend reported its usage
+// (the last chunk before [DONE]) and then dropped the connection is
+// charged that usage, not its whole reservation as uncertain.
+func TestStreamCutAfterItsUsage(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
+					h.ServeHTTP(w, r)
+					return
+				}
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = io.WriteString(w, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+					`","choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":"stop"}]}`+"\n\n"+
+					`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+					`","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}`+"\n\n")
+				_ = http.NewResponseController(w).Flush()
+				panic(http.ErrAbortHandler) // the connection drops before [DONE]
+			})
+		}})
+	key := newTenant(t, st, "cut-late", store.Limits{MaxConcurrency: 10}, store.RoleUser)
+	resp, b := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":20,"stream":true}`,
+		"Authorization", "Bearer "+key)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"Hello"`) || !strings.Contains(string(b), `"error"`) {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	var u store.UsageDay
+	eventually.True(t, "the request's end in the ledger", func() bool {
+		us, _ := st.Usage(context.Background(), "cut-late", quotaT0, quotaT0)
+		if len(us) == 1 {
+			u = us[0]
+		}
+		return len(us) == 1 && u.ReservedTokens == 0
+	})
+	if u.PromptTokens != 7 || u.CompletionTokens != 2 || u.Uncertain != 0 {
+		t.Errorf("ledger %+v: want the reported 7+2 tokens, nothing uncertain", u)
+	}
+}
