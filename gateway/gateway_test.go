@@ -770,20 +770,9 @@ func dialSmallWindow(t *testing.T, base string) net.Conn {
 func TestStreamStallingMidwayEndsWithAnError(t *testing.T) {
 	const idle = 300 * time.Millisecond
 	f := startFleet(t, fleetOpts{gateway: Config{StreamIdleTimeout: idle, RequestTimeout: 10 * time.Second},
-		wrap: func(_ int, h http.Handler) http.Handler {
-			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
-					h.ServeHTTP(w, r)
-					return
-				}
-				_, _ = io.Copy(io.Discard, r.Body)
-				w.Header().Set("Content-Type", "text/event-stream")
-				_, _ = io.WriteString(w, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
-					`","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}`+"\n\n")
-				_ = http.NewResponseController(w).Flush()
-				<-r.Context().Done() // silent from here
-			})
-		}})
+		wrap: scriptedChatStream(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+			`","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"},"finish_reason":null}]}`+"\n\n",
+			func(r *http.Request) { <-r.Context().Done() })}) // silent from here
 	resp, err := http.Post(f.srv.URL+"/v1/chat/completions", "application/json", strings.NewReader(
 		`{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":50,"stream":true}`))
 	if err != nil {
@@ -793,5 +782,27 @@ func TestStreamStallingMidwayEndsWithAnError(t *testing.T) {
 	body, err := io.ReadAll(resp.Body)
 	if err != nil || !bytes.Contains(body, []byte(`"Hel"`)) || !bytes.Contains(body, []byte(`data: {"error":`)) {
 		t.Errorf("the stalled stream: read error %v, body %s; want its first event, then the error event", err, tail(body))
+	}
+}
+
+// scriptedChatStream stands a scripted backend stream in front of every
+// backend: a chat request's body is read whole (as vLLM reads it), then
+// events are sent and flushed, then end runs (nil: the answer ends there).
+// Every other request reaches the backend.
+func scriptedChatStream(events string, end func(r *http.Request)) func(int, http.Handler) http.Handler {
+	return func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
+				h.ServeHTTP(w, r)
+				return
+			}
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "text/event-stream")
+			_, _ = io.WriteString(w, events)
+			_ = http.NewResponseController(w).Flush()
+			if end != nil {
+				end(r)
+			}
+		})
 	}
 }

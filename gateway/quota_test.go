@@ -363,14 +363,7 @@ func TestQuotaStreamUsage(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || strings.Contains(string(b), `"usage"`) || !strings.Contains(string(b), "[DONE]") {
 		t.Fatalf("stream: %d\n%s", resp.StatusCode, b)
 	}
-	var u store.UsageDay
-	eventually.True(t, "the release", func() bool {
-		us, _ := st.Usage(context.Background(), "acme", quotaT0, quotaT0)
-		if len(us) == 1 {
-			u = us[0]
-		}
-		return len(us) == 1 && us[0].ReservedTokens == 0
-	})
+	u := settledUsage(t, st, "acme")
 	if u.Requests != 1 || u.Attempts != 1 || u.CompletionTokens != 5 || u.PromptTokens == 0 || u.Uncertain != 0 {
 		t.Errorf("ledger after a stream: %+v", u)
 	}
@@ -641,17 +634,10 @@ func TestRetriedRequestChargesItsCutAttempt(t *testing.T) {
 				t.Fatalf("request: %d %s", resp.StatusCode, b)
 			}
 			got := decode[struct{ Usage usage }](t, b).Usage
-			var u store.UsageDay
-			eventually.True(t, "the request's usage is in the ledger", func() bool {
-				us, _ := st.Usage(context.Background(), "retried", quotaT0, quotaT0)
-				if len(us) == 1 {
-					u = us[0]
-				}
-				return len(us) == 1 && u.ReservedTokens == 0 && u.Attempts == 2
-			})
+			u := settledUsage(t, st, "retried")
 			// The cut attempt's reservation: the prompt as kvgate counted it
 			// before sending, and the 5 tokens asked for.
-			if u.Requests != 1 || u.PromptTokens != int64(got.PromptTokens) || u.CompletionTokens != 5 ||
+			if u.Requests != 1 || u.Attempts != 2 || u.PromptTokens != int64(got.PromptTokens) || u.CompletionTokens != 5 ||
 				u.Uncertain != 1 || u.UncertainTokens <= 5 {
 				t.Errorf("ledger %+v; want 1 request of 2 attempts, the answer's %d+5 tokens reported and the cut attempt's reservation uncertain",
 					u, got.PromptTokens)
@@ -686,34 +672,17 @@ func TestStreamEndingInABackendError(t *testing.T) {
 	st := sqliteStore(t)
 	clock := &testClock{now: quotaT0}
 	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}},
-		wrap: func(_ int, h http.Handler) http.Handler {
-			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
-					h.ServeHTTP(w, r)
-					return
-				}
-				_, _ = io.Copy(io.Discard, r.Body)
-				w.Header().Set("Content-Type", "text/event-stream")
-				_, _ = io.WriteString(w, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
-					`","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}`+"\n\n"+
-					`data: {"error":{"message":"engine failed","type":"InternalServerError","param":null,"code":500}}`+"\n\n"+
-					"data: [DONE]\n\n")
-			})
-		}})
+		wrap: scriptedChatStream(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+			`","choices":[{"index":0,"delta":{"content":"Hel"},"finish_reason":null}]}`+"\n\n"+
+			`data: {"error":{"message":"engine failed","type":"InternalServerError","param":null,"code":500}}`+"\n\n"+
+			"data: [DONE]\n\n", nil)})
 	key := newTenant(t, st, "errs", store.Limits{MaxConcurrency: 10}, store.RoleUser)
 	resp, b := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":20,"stream":true}`,
 		"Authorization", "Bearer "+key)
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"engine failed"`) {
 		t.Fatalf("stream: %d %s", resp.StatusCode, b)
 	}
-	var u store.UsageDay
-	eventually.True(t, "the request's end in the ledger", func() bool {
-		us, _ := st.Usage(context.Background(), "errs", quotaT0, quotaT0)
-		if len(us) == 1 {
-			u = us[0]
-		}
-		return len(us) == 1 && u.ReservedTokens == 0
-	})
+	u := settledUsage(t, st, "errs")
 	if u.Uncertain != 1 || u.CompletionTokens != 0 || u.PromptTokens != 0 {
 		t.Errorf("ledger %+v: want the request uncertain, nothing reported", u)
 	}
@@ -726,37 +695,34 @@ func TestStreamCutAfterItsUsage(t *testing.T) {
 	st := sqliteStore(t)
 	clock := &testClock{now: quotaT0}
 	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}},
-		wrap: func(_ int, h http.Handler) http.Handler {
-			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if r.Method != http.MethodPost || !strings.HasSuffix(r.URL.Path, "/chat/completions") {
-					h.ServeHTTP(w, r)
-					return
-				}
-				_, _ = io.Copy(io.Discard, r.Body)
-				w.Header().Set("Content-Type", "text/event-stream")
-				_, _ = io.WriteString(w, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
-					`","choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":"stop"}]}`+"\n\n"+
-					`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
-					`","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}`+"\n\n")
-				_ = http.NewResponseController(w).Flush()
-				panic(http.ErrAbortHandler) // the connection drops before [DONE]
-			})
-		}})
+		wrap: scriptedChatStream(`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+			`","choices":[{"index":0,"delta":{"content":"Hello"},"finish_reason":"stop"}]}`+"\n\n"+
+			`data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"`+llama+
+			`","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}`+"\n\n",
+			func(*http.Request) { panic(http.ErrAbortHandler) })}) // the connection drops before [DONE]
 	key := newTenant(t, st, "cut-late", store.Limits{MaxConcurrency: 10}, store.RoleUser)
 	resp, b := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":20,"stream":true}`,
 		"Authorization", "Bearer "+key)
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), `"Hello"`) || !strings.Contains(string(b), `"error"`) {
 		t.Fatalf("stream: %d %s", resp.StatusCode, b)
 	}
+	u := settledUsage(t, st, "cut-late")
+	if u.PromptTokens != 7 || u.CompletionTokens != 2 || u.Uncertain != 0 {
+		t.Errorf("ledger %+v: want the reported 7+2 tokens, nothing uncertain", u)
+	}
+}
+
+// settledUsage waits for tenant's one ledger day of quotaT0 to hold no
+// reservation (every request released) and returns it.
+func settledUsage(t *testing.T, st store.Tenants, tenant string) store.UsageDay {
+	t.Helper()
 	var u store.UsageDay
-	eventually.True(t, "the request's end in the ledger", func() bool {
-		us, _ := st.Usage(context.Background(), "cut-late", quotaT0, quotaT0)
+	eventually.True(t, tenant+"'s requests settled in the ledger", func() bool {
+		us, _ := st.Usage(context.Background(), tenant, quotaT0, quotaT0)
 		if len(us) == 1 {
 			u = us[0]
 		}
 		return len(us) == 1 && u.ReservedTokens == 0
 	})
-	if u.PromptTokens != 7 || u.CompletionTokens != 2 || u.Uncertain != 0 {
-		t.Errorf("ledger %+v: want the reported 7+2 tokens, nothing uncertain", u)
-	}
+	return u
 }
