@@ -78,12 +78,15 @@ func isAdmin(ctx context.Context) bool { return principalOf(ctx).role == store.R
 // not answer.
 var errKeysUnavailable = errors.New("key store unavailable")
 
-// keyCache remembers store lookups for a short while.
+// keyCache remembers store lookups for a short while. Keys found and
+// tokens not found are kept apart, each map bounded: a flood of wrong
+// tokens empties the misses only, never evicts the valid keys in use.
 type keyCache struct {
-	ttl time.Duration
-	now func() time.Time
-	mu  sync.Mutex
-	m   map[string]keyEntry // by hash
+	ttl  time.Duration
+	now  func() time.Time
+	mu   sync.Mutex
+	m    map[string]keyEntry // keys found, by hash
+	miss map[string]keyEntry // tokens not found, by hash
 	// gen counts the forgets: a lookup caches its answer only if none
 	// happened while it read the store, so that a key read before its
 	// revocation is not cached after it.
@@ -100,14 +103,36 @@ type keyEntry struct {
 	until time.Time
 }
 
+// keyCacheMax bounds each of keyCache's maps.
 const keyCacheMax = 10_000
 
+// keyShaped reports whether token could be a key NewAPIKey made: a token
+// of another shape is refused without asking the store.
+func keyShaped(token string) bool {
+	const n = len(KeyPrefix) + 43 // 32 bytes, unpadded base64
+	if len(token) != n || !strings.HasPrefix(token, KeyPrefix) {
+		return false
+	}
+	for _, c := range []byte(token[len(KeyPrefix):]) {
+		if !('a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
+
 func (s *Server) lookupKey(ctx context.Context, token string) (principal, bool, error) {
+	if !keyShaped(token) {
+		return principal{}, false, nil
+	}
 	c := s.keys
 	hash := HashKey(token)
 	now := c.now()
 	c.mu.Lock()
 	e, ok := c.m[hash]
+	if !ok {
+		e, ok = c.miss[hash]
+	}
 	gen := c.gen
 	c.mu.Unlock()
 	if ok && now.Before(e.until) {
@@ -126,10 +151,17 @@ func (s *Server) lookupKey(ctx context.Context, token string) (principal, bool, 
 	c.mu.Lock()
 	c.held = c.held || e.found
 	if c.gen == gen {
-		if len(c.m) >= keyCacheMax {
-			clear(c.m) // bounded: a flood of wrong tokens cannot grow it
+		m := c.miss
+		if e.found {
+			m = c.m
+			delete(c.miss, hash)
+		} else {
+			delete(c.m, hash)
 		}
-		c.m[hash] = e
+		if len(m) >= keyCacheMax {
+			clear(m)
+		}
+		m[hash] = e
 	}
 	c.mu.Unlock()
 	return e.p, e.found, nil
@@ -170,6 +202,7 @@ func (c *keyCache) forgetAll() {
 	c.mu.Lock()
 	c.gen++
 	clear(c.m)
+	clear(c.miss)
 	c.heldUntil = time.Time{}
 	c.mu.Unlock()
 }
@@ -179,6 +212,7 @@ func (c *keyCache) forget(hash string) {
 	c.mu.Lock()
 	c.gen++
 	delete(c.m, hash)
+	delete(c.miss, hash)
 	c.heldUntil = time.Time{}
 	c.mu.Unlock()
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"maps"
 	"net/http"
 	"strings"
 	"sync"
@@ -249,5 +250,74 @@ func TestDevModeIsExplicit(t *testing.T) {
 	}
 	if n := strings.Count(log.String(), "level=WARN msg=\"development mode:"); n != 1 {
 		t.Errorf("development mode logged %d warnings, want 1:\n%s", n, log.String())
+	}
+}
+
+// countedLookups is a real store that counts its key lookups by hash.
+type countedLookups struct {
+	store.Tenants
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *countedLookups) KeyByHash(ctx context.Context, hash string) (store.APIKey, error) {
+	c.mu.Lock()
+	c.n[hash]++
+	c.mu.Unlock()
+	return c.Tenants.KeyByHash(ctx, hash)
+}
+
+func (c *countedLookups) lookups() (total int, of map[string]int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, n := range c.n {
+		total += n
+	}
+	return total, maps.Clone(c.n)
+}
+
+// TestWrongTokensDoNotEvictKeys: a flood of wrong tokens, more than the
+// key cache holds, leaves the valid keys in use cached (no store lookup
+// for them within the TTL); a token no key could be is refused without
+// asking the store.
+func TestWrongTokensDoNotEvictKeys(t *testing.T) {
+	st := sqliteStore(t)
+	key := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	counted := &countedLookups{Tenants: st, n: map[string]int{}}
+	clock := &testClock{now: quotaT0}
+	s, err := New(Config{Tenants: Tenants{Store: counted, Now: clock.Now, CacheTTL: time.Minute}}, nil, nil, prometheus.NewRegistry(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lookup := func(token string) bool {
+		t.Helper()
+		p, found, err := s.lookupKey(t.Context(), token)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return found && p.tenant == "acme"
+	}
+	if !lookup(key) {
+		t.Fatal("the valid key was not found")
+	}
+	for _, bad := range []string{"", "kvg_guessed", key + "x", key[:len(key)-1], strings.Replace(key, key[5:6], "!", 1), "sk-" + key[4:]} {
+		if lookup(bad) {
+			t.Errorf("token %q was taken for a key", bad)
+		}
+	}
+	if total, _ := counted.lookups(); total != 1 {
+		t.Errorf("tokens no key could be made %d store lookups, want none", total-1)
+	}
+	for i := range keyCacheMax + 10 {
+		wrong, _ := NewAPIKey("acme", store.RoleUser, "", quotaT0)
+		if lookup(wrong) {
+			t.Fatalf("wrong token %d was taken for a key", i)
+		}
+	}
+	if !lookup(key) {
+		t.Fatal("the valid key was not found after the flood")
+	}
+	if _, of := counted.lookups(); of[HashKey(key)] != 1 {
+		t.Errorf("the valid key was read from the store %d times within its TTL, with a flood of wrong tokens beside it; want once", of[HashKey(key)])
 	}
 }

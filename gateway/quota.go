@@ -131,7 +131,7 @@ func (s *Server) initTenants(reg prometheus.Registerer) error {
 		t.Now = time.Now
 	}
 	s.permitsBehind = &permitsBehind{releasing: map[*permit]struct{}{}, delay: behindDelay}
-	s.keys = &keyCache{ttl: t.CacheTTL, now: t.Now, m: map[string]keyEntry{}}
+	s.keys = &keyCache{ttl: t.CacheTTL, now: t.Now, m: map[string]keyEntry{}, miss: map[string]keyEntry{}}
 	s.limits = &tenantCache{m: map[string]tenantEntry{}}
 	return nil
 }
