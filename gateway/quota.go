@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 	"sync"
@@ -70,7 +71,7 @@ type Tenants struct {
 	FailOpen bool
 	// CacheTTL is how long a key lookup and a tenant's limits are reused
 	// in process: how long a revocation or a new limit may take to reach
-	// every replica [5s].
+	// every replica [5s], at most MaxCacheTTL.
 	CacheTTL time.Duration
 	// PermitLease is how long a permit counts if its replica never
 	// releases it [RequestTimeout + 1m].
@@ -107,10 +108,25 @@ type quotaMetrics struct {
 	failOpen prometheus.Counter
 }
 
+// MaxCacheTTL bounds Tenants.CacheTTL: a revoked key keeps working on
+// other replicas for as long as it, so a mistyped hour is refused.
+const MaxCacheTTL = 10 * time.Minute
+
+// CheckCacheTTL refuses a Tenants.CacheTTL out of bounds.
+func CheckCacheTTL(d time.Duration) error {
+	if d < 0 || d > MaxCacheTTL {
+		return fmt.Errorf("cache_ttl %s: a revoked key works on other replicas for as long; write 0 (5s) to %s", d, MaxCacheTTL)
+	}
+	return nil
+}
+
 func (s *Server) initTenants(reg prometheus.Registerer) error {
 	t := &s.cfg.Tenants
 	if t.Store == nil {
 		return nil
+	}
+	if err := CheckCacheTTL(t.CacheTTL); err != nil {
+		return err
 	}
 	s.quota = &quotaMetrics{
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{

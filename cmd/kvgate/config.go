@@ -65,7 +65,7 @@ type config struct {
 	// Quotas: store-backed tenants' limits.
 	Quotas struct {
 		FailOpen bool          `yaml:"fail_open"` // admit when the limiter state is unreachable [false: answer 503]
-		CacheTTL time.Duration `yaml:"cache_ttl"` // key and limit cache: how fast revocations spread [5s]
+		CacheTTL time.Duration `yaml:"cache_ttl"` // key and limit cache: how fast revocations spread, at most 10m [5s]
 	} `yaml:"quotas"`
 
 	Admission scheduler.Policy `yaml:"admission"` // admission thresholds (docs/admission.md)
@@ -365,6 +365,9 @@ func (c *config) validate() error {
 	}
 	for i, d := range c.Webhooks.RetrySchedule {
 		numbers = append(numbers, number{fmt.Sprintf("webhooks.retry_schedule[%d]", i), int64(d), true})
+	}
+	if err := gateway.CheckCacheTTL(c.Quotas.CacheTTL); err != nil {
+		return fmt.Errorf("quotas.%w", err)
 	}
 	if len(c.Webhooks.RetrySchedule) > 0 {
 		if err := gateway.CheckRetrySchedule(c.Webhooks.RetrySchedule); err != nil {

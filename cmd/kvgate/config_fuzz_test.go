@@ -14,6 +14,7 @@ import (
 
 	"go.yaml.in/yaml/v3"
 
+	"github.com/kvgate/kvgate/gateway"
 	"github.com/kvgate/kvgate/gpu"
 )
 
@@ -101,6 +102,9 @@ func checkRunnable(t *testing.T, cfg *config) {
 		if _, err := gpu.NewPool(cfg.Backends, gpu.PoolConfig{}); err != nil {
 			t.Fatalf("loaded with backends the pool refuses: %v", err)
 		}
+	}
+	if err := gateway.CheckCacheTTL(cfg.Quotas.CacheTTL); err != nil {
+		t.Fatalf("loaded with a cache TTL the gateway refuses: %v", err)
 	}
 	if tc := cfg.Gateway.TokenCount; tc != "" && tc != "estimate" && tc != "tokenize" {
 		t.Fatalf("loaded with token_count %q, which the gateway refuses", tc)
