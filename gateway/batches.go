@@ -7,7 +7,6 @@ import (
 	"maps"
 	"net/http"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -249,13 +248,9 @@ func (s *Server) handleGetBatch(w http.ResponseWriter, r *http.Request) int {
 
 func (s *Server) handleListBatches(w http.ResponseWriter, r *http.Request) int {
 	q := r.URL.Query()
-	limit := 20
-	if l := q.Get("limit"); l != "" {
-		n, err := strconv.Atoi(l)
-		if err != nil || n < 1 || n > 100 {
-			return writeError(w, s.log, badRequest("limit", "limit must be a number from 1 to 100."))
-		}
-		limit = n
+	limit, err := pageSize(r, 20, 100)
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
 	bs, more, err := s.batches.ListBatches(r.Context(), tenantOf(r.Context()), q.Get("after"), limit)
 	if err != nil {

@@ -367,13 +367,10 @@ func pageOf[T any](data []T, id func(T) string, more bool) cursorPage[T] {
 
 func (s *Server) handleListFiles(w http.ResponseWriter, r *http.Request) int {
 	q := r.URL.Query()
-	f := store.FileFilter{Purpose: q.Get("purpose"), After: q.Get("after"), Limit: 10000}
-	if l := q.Get("limit"); l != "" {
-		n, err := strconv.Atoi(l)
-		if err != nil || n < 1 || n > 10000 {
-			return writeError(w, s.log, badRequest("limit", "limit must be a number from 1 to 10000."))
-		}
-		f.Limit = n
+	f := store.FileFilter{Purpose: q.Get("purpose"), After: q.Get("after")}
+	var err error
+	if f.Limit, err = pageSize(r, 10000, 10000); err != nil {
+		return writeError(w, s.log, err)
 	}
 	switch q.Get("order") {
 	case "", "desc":

@@ -11,7 +11,6 @@ import (
 	"math"
 	"net/http"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
 
@@ -301,12 +300,9 @@ func (s *Server) handleGetJob(w http.ResponseWriter, r *http.Request) int {
 func (s *Server) handleListJobs(w http.ResponseWriter, r *http.Request) int {
 	q := r.URL.Query()
 	f := store.ListFilter{After: q.Get("after")}
-	if l := q.Get("limit"); l != "" {
-		n, err := strconv.Atoi(l)
-		if err != nil || n < 1 || n > 1000 {
-			return writeError(w, s.log, badRequest("limit", "limit must be a number from 1 to 1000."))
-		}
-		f.Limit = n
+	var err error
+	if f.Limit, err = pageSize(r, 100, 1000); err != nil {
+		return writeError(w, s.log, err)
 	}
 	if b := q.Get("batch"); b != "" {
 		if len(b) > 128 {

@@ -174,7 +174,7 @@ type entityVersionView struct {
 // with their jobs, and the version that won.
 func (s *Server) handleEntity(w http.ResponseWriter, r *http.Request) int {
 	ctx := r.Context()
-	limit, err := pageSize(r)
+	limit, err := pageSize(r, 100, 1000)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
@@ -293,7 +293,7 @@ func (s *Server) handleReviews(w http.ResponseWriter, r *http.Request) int {
 	if !isOperator(ctx) {
 		return writeError(w, s.log, errOperatorOnly)
 	}
-	limit, err := pageSize(r)
+	limit, err := pageSize(r, 100, 1000)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
@@ -342,14 +342,15 @@ func page[T any](data []T, next string) any {
 	}{Object: "list", Data: data, HasMore: next != "", NextCursor: next}
 }
 
-func pageSize(r *http.Request) (int, error) {
+// pageSize reads a list's ?limit=: def without it, 1 to max with it.
+func pageSize(r *http.Request, def, max int) (int, error) {
 	l := r.URL.Query().Get("limit")
 	if l == "" {
-		return 100, nil
+		return def, nil
 	}
 	n, err := strconv.Atoi(l)
-	if err != nil || n < 1 || n > 1000 {
-		return 0, badRequest("limit", "limit must be a number from 1 to 1000.")
+	if err != nil || n < 1 || n > max {
+		return 0, badRequest("limit", fmt.Sprintf("limit must be a number from 1 to %d.", max))
 	}
 	return n, nil
 }
@@ -574,7 +575,7 @@ func (s *Server) handleDeadLetters(w http.ResponseWriter, r *http.Request) int {
 		}
 	}
 	var err error
-	if f.Limit, err = pageSize(r); err != nil {
+	if f.Limit, err = pageSize(r, 100, 1000); err != nil {
 		return writeError(w, s.log, err)
 	}
 	for name, at := range map[string]*time.Time{"since": &f.Since, "until": &f.Until} {

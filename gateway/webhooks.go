@@ -397,7 +397,7 @@ func attemptViews(as []store.DeliveryAttempt) []deliveryAttemptView {
 func (s *Server) deliveryPage(w http.ResponseWriter, r *http.Request, f store.DeliveryFilter) int {
 	ctx := r.Context()
 	var err error
-	if f.Limit, err = pageSize(r); err != nil {
+	if f.Limit, err = pageSize(r, 100, 1000); err != nil {
 		return writeError(w, s.log, err)
 	}
 	if a := r.URL.Query().Get("after"); a != "" {
