@@ -154,16 +154,24 @@ func notFound(what string) *apiError {
 	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found", msg: "No such " + what + "."}
 }
 
+// Admin lists page as OpenAI's lists do: ?after= (the last name or id
+// of the page before), ?limit= (100 by default, at most 1000), has_more.
+const adminPageDefault, adminPageMax = 100, 1000
+
 func (s *Server) handleListTenants(w http.ResponseWriter, r *http.Request) int {
-	ts, err := s.cfg.Tenants.Store.ListTenants(r.Context())
+	limit, err := pageSize(r, adminPageDefault, adminPageMax)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	list := listOf([]TenantView{})
-	for _, t := range ts {
-		list.Data = append(list.Data, tenantView(t))
+	ts, more, err := s.cfg.Tenants.Store.ListTenants(r.Context(), r.URL.Query().Get("after"), limit)
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
-	writeJSON(w, http.StatusOK, list)
+	views := make([]TenantView, len(ts))
+	for i, t := range ts {
+		views[i] = tenantView(t)
+	}
+	writeJSON(w, http.StatusOK, pageOf(views, func(v TenantView) string { return v.Name }, more))
 	return http.StatusOK
 }
 
@@ -257,15 +265,20 @@ func keyView(k store.APIKey, secret string) KeyView {
 }
 
 func (s *Server) handleListKeys(w http.ResponseWriter, r *http.Request) int {
-	ks, err := s.cfg.Tenants.Store.ListKeys(r.Context(), r.URL.Query().Get("tenant"))
+	limit, err := pageSize(r, adminPageDefault, adminPageMax)
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	list := listOf([]KeyView{})
-	for _, k := range ks {
-		list.Data = append(list.Data, keyView(k, ""))
+	q := r.URL.Query()
+	ks, more, err := s.cfg.Tenants.Store.ListKeys(r.Context(), q.Get("tenant"), q.Get("after"), limit)
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
-	writeJSON(w, http.StatusOK, list)
+	views := make([]KeyView, len(ks))
+	for i, k := range ks {
+		views[i] = keyView(k, "")
+	}
+	writeJSON(w, http.StatusOK, pageOf(views, func(v KeyView) string { return v.ID }, more))
 	return http.StatusOK
 }
 
@@ -309,17 +322,13 @@ func (s *Server) storeKey(w http.ResponseWriter, r *http.Request, k store.APIKey
 	return http.StatusCreated
 }
 
+// findKey returns the valid key of an id: a not_found error for none.
 func (s *Server) findKey(r *http.Request, id string) (store.APIKey, error) {
-	ks, err := s.cfg.Tenants.Store.ListKeys(r.Context(), "")
-	if err != nil {
-		return store.APIKey{}, err
+	k, err := s.cfg.Tenants.Store.GetKey(r.Context(), id)
+	if errors.Is(err, store.ErrNotFound) || err == nil && !k.RevokedAt.IsZero() {
+		return store.APIKey{}, notFound("key")
 	}
-	for _, k := range ks {
-		if k.ID == id && k.RevokedAt.IsZero() {
-			return k, nil
-		}
-	}
-	return store.APIKey{}, notFound("key")
+	return k, err
 }
 
 func (s *Server) handleRevokeKey(w http.ResponseWriter, r *http.Request) int {

@@ -2,8 +2,12 @@ package gateway
 
 import (
 	"encoding/json"
+	"fmt"
+	"html"
 	"io"
 	"net/http"
+	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -263,4 +267,97 @@ func TestTenantWeightOnTickets(t *testing.T) {
 		t.Fatalf("a job's ticket: %+v, %v", c, err)
 	}
 	c.Release()
+}
+
+// TestAdminListsPage: the admin API's tenants and keys come in pages
+// (?limit=, ?after=, has_more, first_id and last_id), every one once and
+// in order across the pages, and the console's tenants page links to the
+// next page of each list.
+func TestAdminListsPage(t *testing.T) {
+	st := sqliteStore(t)
+	const n = consolePageSize + 5
+	var admin string
+	for i := range n {
+		key := newTenant(t, st, fmt.Sprintf("t%03d", i), store.Limits{}, store.RoleAdmin)
+		if i == 0 {
+			admin = key
+		}
+	}
+	f := startFleet(t, fleetOpts{store: st, speedup: 50, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}}})
+	type page struct {
+		Data    []map[string]any `json:"data"`
+		FirstID *string          `json:"first_id"`
+		LastID  *string          `json:"last_id"`
+		HasMore bool             `json:"has_more"`
+	}
+	walk := func(path, id string, limit int) []string {
+		t.Helper()
+		var all []string
+		after := ""
+		for range n + 1 {
+			resp, b := send(t, f.srv.URL, http.MethodGet, fmt.Sprintf("%s?limit=%d&after=%s", path, limit, after), admin, "")
+			p := decode[page](t, b)
+			if resp.StatusCode != http.StatusOK || len(p.Data) == 0 || len(p.Data) > limit || p.FirstID == nil || p.LastID == nil ||
+				*p.FirstID != p.Data[0][id] || *p.LastID != p.Data[len(p.Data)-1][id] {
+				t.Fatalf("%s after %q: %d %.300s", path, after, resp.StatusCode, b)
+			}
+			for _, v := range p.Data {
+				all = append(all, v[id].(string))
+			}
+			if !p.HasMore {
+				return all
+			}
+			after = *p.LastID
+		}
+		t.Fatalf("%s: more pages than items", path)
+		return nil
+	}
+	tenants := walk("/v1/admin/tenants", "name", 7)
+	keys := walk("/v1/admin/keys", "id", 7)
+	ks, _, err := st.ListKeys(t.Context(), "", "", n+1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wantKeys, wantTenants []string
+	for i, k := range ks {
+		wantKeys = append(wantKeys, k.ID)
+		wantTenants = append(wantTenants, fmt.Sprintf("t%03d", i))
+	}
+	if !slices.Equal(tenants, wantTenants) {
+		t.Errorf("tenants in pages of 7: %v, want %v", tenants, wantTenants)
+	}
+	if !slices.Equal(keys, wantKeys) {
+		t.Errorf("keys in pages of 7: %v, want %v", keys, wantKeys)
+	}
+	if resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/admin/tenants", admin, ""); resp.StatusCode != http.StatusOK || len(decode[page](t, b).Data) != n {
+		t.Errorf("tenants without a limit: %d, want all %d (100 a page by default)", len(decode[page](t, b).Data), n)
+	}
+	for _, l := range []string{"0", "1001", "x"} {
+		if resp, b := send(t, f.srv.URL, http.MethodGet, "/v1/admin/keys?limit="+l, admin, ""); resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"param":"limit"`) {
+			t.Errorf("limit=%s: %d %s, want 400 naming limit", l, resp.StatusCode, b)
+		}
+	}
+
+	// The console: a page of each list, and a link to the next of each.
+	b := newBrowser(t, f.srv.URL)
+	if status, page := b.signIn(admin); status != http.StatusOK {
+		t.Fatalf("sign in: %d %.300s", status, page)
+	}
+	// tenantsOf is the tenants table of a console page.
+	tenantsOf := func(page string) string {
+		start, end := strings.Index(page, `id="tenants-h"`), strings.Index(page, `id="keys-h"`)
+		if start < 0 || end < start {
+			t.Fatalf("no tenants table: %.300s", page)
+		}
+		return page[start:end]
+	}
+	_, first := b.get("/console/tenants")
+	next := regexp.MustCompile(`<a href="([^"]+)" rel="next">More tenants</a>`).FindStringSubmatch(first)
+	if ts := tenantsOf(first); next == nil || !strings.Contains(ts, ">t049<") || strings.Contains(ts, ">t050<") || !strings.Contains(first, "More keys") {
+		t.Fatalf("the first tenants page: tenants t000-t049 and a link to each next page: %.2000s", first)
+	}
+	_, second := b.get(html.UnescapeString(next[1]))
+	if ts := tenantsOf(second); !strings.Contains(ts, ">t050<") || !strings.Contains(ts, ">t054<") || strings.Contains(ts, ">t049<") || strings.Contains(second, "More tenants") {
+		t.Errorf("the second page of tenants: t050-t054 and no further link: %.2000s", ts)
+	}
 }

@@ -181,7 +181,7 @@ func (s *Server) storeHeldKeys(ctx context.Context) bool {
 	}
 	// Revoked keys are listed too: a store whose keys were all revoked
 	// has held one. This runs in development mode only, until a key shows.
-	ks, err := s.cfg.Tenants.Store.ListKeys(ctx, "")
+	ks, _, err := s.cfg.Tenants.Store.ListKeys(ctx, "", "", 1)
 	if err != nil {
 		s.log.Warn("key listing failed: no development mode", "err", err)
 		return true

@@ -193,7 +193,7 @@ func TestRouteRoleMatrix(t *testing.T) {
 		}
 	}
 	keptKey := func(e *matrixEnv, role, status int, _ []byte) {
-		ks, err := e.st.ListKeys(context.Background(), "acme")
+		ks, _, err := e.st.ListKeys(context.Background(), "acme", "", 100)
 		if err != nil {
 			e.t.Fatal(err)
 		}

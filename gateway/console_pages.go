@@ -349,6 +349,8 @@ type tenantsData struct {
 	Tenants []TenantView
 	Keys    []KeyView
 	NewKey  *KeyView // a rotated key, shown once
+	// The next pages of tenants and of keys, each keeping the other's.
+	TenantsURL, KeysURL string
 }
 
 func (s *Server) consoleTenants(w http.ResponseWriter, r *http.Request, u consoleUser) {
@@ -356,21 +358,51 @@ func (s *Server) consoleTenants(w http.ResponseWriter, r *http.Request, u consol
 	s.page(w, r, u, "tenants", "Tenants and keys", d, err)
 }
 
+// tenantsData reads a page of tenants (after ?tenants_after=) and one of
+// keys (after ?keys_after=).
 func (s *Server) tenantsData(r *http.Request, u consoleUser) (tenantsData, error) {
 	var d tenantsData
-	var ts struct {
-		Data []TenantView `json:"data"`
+	q := r.URL.Query()
+	next := func(list, after string) string {
+		v := url.Values{}
+		for _, name := range []string{"tenants_after", "keys_after"} {
+			if a := q.Get(name); a != "" {
+				v.Set(name, a)
+			}
+		}
+		v.Set(list+"_after", after)
+		return "/console/tenants?" + v.Encode()
 	}
-	if err := s.consoleGet(r, u, "/v1/admin/tenants", &ts); err != nil {
+	page := func(list string) string {
+		v := url.Values{"limit": {strconv.Itoa(consolePageSize)}}
+		if a := q.Get(list + "_after"); a != "" {
+			v.Set("after", a)
+		}
+		return "/v1/admin/" + list + "?" + v.Encode()
+	}
+	var ts struct {
+		Data    []TenantView `json:"data"`
+		HasMore bool         `json:"has_more"`
+		LastID  *string      `json:"last_id"`
+	}
+	if err := s.consoleGet(r, u, page("tenants"), &ts); err != nil {
 		return d, err
 	}
 	var ks struct {
-		Data []KeyView `json:"data"`
+		Data    []KeyView `json:"data"`
+		HasMore bool      `json:"has_more"`
+		LastID  *string   `json:"last_id"`
 	}
-	if err := s.consoleGet(r, u, "/v1/admin/keys", &ks); err != nil {
+	if err := s.consoleGet(r, u, page("keys"), &ks); err != nil {
 		return d, err
 	}
 	d.Tenants, d.Keys = ts.Data, ks.Data
+	if ts.HasMore && ts.LastID != nil {
+		d.TenantsURL = next("tenants", *ts.LastID)
+	}
+	if ks.HasMore && ks.LastID != nil {
+		d.KeysURL = next("keys", *ks.LastID)
+	}
 	return d, nil
 }
 

@@ -49,7 +49,7 @@ func startConsoleEnv(t *testing.T) *consoleEnv {
 	e.operator = newKey(t, st, "acme", store.RoleOperator)
 	e.admin = newKey(t, st, "acme", store.RoleAdmin)
 	e.otherOp = newTenant(t, st, "globex", store.Limits{}, store.RoleOperator)
-	ks, err := st.ListKeys(context.Background(), "acme")
+	ks, _, err := st.ListKeys(context.Background(), "acme", "", 100)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -104,7 +104,7 @@ func TestFleetStream(t *testing.T) {
 			break
 		}
 	}
-	keys, err := st.ListKeys(context.Background(), "acme")
+	keys, _, err := st.ListKeys(context.Background(), "acme", "", 100)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -34,7 +34,7 @@ func TestRevokedKeyEndsEventStreams(t *testing.T) {
 		}
 	}
 
-	keys, err := st.ListKeys(context.Background(), "acme")
+	keys, _, err := st.ListKeys(context.Background(), "acme", "", 100)
 	if err != nil {
 		t.Fatal(err)
 	}

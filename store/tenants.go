@@ -293,16 +293,22 @@ type Tenants interface {
 	// GetTenant returns a tenant; ErrNotFound, ErrTenantDeleted (an
 	// ErrNotFound) for a deleted one.
 	GetTenant(ctx context.Context, name string) (Tenant, error)
-	// ListTenants returns every tenant not deleted, by name.
-	ListTenants(ctx context.Context) ([]Tenant, error)
+	// ListTenants returns a page of at most limit (1 or more) tenants not
+	// deleted, by name, those named after after ("" from the first), and
+	// whether more follow.
+	ListTenants(ctx context.Context, after string, limit int) ([]Tenant, bool, error)
 	// CreateKey stores a key; ErrNotFound without its tenant.
 	CreateKey(ctx context.Context, k APIKey) error
 	// KeyByHash returns the valid (not revoked) key with that hash;
 	// ErrNotFound otherwise.
 	KeyByHash(ctx context.Context, hash string) (APIKey, error)
-	// ListKeys returns a tenant's keys ("" for all), revoked ones too,
-	// oldest first.
-	ListKeys(ctx context.Context, tenant string) ([]APIKey, error)
+	// ListKeys returns a page of at most limit (1 or more) of a tenant's
+	// keys ("" for all), revoked ones too, oldest first, those after the
+	// key of id after ("" from the first; none after an unknown id), and
+	// whether more follow.
+	ListKeys(ctx context.Context, tenant, after string, limit int) ([]APIKey, bool, error)
+	// GetKey returns the key of an id, revoked or not; ErrNotFound.
+	GetKey(ctx context.Context, id string) (APIKey, error)
 	// RevokeKey revokes a key by id; ErrNotFound if no valid key has it.
 	RevokeKey(ctx context.Context, id string, now time.Time) error
 	// RotateKey revokes key oldID and creates k in its place, at once:

@@ -254,7 +254,9 @@ func runTenants(ctx context.Context, args []string, getenv func(string) string, 
 		fmt.Fprintf(stdout, "deleted tenant %s and revoked its keys\n", pos[0])
 		return nil
 	}
-	ts, err := st.ListTenants(ctx)
+	ts, err := everyPage(func(after string, limit int) ([]store.Tenant, bool, error) {
+		return st.ListTenants(ctx, after, limit)
+	}, func(t store.Tenant) string { return t.Name })
 	if err != nil {
 		return err
 	}
@@ -370,7 +372,9 @@ func runKeys(ctx context.Context, args []string, getenv func(string) string, std
 		fmt.Fprintf(stderr, "revoked %s (%s..., tenant %s); replicas stop accepting it within their key cache TTL\n", k.ID, k.Prefix, k.Tenant)
 		return nil
 	}
-	ks, err := st.ListKeys(ctx, tenant)
+	ks, err := everyPage(func(after string, limit int) ([]store.APIKey, bool, error) {
+		return st.ListKeys(ctx, tenant, after, limit)
+	}, func(k store.APIKey) string { return k.ID })
 	if err != nil {
 		return err
 	}
@@ -400,14 +404,27 @@ func createKey(ctx context.Context, st *sqlstore.Store, k store.APIKey, secret s
 }
 
 func findKey(ctx context.Context, st *sqlstore.Store, id string) (store.APIKey, error) {
-	ks, err := st.ListKeys(ctx, "")
-	if err != nil {
-		return store.APIKey{}, err
+	k, err := st.GetKey(ctx, id)
+	if errors.Is(err, store.ErrNotFound) || err == nil && !k.RevokedAt.IsZero() {
+		return store.APIKey{}, fmt.Errorf("no valid key %q (kvgate keys list)", id)
 	}
-	for _, k := range ks {
-		if k.ID == id && k.RevokedAt.IsZero() {
-			return k, nil
+	return k, err
+}
+
+// everyPage reads a paged list whole, a thousand at a time; id names an
+// item as the next page's cursor.
+func everyPage[T any](page func(after string, limit int) ([]T, bool, error), id func(T) string) ([]T, error) {
+	var all []T
+	after := ""
+	for {
+		items, more, err := page(after, 1000)
+		if err != nil {
+			return nil, err
 		}
+		all = append(all, items...)
+		if !more || len(items) == 0 {
+			return all, nil
+		}
+		after = id(items[len(items)-1])
 	}
-	return store.APIKey{}, fmt.Errorf("no valid key %q (kvgate keys list)", id)
 }

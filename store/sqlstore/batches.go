@@ -84,10 +84,7 @@ func (s *Store) ListBatches(ctx context.Context, tenant, after string, limit int
 	if err != nil {
 		return nil, false, s.err("list batches", err)
 	}
-	more := len(out) > limit
-	if more {
-		out = out[:limit]
-	}
+	out, more := cutPage(out, limit)
 	return out, more, nil
 }
 

@@ -107,10 +107,7 @@ func (s *Store) ListFiles(ctx context.Context, tenant string, f store.FileFilter
 	if err := rows.Err(); err != nil {
 		return nil, false, s.err("list files", err)
 	}
-	more := len(out) > limit
-	if more {
-		out = out[:limit]
-	}
+	out, more := cutPage(out, limit)
 	return out, more, nil
 }
 

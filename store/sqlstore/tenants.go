@@ -158,21 +158,35 @@ func (s *Store) GetTenant(ctx context.Context, name string) (store.Tenant, error
 }
 
 // ListTenants implements store.Store.
-func (s *Store) ListTenants(ctx context.Context) ([]store.Tenant, error) {
-	rows, err := s.db.QueryContext(ctx, `SELECT `+tenantColumns+` FROM tenants WHERE deleted_at = 0 ORDER BY name`)
+func (s *Store) ListTenants(ctx context.Context, after string, limit int) ([]store.Tenant, bool, error) {
+	rows, err := s.db.QueryContext(ctx, s.rb(`SELECT `+tenantColumns+` FROM tenants WHERE deleted_at = 0 AND name > ?
+		ORDER BY name LIMIT ?`), after, limit+1)
 	if err != nil {
-		return nil, s.err("list tenants", err)
+		return nil, false, s.err("list tenants", err)
 	}
 	defer rows.Close()
 	var out []store.Tenant
 	for rows.Next() {
 		t, err := scanTenant(rows)
 		if err != nil {
-			return nil, s.err("list tenants", err)
+			return nil, false, s.err("list tenants", err)
 		}
 		out = append(out, t)
 	}
-	return out, s.err("list tenants", rows.Err())
+	if err := rows.Err(); err != nil {
+		return nil, false, s.err("list tenants", err)
+	}
+	out, more := cutPage(out, limit)
+	return out, more, nil
+}
+
+// cutPage cuts a page of limit items from out, read with one more to see
+// whether more follow, and says whether they do.
+func cutPage[T any](out []T, limit int) ([]T, bool) {
+	if len(out) > limit {
+		return out[:limit], true
+	}
+	return out, false
 }
 
 const keyColumns = `id, hash, prefix, tenant, role, name, rpm, tpm, max_concurrency, created_at, revoked_at`
@@ -231,23 +245,38 @@ func (s *Store) KeyByHash(ctx context.Context, hash string) (store.APIKey, error
 	return k, s.err("look up key", err)
 }
 
-// ListKeys implements store.Store.
-func (s *Store) ListKeys(ctx context.Context, tenant string) ([]store.APIKey, error) {
-	rows, err := s.db.QueryContext(ctx, s.rb(`SELECT `+keyColumns+` FROM api_keys WHERE tenant = ? OR ? = ''
-		ORDER BY created_at, id`), tenant, tenant)
+// GetKey implements store.Store.
+func (s *Store) GetKey(ctx context.Context, id string) (store.APIKey, error) {
+	k, err := scanKey(s.db.QueryRowContext(ctx, s.rb(`SELECT `+keyColumns+` FROM api_keys WHERE id = ?`), id))
+	return k, s.err("get key", err)
+}
+
+// ListKeys implements store.Store. The cursor is a key's id; the page
+// goes on from that key's place in (created_at, id) order.
+func (s *Store) ListKeys(ctx context.Context, tenant, after string, limit int) ([]store.APIKey, bool, error) {
+	q, args := `SELECT `+keyColumns+` FROM api_keys k WHERE (tenant = ? OR ? = '')`, []any{tenant, tenant}
+	if after != "" {
+		q += ` AND (k.created_at, k.id) > (SELECT a.created_at, a.id FROM api_keys a WHERE a.id = ?)`
+		args = append(args, after)
+	}
+	rows, err := s.db.QueryContext(ctx, s.rb(q+` ORDER BY created_at, id LIMIT ?`), append(args, limit+1)...)
 	if err != nil {
-		return nil, s.err("list keys", err)
+		return nil, false, s.err("list keys", err)
 	}
 	defer rows.Close()
 	var out []store.APIKey
 	for rows.Next() {
 		k, err := scanKey(rows)
 		if err != nil {
-			return nil, s.err("list keys", err)
+			return nil, false, s.err("list keys", err)
 		}
 		out = append(out, k)
 	}
-	return out, s.err("list keys", rows.Err())
+	if err := rows.Err(); err != nil {
+		return nil, false, s.err("list keys", err)
+	}
+	out, more := cutPage(out, limit)
+	return out, more, nil
 }
 
 // RevokeKey implements store.Store.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -99,9 +100,16 @@ func testTenants(t *testing.T, s store.Store) {
 			t.Errorf("a tenant named %d bytes: %v, want ErrTenantName", len(name), err)
 		}
 	}
-	list, err := s.ListTenants(ctx)
-	if err != nil || len(list) != 2 || list[0].Name != "acme" || list[1].Name != "globex" {
-		t.Errorf("list tenants: %+v, %v", list, err)
+	list, more, err := s.ListTenants(ctx, "", 10)
+	if err != nil || more || len(list) != 2 || list[0].Name != "acme" || list[1].Name != "globex" {
+		t.Errorf("list tenants: %+v, %v, %v", list, more, err)
+	}
+	// Pages of one: the cursor is the last name seen.
+	if list, more, err := s.ListTenants(ctx, "", 1); err != nil || !more || len(list) != 1 || list[0].Name != "acme" {
+		t.Errorf("the first page of one tenant: %+v, %v, %v; want acme and more", list, more, err)
+	}
+	if list, more, err := s.ListTenants(ctx, "acme", 1); err != nil || more || len(list) != 1 || list[0].Name != "globex" {
+		t.Errorf("the page after acme: %+v, %v, %v; want globex and no more", list, more, err)
 	}
 	k := store.APIKey{ID: "key_1", Hash: "h1", Prefix: "kvg_abcd", Tenant: "globex", Role: store.RoleOperator, CreatedAt: t0}
 	if err := s.CreateKey(ctx, k); err != nil {
@@ -145,7 +153,7 @@ func testTenants(t *testing.T, s store.Store) {
 	if err := s.CreateKey(ctx, store.APIKey{ID: "key_late", Hash: "hlate", Prefix: "kvg_late", Tenant: "globex", Role: store.RoleUser, CreatedAt: t0}); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("a key for a deleted tenant: %v, want ErrNotFound", err)
 	}
-	if list, err := s.ListTenants(ctx); err != nil || len(list) != 1 || list[0].Name != "acme" {
+	if list, _, err := s.ListTenants(ctx, "", 10); err != nil || len(list) != 1 || list[0].Name != "acme" {
 		t.Errorf("list tenants after a delete: %+v, %v; want acme alone", list, err)
 	}
 	if got, err := s.Get(ctx, "globex", j.ID); err != nil || got.State != store.Cancelled {
@@ -190,12 +198,18 @@ func testKeys(t *testing.T, s store.Store) {
 	if _, err := s.KeyByHash(ctx, "h1"); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("a revoked key: %v, want ErrNotFound", err)
 	}
-	keys, err := s.ListKeys(ctx, "acme")
-	if err != nil || len(keys) != 2 || keys[0].ID != "key_1" || !keys[0].RevokedAt.Equal(t0.Add(time.Minute)) || keys[1].ID != "key_2" {
-		t.Errorf("list keys: %+v, %v", keys, err)
+	keys, more, err := s.ListKeys(ctx, "acme", "", 10)
+	if err != nil || more || len(keys) != 2 || keys[0].ID != "key_1" || !keys[0].RevokedAt.Equal(t0.Add(time.Minute)) || keys[1].ID != "key_2" {
+		t.Errorf("list keys: %+v, %v, %v", keys, more, err)
 	}
-	if all, _ := s.ListKeys(ctx, ""); len(all) != 2 {
+	if all, _, _ := s.ListKeys(ctx, "", "", 10); len(all) != 2 {
 		t.Errorf("all keys: %d, want 2", len(all))
+	}
+	if got, err := s.GetKey(ctx, "key_1"); err != nil || got.Hash != "h1" || got.Limits != k1.Limits || !got.RevokedAt.Equal(t0.Add(time.Minute)) {
+		t.Errorf("get a revoked key: %+v, %v", got, err)
+	}
+	if _, err := s.GetKey(ctx, "key_none"); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("get a key never made: %v, want ErrNotFound", err)
 	}
 	if n, _ := s.ActiveKeys(ctx); n != 1 {
 		t.Errorf("active keys after a revocation: %d, want 1", n)
@@ -221,6 +235,49 @@ func testKeys(t *testing.T, s store.Store) {
 	}
 	if n, _ := s.ActiveKeys(ctx); n != 1 {
 		t.Errorf("active keys after two rotations of one key: %d, want 1", n)
+	}
+
+	// Pages, oldest first; keys made in one instant go by id.
+	createTenant(t, s, "globex", store.Limits{})
+	for _, k := range []store.APIKey{
+		{ID: "key_g", Hash: "hg", Prefix: "kvg_g", Tenant: "globex", Role: store.RoleUser, CreatedAt: t0.Add(30 * time.Second)},
+		{ID: "key_0", Hash: "h0", Prefix: "kvg_0", Tenant: "acme", Role: store.RoleUser, CreatedAt: t0.Add(2 * time.Minute)},
+	} {
+		if err := s.CreateKey(ctx, k); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pages := func(tenant string) [][]string {
+		var out [][]string
+		after := ""
+		for range 10 {
+			page, more, err := s.ListKeys(ctx, tenant, after, 2)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ids []string
+			for _, k := range page {
+				ids = append(ids, k.ID)
+			}
+			out = append(out, ids)
+			if !more {
+				return out
+			}
+			after = page[len(page)-1].ID
+		}
+		t.Fatalf("%q's keys: more pages than there are keys: %v", tenant, out)
+		return nil
+	}
+	for tenant, want := range map[string][][]string{
+		"":     {{"key_1", "key_2"}, {"key_g", "key_0"}, {"key_3"}},
+		"acme": {{"key_1", "key_2"}, {"key_0", "key_3"}},
+	} {
+		if got := pages(tenant); !reflect.DeepEqual(got, want) {
+			t.Errorf("%q's keys in pages of two: %v, want %v", tenant, got, want)
+		}
+	}
+	if page, more, err := s.ListKeys(ctx, "", "key_none", 2); err != nil || more || len(page) != 0 {
+		t.Errorf("keys after an unknown id: %+v, %v, %v; want none", page, more, err)
 	}
 }
 
