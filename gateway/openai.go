@@ -476,8 +476,8 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 			if ctx.Err() != nil {
 				return 499 // the client left; nobody to answer
 			}
-			if attempts > 0 {
-				return writeError(w, s.log, last.err) // what the backend said beats why there is no other
+			if sent != nil {
+				return writeError(w, s.log, sent.err) // what a backend said beats why there is no other
 			}
 			// Only refused connections so far, if any: no backend serving
 			// the model is reachable (ErrNoRoutableBackend), or none has room.

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -171,6 +172,49 @@ func TestBackendErrorKeepsItsParam(t *testing.T) {
 		u := classifyResponse(http.StatusBadRequest, http.Header{}, []byte(body))
 		if e := toAPIError(u.err); e.param != want || e.status != http.StatusBadRequest || e.typ != "invalid_request_error" {
 			t.Errorf("%s: param %q, status %d, type %q; want param %q, 400 invalid_request_error", body, e.param, e.status, e.typ, want)
+		}
+	}
+}
+
+// refusingTransport refuses the connections of inference calls to one
+// host, as a backend whose server is down between two scrapes would.
+type refusingTransport struct {
+	next http.RoundTripper
+	host *atomic.Pointer[string]
+}
+
+func (rt refusingTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	if h := rt.host.Load(); h != nil && r.URL.Host == *h && r.Method == http.MethodPost {
+		return nil, &net.OpError{Op: "dial", Net: "tcp", Err: errors.New("connection refused")}
+	}
+	return rt.next.RoundTrip(r)
+}
+
+// TestAnswerOfTheSentAttempt: a request one backend failed (a 500 with
+// its message) and whose retry found the other backend's door shut ends
+// with what the first backend said, not with the refused connection.
+func TestAnswerOfTheSentAttempt(t *testing.T) {
+	var refused atomic.Pointer[string]
+	f := startFleet(t, fleetOpts{backends: 2, wrap: func(i int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method == http.MethodPost && strings.HasSuffix(r.URL.Path, "/completions") {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusInternalServerError)
+				_, _ = w.Write([]byte(`{"error":{"message":"the engine fell over","type":"InternalServerError","code":500}}`))
+				return
+			}
+			h.ServeHTTP(w, r)
+		})
+	}, server: func(s *Server) {
+		s.client.Transport = refusingTransport{next: s.client.Transport, host: &refused}
+	}})
+	host := strings.TrimPrefix(f.urls[1], "http://")
+	refused.Store(&host)
+	for i := range 4 {
+		resp, body := f.post(t, "/v1/chat/completions", chatReq(2+i))
+		if resp.StatusCode != http.StatusInternalServerError || !strings.Contains(string(body), "the engine fell over") {
+			t.Errorf("request %d: %d %s, want the first backend's 500", i, resp.StatusCode, body)
 		}
 	}
 }
