@@ -116,18 +116,21 @@ func ParseEngineMetrics(r io.Reader) (EngineMetrics, error) {
 	m.Running = sum(running)
 	m.Waiting = sum(waiting)
 
-	// Capacity per engine, to weight usage across data-parallel ranks.
+	// The server's capacity. With data-parallel engines vLLM's front end
+	// adds the engines' blocks up as they start and writes that total on
+	// every engine's line: the server holds the largest, not their sum
+	// (and its engines' usage, below, weighs alike).
 	blocksByEngine := map[string]float64{}
 	if info, ok := fams["vllm:cache_config_info"]; ok {
 		for _, s := range info.GetMetric() {
 			bs, _ := strconv.Atoi(label(s, "block_size"))
 			nb, _ := strconv.Atoi(label(s, "num_gpu_blocks"))
 			if bs > 0 && nb > 0 {
-				if nb > maxCapacityTokens/bs || m.NumGPUBlocks+nb > maxCapacityTokens/bs {
+				if nb > maxCapacityTokens/bs {
 					return EngineMetrics{}, fmt.Errorf("parse vllm metrics: cache_config_info claims more than %d KV tokens", maxCapacityTokens)
 				}
 				m.BlockSize = bs
-				m.NumGPUBlocks += nb
+				m.NumGPUBlocks = max(m.NumGPUBlocks, nb)
 				blocksByEngine[label(s, "engine")] = float64(nb)
 			}
 			if label(s, "enable_prefix_caching") == "False" {

@@ -256,7 +256,9 @@ func TestParseEngineMetricsSimulatorUnderLoad(t *testing.T) {
 	}
 }
 
-// dpPage is a data-parallel vLLM page: two engines with their own caches.
+// dpPage is a data-parallel vLLM page: two engines, each line of
+// cache_config_info carrying the server's total blocks (vLLM's front end
+// sums the engines' as they start, and writes the sum on every line).
 const dpPage = `# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -271,8 +273,8 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.1
 # HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="1000"} 1.0
-vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="3000"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="4000"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",num_gpu_blocks="4000"} 1.0
 # HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
 # TYPE vllm:num_preemptions_total counter
 vllm:num_preemptions_total{engine="0",model_name="m"} 4.0
@@ -362,8 +364,9 @@ func TestParseEngineMetricsPages(t *testing.T) {
 			page: dpPage,
 			want: EngineMetrics{
 				Running: 8, Waiting: 3, HasKVUsage: true,
-				// Weighted by blocks: (0.5×1000 + 0.1×3000) / 4000.
-				KVUsage:   0.2,
+				// Two engines of 2,000 blocks each: the mean usage, and
+				// the total once (8,000 would be twice the server).
+				KVUsage:   0.3,
 				BlockSize: 16, NumGPUBlocks: 4000,
 				Preemptions: 10, Prompt: 300, Generation: 3000,
 			},
@@ -461,7 +464,7 @@ vllm:kv_cache_usage_perc 0.75
 			name: "many unrelated families and prefixes of wanted names",
 			page: unrelatedFamilies(50) + prefixFamilies + dpPage + unrelatedFamilies(5),
 			want: EngineMetrics{
-				Running: 8, Waiting: 3, HasKVUsage: true, KVUsage: 0.2, BlockSize: 16, NumGPUBlocks: 4000,
+				Running: 8, Waiting: 3, HasKVUsage: true, KVUsage: 0.3, BlockSize: 16, NumGPUBlocks: 4000,
 				Preemptions: 10, Prompt: 300, Generation: 3000,
 			},
 		},
