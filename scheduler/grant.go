@@ -97,9 +97,9 @@ func (g *Grant) own() int { return g.prompt - g.sharedPart }
 // admission (hi), and at least ProgressFactor of that less the prefill
 // step (lo), since it may have waited in vLLM's queue. Without a step
 // counter the estimate is the time since admission times the per-sequence
-// decode rate, bracketed twice as wide on both sides, and the low end no
-// more than the output the backend has counted since the admission
-// (genNow, its vllm:generation_tokens_total as last scraped). Admission
+// decode rate, bracketed twice as wide on both sides. Either way the low
+// end is no more than the output the backend has counted since the
+// admission (genNow, its vllm:generation_tokens_total as last scraped). Admission
 // projects a flight from the high end (what it may hold now) to the low
 // end (how long it may still grow), which is safe both ways.
 func (g *Grant) progress(now time.Time, stepsNow, decodeRate, genNow, factor float64) (lo, hi int) {
@@ -115,9 +115,12 @@ func (g *Grant) progress(now time.Time, stepsNow, decodeRate, genNow, factor flo
 		est := decodeRate * now.Sub(g.admittedAt).Seconds()
 		wide := 2 * (1 - factor)
 		loF, hiF = (1-wide)*est, (1+wide)*est+1
-		// The measured counter bounds what it can have produced.
-		loF = min(loF, max(0, genNow-g.admittedGen))
 	}
+	// The output the backend counted since bounds what the request can
+	// have produced, whatever the steps say: a server of several API
+	// processes (--api-server-count) sums their step histograms, and one
+	// engine step can read as several.
+	loF = min(loF, max(0, genNow-g.admittedGen))
 	const eps = 1e-9 // so that 0.9×100 is 90, not 89
 	lo = max(0, min(int(loF+eps), g.maxOut-1))
 	hi = max(lo, min(int(math.Ceil(hiF-eps)), g.maxOut))
