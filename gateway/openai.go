@@ -33,6 +33,9 @@ type reqFields struct {
 	StreamOptions       *streamOptions  `json:"stream_options"`
 	Messages            json.RawMessage `json:"messages"`
 	Tools               json.RawMessage `json:"tools"` // chat and responses: their schemas are prompt tokens
+	// CacheSalt is vLLM's: it seeds the prompt's block hashes, so that
+	// requests of two salts share no cached block.
+	CacheSalt json.RawMessage `json:"cache_salt"`
 	Prompt              json.RawMessage `json:"prompt"`
 	Input               json.RawMessage `json:"input"`
 	// The Responses API's and the scoring routes': responses.go, pooling.go.
@@ -57,7 +60,7 @@ func (f *reqFields) decode(body []byte) error {
 	err := decodeExact(body, []namedField{
 		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
 		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
-		{"messages", &f.Messages}, {"tools", &f.Tools}, {"prompt", &f.Prompt}, {"input", &f.Input},
+		{"messages", &f.Messages}, {"tools", &f.Tools}, {"cache_salt", &f.CacheSalt}, {"prompt", &f.Prompt}, {"input", &f.Input},
 		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
 		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
 	})

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"encoding/json"
+	"fmt"
 	"strings"
 
 	"github.com/kvgate/kvgate/scheduler"
@@ -24,6 +25,9 @@ const (
 // promptPrefix returns the cacheable chunks of a call's prompt of
 // promptTokens tokens, or nil when it has none kvgate can name: an
 // embedding, several prompts, token ids, or a prompt under one chunk.
+// Their space is what vLLM's block hashes cover besides the text: the
+// model (a LoRA adapter is a model of its own), the cache salt, and the
+// tools (a template renders them into the prompt).
 func promptPrefix(c *call, promptTokens int) *scheduler.Prefix {
 	var text string
 	switch c.ep {
@@ -42,16 +46,24 @@ func promptPrefix(c *call, promptTokens int) *scheduler.Prefix {
 	default:
 		return nil
 	}
-	return scheduler.NewPrefix(text, promptTokens)
+	space := c.model
+	if len(c.f.CacheSalt) > 0 || len(c.f.Tools) > 0 {
+		space += "\x00" + string(c.f.CacheSalt) + "\x00" + string(c.f.Tools)
+	}
+	return scheduler.NewPrefix(space, text, promptTokens)
 }
 
 // renderChat applies the Llama-3 template to a messages array, as vLLM's
-// chat endpoint does, content parts joined by newlines; ok is false for
-// messages that do not parse (the backend will refuse them).
+// chat endpoint does, text parts joined by newlines; ok is false for
+// messages that do not parse (the backend will refuse them). Another part
+// (an image, audio) stands as a short mark of its content's hash, and an
+// assistant's tool calls as themselves: vLLM's block hashes cover both,
+// so two prompts that differ only there share no block from there on.
 func renderChat(raw json.RawMessage) (string, bool) {
 	var msgs []struct {
-		Role    string          `json:"role"`
-		Content json.RawMessage `json:"content"`
+		Role      string          `json:"role"`
+		Content   json.RawMessage `json:"content"`
+		ToolCalls json.RawMessage `json:"tool_calls"`
 	}
 	if json.Unmarshal(raw, &msgs) != nil || len(msgs) == 0 {
 		return "", false
@@ -64,20 +76,32 @@ func renderChat(raw json.RawMessage) (string, bool) {
 		b.WriteString(tmplEndHeader)
 		var text string
 		if len(m.Content) > 0 && json.Unmarshal(m.Content, &text) != nil {
-			var parts []struct {
-				Text string `json:"text"`
-			}
+			var parts []json.RawMessage
 			if json.Unmarshal(m.Content, &parts) != nil {
 				return "", false
 			}
-			for i, p := range parts {
+			for i, raw := range parts {
+				var p struct {
+					Type string  `json:"type"`
+					Text *string `json:"text"`
+				}
+				if json.Unmarshal(raw, &p) != nil {
+					return "", false
+				}
 				if i > 0 {
 					b.WriteByte('\n')
 				}
-				b.WriteString(p.Text)
+				if p.Text != nil && (p.Type == "" || p.Type == "text") {
+					b.WriteString(*p.Text)
+					continue
+				}
+				fmt.Fprintf(&b, "<%s:%016x>", p.Type, scheduler.HashChunks(string(raw), len(raw))[0])
 			}
 		}
 		b.WriteString(text)
+		if len(m.ToolCalls) > 0 && string(m.ToolCalls) != "null" {
+			b.Write(m.ToolCalls)
+		}
 		b.WriteString(tmplEOT)
 	}
 	b.WriteString(tmplStartHeader + "assistant" + tmplEndHeader)

@@ -5,11 +5,13 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/scheduler"
 )
 
 // TestRenderChatAsTheSimulator: kvgate renders a chat request as the
@@ -115,5 +117,62 @@ func TestPrefixHitsPredictedAndMeasured(t *testing.T) {
 	}
 	if d := predictedRate - measuredRate; d > 0.05 || d < -0.05 {
 		t.Errorf("predicted hit rate %.3f is off the measured %.3f", predictedRate, measuredRate)
+	}
+}
+
+// TestPrefixSpace: two prompts share chunks only where vLLM's block
+// hashes would be equal too: not across models (a LoRA adapter is a
+// model of its own), cache salts or tools, and not past an image, audio
+// or tool call that differs.
+func TestPrefixSpace(t *testing.T) {
+	system := strings.Repeat("You answer questions about the fleet. ", 12)
+	msgs := func(user string) json.RawMessage {
+		return json.RawMessage(`[{"role":"system","content":"` + system + `"},{"role":"user","content":` + user + `}]`)
+	}
+	prefix := func(model string, f reqFields) []uint64 {
+		t.Helper()
+		p := promptPrefix(&call{ep: epChat, model: model, f: f}, 200)
+		if p == nil {
+			t.Fatal("no prefix")
+		}
+		return p.Hashes
+	}
+	text := msgs(`"` + strings.Repeat("what runs where? ", 8) + `"`)
+	base := prefix("llama", reqFields{Messages: text})
+	if got := prefix("llama", reqFields{Messages: text}); !slices.Equal(got, base) {
+		t.Fatal("one prompt hashed twice differs")
+	}
+	for name, f := range map[string]struct {
+		model string
+		f     reqFields
+	}{
+		"another model (an adapter)": {"llama-lora-sql", reqFields{Messages: text}},
+		"a cache salt":               {"llama", reqFields{Messages: text, CacheSalt: json.RawMessage(`"tenant-a"`)}},
+		"tools":                      {"llama", reqFields{Messages: text, Tools: json.RawMessage(`[{"type":"function","function":{"name":"f"}}]`)}},
+	} {
+		if got := prefix(f.model, f.f); got[0] == base[0] {
+			t.Errorf("%s: shares its first chunk with the plain prompt", name)
+		}
+	}
+	// Content past the shared system prompt: equal up to it, apart after.
+	image := func(url string) json.RawMessage {
+		return msgs(`[{"type":"text","text":"what is this?"},{"type":"image_url","image_url":{"url":"` + url + `"}}]`)
+	}
+	calls := func(args string) json.RawMessage {
+		return json.RawMessage(`[{"role":"system","content":"` + system + `"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"` +
+			args + `"}}]},{"role":"user","content":"` + strings.Repeat("and then? ", 10) + `"}]`)
+	}
+	for name, pair := range map[string][2]json.RawMessage{
+		"another image":     {image("data:image/png;base64,AAAA"), image("data:image/png;base64,BBBB")},
+		"another tool call": {calls(`{\"x\":1}`), calls(`{\"x\":2}`)},
+	} {
+		a, b := prefix("llama", reqFields{Messages: pair[0]}), prefix("llama", reqFields{Messages: pair[1]})
+		shared := 0
+		for shared < min(len(a), len(b)) && a[shared] == b[shared] {
+			shared++
+		}
+		if whole := len(system) / scheduler.PrefixChunkBytes; shared < whole-1 || shared == min(len(a), len(b)) {
+			t.Errorf("%s: %d chunks shared of %d and %d, want the system prompt's (about %d) and no more", name, shared, len(a), len(b), whole)
+		}
 	}
 }

@@ -22,7 +22,7 @@ func TestAdmitObserver(t *testing.T) {
 	sys := text("tenant's system prompt", 24_000)
 	tk := func(q string) *Ticket {
 		prompt := sys + text(q, 2_000)
-		return &Ticket{Tenant: "t", Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Tenant: "t", Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	first, err := s.Acquire(context.Background(), tk("q0"))
 	if err != nil {

@@ -63,10 +63,16 @@ type Prefix struct {
 }
 
 // NewPrefix hashes a rendered prompt (the text the backend will tokenize,
-// chat template applied) of promptTokens tokens. It returns nil for a
-// prompt shorter than one chunk.
-func NewPrefix(rendered string, promptTokens int) *Prefix {
-	hs := HashChunks(rendered, PrefixChunkBytes)
+// chat template applied) of promptTokens tokens. space names what else
+// the backend's block hashes cover (the model or LoRA adapter, a cache
+// salt): prompts of two spaces share no chunk, however alike their text.
+// It returns nil for a prompt shorter than one chunk.
+func NewPrefix(space, rendered string, promptTokens int) *Prefix {
+	var root uint64
+	if space != "" {
+		root = chainHash(0, space)
+	}
+	hs := hashChunksFrom(root, rendered, PrefixChunkBytes)
 	if len(hs) == 0 || promptTokens <= 0 {
 		return nil
 	}
@@ -102,13 +108,15 @@ func (p *Prefix) tokens(n int) int { return n * p.chunkTokens() }
 // block hashes, so that equal hashes mean equal text up to and including
 // the chunk. A trailing partial chunk is not hashed (vLLM caches only full
 // blocks).
-func HashChunks(text string, size int) []uint64 {
+func HashChunks(text string, size int) []uint64 { return hashChunksFrom(0, text, size) }
+
+// hashChunksFrom is HashChunks with the first chunk's parent given.
+func hashChunksFrom(parent uint64, text string, size int) []uint64 {
 	if size <= 0 {
 		return nil
 	}
 	n := len(text) / size
 	out := make([]uint64, n)
-	var parent uint64
 	for i := range n {
 		parent = chainHash(parent, text[i*size:(i+1)*size])
 		out[i] = parent

@@ -48,10 +48,10 @@ func TestHashChunksChain(t *testing.T) {
 	if got := HashChunks(sys[:100], PrefixChunkBytes); len(got) != 1 {
 		t.Errorf("100 bytes gave %d chunks, want 1", len(got))
 	}
-	if NewPrefix("short", 2) != nil {
+	if NewPrefix("", "short", 2) != nil {
 		t.Error("a prompt under one chunk got a prefix")
 	}
-	p := NewPrefix(sys, 160)
+	p := NewPrefix("", sys, 160)
 	if p.ChunkTokens != 16 || p.tokens(10) != 160 {
 		t.Errorf("chunk tokens %v, 10 chunks %d tokens; want 16 and 160", p.ChunkTokens, p.tokens(10))
 	}
@@ -149,7 +149,7 @@ func TestPrefixIndexRebuild(t *testing.T) {
 	sys := text("the long system prompt of one tenant", 6000)
 	ticket := func(q string) *Ticket {
 		prompt := sys + text(q, 800)
-		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	old := newTestScheduler(t, Policy{}, snaps...)
 	g, err := old.Acquire(context.Background(), ticket("q0"))
@@ -191,7 +191,7 @@ func TestSharedBlocksReservedOnce(t *testing.T) {
 	var grants []*Grant
 	for i := range 100 {
 		prompt := sys + text(string(rune('a'+i%26))+strings.Repeat("q", i), 400)
-		tk := &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		tk := &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 		g, err := s.Acquire(context.Background(), tk)
 		if err != nil {
 			t.Fatalf("request %d: %v (reserved %+v)", i, err, s.Loads())
@@ -234,7 +234,7 @@ func TestNoSharingWithoutPrefixCaching(t *testing.T) {
 	want := 0
 	for i := range 10 {
 		prompt := sys + text(string(rune('a'+i)), 400)
-		tk := &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		tk := &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 100, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 		g, err := s.Acquire(context.Background(), tk)
 		if err != nil {
 			t.Fatalf("request %d: %v", i, err)
@@ -268,7 +268,7 @@ func TestRoutingPrefixAndLoad(t *testing.T) {
 	// outputs, so that the projection cannot count on them ending early.
 	tk := func(sys, q string) *Ticket {
 		prompt := sys + text(q, 4_000)
-		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	acquire := func(tk *Ticket) *Grant {
 		t.Helper()
@@ -340,7 +340,7 @@ func TestSpillWaitsOnSaturatedFleet(t *testing.T) {
 	sys := text("tenant b's system prompt", 24_000)
 	tk := func(q string) *Ticket {
 		prompt := sys + text(q, 4_000)
-		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	acquireOn(t, s, tk("b0"), "a")
 	acquireOn(t, s, &Ticket{Model: model, PromptTokens: 28_000, MaxTokens: 1}, "b")
@@ -381,7 +381,7 @@ func TestShortPromptsSpillPastBusyBackend(t *testing.T) {
 			s := newTestScheduler(t, Policy{KVTarget: 1}, a, b)
 			tk := func(i int) *Ticket {
 				prompt := tc.prompt(i)
-				return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 8, Prefix: NewPrefix(prompt, len(prompt)/4)}
+				return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 8, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 			}
 			acquireOn(t, s, tk(0), "a").Progress(1)
 			if hit := s.expectedHit(a, tk(1), 0); hit < spillHit {
@@ -552,7 +552,7 @@ func TestPinsFollowReestimatedPrompt(t *testing.T) {
 	sys := text("system", 24_000) // 6,000 tokens at 4 bytes each
 	tk := func(q string, estimate func(int) int) *Ticket {
 		prompt := sys + text(q, 400)
-		return &Ticket{Model: model, PromptTokens: estimate(len(prompt)), MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/3)}
+		return &Ticket{Model: model, PromptTokens: estimate(len(prompt)), MaxTokens: 10, Prefix: NewPrefix("", prompt, len(prompt)/3)}
 	}
 	coldEst := func(n int) int { return n / 3 }
 	trueEst := func(n int) int { return n / 4 }
@@ -589,7 +589,7 @@ func TestPrefixSharedOnlyOnceComputed(t *testing.T) {
 	sys := text("system", 24_000) // 6,000 tokens
 	tk := func(q string) *Ticket {
 		prompt := sys + text(q, 400)
-		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	first, err := s.Acquire(context.Background(), tk("q0"))
 	if err != nil {
@@ -628,7 +628,7 @@ func TestNewPrefixPlacedByRecentWork(t *testing.T) {
 	s := newTestScheduler(t, Policy{KVTarget: 1}, backendSnap("a", 40_000), backendSnap("b", 40_000))
 	tk := func(sys, q string) *Ticket {
 		prompt := text(sys, 24_000) + text(q, 4_000)
-		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 10, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	acquire := func(tk *Ticket) *Grant {
 		t.Helper()
@@ -701,7 +701,7 @@ func TestHeldBackendBackfills(t *testing.T) {
 	}
 	tenant := func(q string, qBytes, out int) *Ticket {
 		prompt := sysA + text(q, qBytes)
-		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: out, Prefix: NewPrefix(prompt, len(prompt)/4)}
+		return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: out, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 	}
 	first := acquire(tenant("q0", 4_000, 10))                                      // 7,000 tokens, ends in 9 steps
 	long := acquire(&Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1_000}) // runs 999 more

@@ -43,7 +43,7 @@ func TestPumpPrefixWaitsAndMisses(t *testing.T) {
 		sys := text("one client's system prompt", 24_000) // 6,000 tokens
 		ask := func() *Ticket {
 			prompt := sys + text("the same question", 4_000)
-			return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 500, Prefix: NewPrefix(prompt, len(prompt)/4)}
+			return &Ticket{Model: model, PromptTokens: len(prompt) / 4, MaxTokens: 500, Prefix: NewPrefix("", prompt, len(prompt)/4)}
 		}
 		acquireOn(t, s, ask(), "a")                                                     // the prefix, on a
 		acquireOn(t, s, &Ticket{Model: model, PromptTokens: 20_000, MaxTokens: 1}, "b") // b, the emptier
