@@ -36,8 +36,8 @@ type reqFields struct {
 	// CacheSalt is vLLM's: it seeds the prompt's block hashes, so that
 	// requests of two salts share no cached block.
 	CacheSalt json.RawMessage `json:"cache_salt"`
-	Prompt              json.RawMessage `json:"prompt"`
-	Input               json.RawMessage `json:"input"`
+	Prompt    json.RawMessage `json:"prompt"`
+	Input     json.RawMessage `json:"input"`
 	// The Responses API's and the scoring routes': responses.go, pooling.go.
 	MaxOutputTokens *int            `json:"max_output_tokens"`
 	Instructions    json.RawMessage `json:"instructions"`
