@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres"
@@ -794,5 +795,41 @@ func TestCreateKeyWaitsForTenantDelete(t *testing.T) {
 	}
 	if k, err := s.KeyByHash(ctx, "h1"); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("the deleted tenant's key is valid: %+v, %v", k, err)
+	}
+}
+
+// TestReadOnlyIsUnavailable: a write refused because the server is read
+// only (a standby, as during a failover: SQLSTATE 25006) is the store out
+// of reach for now, ErrUnavailable (a 503 with Retry-After to a client, a
+// wait that spends no attempt to a job), not a failure of its own.
+func TestReadOnlyIsUnavailable(t *testing.T) {
+	ctx := context.Background()
+	url := freshDatabase(t)
+	s, err := postgres.Open(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := postgres.Migrate(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	var name string
+	if err := s.DB().QueryRowContext(ctx, "SELECT current_database()").Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.DB().ExecContext(ctx, "ALTER DATABASE "+pgx.Identifier{name}.Sanitize()+" SET default_transaction_read_only = on"); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	ro, err := postgres.Open(ctx, url) // new sessions: read only
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	now := time.Now()
+	_, _, err = ro.Accept(ctx, store.NewJob{ID: "00000000-0000-7000-8000-000000000001", EventID: "00000000-0000-7000-8000-000000000002",
+		Tenant: "acme", IdempotencyKey: "k", RequestHash: "h", Endpoint: "/v1/chat/completions", Model: "m", Body: []byte(`{}`),
+		TokenEstimate: 1, MaxAttempts: 1, Deadline: now.Add(time.Hour), Now: now})
+	if !errors.Is(err, store.ErrUnavailable) {
+		t.Errorf("a write on a read-only server: %v, want ErrUnavailable", err)
 	}
 }

@@ -13,6 +13,9 @@ import (
 	"os"
 	"path/filepath"
 
+	"modernc.org/sqlite"
+	sqlite3 "modernc.org/sqlite/lib"
+
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
@@ -30,7 +33,21 @@ var Dialect = sqlstore.Dialect{
 		b, _ := json.Marshal(append([]string{}, models...))
 		return string(b)
 	},
-	Unavailable: func(err error) bool { return errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission) },
+	Unavailable: unavailable,
+}
+
+// unavailable: the file is gone or shut, or SQLite could not do the work
+// now (the lock held past the busy timeout, the disk full or failing).
+func unavailable(err error) bool {
+	var se *sqlite.Error
+	if errors.As(err, &se) {
+		switch se.Code() & 0xff { // the primary result code
+		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_READONLY,
+			sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN:
+			return true
+		}
+	}
+	return errors.Is(err, os.ErrNotExist) || errors.Is(err, os.ErrPermission)
 }
 
 // Open opens (creating it if needed) the database file at path.
