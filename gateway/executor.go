@@ -220,7 +220,8 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		return fail(sent, u.class.errorClass(), 0, 0, err)
 	}
 	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	limit := s.cfg.Jobs.MaxAnswerBytes
+	body, err := io.ReadAll(io.LimitReader(resp.Body, int64(limit)+1))
 	if err != nil && stopped() {
 		return fail(sentAnswered, scheduler.ClassShutdown, resp.StatusCode, 0, err)
 	}
@@ -228,6 +229,13 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 		u := classifyTransport(err, errors.Is(ctx.Err(), context.DeadlineExceeded))
 		reportAlone(s.pool, g.Backend, u)
 		return fail(sentAnswered, u.class.errorClass(), resp.StatusCode, 0, err)
+	}
+	if len(body) > limit && resp.StatusCode < 300 {
+		// The backend did its work; the answer is more than a job keeps,
+		// and would be again on any backend: the request's own failure.
+		reportAlone(s.pool, g.Backend, upstream{class: upstreamOK, status: resp.StatusCode})
+		return fail(sentAnswered, scheduler.ClassInvalid, 0, 0, fmt.Errorf(
+			"the backend's answer is over %d bytes, the most a job's result holds: split the work into smaller jobs (for embeddings, fewer inputs, or encoding_format base64)", limit))
 	}
 	u := classifyResponse(resp.StatusCode, resp.Header, body)
 	var answered *usage

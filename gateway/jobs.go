@@ -55,6 +55,9 @@ type Jobs struct {
 	// MaxReplay bounds what an event stream replays after a client's
 	// Last-Event-ID; further behind, it starts from a fresh snapshot [10000].
 	MaxReplay int
+	// MaxAnswerBytes bounds a backend's answer to a job, the result it
+	// stores: a larger one fails the job, not retried [64 MiB].
+	MaxAnswerBytes int
 	// BatchLease is a replica's lease on the batch it validates or
 	// finalizes [30s]; BatchPoll how often the batch worker looks for
 	// work it was not woken for [1s].

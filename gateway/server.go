@@ -155,6 +155,7 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.Jobs.DefaultDeadline = cmp.Or(cfg.Jobs.DefaultDeadline, 24*time.Hour)
 	cfg.Jobs.MaxDeadline = cmp.Or(cfg.Jobs.MaxDeadline, 7*24*time.Hour)
 	cfg.Jobs.MaxReplay = cmp.Or(cfg.Jobs.MaxReplay, 10_000)
+	cfg.Jobs.MaxAnswerBytes = cmp.Or(cfg.Jobs.MaxAnswerBytes, 64<<20)
 	if err := checkAliases(cfg.Models); err != nil {
 		return nil, err
 	}
