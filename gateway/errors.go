@@ -199,7 +199,7 @@ func toAPIError(err error) *apiError {
 	case errors.As(err, &up):
 		e := &apiError{status: up.status, msg: up.msg, param: up.param, retryAfter: up.retryAfter}
 		switch {
-		case up.status == http.StatusBadRequest && strings.Contains(strings.ToLower(up.msg), "maximum context length"):
+		case up.status == http.StatusBadRequest && contextTooLong(up.msg):
 			e.typ, e.code = "invalid_request_error", "context_length_exceeded"
 		case up.status == http.StatusTooManyRequests:
 			e.typ, e.code = "rate_limit_error", "rate_limit_exceeded"
@@ -268,4 +268,14 @@ func quotaError(q *store.QuotaError) *apiError {
 	rateLimitHeaders(e.header, q.Window)
 	e.header.Set("retry-after-ms", strconv.FormatInt(e.retryAfter.Milliseconds(), 10))
 	return e
+}
+
+// contextTooLong reports whether a backend's 400 says the prompt and
+// output do not fit the model's context: the OpenAI server's check
+// ("maximum context length") or the engine's own, which catches what the
+// server could not count (an image's placeholders: "longer than the
+// maximum model length").
+func contextTooLong(msg string) bool {
+	m := strings.ToLower(msg)
+	return strings.Contains(m, "maximum context length") || strings.Contains(m, "longer than the maximum model length")
 }

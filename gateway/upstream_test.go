@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -172,6 +173,22 @@ func TestBackendErrorKeepsItsParam(t *testing.T) {
 		u := classifyResponse(http.StatusBadRequest, http.Header{}, []byte(body))
 		if e := toAPIError(u.err); e.param != want || e.status != http.StatusBadRequest || e.typ != "invalid_request_error" {
 			t.Errorf("%s: param %q, status %d, type %q; want param %q, 400 invalid_request_error", body, e.param, e.status, e.typ, want)
+		}
+	}
+}
+
+// TestBackendContextErrors: both of vLLM's ways of saying a request does
+// not fit the model's context reach the client as context_length_exceeded,
+// the code the SDKs' callers branch on.
+func TestBackendContextErrors(t *testing.T) {
+	for _, msg := range []string{
+		"This model's maximum context length is 8192 tokens. However, you requested 9000 tokens.",
+		"The decoder prompt (length 9000) is longer than the maximum model length of 8192. Make sure that `max_model_len` is no smaller than the number of text tokens plus multimodal tokens.",
+	} {
+		body, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": "BadRequestError", "code": 400}})
+		u := classifyResponse(http.StatusBadRequest, http.Header{}, body)
+		if e := toAPIError(u.err); e.code != "context_length_exceeded" || e.status != http.StatusBadRequest {
+			t.Errorf("%q: %d %q, want 400 context_length_exceeded", msg, e.status, e.code)
 		}
 	}
 }
