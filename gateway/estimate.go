@@ -57,6 +57,48 @@ func (e *estimator) estimate(model string, n int) int {
 	return max(1, int(float64(n)*r+0.5))
 }
 
+// mediaPartBytes is what one image, audio or video part of a prompt
+// counts as: its bytes (a data URL runs to megabytes) say nothing of the
+// tokens the model's encoder makes of it, so each counts as about a
+// thousand tokens' worth of text, the size of a typical image's.
+const mediaPartBytes = 4096
+
+// textParts are the content parts that are text, whose bytes count.
+var textParts = map[string]bool{"text": true, "input_text": true, "output_text": true, "refusal": true}
+
+// promptSize sizes a chat request's messages or a Responses request's
+// input for the estimate: their bytes, but each content part that is not
+// text (an image, audio, video or file) as mediaPartBytes; media says how
+// many such parts there were.
+func promptSize(raw json.RawMessage) (size, media int) {
+	size = len(raw)
+	if !bytes.Contains(raw, []byte(`"type"`)) {
+		return size, 0 // no content parts: the common case, not decoded
+	}
+	var items []struct {
+		Content json.RawMessage `json:"content"`
+	}
+	if json.Unmarshal(raw, &items) != nil {
+		return size, 0
+	}
+	for _, it := range items {
+		var parts []json.RawMessage
+		if json.Unmarshal(it.Content, &parts) != nil {
+			continue
+		}
+		for _, p := range parts {
+			var part struct {
+				Type string `json:"type"`
+			}
+			if json.Unmarshal(p, &part) == nil && part.Type != "" && !textParts[part.Type] {
+				size += mediaPartBytes - len(p)
+				media++
+			}
+		}
+	}
+	return max(size, 1), media
+}
+
 // observe corrects the model's ratio with a reported count.
 func (e *estimator) observe(model string, n, tokens int) {
 	if n <= 0 || tokens <= 0 {

@@ -259,7 +259,7 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	if answered != nil {
 		out.reported = true
 		out.PromptTokens, out.CompletionTokens = answered.PromptTokens, answered.CompletionTokens
-		if c.promptBytes > 0 {
+		if c.promptBytes > 0 && c.media == 0 {
 			s.est.observe(j.Model, c.promptBytes, out.PromptTokens)
 		}
 	}

@@ -196,6 +196,10 @@ type call struct {
 	model       string
 	alias       string // the alias the client asked for, resolved to model; "" if none
 	promptBytes int    // size of the prompt's JSON, for the token estimate
+	// media counts the prompt's image, audio and video parts, sized by a
+	// guess (promptSize): such a prompt's reported tokens do not teach
+	// the estimate its model's tokens per byte of text.
+	media int
 	// sequences is how many sequences the backend will run: n times the
 	// number of prompts of a batched completion.
 	sequences int
@@ -260,7 +264,8 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 			return nil, badRequest("messages", "'messages' must be a non-empty array of messages.")
 		}
 		// The chat template renders the tools' schemas into the prompt.
-		c.promptBytes = len(c.f.Messages) + toolBytes(c.f.Tools)
+		size, media := promptSize(c.f.Messages)
+		c.promptBytes, c.media = size+toolBytes(c.f.Tools), media
 	case epCompletion:
 		if len(c.f.Prompt) == 0 || string(c.f.Prompt) == "null" {
 			return nil, badRequest("prompt", "You must provide a prompt.")
@@ -503,7 +508,7 @@ func (s *Server) proxy(w http.ResponseWriter, r *http.Request, c *call, model gp
 		sameTwice := health.observe(s.pool, grant.Backend, res.up)
 		if res.err == nil {
 			noteAnswer(ctx, grant.Backend, res.usage)
-			if res.usage != nil && c.promptBytes > 0 {
+			if res.usage != nil && c.promptBytes > 0 && c.media == 0 {
 				s.est.observe(model.ID, c.promptBytes, res.usage.PromptTokens)
 			}
 			return res.status

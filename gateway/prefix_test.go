@@ -3,6 +3,7 @@ package gateway
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -174,5 +175,47 @@ func TestPrefixSpace(t *testing.T) {
 		if whole := len(system) / scheduler.PrefixChunkBytes; shared < whole-1 || shared == min(len(a), len(b)) {
 			t.Errorf("%s: %d chunks shared of %d and %d, want the system prompt's (about %d) and no more", name, shared, len(a), len(b), whole)
 		}
+	}
+}
+
+// TestImagePromptEstimate: an image in a chat prompt counts as a typical
+// image's tokens, not as the bytes of its data URL (800 KB read as some
+// 270,000 tokens was refused as too large for the context, or charged to
+// the tenant's TPM); and its reported prompt tokens do not teach the
+// estimate its model's tokens per byte of text.
+func TestImagePromptEstimate(t *testing.T) {
+	photo := "data:image/jpeg;base64," + strings.Repeat("QUFB", 200_000) // 800 KB
+	msgs := `[{"role":"user","content":[{"type":"text","text":"What is in this photo?"},{"type":"image_url","image_url":{"url":"` + photo + `"}}]}]`
+	size, media := promptSize(json.RawMessage(msgs))
+	if media != 1 || size > mediaPartBytes+200 {
+		t.Errorf("promptSize of a question and an 800 KB image: %d bytes, %d media parts; want about %d, 1", size, media, mediaPartBytes)
+	}
+	if size, media := promptSize(json.RawMessage(`[{"role":"user","content":[{"type":"text","text":"one"},{"type":"text","text":"two"}]}]`)); media != 0 || size < 50 {
+		t.Errorf("text parts: %d bytes, %d media parts; want their bytes, none", size, media)
+	}
+	// The simulator serves text-only models (it refuses images, as vLLM
+	// does for one): this backend answers as a vision model would.
+	f := startFleet(t, fleetOpts{speedup: 50, wrap: func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodPost || r.URL.Path != "/v1/chat/completions" {
+				h.ServeHTTP(w, r)
+				return
+			}
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"`+llama+
+				`","choices":[{"index":0,"message":{"role":"assistant","content":"a cat"},"finish_reason":"stop"}],`+
+				`"usage":{"prompt_tokens":1480,"completion_tokens":2,"total_tokens":1482}}`)
+		})
+	}})
+	before := f.api.est.estimate(llama, 1000)
+	for i := range 3 {
+		resp, body := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","max_tokens":4,"messages":`+strings.Replace(msgs, "this photo", fmt.Sprint("photo ", i), 1)+`}`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("a chat with an 800 KB image: %d %.300s", resp.StatusCode, body)
+		}
+	}
+	if after := f.api.est.estimate(llama, 1000); after != before {
+		t.Errorf("three image prompts moved the estimate of 1,000 bytes of text from %d to %d tokens", before, after)
 	}
 }

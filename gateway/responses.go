@@ -35,7 +35,8 @@ func (c *call) parseSurface() error {
 		if !isPresent(c.f.Input) || string(c.f.Input) == `""` || string(c.f.Input) == "[]" {
 			return badRequest("input", "'input' must be a non-empty string or array of input items.")
 		}
-		c.promptBytes = len(c.f.Input) + len(c.f.Instructions) + toolBytes(c.f.Tools)
+		size, media := promptSize(c.f.Input)
+		c.promptBytes, c.media = size+len(c.f.Instructions)+toolBytes(c.f.Tools), media
 	case epRerank:
 		if !isPresent(c.f.Query) || string(c.f.Query) == `""` {
 			return badRequest("query", "'query' must be a non-empty string.")
