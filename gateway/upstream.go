@@ -110,6 +110,13 @@ func classifyResponse(status int, h http.Header, body []byte) upstream {
 	u := upstream{status: status, retryAfter: parseRetryAfter(h.Get("Retry-After"))}
 	u.err = &upstreamError{status: status, msg: msg, param: param, retryAfter: u.retryAfter}
 	switch {
+	case status == http.StatusUnauthorized || status == http.StatusForbidden:
+		// kvgate sends a backend no credentials: one that wants them (a
+		// vLLM started with --api-key) refuses every request, whoever the
+		// caller. The backend's failure, a 502, never the caller's 401.
+		u.class = upstreamBackendError
+		u.err = &upstreamError{status: http.StatusBadGateway, msg: fmt.Sprintf(
+			"The model backend refused kvgate's request (%d: %s); it may expect an API key kvgate does not send.", status, msg)}
 	case status == http.StatusTooManyRequests:
 		u.class = upstreamRateLimited
 	case status >= 500:

@@ -235,3 +235,37 @@ func TestAnswerOfTheSentAttempt(t *testing.T) {
 		}
 	}
 }
+
+// TestBackendWantingCredentials: a backend that answers 401 (a vLLM
+// started with --api-key, which kvgate does not send) fails kvgate, not
+// the caller: the request goes to the other backend, the refusing one
+// counts a failure, and alone it is a 502, never a 401 that would tell the
+// caller its own key is wrong.
+func TestBackendWantingCredentials(t *testing.T) {
+	refuse := func(i int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if i == 0 && r.Method == http.MethodPost {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusUnauthorized)
+				_, _ = io.WriteString(w, `{"error":"Unauthorized"}`)
+				return
+			}
+			h.ServeHTTP(w, r)
+		})
+	}
+	f := startFleet(t, fleetOpts{backends: 2, wrap: refuse})
+	for i := range 4 {
+		if resp, body := f.post(t, "/v1/chat/completions", chatReq(2+i)); resp.StatusCode != http.StatusOK {
+			t.Errorf("request %d beside a backend wanting credentials: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	alone := startFleet(t, fleetOpts{wrap: refuse})
+	resp, body := alone.post(t, "/v1/chat/completions", chatReq(2))
+	if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "API key kvgate does not send") {
+		t.Errorf("the only backend wanting credentials: %d %s, want 502 saying so", resp.StatusCode, body)
+	}
+	if sn := alone.pool.Snapshots()[0]; sn.Failures == 0 {
+		t.Error("the backend refusing every request counted no failure")
+	}
+}
