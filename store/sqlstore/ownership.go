@@ -155,11 +155,14 @@ func ownershipQueries(d Dialect, q *queries) {
 		q.finish = r(finishOne)
 	}
 	// Expired leases, by the same rule as Fail: the lost attempt spent
-	// when its claim had marked the request sent. A job with a
-	// checkpointed stage is never ended by it: the next claim finishes
-	// from the checkpoint without calling a backend again.
+	// when its claim had marked the request sent. A job with its
+	// inference checkpointed is never ended by it: the next claim
+	// finishes from the checkpoint without calling a backend again. Part
+	// of it (an embeddings job's batches) is no such job: the next claim
+	// calls a backend for the rest.
 	lost := "(jobs.sent_fence = jobs.fence)"
-	ends := "(" + lost + " AND NOT EXISTS (SELECT 1 FROM stages WHERE stages.job_id = jobs.id))"
+	ends := "(" + lost + " AND NOT EXISTS (SELECT 1 FROM stages WHERE stages.job_id = jobs.id AND stages.stage = '" +
+		store.StageInference + "'))"
 	expired := `SELECT id FROM jobs WHERE state = 'RUNNING' AND lease_until <= ? ORDER BY lease_until LIMIT ? ` + d.LockRunnable
 	taken := `id IN (` + expired + `)`
 	if d.LockRunnable != "" {

@@ -792,6 +792,25 @@ func testReap(t *testing.T, s store.Store) {
 	if got, _ := s.Get(ctx, "acme", c.ID); got.State != store.RetryScheduled || got.Attempt != 1 {
 		t.Errorf("a lost claim with a checkpoint: %s attempt %d, want RETRY_SCHEDULED with its attempt spent", got.State, got.Attempt)
 	}
+
+	// Part of the inference checkpointed (an embeddings job's first
+	// batch) is no such exemption: the next claim would call a backend
+	// again, so the lost last attempt ends the job.
+	accept(t, s, newJob("acme", "partly", func(n *store.NewJob) { n.MaxAttempts = 1; n.Now = now }))
+	now = now.Add(3 * time.Minute)
+	p := claimOne(t, s, now)
+	if err := s.SaveStage(ctx, p.ID, p.Fence, store.StageInference+"/batch/00000", []byte(`"first batch"`), now); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.MarkSent(ctx, p.ID, p.Fence, now, time.Minute, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Reap(ctx, now.Add(2*time.Minute), 100); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := s.Get(ctx, "acme", p.ID); got.State != store.FailedTerminal || got.Attempt != 1 {
+		t.Errorf("a lost last claim with part of its inference checkpointed: %s attempt %d, want FAILED_TERMINAL", got.State, got.Attempt)
+	}
 }
 
 // testWaitsSpendNothing ends claims that only waited (no backend, a
