@@ -33,6 +33,9 @@ type reqFields struct {
 	StreamOptions       *streamOptions  `json:"stream_options"`
 	Messages            json.RawMessage `json:"messages"`
 	Tools               json.RawMessage `json:"tools"` // chat and responses: their schemas are prompt tokens
+	// Echo (completions): with max_tokens 0, the prompt scored and
+	// nothing generated.
+	Echo *bool `json:"echo"`
 	// CacheSalt is vLLM's: it seeds the prompt's block hashes, so that
 	// requests of two salts share no cached block.
 	CacheSalt json.RawMessage `json:"cache_salt"`
@@ -60,7 +63,7 @@ func (f *reqFields) decode(body []byte) error {
 	err := decodeExact(body, []namedField{
 		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
 		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
-		{"messages", &f.Messages}, {"tools", &f.Tools}, {"cache_salt", &f.CacheSalt}, {"prompt", &f.Prompt}, {"input", &f.Input},
+		{"messages", &f.Messages}, {"tools", &f.Tools}, {"cache_salt", &f.CacheSalt}, {"echo", &f.Echo}, {"prompt", &f.Prompt}, {"input", &f.Input},
 		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
 		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
 	})
@@ -285,7 +288,10 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 		name string
 		v    *int
 	}{{"max_tokens", c.f.MaxTokens}, {"max_completion_tokens", c.f.MaxCompletionTokens}, {"max_output_tokens", c.f.MaxOutputTokens}} {
-		if f.v != nil && *f.v < 1 {
+		// A completion that echoes its prompt may generate nothing: vLLM
+		// scores the prompt (its logprobs), the way to rate a text.
+		echoOnly := ep == epCompletion && f.name == "max_tokens" && c.f.Echo != nil && *c.f.Echo && f.v != nil && *f.v == 0
+		if f.v != nil && *f.v < 1 && !echoOnly {
 			return nil, badRequest(f.name, fmt.Sprintf("%s must be at least 1, got %d.", f.name, *f.v))
 		}
 	}

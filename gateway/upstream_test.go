@@ -269,3 +269,42 @@ func TestBackendWantingCredentials(t *testing.T) {
 		t.Error("the backend refusing every request counted no failure")
 	}
 }
+
+// TestEchoScoringCompletion: a completion that echoes its prompt with
+// max_tokens 0 (scoring a text by its logprobs, as vLLM allows) reaches
+// the backend as sent; max_tokens 0 without echo, or on chat, stays a 400.
+// The simulator has no echo: this backend answers as vLLM would.
+func TestEchoScoringCompletion(t *testing.T) {
+	var got atomic.Pointer[string]
+	f := startFleet(t, fleetOpts{wrap: func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodPost || r.URL.Path != "/v1/completions" {
+				h.ServeHTTP(w, r)
+				return
+			}
+			b, _ := io.ReadAll(r.Body)
+			s := string(b)
+			got.Store(&s)
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = io.WriteString(w, `{"id":"cmpl-1","object":"text_completion","created":1,"model":"`+llama+
+				`","choices":[{"index":0,"text":"the cat sat","logprobs":null,"finish_reason":"length"}],`+
+				`"usage":{"prompt_tokens":3,"completion_tokens":0,"total_tokens":3}}`)
+		})
+	}})
+	body := `{"model":"` + llama + `","prompt":"the cat sat","max_tokens":0,"echo":true,"logprobs":1}`
+	if resp, b := f.post(t, "/v1/completions", body); resp.StatusCode != http.StatusOK {
+		t.Fatalf("an echo-only completion: %d %s", resp.StatusCode, b)
+	}
+	if s := got.Load(); s == nil || !strings.Contains(*s, `"max_tokens":0`) || !strings.Contains(*s, `"echo":true`) {
+		t.Errorf("the backend got %v, want the request as sent", s)
+	}
+	for _, c := range []struct{ path, body string }{
+		{"/v1/completions", `{"model":"` + llama + `","prompt":"a","max_tokens":0}`},
+		{"/v1/completions", `{"model":"` + llama + `","prompt":"a","max_tokens":0,"echo":false}`},
+		{"/v1/chat/completions", `{"model":"` + llama + `","messages":[{"role":"user","content":"a"}],"max_tokens":0,"echo":true}`},
+	} {
+		if resp, b := f.post(t, c.path, c.body); resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"param":"max_tokens"`) {
+			t.Errorf("%s %s: %d %s, want 400 naming max_tokens", c.path, c.body, resp.StatusCode, b)
+		}
+	}
+}
