@@ -17,7 +17,7 @@ func prefixRouter(t *testing.T, n int) (*Prefix, func(i int, waiting, kv float64
 	for i := range urls {
 		urls[i] = fmt.Sprintf("http://10.0.0.%d:8000", i+1)
 	}
-	p, err := NewPrefix("", urls, PrefixConfig{Threshold: ThresholdConfig{Now: func() time.Time { return now }}})
+	p, err := NewPrefix(urls, PrefixConfig{Threshold: ThresholdConfig{Now: func() time.Time { return now }}})
 	if err != nil {
 		t.Fatal(err)
 	}

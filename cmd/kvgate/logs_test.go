@@ -103,6 +103,7 @@ func logsHoldNoSecrets(t *testing.T, storeURL, password string) {
 	base, stderr := startServe(t, "--data-dir", t.TempDir(), "--store", storeURL, "--log-level", "debug",
 		"--api-key", staticUser+"=legacy", "--api-key", staticOp+"=legacy:operator", "--admin-key", staticAdmin)
 	log = stderr
+	waitReady(t, base+"/readyz") // a first scrape slow under load is no 503 to the first call
 
 	must := func(want int, method, path, key, body string, header ...string) []byte {
 		t.Helper()
