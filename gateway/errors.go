@@ -203,6 +203,10 @@ func toAPIError(err error) *apiError {
 			e.typ, e.code = "invalid_request_error", "context_length_exceeded"
 		case up.status == http.StatusTooManyRequests:
 			e.typ, e.code = "rate_limit_error", "rate_limit_exceeded"
+		case up.status == http.StatusNotFound && modelMissing(up.msg):
+			// The last backend tried did not serve it after all (an
+			// adapter unloaded since the last scrape): kvgate's own answer.
+			e.typ, e.code, e.param = "invalid_request_error", "model_not_found", "model"
 		case up.status < 500:
 			e.typ = "invalid_request_error"
 		default:

@@ -158,8 +158,8 @@ func (c *call) tooLarge(err error) error {
 		e.param, e.input = "documents", true
 	case c.ep == epScore:
 		e.param, e.input = "text_2", true
-	case c.ep == epResponses:
-		e.param = "max_output_tokens"
+	case c.ep == epResponses && capName == "":
+		e.param, e.input = "input", true
 	case capName != "":
 		e.param = capName
 	case c.f.N != nil && *c.f.N > 1:

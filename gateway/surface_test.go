@@ -717,7 +717,7 @@ func TestOutputCapAsVLLMReadsIt(t *testing.T) {
 		{epChat, `"max_tokens":100`, 100, "max_tokens"},
 		{epChat, `"n":1`, 1024, "messages"},
 		{epResponses, `"max_output_tokens":50,"max_tokens":900`, 50, "max_output_tokens"},
-		{epResponses, `"max_tokens":900`, 1024, "max_output_tokens"},
+		{epResponses, `"max_tokens":900`, 1024, "input"}, // no limit sent: the input, as chat's messages
 	} {
 		body := map[endpoint]string{
 			epCompletion: `{"model":"m","prompt":"hi",` + c.fields + `}`,

@@ -177,6 +177,21 @@ func TestBackendErrorKeepsItsParam(t *testing.T) {
 	}
 }
 
+// TestBackendModelMissing: the last backend's 404 for a model it does not
+// serve after all reaches the client as kvgate's own answer for an unknown
+// model, model_not_found naming model; another 404 keeps its own.
+func TestBackendModelMissing(t *testing.T) {
+	for body, want := range map[string][2]string{
+		`{"error":{"message":"The model ` + "`sql-lora`" + ` does not exist.","type":"NotFoundError","code":404}}`: {"model_not_found", "model"},
+		`{"error":{"message":"Response with id resp_1 not found.","type":"NotFoundError","code":404}}`:             {"", ""},
+	} {
+		u := classifyResponse(http.StatusNotFound, http.Header{}, []byte(body))
+		if e := toAPIError(u.err); e.status != http.StatusNotFound || e.code != want[0] || e.param != want[1] {
+			t.Errorf("%s: %d code %q param %q, want 404 %q %q", body, e.status, e.code, e.param, want[0], want[1])
+		}
+	}
+}
+
 // TestBackendContextErrors: both of vLLM's ways of saying a request does
 // not fit the model's context reach the client as context_length_exceeded,
 // the code the SDKs' callers branch on.
