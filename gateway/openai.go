@@ -48,6 +48,8 @@ type reqFields struct {
 	Documents       json.RawMessage `json:"documents"`
 	Text1           json.RawMessage `json:"text_1"`
 	Text2           json.RawMessage `json:"text_2"`
+	// The other shapes of vLLM's score request (scoreSides).
+	Queries, Items, Data1, Data2 json.RawMessage
 }
 
 type streamOptions struct {
@@ -66,6 +68,7 @@ func (f *reqFields) decode(body []byte) error {
 		{"messages", &f.Messages}, {"tools", &f.Tools}, {"cache_salt", &f.CacheSalt}, {"echo", &f.Echo}, {"prompt", &f.Prompt}, {"input", &f.Input},
 		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
 		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
+		{"queries", &f.Queries}, {"items", &f.Items}, {"data_1", &f.Data1}, {"data_2", &f.Data2},
 	})
 	if err != nil || len(opts) == 0 || string(opts) == "null" {
 		return err
@@ -157,7 +160,8 @@ func (c *call) tooLarge(err error) error {
 	case c.ep == epRerank:
 		e.param, e.input = "documents", true
 	case c.ep == epScore:
-		e.param, e.input = "text_2", true
+		_, _, _, e.param = c.f.scoreSides()
+		e.input = true
 	case c.ep == epResponses && capName == "":
 		e.param, e.input = "input", true
 	case capName != "":

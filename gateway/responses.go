@@ -3,6 +3,7 @@ package gateway
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
 )
 
@@ -48,19 +49,35 @@ func (c *call) parseSurface() error {
 		// A cross-encoder reads the query with each document.
 		c.promptBytes = satMul(len(c.f.Query), n) + len(c.f.Documents)
 	case epScore:
-		n1, n2 := listLen(c.f.Text1), listLen(c.f.Text2)
+		side1, side2, name1, name2 := c.f.scoreSides()
+		n1, n2 := listLen(side1), listLen(side2)
 		if n1 < 1 {
-			return badRequest("text_1", "'text_1' must be a non-empty string or array.")
+			return badRequest(name1, fmt.Sprintf("'%s' must be a non-empty string or array.", name1))
 		}
 		if n2 < 1 {
-			return badRequest("text_2", "'text_2' must be a non-empty string or array.")
+			return badRequest(name2, fmt.Sprintf("'%s' must be a non-empty string or array.", name2))
 		}
-		c.promptBytes = len(c.f.Text2) + len(c.f.Text1)
+		c.promptBytes = len(side2) + len(side1)
 		if n1 == 1 {
-			c.promptBytes = satMul(len(c.f.Text1), n2) + len(c.f.Text2)
+			c.promptBytes = satMul(len(side1), n2) + len(side2)
 		}
 	}
 	return nil
+}
+
+// scoreSides returns a score request's two sides and their names, in the
+// order vLLM tries its request's shapes (queries and documents, queries
+// and items, data_1 and data_2); text_1 and text_2 when none is there.
+func (f *reqFields) scoreSides() (first, second json.RawMessage, name1, name2 string) {
+	switch {
+	case isPresent(f.Queries) && isPresent(f.Documents):
+		return f.Queries, f.Documents, "queries", "documents"
+	case isPresent(f.Queries) && isPresent(f.Items):
+		return f.Queries, f.Items, "queries", "items"
+	case isPresent(f.Data1) && isPresent(f.Data2):
+		return f.Data1, f.Data2, "data_1", "data_2"
+	}
+	return f.Text1, f.Text2, "text_1", "text_2"
 }
 
 func isPresent(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }

@@ -299,8 +299,8 @@ func TestRerankAndScoreOverHTTP(t *testing.T) {
 		}
 		prompt += out.Usage.PromptTokens
 	}
-	for _, path := range []string{"/v1/score", "/score"} {
-		resp, b := send(t, f.srv.URL, http.MethodPost, path, key, `{"model":"`+reranker+`","text_1":"what is vLLM","text_2":`+docs+`}`)
+	for path, sides := range map[string]string{"/v1/score": `"queries":"what is vLLM","documents":`, "/score": `"text_1":"what is vLLM","text_2":`} {
+		resp, b := send(t, f.srv.URL, http.MethodPost, path, key, `{"model":"`+reranker+`",`+sides+docs+`}`)
 		if resp.StatusCode != http.StatusOK {
 			t.Fatalf("%s: %d %s", path, resp.StatusCode, b)
 		}
@@ -326,6 +326,8 @@ func TestRerankAndScoreOverHTTP(t *testing.T) {
 		{"/v1/rerank", `{"model":"` + reranker + `","query":"q","documents":[]}`, "documents"},
 		{"/v1/score", `{"model":"` + reranker + `","text_1":"q"}`, "text_2"},
 		{"/score", `{"model":"` + reranker + `","text_1":[],"text_2":"d"}`, "text_1"},
+		{"/v1/score", `{"model":"` + reranker + `","queries":[],"documents":["d"]}`, "queries"},
+		{"/v1/score", `{"model":"` + reranker + `","data_1":"q","data_2":[]}`, "data_2"},
 	} {
 		resp, b := send(t, f.srv.URL, http.MethodPost, c.path, key, c.body)
 		if e := errorKeys(t, c.path, b); resp.StatusCode != http.StatusBadRequest || e["param"] != c.param {
@@ -524,6 +526,7 @@ func TestSurfaceReservations(t *testing.T) {
 		{epRerank, `{"model":"m","query":"qq","documents":["a","b","c"],"max_tokens":50}`, 10, 0, 3*len(`"qq"`) + len(`["a","b","c"]`)},
 		{epScore, `{"model":"m","text_1":"qq","text_2":["a","b"]}`, 10, 0, 2*len(`"qq"`) + len(`["a","b"]`)},
 		{epScore, `{"model":"m","text_1":["q1","q2"],"text_2":["a","b"]}`, 10, 0, len(`["q1","q2"]`) + len(`["a","b"]`)},
+		{epScore, `{"model":"m","queries":"qq","items":["a","b"]}`, 10, 0, 2*len(`"qq"`) + len(`["a","b"]`)},
 	} {
 		call, err := parseCall([]byte(c.body), c.ep)
 		if err != nil {

@@ -22,13 +22,35 @@ import (
 // jitter so that ties break. Documents that repeat the query's words rank
 // first, as they would with a real reranker on such text.
 
-// scoreRequest is vLLM's ScoreRequest: text_1 and text_2 each a string
-// or a list of strings.
+// scoreRequest is vLLM's ScoreRequest, a union of four shapes naming its
+// two sides differently: queries and documents, queries and items,
+// data_1 and data_2, text_1 and text_2; each side a string or a list of
+// strings.
 type scoreRequest struct {
 	Model                string          `json:"model"`
+	Queries              json.RawMessage `json:"queries"`
+	Documents            json.RawMessage `json:"documents"`
+	Items                json.RawMessage `json:"items"`
+	Data1                json.RawMessage `json:"data_1"`
+	Data2                json.RawMessage `json:"data_2"`
 	Text1                json.RawMessage `json:"text_1"`
 	Text2                json.RawMessage `json:"text_2"`
 	TruncatePromptTokens *int            `json:"truncate_prompt_tokens"`
+}
+
+// sides returns the request's two sides and their names, in the order
+// vLLM tries the union's shapes; text_1 and text_2 when none is there.
+func (r scoreRequest) sides() (first, second json.RawMessage, name1, name2 string) {
+	present := func(raw json.RawMessage) bool { return len(raw) > 0 && string(raw) != "null" }
+	switch {
+	case present(r.Queries) && present(r.Documents):
+		return r.Queries, r.Documents, "queries", "documents"
+	case present(r.Queries) && present(r.Items):
+		return r.Queries, r.Items, "queries", "items"
+	case present(r.Data1) && present(r.Data2):
+		return r.Data1, r.Data2, "data_1", "data_2"
+	}
+	return r.Text1, r.Text2, "text_1", "text_2"
 }
 
 // rerankRequest is vLLM's RerankRequest.
@@ -156,17 +178,18 @@ func (s *Sim) handleScore(w http.ResponseWriter, r *http.Request) {
 	if !s.decodeBody(w, r, &req) || !s.checkModel(w, req.Model) || !s.checkScoring(w, "Score") {
 		return
 	}
-	t1, ok1 := textOrList(req.Text1)
-	t2, ok2 := textOrList(req.Text2)
+	side1, side2, name1, name2 := req.sides()
+	t1, ok1 := textOrList(side1)
+	t2, ok2 := textOrList(side2)
 	switch {
 	case !ok1 || len(t1) == 0:
-		writeErrorType(w, http.StatusBadRequest, "BadRequestError", "text_1 must be a string or a non-empty list of strings", "text_1")
+		writeErrorType(w, http.StatusBadRequest, "BadRequestError", name1+" must be a string or a non-empty list of strings", name1)
 		return
 	case !ok2 || len(t2) == 0:
-		writeErrorType(w, http.StatusBadRequest, "BadRequestError", "text_2 must be a string or a non-empty list of strings", "text_2")
+		writeErrorType(w, http.StatusBadRequest, "BadRequestError", name2+" must be a string or a non-empty list of strings", name2)
 		return
 	case len(t1) > 1 && len(t1) != len(t2):
-		writeErrorType(w, http.StatusBadRequest, "BadRequestError", "text_1 and text_2 must have the same length, or text_1 a single text", "text_1")
+		writeErrorType(w, http.StatusBadRequest, "BadRequestError", name1+" and "+name2+" must have the same length, or "+name1+" a single text", name1)
 		return
 	}
 	pairs := make([][2]string, len(t2))

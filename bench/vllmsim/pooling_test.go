@@ -81,6 +81,27 @@ func TestRerankAndScore(t *testing.T) {
 		if r := c.post(t, path, map[string]any{"text_1": []string{"a", "b"}, "text_2": []string{"a", "b", "c"}}); r.status != http.StatusBadRequest {
 			t.Errorf("%s mismatched lengths: %d %s", path, r.status, r.body)
 		}
+		// vLLM's other shapes of the request: the same pairs, the same scores.
+		var text struct {
+			Data []struct {
+				Score float64 `json:"score"`
+			} `json:"data"`
+		}
+		c.post(t, path, map[string]any{"text_1": "inference engine", "text_2": docs}).ok(t, &text)
+		for _, names := range [][2]string{{"queries", "documents"}, {"queries", "items"}, {"data_1", "data_2"}} {
+			var other struct {
+				Data []struct {
+					Score float64 `json:"score"`
+				} `json:"data"`
+			}
+			c.post(t, path, map[string]any{names[0]: "inference engine", names[1]: docs}).ok(t, &other)
+			if len(other.Data) != 3 || other.Data[1].Score != text.Data[1].Score {
+				t.Errorf("%s with %s and %s: %+v, want the scores text_1 and text_2 get, %+v", path, names[0], names[1], other, text)
+			}
+		}
+		if r := c.post(t, path, map[string]any{"queries": []string{}, "documents": docs}); r.status != http.StatusBadRequest || !strings.Contains(string(r.body), `"queries"`) {
+			t.Errorf("%s empty queries: %d %s, want 400 naming queries", path, r.status, r.body)
+		}
 	}
 	if r := c.post(t, "/rerank", map[string]any{"query": "", "documents": docs}); r.status != http.StatusBadRequest {
 		t.Errorf("empty query: %d %s", r.status, r.body)
