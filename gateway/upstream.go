@@ -34,24 +34,29 @@ const (
 	upstreamBackendError
 	// upstreamTimeout: the backend went silent past kvgate's timeout.
 	upstreamTimeout
-	// upstreamRequestError: 4xx but 404 and 429; the request itself is
-	// wrong.
+	// upstreamRequestError: 4xx but 401, 403, 404 and 429; the request
+	// itself is wrong.
 	upstreamRequestError
 	// upstreamModelMissing: a 404 that says the backend does not serve the model
 	// (now): kvgate's view of it is stale (a restart with another model,
 	// a LoRA adapter unloaded). Another backend, or this one later, may.
 	upstreamModelMissing
+	// upstreamRefused: 401 or 403. kvgate sends a backend no credentials,
+	// so one that wants them (a vLLM started with --api-key) refuses
+	// every request before running it, whoever the caller: the backend's
+	// failure, never the request's, and nothing done.
+	upstreamRefused
 )
 
 func (c upstreamClass) String() string {
-	return [...]string{"none", "ok", "not_sent", "rate_limited", "backend_error", "timeout", "request_error", "model_missing"}[c]
+	return [...]string{"none", "ok", "not_sent", "rate_limited", "backend_error", "timeout", "request_error", "model_missing", "refused"}[c]
 }
 
 // errorClass maps the class to a job attempt's: a request that never
 // left is ClassRefused, a wait that spends no attempt.
 func (c upstreamClass) errorClass() scheduler.ErrorClass {
 	switch c {
-	case upstreamNotSent:
+	case upstreamNotSent, upstreamRefused:
 		return scheduler.ClassRefused
 	case upstreamRateLimited:
 		return scheduler.ClassRateLimited
@@ -67,12 +72,13 @@ func (c upstreamClass) errorClass() scheduler.ErrorClass {
 
 // sent reports whether the backend may have received the request (and
 // may have done the work).
-func (c upstreamClass) sent() bool { return c != upstreamNotSent }
+func (c upstreamClass) sent() bool { return c != upstreamNotSent && c != upstreamRefused }
 
 // retryElsewhere reports whether another backend may do better with a
 // request that failed so, nothing having reached the client.
 func (c upstreamClass) retryElsewhere() bool {
-	return c == upstreamNotSent || c == upstreamRateLimited || c == upstreamBackendError || c == upstreamTimeout || c == upstreamModelMissing
+	return c == upstreamNotSent || c == upstreamRefused || c == upstreamRateLimited || c == upstreamBackendError || c == upstreamTimeout ||
+		c == upstreamModelMissing
 }
 
 // ambiguous reports whether a failure so may be the request's own doing
@@ -111,10 +117,8 @@ func classifyResponse(status int, h http.Header, body []byte) upstream {
 	u.err = &upstreamError{status: status, msg: msg, param: param, retryAfter: u.retryAfter}
 	switch {
 	case status == http.StatusUnauthorized || status == http.StatusForbidden:
-		// kvgate sends a backend no credentials: one that wants them (a
-		// vLLM started with --api-key) refuses every request, whoever the
-		// caller. The backend's failure, a 502, never the caller's 401.
-		u.class = upstreamBackendError
+		// The backend's failure, a 502, never the caller's 401.
+		u.class = upstreamRefused
 		u.err = &upstreamError{status: http.StatusBadGateway, msg: fmt.Sprintf(
 			"The model backend refused kvgate's request (%d: %s); it may expect an API key kvgate does not send.", status, msg)}
 	case status == http.StatusTooManyRequests:
@@ -209,7 +213,7 @@ func (h *requestHealth) observe(pool healthReporter, backend string, u upstream)
 	case c == upstreamRequestError:
 		pool.ReportSuccess(backend)
 		h.held = nil
-	case c == upstreamNotSent:
+	case c == upstreamNotSent || c == upstreamRefused:
 		pool.ReportFailure(backend, u.err)
 	case c.ambiguous():
 		for _, f := range h.held {

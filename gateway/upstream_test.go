@@ -275,6 +275,17 @@ func TestBackendWantingCredentials(t *testing.T) {
 			t.Errorf("request %d beside a backend wanting credentials: %d %s", i, resp.StatusCode, body)
 		}
 	}
+	// Every backend refusing: each counts a failure (the request is not
+	// to blame, however alike the two answers), and the caller gets 502.
+	both := startFleet(t, fleetOpts{backends: 2, wrap: func(_ int, h http.Handler) http.Handler { return refuse(0, h) }})
+	if resp, body := both.post(t, "/v1/chat/completions", chatReq(2)); resp.StatusCode != http.StatusBadGateway {
+		t.Errorf("every backend wanting credentials: %d %s, want 502", resp.StatusCode, body)
+	}
+	for _, sn := range both.pool.Snapshots() {
+		if sn.Failures == 0 {
+			t.Errorf("backend %s refused the request and counted no failure", sn.Name)
+		}
+	}
 	alone := startFleet(t, fleetOpts{wrap: refuse})
 	resp, body := alone.post(t, "/v1/chat/completions", chatReq(2))
 	if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(body), "API key kvgate does not send") {
