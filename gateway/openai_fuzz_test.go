@@ -162,13 +162,14 @@ func vllmShapedKeys(body []byte) bool {
 }
 
 // checkReservation fails t unless admission would reserve a sane amount
-// for c: what parseCall read is consistent with the body, the prompt
-// estimate is between one token and one per byte, and the output reserved
+// for c: what parseCall read is consistent with the body (its prompt no
+// larger than the body, each media part counted as mediaPartBytes), the
+// prompt estimate is between one token and one per byte, and the output reserved
 // is at least one token per sequence (none for embeddings) and no
 // arithmetic wrapped.
 func checkReservation(t *testing.T, s *Server, c *call, model gpu.Model, body []byte) {
 	t.Helper()
-	if c.model == "" || c.sequences < 1 || c.sequences > maxReservation || c.promptBytes < 1 || c.promptBytes > len(body) {
+	if c.model == "" || c.sequences < 1 || c.sequences > maxReservation || c.promptBytes < 1 || c.promptBytes > len(body)+c.media*mediaPartBytes {
 		t.Fatalf("call model %q, %d sequences, %d prompt bytes from %d bytes", c.model, c.sequences, c.promptBytes, len(body))
 	}
 	if c.f.N != nil && c.sequences < min(*c.f.N, maxReservation) {

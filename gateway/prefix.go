@@ -47,7 +47,7 @@ func promptPrefix(c *call, promptTokens int) *scheduler.Prefix {
 		return nil
 	}
 	space := c.model
-	if len(c.f.CacheSalt) > 0 || len(c.f.Tools) > 0 {
+	if len(c.f.CacheSalt) > 0 || toolBytes(c.f.Tools) > 0 {
 		space += "\x00" + string(c.f.CacheSalt) + "\x00" + string(c.f.Tools)
 	}
 	return scheduler.NewPrefix(space, text, promptTokens)
@@ -56,8 +56,9 @@ func promptPrefix(c *call, promptTokens int) *scheduler.Prefix {
 // renderChat applies the Llama-3 template to a messages array, as vLLM's
 // chat endpoint does, text parts joined by newlines; ok is false for
 // messages that do not parse (the backend will refuse them). Another part
-// (an image, audio) stands as a short mark of its content's hash, and an
-// assistant's tool calls as themselves: vLLM's block hashes cover both,
+// (an image, audio) stands as a mark of its content's hash, as long as
+// the estimate counts it, and an assistant's tool calls as themselves:
+// vLLM's block hashes cover both,
 // so two prompts that differ only there share no block from there on.
 func renderChat(raw json.RawMessage) (string, bool) {
 	var msgs []struct {
@@ -91,11 +92,17 @@ func renderChat(raw json.RawMessage) (string, bool) {
 				if i > 0 {
 					b.WriteByte('\n')
 				}
-				if p.Text != nil && (p.Type == "" || p.Type == "text") {
-					b.WriteString(*p.Text)
+				if p.Type == "" || textParts[p.Type] { // as promptSize reads them
+					if p.Text != nil {
+						b.WriteString(*p.Text)
+					}
 					continue
 				}
-				fmt.Fprintf(&b, "<%s:%016x>", p.Type, scheduler.HashChunks(string(raw), len(raw))[0])
+				// As long as the estimate counts the part (promptSize), so
+				// that the chunks' tokens stay the text's.
+				mark := fmt.Sprintf("<%s:%016x>", p.Type, scheduler.HashChunks(string(raw), len(raw))[0])
+				b.WriteString(mark)
+				b.WriteString(strings.Repeat(" ", max(0, mediaPartBytes-len(mark))))
 			}
 		}
 		b.WriteString(text)

@@ -219,3 +219,28 @@ func TestImagePromptEstimate(t *testing.T) {
 		t.Errorf("three image prompts moved the estimate of 1,000 bytes of text from %d to %d tokens", before, after)
 	}
 }
+
+// TestImageChunksKeepTheTextsTokens: an image counts in the rendered
+// prompt as long as in the estimate, so each chunk stands for the tokens
+// of 64 bytes of text, with or without an image beside it: the shared
+// chunks are not credited with the image's tokens.
+func TestImageChunksKeepTheTextsTokens(t *testing.T) {
+	system := strings.Repeat("You describe photos for the catalogue. ", 50)
+	chunkTokens := func(user string) float64 {
+		t.Helper()
+		c, err := parseCall([]byte(`{"model":"m","messages":[{"role":"system","content":"`+system+`"},{"role":"user","content":`+user+`}]}`), epChat)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := promptPrefix(c, newEstimator().estimate("m", c.promptBytes))
+		if p == nil {
+			t.Fatal("no prefix")
+		}
+		return p.ChunkTokens
+	}
+	text := chunkTokens(`"what is in it?"`)
+	image := chunkTokens(`[{"type":"text","text":"what is in it?"},{"type":"image_url","image_url":{"url":"https://example.com/cat.jpg"}}]`)
+	if image < 0.9*text || image > 1.1*text {
+		t.Errorf("a chunk stands for %.1f tokens beside an image, %.1f without: want about the same", image, text)
+	}
+}
