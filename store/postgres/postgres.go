@@ -61,14 +61,13 @@ func unavailable(err error) bool {
 		// The server went away mid-conversation.
 		return true
 	case errors.As(err, &pgErr):
-		switch pgErr.Code[:2] {
-		case "08", "53": // a connection exception; insufficient resources (disk, memory, connections)
-			return true
-		}
-		// The server shutting down or not yet up; read only (a standby,
-		// as during a failover). A deadlock or a serialization failure is
-		// not here: the group commit retries those call by call.
-		return pgErr.Code == "57P01" || pgErr.Code == "57P02" || pgErr.Code == "57P03" || pgErr.Code == "25006"
+		// A connection exception; the server shutting down or not yet up;
+		// too many connections; read only (a standby, as during a
+		// failover). Not here: what a statement may bring on itself (out
+		// of memory, a deadlock, a serialization failure), which the
+		// group commit retries call by call (lostTouch).
+		return pgErr.Code[:2] == "08" || pgErr.Code == "57P01" || pgErr.Code == "57P02" || pgErr.Code == "57P03" ||
+			pgErr.Code == "53300" || pgErr.Code == "25006"
 	}
 	return false
 }

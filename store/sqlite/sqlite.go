@@ -36,14 +36,15 @@ var Dialect = sqlstore.Dialect{
 	Unavailable: unavailable,
 }
 
-// unavailable: the file is gone or shut, or SQLite could not do the work
-// now (the lock held past the busy timeout, the disk full or failing).
+// unavailable: the file is gone, shut or failing, or another process
+// held the write lock past the busy timeout. Not here: what a statement
+// may bring on itself (out of memory, a full disk from a large write),
+// which the group commit retries call by call (lostTouch).
 func unavailable(err error) bool {
 	var se *sqlite.Error
 	if errors.As(err, &se) {
 		switch se.Code() & 0xff { // the primary result code
-		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_NOMEM, sqlite3.SQLITE_READONLY,
-			sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN:
+		case sqlite3.SQLITE_BUSY, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN:
 			return true
 		}
 	}
