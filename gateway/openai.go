@@ -34,8 +34,9 @@ type reqFields struct {
 	Messages            json.RawMessage `json:"messages"`
 	Tools               json.RawMessage `json:"tools"` // chat and responses: their schemas are prompt tokens
 	// Echo (completions): with max_tokens 0, the prompt scored and
-	// nothing generated.
-	Echo *bool `json:"echo"`
+	// nothing generated. Raw: the backend reads it as leniently as a
+	// Python bool (laxTrue), and kvgate refuses nothing it takes.
+	Echo json.RawMessage `json:"echo"`
 	// CacheSalt is vLLM's: it seeds the prompt's block hashes, so that
 	// requests of two salts share no cached block.
 	CacheSalt json.RawMessage `json:"cache_salt"`
@@ -294,7 +295,7 @@ func parseCall(body []byte, ep endpoint) (*call, error) {
 	}{{"max_tokens", c.f.MaxTokens}, {"max_completion_tokens", c.f.MaxCompletionTokens}, {"max_output_tokens", c.f.MaxOutputTokens}} {
 		// A completion that echoes its prompt may generate nothing: vLLM
 		// scores the prompt (its logprobs), the way to rate a text.
-		echoOnly := ep == epCompletion && f.name == "max_tokens" && c.f.Echo != nil && *c.f.Echo && f.v != nil && *f.v == 0
+		echoOnly := ep == epCompletion && f.name == "max_tokens" && laxTrue(c.f.Echo) && f.v != nil && *f.v == 0
 		if f.v != nil && *f.v < 1 && !echoOnly {
 			return nil, badRequest(f.name, fmt.Sprintf("%s must be at least 1, got %d.", f.name, *f.v))
 		}
@@ -322,6 +323,18 @@ func toolBytes(tools json.RawMessage) int {
 		return len(t)
 	}
 	return 0
+}
+
+// laxTrue reports whether a JSON value reads as true the way vLLM's
+// request models (pydantic, lax mode) read a bool: true, 1, or a string
+// such as "true", "yes", "on" or "1".
+func laxTrue(raw json.RawMessage) bool {
+	v := strings.ToLower(strings.Trim(string(bytes.TrimSpace(raw)), `"`))
+	switch v {
+	case "true", "1", "yes", "on", "t", "y":
+		return true
+	}
+	return false
 }
 
 func isNonEmptyArray(raw json.RawMessage) bool {

@@ -322,7 +322,13 @@ func TestEchoScoringCompletion(t *testing.T) {
 		t.Fatalf("an echo-only completion: %d %s", resp.StatusCode, b)
 	}
 	if s := got.Load(); s == nil || !strings.Contains(*s, `"max_tokens":0`) || !strings.Contains(*s, `"echo":true`) {
-		t.Errorf("the backend got %v, want the request as sent", s)
+		t.Errorf("the backend got %q (nil: nothing), want the request as sent", fmt.Sprint(s))
+	}
+	// vLLM reads echo as a Python bool, leniently: so does kvgate.
+	for _, echo := range []string{`1`, `"true"`} {
+		if resp, b := f.post(t, "/v1/completions", strings.Replace(body, `"echo":true`, `"echo":`+echo, 1)); resp.StatusCode != http.StatusOK {
+			t.Errorf("echo %s: %d %s", echo, resp.StatusCode, b)
+		}
 	}
 	for _, c := range []struct{ path, body string }{
 		{"/v1/completions", `{"model":"` + llama + `","prompt":"a","max_tokens":0}`},
