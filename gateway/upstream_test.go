@@ -322,7 +322,11 @@ func TestEchoScoringCompletion(t *testing.T) {
 		t.Fatalf("an echo-only completion: %d %s", resp.StatusCode, b)
 	}
 	if s := got.Load(); s == nil || !strings.Contains(*s, `"max_tokens":0`) || !strings.Contains(*s, `"echo":true`) {
-		t.Errorf("the backend got %q (nil: nothing), want the request as sent", fmt.Sprint(s))
+		sent := "nothing"
+		if s != nil {
+			sent = *s
+		}
+		t.Errorf("the backend got %s, want the request as sent", sent)
 	}
 	// vLLM reads echo as a Python bool, leniently: so does kvgate.
 	for _, echo := range []string{`1`, `"true"`} {
