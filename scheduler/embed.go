@@ -148,10 +148,10 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		if err := r.record(wctx, func(now time.Time) error {
 			return r.st.SaveStage(wctx, j.ID, j.Fence, batchStage(i), out.Body, now)
 		}); err != nil {
-			if errors.Is(err, store.ErrLeaseLost) {
-				return Outcome{}, err
-			}
-			return Outcome{}, &ExecError{Class: ClassStore, Err: err}
+			// The batch reached the backend and was answered: as for a
+			// single request's checkpoint that cannot be written, the
+			// reaper counts the attempt (failed: errUnrecorded).
+			return Outcome{}, fmt.Errorf("checkpoint batch %d: %w: %w", i, errUnrecorded, err)
 		}
 	}
 	body, err := mergeEmbeddings(parts)

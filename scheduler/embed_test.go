@@ -184,3 +184,49 @@ func TestAttemptAdmittingCount(t *testing.T) {
 		}
 	}
 }
+
+// batchCheckpointOutage fails every checkpoint of an embeddings job's
+// first batch, as a store out of reach for longer than a lease would.
+type batchCheckpointOutage struct{ store.Store }
+
+func (s batchCheckpointOutage) SaveStage(ctx context.Context, id string, fence int64, stage string, data []byte, now time.Time) error {
+	if stage == batchStage(0) {
+		return fmt.Errorf("save stage: %w: connection refused", store.ErrUnavailable)
+	}
+	return s.Store.SaveStage(ctx, id, fence, stage, data, now)
+}
+
+// TestBatchCheckpointUnwritten: an embeddings batch that reached the
+// backend and was answered, but whose checkpoint could not be written,
+// is not recorded as a wait that spends nothing: as a single request's
+// unwritten checkpoint, the attempt is left to the reaper, which counts
+// it.
+func TestBatchCheckpointUnwritten(t *testing.T) {
+	st := openStore(t)
+	exec := &embedExecutor{started: make(chan struct{}), release: make(chan struct{})}
+	close(exec.release)
+	const lease = 300 * time.Millisecond
+	f := startRunnerOn(t, batchCheckpointOutage{st}, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, lease)
+	inputs := make([]string, EmbedBatchInputs+44) // two batches
+	for i := range inputs {
+		inputs[i] = fmt.Sprint("chunk ", i)
+	}
+	in, _ := json.Marshal(inputs)
+	j := f.submit(t, "k", func(n *store.NewJob) {
+		n.Endpoint, n.Body = "/v1/embeddings", json.RawMessage(`{"model":"`+model+`","input":`+string(in)+`}`)
+	})
+	<-exec.started
+	// The runner gives up on the checkpoint after a lease; then the lease
+	// runs out, and a reap ends the attempt (this runner reaps hourly).
+	eventually.True(t, "the attempt to end", func() bool {
+		if _, err := st.Reap(context.Background(), time.Now(), 10); err != nil {
+			t.Fatal(err)
+		}
+		as, _ := st.Attempts(context.Background(), j.ID)
+		return len(as) > 0
+	})
+	as, _ := st.Attempts(context.Background(), j.ID)
+	if a := as[0]; !a.Spent || !a.Sent || a.ErrorClass == string(ClassStore) {
+		t.Errorf("the attempt whose batch checkpoint could not be written: %+v; want it spent and sent, ended by the reaper", a)
+	}
+}

@@ -710,6 +710,11 @@ func (r *Runner) quotaPause(j store.Job, err error, waited time.Duration) (time.
 	return d, true
 }
 
+// errUnrecorded: an attempt that reached a backend could not write what it
+// got. Its end is left to the reaper, which counts it (its sent mark),
+// rather than recorded as a wait that would spend nothing.
+var errUnrecorded = errors.New("an answer that could not be recorded")
+
 // failed records an attempt that did not succeed. What the store makes of
 // it follows one rule (store.Failure): an attempt whose class spends
 // counts, and is retried at a full-jitter delay (never sooner than the
@@ -719,6 +724,10 @@ func (r *Runner) quotaPause(j store.Job, err error, waited time.Duration) (time.
 func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job, a store.Attempt, err error) {
 	if errors.Is(context.Cause(ctx), errLeaseLost) || errors.Is(err, store.ErrLeaseLost) {
 		r.lost(log, store.ErrLeaseLost)
+		return
+	}
+	if errors.Is(err, errUnrecorded) {
+		r.lost(log, err) // the reaper ends the attempt, counted
 		return
 	}
 	var xe *ExecError
