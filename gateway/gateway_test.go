@@ -417,6 +417,7 @@ func TestErrors(t *testing.T) {
 		{name: "missing input", path: "/v1/embeddings", body: `{"model":"` + llama + `"}`, header: auth, status: 400, param: "input"},
 		{name: "zero max_tokens", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"a","max_tokens":0}`, header: auth, status: 400, param: "max_tokens"},
 		{name: "zero max_completion_tokens", path: "/v1/chat/completions", body: `{"model":"` + llama + `","messages":[{"role":"user","content":"a"}],"max_completion_tokens":0}`, header: auth, status: 400, param: "max_completion_tokens"},
+		{name: "background response", path: "/v1/responses", body: `{"model":"` + llama + `","input":"a","background":true}`, header: auth, status: 400, param: "background"},
 		{name: "negative max_output_tokens", path: "/v1/responses", body: `{"model":"` + llama + `","input":"a","max_output_tokens":-1}`, header: auth, status: 400, param: "max_output_tokens"},
 		{name: "unknown model", path: "/v1/chat/completions", body: `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, header: auth, status: 404, code: "model_not_found", param: "model"},
 		{name: "body too large", path: "/v1/completions", body: `{"model":"` + llama + `","prompt":"` + big + `"}`, header: auth, status: 413},

@@ -37,6 +37,8 @@ type reqFields struct {
 	// nothing generated. Raw: the backend reads it as leniently as a
 	// Python bool (laxTrue), and kvgate refuses nothing it takes.
 	Echo json.RawMessage `json:"echo"`
+	// Background (Responses): run the response after the answer; refused.
+	Background json.RawMessage `json:"background"`
 	// CacheSalt is vLLM's: it seeds the prompt's block hashes, so that
 	// requests of two salts share no cached block.
 	CacheSalt json.RawMessage `json:"cache_salt"`
@@ -66,7 +68,7 @@ func (f *reqFields) decode(body []byte) error {
 	err := decodeExact(body, []namedField{
 		{"model", &f.Model}, {"max_tokens", &f.MaxTokens}, {"max_completion_tokens", &f.MaxCompletionTokens},
 		{"n", &f.N}, {"stream", &f.Stream}, {"stream_options", &opts},
-		{"messages", &f.Messages}, {"tools", &f.Tools}, {"cache_salt", &f.CacheSalt}, {"echo", &f.Echo}, {"prompt", &f.Prompt}, {"input", &f.Input},
+		{"messages", &f.Messages}, {"tools", &f.Tools}, {"cache_salt", &f.CacheSalt}, {"echo", &f.Echo}, {"background", &f.Background}, {"prompt", &f.Prompt}, {"input", &f.Input},
 		{"max_output_tokens", &f.MaxOutputTokens}, {"instructions", &f.Instructions},
 		{"query", &f.Query}, {"documents", &f.Documents}, {"text_1", &f.Text1}, {"text_2", &f.Text2},
 		{"queries", &f.Queries}, {"items", &f.Items}, {"data_1", &f.Data1}, {"data_2", &f.Data2},

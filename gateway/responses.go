@@ -36,6 +36,12 @@ func (c *call) parseSurface() error {
 		if !isPresent(c.f.Input) || string(c.f.Input) == `""` || string(c.f.Input) == "[]" {
 			return badRequest("input", "'input' must be a non-empty string or array of input items.")
 		}
+		if laxTrue(c.f.Background) {
+			// vLLM would answer at once and generate afterwards, unseen by
+			// admission, its KV held past the grant kvgate releases.
+			return badRequest("background", "kvgate runs a response while its request is open and does not take background responses: "+
+				"submit it as a durable job (POST /v1/jobs with endpoint /v1/responses) and read its result when it is done.")
+		}
 		size, media := promptSize(c.f.Input)
 		c.promptBytes, c.media = size+len(c.f.Instructions)+toolBytes(c.f.Tools), media
 	case epRerank:
