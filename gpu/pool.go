@@ -82,6 +82,11 @@ type Snapshot struct {
 
 	Metrics    EngineMetrics
 	ScrapedAt  time.Time // zero: never scraped
+	// ScrapeDone is when the page of ScrapedAt had come: the backend
+	// wrote it at some moment between the two, so work sent after
+	// ScrapedAt may be missing from it, and so may work that ended
+	// before ScrapeDone.
+	ScrapeDone time.Time
 	ScrapeErr  string
 	MaxNumSeqs int
 	// CapacityTokens is num_gpu_blocks × block_size from the server, or the
@@ -522,6 +527,7 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 	// not yet in it.
 	now := time.Now()
 	m, err := p.fetchMetrics(ctx, b.cfg.URL)
+	done := time.Now()
 	if err != nil {
 		if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 			return
@@ -567,7 +573,7 @@ func (p *Pool) scrape(ctx context.Context, b *backend) {
 			s.DecodeRate = r
 		}
 		prev.at, prev.preemptions, prev.generation, prev.steps = now, m.Preemptions, m.Generation, m.Steps
-		s.Metrics, s.ScrapedAt, s.ScrapeErr = m, now, ""
+		s.Metrics, s.ScrapedAt, s.ScrapeDone, s.ScrapeErr = m, now, done, ""
 		s.CapacityTokens = cmp.Or(m.CapacityTokens(), b.cfg.CapacityTokens)
 		s.GPUHealth, s.GPUReasons, s.GPUs = health, reasons, gpus
 	})

@@ -308,6 +308,27 @@ func TestReleaseCountsFromBackendFinish(t *testing.T) {
 		defer s.mu.Unlock()
 		return s.loadOf(sn, s.ledgers["a"], clock(), true).heldBeforeScrape
 	}
+	// A backend that finished during the fetch may have written the page
+	// after: not credited either.
+	g, err := s.Acquire(context.Background(), &Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	advance(time.Millisecond)
+	sn := backendSnap("a", 100_000)
+	sn.ScrapedAt = clock() // the fetch begins
+	advance(time.Millisecond)
+	g.BackendDone()
+	advance(time.Millisecond)
+	sn.ScrapeDone = clock() // the page has come
+	src.mu.Lock()
+	src.snaps = []*gpu.Snapshot{sn}
+	src.mu.Unlock()
+	advance(time.Millisecond)
+	g.Release()
+	if got := credited(); got != 0 {
+		t.Errorf("a request the backend finished during the scrape's fetch is credited %d tokens in it, want 0", got)
+	}
 	for _, finishFirst := range []bool{true, false} {
 		g, err := s.Acquire(context.Background(), &Ticket{Model: model, PromptTokens: 1_000, MaxTokens: 100})
 		if err != nil {

@@ -1,6 +1,7 @@
 package scheduler
 
 import (
+	"cmp"
 	"log/slog"
 	"math"
 	"slices"
@@ -409,9 +410,11 @@ func (s *Scheduler) loadOf(sn *gpu.Snapshot, l *ledger, now time.Time, exact boo
 	ld.heldBeforeScrape += max(0, l.shared-sharedSince)
 	sortFlights(ld.flights)
 	ld.reserved = l.reserved // prompts may have been re-estimated
-	// Releases before the scrape are out of the measurement; after it,
-	// still in it, as kvgate's own.
-	i, _ := slices.BinarySearchFunc(l.released, sn.ScrapedAt, func(r release, t time.Time) int {
+	// Releases before the page came may be out of the measurement (the
+	// backend wrote it at some moment of the fetch); after it, still in
+	// it, as kvgate's own. Erring so, the load kvgate did not send is
+	// never understated.
+	i, _ := slices.BinarySearchFunc(l.released, cmp.Or(sn.ScrapeDone, sn.ScrapedAt), func(r release, t time.Time) int {
 		if r.at.After(t) {
 			return 1
 		}
