@@ -80,8 +80,8 @@ type Snapshot struct {
 	Configured []string
 	Discovered bool
 
-	Metrics    EngineMetrics
-	ScrapedAt  time.Time // zero: never scraped
+	Metrics   EngineMetrics
+	ScrapedAt time.Time // zero: never scraped
 	// ScrapeDone is when the page of ScrapedAt had come: the backend
 	// wrote it at some moment between the two, so work sent after
 	// ScrapedAt may be missing from it, and so may work that ended
