@@ -123,6 +123,19 @@ func (e *embedExecutor) Prepare(ctx context.Context, j store.Job) (*Call, error)
 	}, nil
 }
 
+// submitTwoBatches submits an embeddings job of two batches' inputs.
+func submitTwoBatches(t *testing.T, f *runnerFixture) store.Job {
+	t.Helper()
+	inputs := make([]string, EmbedBatchInputs+44)
+	for i := range inputs {
+		inputs[i] = fmt.Sprint("chunk ", i)
+	}
+	in, _ := json.Marshal(inputs)
+	return f.submit(t, "k", func(n *store.NewJob) {
+		n.Endpoint, n.Body = "/v1/embeddings", json.RawMessage(`{"model":"`+model+`","input":`+string(in)+`}`)
+	})
+}
+
 // TestDrainBetweenEmbeddingsBatches: a drain that begins while an
 // embeddings job's first batch is in flight lets that batch finish and be
 // checkpointed, then hands the job back before the next batch is sent,
@@ -131,14 +144,7 @@ func TestDrainBetweenEmbeddingsBatches(t *testing.T) {
 	st := openStore(t)
 	exec := &embedExecutor{started: make(chan struct{}), release: make(chan struct{})}
 	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute)
-	inputs := make([]string, EmbedBatchInputs+44) // two batches
-	for i := range inputs {
-		inputs[i] = fmt.Sprint("chunk ", i)
-	}
-	in, _ := json.Marshal(inputs)
-	j := f.submit(t, "k", func(n *store.NewJob) {
-		n.Endpoint, n.Body = "/v1/embeddings", json.RawMessage(`{"model":"`+model+`","input":`+string(in)+`}`)
-	})
+	j := submitTwoBatches(t, f)
 	<-exec.started
 	f.runner.Drain()
 	close(exec.release)
@@ -207,14 +213,7 @@ func TestBatchCheckpointUnwritten(t *testing.T) {
 	close(exec.release)
 	const lease = 300 * time.Millisecond
 	f := startRunnerOn(t, batchCheckpointOutage{st}, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, lease)
-	inputs := make([]string, EmbedBatchInputs+44) // two batches
-	for i := range inputs {
-		inputs[i] = fmt.Sprint("chunk ", i)
-	}
-	in, _ := json.Marshal(inputs)
-	j := f.submit(t, "k", func(n *store.NewJob) {
-		n.Endpoint, n.Body = "/v1/embeddings", json.RawMessage(`{"model":"`+model+`","input":`+string(in)+`}`)
-	})
+	j := submitTwoBatches(t, f)
 	<-exec.started
 	// The runner gives up on the checkpoint after a lease; then the lease
 	// runs out, and a reap ends the attempt (this runner reaps hourly).
