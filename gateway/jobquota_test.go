@@ -481,7 +481,22 @@ func TestJobPermitKeptWhileItWaits(t *testing.T) {
 func TestRequestPermitKeptWhileItRuns(t *testing.T) {
 	st := sqliteStore(t)
 	const lease = 200 * time.Millisecond
-	f := startFleet(t, fleetOpts{store: st, backends: 1, gateway: Config{Tenants: Tenants{Store: st, PermitLease: lease}}})
+	// The request is known to hold its permit once the backend has it:
+	// probing with a second acquisition before then could take the only
+	// permit first and have the request refused.
+	arrived := make(chan struct{}, 1)
+	wrap := func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/chat/completions" {
+				select {
+				case arrived <- struct{}{}:
+				default:
+				}
+			}
+			h.ServeHTTP(w, r)
+		})
+	}
+	f := startFleet(t, fleetOpts{store: st, backends: 1, wrap: wrap, gateway: Config{Tenants: Tenants{Store: st, PermitLease: lease}}})
 	key := newTenant(t, st, "tiny", store.Limits{MaxConcurrency: 1}, store.RoleUser)
 	f.sims[0].SetFaults(vllmsim.Faults{HangRate: 1, Match: "hold me"})
 	another := func() error { return acquireBeside(st, "tiny", lease) }
@@ -501,7 +516,14 @@ func TestRequestPermitKeptWhileItRuns(t *testing.T) {
 			resp.Body.Close()
 		}
 	}()
-	eventually.True(t, "the request holds its permit", refused)
+	select {
+	case <-arrived:
+	case <-done:
+		t.Fatal("the request ended before it reached the backend")
+	}
+	if !refused() {
+		t.Fatal("another request was admitted beside the running one")
+	}
 	time.Sleep(4 * lease) // the request runs past its permit's first lease
 	if !refused() {
 		t.Error("another request past the running request's first lease was admitted beside it")
