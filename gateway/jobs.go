@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
@@ -62,6 +63,49 @@ type Jobs struct {
 	// finalizes [30s]; BatchPoll how often the batch worker looks for
 	// work it was not woken for [1s].
 	BatchLease, BatchPoll time.Duration
+}
+
+// withDefaults fills the fields left zero with the defaults in brackets.
+func (j Jobs) withDefaults() Jobs {
+	j.MaxAttempts = cmp.Or(j.MaxAttempts, 5)
+	j.DefaultDeadline = cmp.Or(j.DefaultDeadline, 24*time.Hour)
+	j.MaxDeadline = cmp.Or(j.MaxDeadline, 7*24*time.Hour)
+	j.MaxReplay = cmp.Or(j.MaxReplay, 10_000)
+	j.MaxAnswerBytes = cmp.Or(j.MaxAnswerBytes, 64<<20)
+	return j
+}
+
+// Check refuses a configuration that would refuse jobs it should take: a
+// default deadline past the latest a job may ask for refuses every job
+// that names none.
+func (j Jobs) Check() error {
+	j = j.withDefaults()
+	if j.DefaultDeadline < 0 || j.DefaultDeadline > j.MaxDeadline {
+		return fmt.Errorf("default_deadline %s: every job that names no deadline would be refused; write at most %s, the latest a job may ask for", j.DefaultDeadline, j.MaxDeadline)
+	}
+	return nil
+}
+
+// deadline is a job's deadline as its request gives it: an instant (at),
+// seconds from now (secs, its parameter named secsParam), or neither (the
+// default). One that is past, or further than MaxDeadline, is refused.
+func (j Jobs) deadline(now time.Time, at *time.Time, secs *int, secsParam string) (time.Time, error) {
+	deadline, param := now.Add(j.DefaultDeadline), "deadline"
+	switch {
+	case at != nil && secs != nil:
+		return time.Time{}, badRequest(secsParam, "Give a job's deadline as deadline or as "+secsParam+", not both.")
+	case at != nil:
+		deadline = *at
+	case secs != nil:
+		// Clamped first: seconds times time.Second wraps past 2^63 ns,
+		// and a wrapped value can land back in range.
+		n := max(-1, min(*secs, int(j.MaxDeadline/time.Second)+1))
+		deadline, param = now.Add(time.Duration(n)*time.Second), secsParam
+	}
+	if !deadline.After(now) || deadline.After(now.Add(j.MaxDeadline)) {
+		return time.Time{}, badRequest(param, fmt.Sprintf("The deadline must be in the future and within %s.", j.MaxDeadline))
+	}
+	return deadline, nil
 }
 
 // maxJobTokens bounds a job's reservation: what every store's
@@ -228,20 +272,9 @@ func (s *Server) handleSubmitJob(w http.ResponseWriter, r *http.Request) int {
 		return refuse(err)
 	}
 	now := time.Now()
-	deadline, param := now.Add(s.jobs.DefaultDeadline), "deadline"
-	switch {
-	case req.Deadline != nil && req.DeadlineSeconds != nil:
-		return refuse(badRequest("deadline_seconds", "Give a job's deadline as deadline or as deadline_seconds, not both."))
-	case req.Deadline != nil:
-		deadline = *req.Deadline
-	case req.DeadlineSeconds != nil:
-		// Clamped first: seconds times time.Second wraps past 2^63 ns,
-		// and a wrapped value can land back in range.
-		secs := max(-1, min(*req.DeadlineSeconds, int(s.jobs.MaxDeadline/time.Second)+1))
-		deadline, param = now.Add(time.Duration(secs)*time.Second), "deadline_seconds"
-	}
-	if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
-		return refuse(badRequest(param, fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
+	deadline, err := s.jobs.deadline(now, req.Deadline, req.DeadlineSeconds, "deadline_seconds")
+	if err != nil {
+		return refuse(err)
 	}
 	// Acceptance must not wait on a backend: the estimate, never /tokenize.
 	estimate, estOut := s.reservationWith(c, model, s.est.estimate(model.ID, c.promptBytes))

@@ -517,13 +517,9 @@ func (s *Server) handleReplay(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, badRequest("version", "version must be at least 1."))
 	}
 	now := time.Now()
-	deadline := now.Add(s.jobs.DefaultDeadline)
-	if req.DeadlineSeconds != nil {
-		secs := max(-1, min(*req.DeadlineSeconds, int(s.jobs.MaxDeadline/time.Second)+1))
-		deadline = now.Add(time.Duration(secs) * time.Second)
-		if !deadline.After(now) || deadline.After(now.Add(s.jobs.MaxDeadline)) {
-			return writeError(w, s.log, badRequest("deadline_seconds", fmt.Sprintf("The deadline must be in the future and within %s.", s.jobs.MaxDeadline)))
-		}
+	deadline, err := s.jobs.deadline(now, nil, req.DeadlineSeconds, "deadline_seconds")
+	if err != nil {
+		return writeError(w, s.log, err)
 	}
 	detail, _ := json.Marshal(req)
 	j, err := s.jobs.Store.Replay(ctx, store.Replay{Tenant: tenant, JobID: id, FromInference: req.From == store.StageInference,

@@ -151,11 +151,10 @@ func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry,
 	cfg.TokenCount = cmp.Or(cfg.TokenCount, "estimate")
 	cfg.StreamIdleTimeout = cmp.Or(cfg.StreamIdleTimeout, 2*time.Minute)
 	cfg.RequestTimeout = cmp.Or(cfg.RequestTimeout, 10*time.Minute)
-	cfg.Jobs.MaxAttempts = cmp.Or(cfg.Jobs.MaxAttempts, 5)
-	cfg.Jobs.DefaultDeadline = cmp.Or(cfg.Jobs.DefaultDeadline, 24*time.Hour)
-	cfg.Jobs.MaxDeadline = cmp.Or(cfg.Jobs.MaxDeadline, 7*24*time.Hour)
-	cfg.Jobs.MaxReplay = cmp.Or(cfg.Jobs.MaxReplay, 10_000)
-	cfg.Jobs.MaxAnswerBytes = cmp.Or(cfg.Jobs.MaxAnswerBytes, 64<<20)
+	if err := cfg.Jobs.Check(); err != nil {
+		return nil, fmt.Errorf("jobs: %w", err)
+	}
+	cfg.Jobs = cfg.Jobs.withDefaults()
 	if err := checkAliases(cfg.Models); err != nil {
 		return nil, err
 	}

@@ -89,7 +89,7 @@ type config struct {
 	} `yaml:"nvml"`
 	NATS struct {
 		URL      string `yaml:"url"`      // external server or cluster (nats:// or tls://); empty: embedded in-process, files under data_dir
-		Replicas int    `yaml:"replicas"` // stream replicas on a cluster [1]
+		Replicas int    `yaml:"replicas"` // stream replicas on a cluster; more than 1 needs url [1]
 		// Credentials, one kind at most: user and password (or in the
 		// URL), a token, an NKey seed file or a .creds file (JWT and seed).
 		User         string `yaml:"user"`           // with password
@@ -114,7 +114,7 @@ type config struct {
 		Concurrency     int           `yaml:"concurrency"`      // jobs run at once by this process [64]
 		Lease           time.Duration `yaml:"lease"`            // claim lease, renewed every third of it [1m]
 		MaxAttempts     int           `yaml:"max_attempts"`     // attempts a job may spend [5]
-		DefaultDeadline time.Duration `yaml:"default_deadline"` // deadline of a job that sets none [24h]
+		DefaultDeadline time.Duration `yaml:"default_deadline"` // deadline of a job that sets none; at most 7 days, the latest a job may ask for [24h]
 		Retention       time.Duration `yaml:"retention"`        // final jobs, their results, attempts and audit records are pruned this long after they ended [720h]
 	} `yaml:"jobs"`
 	// Webhooks are signed deliveries of job events to tenant-registered
@@ -365,6 +365,12 @@ func (c *config) validate() error {
 	}
 	for i, d := range c.Webhooks.RetrySchedule {
 		numbers = append(numbers, number{fmt.Sprintf("webhooks.retry_schedule[%d]", i), int64(d), true})
+	}
+	if c.NATS.URL == "" && c.NATS.Replicas > 1 {
+		return fmt.Errorf("nats.replicas %d needs a NATS cluster: nats.url is empty, and the embedded server keeps one copy (set nats.url, KVGATE_NATS_URL, or replicas 1)", c.NATS.Replicas)
+	}
+	if err := (gateway.Jobs{DefaultDeadline: c.Jobs.DefaultDeadline}).Check(); err != nil {
+		return fmt.Errorf("jobs.%w", err)
 	}
 	if err := gateway.CheckCacheTTL(c.Quotas.CacheTTL); err != nil {
 		return fmt.Errorf("quotas.%w", err)

@@ -109,6 +109,8 @@ func TestConfigErrors(t *testing.T) {
 		{"bad target", []string{"--kv-target", "1.5"}, nil, "kv_target"},
 		{"scrapes further apart than the view lasts", []string{"--config", write("slow.yaml", "metrics: {scrape_interval: 2s}\n")}, nil, "scrape_interval 2s must be shorter than stale_after 1s"},
 		{"bad target env", nil, map[string]string{"KVGATE_KV_TARGET": "high"}, "KVGATE_KV_TARGET"},
+		{"replicas without a cluster", []string{"--config", write("replicas.yaml", "nats: {replicas: 3}\n")}, nil, "nats.replicas 3 needs a NATS cluster"},
+		{"a default deadline no job may ask for", []string{"--config", write("deadline.yaml", "jobs: {default_deadline: 240h}\n")}, nil, "jobs.default_deadline 240h0m0s"},
 		{"revocations spread too slowly", []string{"--config", write("ttl.yaml", "quotas: {cache_ttl: 1h}\n")}, nil, "quotas.cache_ttl 1h0m0s"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
