@@ -30,7 +30,7 @@ type config struct {
 	Addr      string              `yaml:"addr"`       // address to serve the API on
 	Store     string              `yaml:"store"`      // job store: postgres://... (pgx's sslmode, sslrootcert, sslcert, sslkey apply) or sqlite://PATH [SQLite at data_dir/kvgate.db]
 	DataDir   string              `yaml:"data_dir"`   // the embedded store and NATS server keep their files here; one kvgate serve at a time
-	NoMigrate bool                `yaml:"no_migrate"` // do not apply the store's migrations on start (kvgate migrate does)
+	NoMigrate bool                `yaml:"no_migrate"` // do not apply the store's migrations on start, and refuse a store that lacks any (kvgate migrate applies them)
 	Backends  []gpu.BackendConfig `yaml:"backends"`   // vLLM servers [none: simulated ones, see sim]
 	APIKeys   []apiKey            `yaml:"api_keys"`   // static bearer keys; with none (static or in the store) every /v1/ call gets 401 outside dev
 	LogLevel  string              `yaml:"log_level"`  // debug, info, warn or error
@@ -189,7 +189,7 @@ var settings = []setting{
 	{path: "nvml.disabled", flag: "no-nvml", usage: "do not read GPUs through NVML"},
 	{path: "store", env: "KVGATE_STORE", flag: "store", usage: "job store: postgres://... or sqlite://PATH (default: SQLite under --data-dir)"},
 	{path: "data_dir", env: "KVGATE_DATA_DIR", flag: "data-dir", usage: "directory of the embedded store and NATS server"},
-	{path: "no_migrate", flag: "no-migrate", usage: "do not apply the store's migrations on start (run kvgate migrate)"},
+	{path: "no_migrate", flag: "no-migrate", usage: "do not apply the store's migrations on start, and refuse a store that lacks any (run kvgate migrate)"},
 	{path: "admin_key", env: "KVGATE_ADMIN_KEY", flag: "admin-key", usage: "bootstrap administrator's bearer token, for /v1/admin/"},
 	{path: "quotas.fail_open", env: "KVGATE_QUOTA_FAIL_OPEN", flag: "quota-fail-open", usage: "admit requests unlimited when the quota store is unreachable (default: answer 503)"},
 	{path: "dev", env: "KVGATE_DEV", flag: "dev", usage: "development mode: a caller without a key is tenant default's admin until the first key exists (never in production)"},

@@ -13,34 +13,45 @@ import (
 	"github.com/kvgate/kvgate/store/sqlstore"
 )
 
-// openStore opens the store at url (SQLite under dataDir by default) and,
-// unless migrate is false, applies the embedded migrations it lacks.
+// openStore opens the store at url (SQLite under dataDir by default).
+// With migrate it applies the embedded migrations the store lacks;
+// without, it refuses a store that lacks any: only kvgate migrate and
+// serve change the schema, and no command runs on one older than its own.
 func openStore(ctx context.Context, url, dataDir string, migrate bool) (*sqlstore.Store, store.Location, []int, error) {
 	loc, err := store.ParseLocation(url, dataDir)
 	if err != nil {
 		return nil, loc, nil, err
 	}
 	var (
-		s        *sqlstore.Store
-		migrator func(context.Context, *sqlstore.Store) ([]int, error)
+		s                 *sqlstore.Store
+		migrator, pending func(context.Context, *sqlstore.Store) ([]int, error)
 	)
 	switch loc.Kind {
 	case "postgres":
 		s, err = postgres.Open(ctx, loc.URL)
-		migrator = postgres.Migrate
+		migrator, pending = postgres.Migrate, postgres.Pending
 	default:
 		s, err = sqlite.Open(ctx, loc.URL)
-		migrator = sqlite.Migrate
+		migrator, pending = sqlite.Migrate, sqlite.Pending
 	}
 	if err != nil {
 		return nil, loc, nil, err
 	}
-	var applied []int
-	if migrate {
-		if applied, err = migrator(ctx, s); err != nil {
+	if !migrate {
+		lacks, err := pending(ctx, s)
+		if err == nil && len(lacks) > 0 {
+			err = fmt.Errorf("the %s store %s lacks this kvgate's migrations %v: run kvgate migrate (serve applies them on start unless no_migrate is set)", loc.Kind, redact(loc), lacks)
+		}
+		if err != nil {
 			s.Close()
 			return nil, loc, nil, err
 		}
+		return s, loc, nil, nil
+	}
+	applied, err := migrator(ctx, s)
+	if err != nil {
+		s.Close()
+		return nil, loc, nil, err
 	}
 	return s, loc, applied, nil
 }
@@ -54,7 +65,7 @@ func runMigrate(ctx context.Context, args []string, getenv func(string) string, 
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
-	s, loc, applied, err := sf.openStore(ctx)
+	s, loc, applied, err := sf.openStore(ctx, true)
 	if err != nil {
 		return err
 	}

@@ -78,15 +78,17 @@ func (f *storeFlags) resolve() error {
 	return nil
 }
 
-func (f *storeFlags) openStore(ctx context.Context) (*sqlstore.Store, store.Location, []int, error) {
+// openStore opens the store, applying its migrations with migrate (kvgate
+// migrate) or refusing one that lacks any (tenants, keys).
+func (f *storeFlags) openStore(ctx context.Context, migrate bool) (*sqlstore.Store, store.Location, []int, error) {
 	if err := f.resolve(); err != nil {
 		return nil, store.Location{}, nil, err
 	}
-	return openStore(ctx, f.url, f.dataDir, true)
+	return openStore(ctx, f.url, f.dataDir, migrate)
 }
 
 func (f *storeFlags) open(ctx context.Context) (*sqlstore.Store, error) {
-	s, _, _, err := f.openStore(ctx)
+	s, _, _, err := f.openStore(ctx, false)
 	return s, err
 }
 

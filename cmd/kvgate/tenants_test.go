@@ -49,6 +49,11 @@ func testTenantsAndKeys(t *testing.T, url string) {
 			t.Errorf("kvgate %s: %v, want an error with %q", strings.Join(args, " "), err, want)
 		}
 	}
+	// Only migrate (and serve) change the schema: the other commands
+	// refuse a store that lacks migrations.
+	fails("lacks this kvgate's migrations", "tenants", "list")
+	fails("run kvgate migrate", "keys", "list")
+	must("migrate")
 	// Flags after the name, as people type them.
 	out := must("tenants", "create", "acme", "--rpm", "60", "--tpm", "10000", "--max-concurrency", "4", "--daily-tokens", "1000000")
 	if !regexp.MustCompile(`(?m)^acme\s+1\s+60\s+10000\s+4\s+-\s+-\s+1000000\s+-\s+-\s+-\s*$`).MatchString(out) {
@@ -152,6 +157,12 @@ func TestQuotaConfig(t *testing.T) {
 func TestServeWithStoreTenants(t *testing.T) {
 	dir := t.TempDir()
 	url := "sqlite://" + filepath.Join(dir, "kvgate.db")
+	if _, errOut, err := kv(t, "serve", "--no-migrate", "--data-dir", dir, "--store", url); err == nil || !strings.Contains(err.Error(), "lacks this kvgate's migrations") {
+		t.Fatalf("serve --no-migrate on a store without the schema: %v, want a refusal naming kvgate migrate\n%s", err, errOut)
+	}
+	if _, errOut, err := kv(t, "migrate", "--store", url); err != nil {
+		t.Fatalf("%v\n%s", err, errOut)
+	}
 	if _, errOut, err := kv(t, "tenants", "create", "acme", "--rpm", "1", "--store", url); err != nil {
 		t.Fatalf("%v\n%s", err, errOut)
 	}
@@ -225,6 +236,7 @@ func TestStoreCommandsReadTheConfigFile(t *testing.T) {
 		t.Errorf("KVGATE_CONFIG's store did not get the tenant; it holds:\n%s", out)
 	}
 	other := filepath.Join(dir, "other.db")
+	runWith(nil, "migrate", "--store", "sqlite://"+other)
 	runWith(map[string]string{"KVGATE_CONFIG": cfgPath, "KVGATE_STORE": "sqlite://" + other}, "tenants", "create", "fromenv")
 	runWith(nil, "tenants", "create", "fromflag", "--config", cfgPath, "--store", "sqlite://"+other)
 	out := runWith(nil, "tenants", "list", "--store", "sqlite://"+other)

@@ -48,6 +48,7 @@ var Dialect = sqlstore.Dialect{
 		return "(cardinality(?::text[]) = 0 OR array_position(?::text[], " + col + ") IS NOT NULL)"
 	},
 	ModelsArg: func(models []string) any { return append([]string{}, models...) },
+	HasTable:  "SELECT CASE WHEN to_regclass(?) IS NULL THEN 0 ELSE 1 END",
 }
 
 func unavailable(err error) bool {
@@ -94,4 +95,9 @@ func Open(ctx context.Context, url string) (*sqlstore.Store, error) {
 // Migrate applies the embedded migrations the database lacks.
 func Migrate(ctx context.Context, s *sqlstore.Store) ([]int, error) {
 	return s.MigrateFrom(ctx, Migrations, "migrations")
+}
+
+// Pending returns the embedded migrations the database lacks, applying none.
+func Pending(ctx context.Context, s *sqlstore.Store) ([]int, error) {
+	return s.PendingFrom(ctx, Migrations, "migrations")
 }

@@ -73,6 +73,15 @@ func TestMigrateConcurrently(t *testing.T) {
 	}
 }
 
+func TestPending(t *testing.T) {
+	s, err := postgres.Open(context.Background(), freshDatabase(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	storetest.Pending(t, s, postgres.Migrate, postgres.Pending)
+}
+
 func TestUnavailable(t *testing.T) {
 	// A port nothing listens on: Open fails, and says so.
 	_, err := postgres.Open(context.Background(), "postgres://postgres@127.0.0.1:1/x?sslmode=disable&connect_timeout=2")

@@ -34,6 +34,7 @@ var Dialect = sqlstore.Dialect{
 		return string(b)
 	},
 	Unavailable: unavailable,
+	HasTable:    "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?",
 }
 
 // unavailable: the file is gone, shut or failing, or another process
@@ -81,4 +82,9 @@ func Open(ctx context.Context, path string) (*sqlstore.Store, error) {
 // Migrate applies the embedded migrations the database lacks.
 func Migrate(ctx context.Context, s *sqlstore.Store) ([]int, error) {
 	return s.MigrateFrom(ctx, migrations, "migrations")
+}
+
+// Pending returns the embedded migrations the database lacks, applying none.
+func Pending(ctx context.Context, s *sqlstore.Store) ([]int, error) {
+	return s.PendingFrom(ctx, migrations, "migrations")
 }

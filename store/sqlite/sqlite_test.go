@@ -42,6 +42,15 @@ func TestMigrateIsIdempotent(t *testing.T) {
 	}
 }
 
+func TestPending(t *testing.T) {
+	s, err := sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "kvgate.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	storetest.Pending(t, s, sqlite.Migrate, sqlite.Pending)
+}
+
 // TestLockedIsUnavailable: a write that finds the database locked past
 // its busy timeout (another process holding the write lock) is the store
 // out of reach for now (a 503 with Retry-After to a client, a wait that

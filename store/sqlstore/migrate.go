@@ -60,6 +60,54 @@ func (s *Store) MigrateFrom(ctx context.Context, fsys fs.FS, dir string) ([]int,
 	return Migrate(ctx, s.db, s.d, ms)
 }
 
+// PendingFrom returns the versions of the NNNN_name.sql migrations under
+// dir in fsys that the store's database lacks, in order, applying none:
+// every one of them where it has no schema yet.
+func (s *Store) PendingFrom(ctx context.Context, fsys fs.FS, dir string) ([]int, error) {
+	sub, err := fs.Sub(fsys, dir)
+	if err != nil {
+		return nil, err
+	}
+	ms, err := LoadMigrations(sub)
+	if err != nil {
+		return nil, err
+	}
+	return Pending(ctx, s.db, s.d, ms)
+}
+
+// Pending returns the versions of ms that db lacks, applying none.
+func Pending(ctx context.Context, db *sql.DB, d Dialect, ms []Migration) ([]int, error) {
+	applied := map[int]bool{}
+	var n int
+	if err := db.QueryRowContext(ctx, rebind(d, d.HasTable), "schema_migrations").Scan(&n); err != nil {
+		return nil, fmt.Errorf("read the schema's version: %w", err)
+	}
+	if n > 0 {
+		rows, err := db.QueryContext(ctx, `SELECT version FROM schema_migrations`)
+		if err != nil {
+			return nil, fmt.Errorf("read the schema's version: %w", err)
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var v int
+			if err := rows.Scan(&v); err != nil {
+				return nil, err
+			}
+			applied[v] = true
+		}
+		if err := rows.Err(); err != nil {
+			return nil, fmt.Errorf("read the schema's version: %w", err)
+		}
+	}
+	var pending []int
+	for _, m := range ms {
+		if !applied[m.Version] {
+			pending = append(pending, m.Version)
+		}
+	}
+	return pending, nil
+}
+
 // Migrate applies the migrations db lacks, each in its own transaction,
 // and returns the versions it applied.
 func Migrate(ctx context.Context, db *sql.DB, d Dialect, ms []Migration) ([]int, error) {

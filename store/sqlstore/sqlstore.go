@@ -59,6 +59,9 @@ type Dialect struct {
 	// models, or that the list is empty; it takes ModelsArg's value twice.
 	ModelIn   func(col string) string
 	ModelsArg func(models []string) any
+	// HasTable counts the tables named by its one argument that the
+	// store's queries reach (0 or 1).
+	HasTable string
 }
 
 // Store is store.Store over a *sql.DB.
