@@ -153,6 +153,24 @@ func TestNATSTLSAndCredentials(t *testing.T) {
 		}
 	}
 
+	// server_name alone (the system's roots, a certificate naming
+	// another host than the URL's) is kept, not dropped.
+	named := &config{}
+	named.NATS.URL, named.NATS.TLS.ServerName = "tls://10.0.0.7:4222", "nats.internal"
+	opts, err := natsOptions(named)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o := nats.GetDefaultOptions()
+	for _, opt := range opts {
+		if err := opt(&o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if o.TLSConfig == nil || o.TLSConfig.ServerName != "nats.internal" {
+		t.Errorf("nats.tls.server_name alone: TLS config %+v, want the name to verify", o.TLSConfig)
+	}
+
 	// serve, its events over the TLS server.
 	cfg := writeConfig(t, fmt.Sprintf("nats:\n  url: %s\n  user: %s\n  tls: {ca_file: %s, cert_file: %s, key_file: %s}\n",
 		s.url, s.user, s.caFile, s.clientCert, s.clientKey))

@@ -168,7 +168,7 @@ func natsOptions(cfg *config) ([]nats.Option, error) {
 		return nil, errors.New("nats: give one of user and password, token, nkey_seed_file or creds_file")
 	}
 	tc := n.TLS
-	if tc.CAFile != "" || tc.CertFile != "" || tc.KeyFile != "" {
+	if tc.CAFile != "" || tc.CertFile != "" || tc.KeyFile != "" || tc.ServerName != "" {
 		conf := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: tc.ServerName}
 		if tc.CAFile != "" {
 			pem, err := os.ReadFile(tc.CAFile)
