@@ -19,6 +19,7 @@ import (
 
 const (
 	defaultNVMLInterval = 2 * time.Second
+	defaultCallWait     = 10 * time.Second
 	defaultHotC         = 85
 
 	// maxXIDs bounds GPU.XIDs; maxXIDCodes bounds the distinct codes kept
@@ -111,6 +112,12 @@ type NVML struct {
 	devs      []*nvmlDev
 	closed    bool
 
+	// flight is the background read's: closed when it returns; nil
+	// before the first (refreshWithin).
+	flightMu sync.Mutex
+	flight   chan struct{}
+	callWait time.Duration // NVMLConfig.CallWait
+
 	mu    sync.Mutex
 	gpus  []GPU             // latest snapshot, GPU i at index i; nil when disabled
 	state []gpuState        // per GPU, what health is derived from besides the snapshot
@@ -196,6 +203,7 @@ func OpenNVML(lib nvml.Interface, cfg NVMLConfig) *NVML {
 		interval: cfg.Interval,
 		hotC:     cfg.HotC,
 		now:      time.Now,
+		callWait: cfg.CallWait,
 	}
 	if n.log == nil {
 		n.log = slog.New(slog.DiscardHandler)
@@ -206,6 +214,9 @@ func OpenNVML(lib nvml.Interface, cfg NVMLConfig) *NVML {
 	}
 	if n.hotC == 0 {
 		n.hotC = defaultHotC
+	}
+	if n.callWait <= 0 {
+		n.callWait = defaultCallWait
 	}
 
 	if ret := lib.Init(); ret != nvml.SUCCESS {
@@ -229,8 +240,64 @@ func OpenNVML(lib nvml.Interface, cfg NVMLConfig) *NVML {
 	}
 	n.state = make([]gpuState, count)
 	n.log.Info("nvml on", "driver", n.driver, "gpus", count)
-	n.Refresh()
+	if !n.refreshWithin(n.callWait) {
+		// A read that hangs in the driver must not hold the gateway's
+		// start (or kvgate gpus): until it returns, GPUs is empty and a
+		// backend on these GPUs counts as Degraded (not found by NVML).
+		n.log.Warn("nvml: the first read of the GPUs has not returned; going on without it", "waited", n.callWait)
+	}
 	return n
+}
+
+// refreshWithin reads the GPUs on a goroutine of its own, or joins the
+// read already running, and waits at most d for it: it reports whether
+// the read returned.
+func (n *NVML) refreshWithin(d time.Duration) bool {
+	flight := n.startRefresh()
+	if d <= 0 {
+		return false
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-flight:
+		return true
+	case <-t.C:
+		return false
+	}
+}
+
+// startRefresh starts a background Refresh unless one is running, and
+// returns the running one's channel, closed when it returns.
+func (n *NVML) startRefresh() <-chan struct{} {
+	n.flightMu.Lock()
+	defer n.flightMu.Unlock()
+	if n.flight != nil {
+		select {
+		case <-n.flight:
+		default:
+			return n.flight
+		}
+	}
+	ch := make(chan struct{})
+	n.flight = ch
+	go func() {
+		defer close(ch)
+		n.Refresh()
+	}()
+	return ch
+}
+
+// inFlight returns the background read's channel: closed when none runs.
+func (n *NVML) inFlight() <-chan struct{} {
+	n.flightMu.Lock()
+	defer n.flightMu.Unlock()
+	if n.flight == nil {
+		ch := make(chan struct{})
+		close(ch)
+		return ch
+	}
+	return n.flight
 }
 
 // Enabled reports whether NVML initialised.
@@ -602,11 +669,29 @@ func (n *NVML) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			done = true
 		case <-t.C:
-			n.Refresh()
+			// On its own goroutine: a read that hangs in the driver must
+			// not keep Run from seeing ctx end. A tick while it hangs
+			// starts nothing; the GPUs' readings age and view marks them.
+			n.startRefresh()
 		}
 	}
 	t.Stop()
-	wg.Wait()
+	stopped := make(chan struct{})
+	go func() {
+		wg.Wait()
+		<-n.inFlight()
+		close(stopped)
+	}()
+	wait := time.NewTimer(n.callWait)
+	defer wait.Stop()
+	select {
+	case <-stopped:
+	case <-wait.C:
+		// The library must not be shut down under a call in flight;
+		// the process is leaving, and the driver's call with it.
+		n.log.Warn("nvml: a driver call has not returned; stopping without shutting NVML down", "waited", n.callWait)
+		return ctx.Err()
+	}
 	if set != nil {
 		if ret := set.Free(); ret != nvml.SUCCESS {
 			n.log.Warn("nvml event set free", "err", ret.Error())

@@ -871,3 +871,73 @@ func TestNVMLLookupMIG(t *testing.T) {
 		t.Error("an unknown MIG device was found")
 	}
 }
+
+// lockedBuffer is a bytes.Buffer for loggers on several goroutines.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// TestNVMLHungReadHoldsNothing: a driver call that never returns (a sick
+// GPU's) holds neither OpenNVML, nor Run's ticks, nor Run's stop: each
+// waits at most CallWait, says so in the log, and Run stops without
+// shutting the library down under the call. The read, once it returns,
+// fills the GPUs.
+func TestNVMLHungReadHoldsNothing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := readyMock(dgxh100.New())
+		hang := make(chan struct{})
+		var reads atomic.Int32
+		mockDev(srv, 3).GetTemperatureFunc = func(nvml.TemperatureSensors) (uint32, nvml.Return) {
+			reads.Add(1)
+			<-hang
+			return 40, nvml.SUCCESS
+		}
+		var shutdowns atomic.Int32
+		shutdown := srv.ShutdownFunc
+		srv.ShutdownFunc = func() nvml.Return { shutdowns.Add(1); return shutdown() }
+		var logs lockedBuffer
+		n := OpenNVML(srv, NVMLConfig{Interval: time.Second, CallWait: 10 * time.Second, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		if !n.Enabled() || n.GPUs() != nil {
+			t.Fatalf("OpenNVML with its first read hung: enabled %v, GPUs %v; want enabled, none read yet", n.Enabled(), n.GPUs())
+		}
+		if !strings.Contains(logs.String(), "first read of the GPUs has not returned") {
+			t.Errorf("the log does not say the first read hangs:\n%s", logs.String())
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		done := make(chan error, 1)
+		go func() { done <- n.Run(ctx) }()
+		time.Sleep(5 * time.Second) // five ticks while the read hangs
+		synctest.Wait()
+		if r := reads.Load(); r != 1 {
+			t.Errorf("%d reads of the hung GPU: a tick while a read hangs must start none", r)
+		}
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Errorf("Run = %v, want context.Canceled", err)
+		}
+		if shutdowns.Load() != 0 {
+			t.Error("Run shut NVML down under a call in flight")
+		}
+		if !strings.Contains(logs.String(), "stopping without shutting NVML down") {
+			t.Errorf("the log does not say Run left a call in flight:\n%s", logs.String())
+		}
+		close(hang)
+		synctest.Wait()
+		if gs := n.GPUs(); len(gs) != 8 {
+			t.Errorf("after the read returned: %d GPUs, want 8", len(gs))
+		}
+	})
+}

@@ -57,4 +57,8 @@ type NVMLConfig struct {
 	Interval time.Duration // poll period, default 2s
 	HotC     uint32        // temperature at or above which a GPU is Degraded, default 85
 	Logger   *slog.Logger  // default discards
+	// CallWait bounds how long OpenNVML waits for the first read and Run's
+	// stop for the calls in flight, where a driver call hangs (a sick GPU
+	// can block one for minutes) [10s].
+	CallWait time.Duration
 }

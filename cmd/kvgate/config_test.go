@@ -147,6 +147,27 @@ func TestGPUsCommand(t *testing.T) {
 	if err := run(t.Context(), []string{"gpus"}, noenv, &none, &stderr); err != nil || !strings.Contains(none.String(), "none configured") {
 		t.Errorf("without backends: %v\n%s", err, none.String())
 	}
+	// Unnamed backends show the GPUs the file gives them, and "-" where
+	// it gives none; with NVML turned off the GPUs table says so.
+	_, other := vllmsim.NewTestServer(t, vllmsim.Config{Profile: p})
+	cfg := writeConfig(t, "backends:\n  - {url: "+srv.URL+", gpus: [\"0\", \"1\"]}\n  - {url: "+other.URL+"}\n")
+	var named syncBuffer
+	if err := run(t.Context(), []string{"gpus", "--config", cfg, "--no-nvml"}, noenv, &named, &stderr); err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	lines := strings.Split(named.String(), "\n")
+	if !strings.Contains(lines[0], "nvml.disabled is set") {
+		t.Errorf("with --no-nvml the GPUs line is %q", lines[0])
+	}
+	var rows []string
+	for _, l := range lines {
+		if strings.Contains(l, srv.URL) || strings.Contains(l, other.URL) {
+			rows = append(rows, strings.Join(strings.Fields(l), " "))
+		}
+	}
+	if len(rows) != 2 || !strings.HasSuffix(rows[0], " 0,1 (healthy)") || !strings.HasSuffix(rows[1], " -") {
+		t.Errorf("the backends' GPUS column:\n%s", strings.Join(rows, "\n"))
+	}
 }
 
 func TestMigrateCommand(t *testing.T) {

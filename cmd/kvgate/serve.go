@@ -416,16 +416,17 @@ func runGPUs(ctx context.Context, args []string, getenv func(string) string, std
 	if err != nil {
 		return err
 	}
-	nv := openNVML(cfg, log)
+	nv := openNVML(cfg, log) // its first read, bounded
 	tw := tabwriter.NewWriter(stdout, 0, 0, 2, ' ', 0)
-	if nv != nil {
-		nv.Refresh()
-	}
 	switch {
 	case !gpu.NVMLBuilt:
 		fmt.Fprintln(tw, "GPUs: NVML is not available: this kvgate was built without cgo (make build has it)")
-	case nv == nil || !nv.Enabled():
+	case nv == nil:
+		fmt.Fprintln(tw, "GPUs: not read (nvml.disabled is set)")
+	case !nv.Enabled():
 		fmt.Fprintln(tw, "GPUs: NVML is not available on this machine")
+	case nv.GPUs() == nil:
+		fmt.Fprintf(tw, "GPUs (driver %s): the driver has not answered the first read; a GPU may be hung (see the log)\n", nv.Driver())
 	default:
 		fmt.Fprintf(tw, "GPUs (driver %s)\n", nv.Driver())
 		fmt.Fprintln(tw, "INDEX\tNAME\tUUID\tMEMORY USED/TOTAL\tUTIL\tTEMP\tPOWER/LIMIT\tTHROTTLE\tECC (CORR/UNCORR)\tHEALTH")
@@ -454,7 +455,7 @@ func runGPUs(ctx context.Context, args []string, getenv func(string) string, std
 	pool.Scrape(ctx)
 	fmt.Fprintln(tw, "BACKEND\tURL\tMODELS\tKV CAPACITY\tKV USED\tRUNNING\tWAITING\tHEALTH\tGPUS")
 	now := time.Now()
-	for _, s := range pool.Snapshots() {
+	for i, s := range pool.Snapshots() { // in the configuration's order
 		var models []string
 		for _, m := range s.Models {
 			models = append(models, fmt.Sprintf("%s (%d)", m.ID, m.MaxModelLen))
@@ -470,23 +471,17 @@ func runGPUs(ctx context.Context, args []string, getenv func(string) string, std
 		if s.Metrics.HasKVUsage {
 			used = fmt.Sprintf("%.1f%%", 100*s.Metrics.KVUsage)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d tokens\t%s\t%.0f\t%.0f\t%s\t%s (%s)\n", s.Name, s.URL, strings.Join(models, ", "),
-			s.CapacityTokens, used, s.Metrics.Running, s.Metrics.Waiting, health,
-			strings.Join(cfg.backendGPUs(s.Name), ","), s.GPUHealth)
+		gpus := "-" // none named: their health is not read
+		if ids := cfg.Backends[i].GPUs; len(ids) > 0 {
+			gpus = fmt.Sprintf("%s (%s)", strings.Join(ids, ","), s.GPUHealth)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d tokens\t%s\t%.0f\t%.0f\t%s\t%s\n", s.Name, s.URL, strings.Join(models, ", "),
+			s.CapacityTokens, used, s.Metrics.Running, s.Metrics.Waiting, health, gpus)
 	}
 	return tw.Flush()
 }
 
 func gib(b uint64) float64 { return float64(b) / (1 << 30) }
-
-func (c *config) backendGPUs(name string) []string {
-	for _, b := range c.Backends {
-		if b.Name == name {
-			return b.GPUs
-		}
-	}
-	return nil
-}
 
 var _ http.Handler = (*gateway.Server)(nil)
 
