@@ -275,8 +275,22 @@ func checkPrometheusTargets(t *testing.T, services map[string]any) {
 // serve), so that a key kvgate does not know, or a wrong form, fails here.
 func TestComposeKvgateConfig(t *testing.T) {
 	bin := kvgateBinary(t)
+	// With the NATS URL the compose file gives kvgate (its streams'
+	// replicas need the cluster).
+	raw, err := os.ReadFile(filepath.Join(composeDir, "docker-compose.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var doc map[string]any
+	if err := yaml.Unmarshal(raw, &doc); err != nil {
+		t.Fatal(err)
+	}
+	natsURL := fmt.Sprint(obj(obj(doc["x-kvgate"])["environment"])["KVGATE_NATS_URL"])
+	if !strings.HasPrefix(natsURL, "nats://") {
+		t.Fatalf("x-kvgate's KVGATE_NATS_URL is %q", natsURL)
+	}
 	cmd := exec.Command(bin, "gpus", "--config", filepath.Join(composeDir, "kvgate.yaml"))
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "KVGATE_NATS_URL=" + natsURL}
 	out, err := cmd.CombinedOutput()
 	if err != nil {
 		t.Fatalf("kvgate gpus --config compose/kvgate.yaml: %v\n%s", err, out)

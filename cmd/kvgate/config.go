@@ -246,6 +246,8 @@ func (f *rawFlag) IsBoolFlag() bool { return f.isBool }
 type configFlags struct {
 	file  string
 	flags map[string]*rawFlag // by flag name
+	// notices are load's warnings, for the log once it exists.
+	notices []string
 }
 
 func (c *configFlags) register(fs *flag.FlagSet) {
@@ -290,11 +292,29 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 		}
 	}
 	root := reflect.ValueOf(cfg).Elem()
+	// A list the environment or a flag sets replaces the file's whole
+	// list, what its entries say beyond a URL or a key included: said
+	// once at start, since a file edited beside an environment that
+	// always sets the list (a compose project's) would be ignored unseen.
+	c.notices = nil
+	replaced := map[string]bool{}
+	replaces := func(s setting, by string) {
+		if replaced[s.path] {
+			return
+		}
+		replaced[s.path] = true
+		if v, _, err := fieldByPath(root, s.path); err == nil && v.Kind() == reflect.Slice && v.Len() > 0 {
+			c.notices = append(c.notices, fmt.Sprintf("%s replaces the %d entries of %s in %s: the file's are not used", by, v.Len(), s.path, file))
+		}
+	}
 	for _, s := range settings {
 		if s.env == "" {
 			continue
 		}
 		if v := getenv(s.env); v != "" {
+			if s.list {
+				replaces(s, s.env)
+			}
 			vals := []string{v}
 			if s.list {
 				vals = splitList(v)
@@ -307,6 +327,9 @@ func (c *configFlags) load(fs *flag.FlagSet, getenv func(string) string) (*confi
 	for _, s := range settings {
 		if s.flag == "" || !set[s.flag] {
 			continue
+		}
+		if s.list {
+			replaces(s, "--"+s.flag)
 		}
 		if err := applySetting(cfg, root, s, c.flags[s.flag].vals); err != nil {
 			return nil, fmt.Errorf("--%s: %w", s.flag, err)

@@ -76,6 +76,20 @@ metrics: {scrape_interval: 250ms}
 		cfg.APIKeys[0].Tenant != "envtenant" || cfg.Admission.KVTarget != 0.85 {
 		t.Errorf("from the environment: %+v", cfg)
 	}
+	// What replaced the file's lists is said, for the log.
+	fs := flag.NewFlagSet("test", flag.ContinueOnError)
+	var cf configFlags
+	cf.register(fs)
+	if _, err := cf.load(fs, func(k string) string { return env[k] }); err != nil {
+		t.Fatal(err)
+	}
+	if len(cf.notices) != 2 || !strings.Contains(cf.notices[0], "KVGATE_BACKENDS replaces the 1 entries of backends in "+file) ||
+		!strings.Contains(cf.notices[1], "KVGATE_API_KEYS replaces the 1 entries of api_keys") {
+		t.Errorf("notices %q, want the backends and the keys the environment replaced", cf.notices)
+	}
+	if _, err := cf.load(fs, func(k string) string { return map[string]string{"KVGATE_CONFIG": file}[k] }); err != nil || len(cf.notices) != 0 {
+		t.Errorf("the file alone: notices %q, %v", cf.notices, err)
+	}
 	cfg, err = loadConfig(t, []string{"--addr", "127.0.0.1:6000", "--backend", "http://c:8000", "--api-key", "sk-flag=flagtenant", "--kv-target", "0.9"}, env)
 	if err != nil {
 		t.Fatal(err)

@@ -282,6 +282,9 @@ func parseConfig(cmd, about string, args []string, getenv func(string) string, s
 	if err != nil {
 		return nil, nil, err
 	}
+	for _, n := range cf.notices {
+		log.Warn("configuration: " + n)
+	}
 	return cfg, log, nil
 }
 
