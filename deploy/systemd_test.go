@@ -112,6 +112,16 @@ func TestSystemdUnits(t *testing.T) {
 	if !strings.Contains(last(d["ExecStart"]), "kvgate serve") {
 		t.Errorf("kvgate.service ExecStart=%v, want kvgate serve", d["ExecStart"])
 	}
+	// The data directory reaches serve and the commands run with the
+	// environment file alike: a variable, not a flag of serve alone.
+	env, err := os.ReadFile(filepath.Join("systemd", "kvgate.env"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(last(d["ExecStart"]), "--data-dir") || !strings.Contains(string(env), "\nKVGATE_DATA_DIR=/var/lib/kvgate\n") ||
+		!contains1(d["Environment"], "KVGATE_DATA_DIR=/var/lib/kvgate") {
+		t.Errorf("kvgate.service: ExecStart=%v Environment=%v; want the data directory as KVGATE_DATA_DIR, in the unit and its environment file", d["ExecStart"], d["Environment"])
+	}
 }
 
 // TestSystemdVerifyCatches: the check above fails on a unit with a typo,
