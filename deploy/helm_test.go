@@ -235,7 +235,15 @@ func checkRendered(t *testing.T, c *chart.Chart, vals map[string]any, r rendered
 	if grace == nil || time.Duration(*grace)*time.Second <= drain {
 		t.Errorf("terminationGracePeriodSeconds %v, want longer than drain_timeout %s", grace, drain)
 	}
-	checkKvgateConfig(t, cfgText)
+	// With the container's plain variables (the NATS URL among them),
+	// as serve reads them; the secrets' are not here.
+	var plain []string
+	for _, e := range ctr.Env {
+		if e.ValueFrom == nil {
+			plain = append(plain, e.Name+"="+e.Value)
+		}
+	}
+	checkKvgateConfig(t, cfgText, plain...)
 	if !slices.ContainsFunc(pod.Spec.Volumes, func(v corev1.Volume) bool {
 		return v.ConfigMap != nil && v.ConfigMap.Name == r.config.Name
 	}) {
@@ -350,8 +358,9 @@ func checkRendered(t *testing.T, c *chart.Chart, vals map[string]any, r rendered
 	}
 }
 
-// checkKvgateConfig loads a kvgate.yaml with kvgate's own loader.
-func checkKvgateConfig(t *testing.T, text string) {
+// checkKvgateConfig loads a kvgate.yaml with kvgate's own loader, in an
+// environment of env (NAME=value) alone.
+func checkKvgateConfig(t *testing.T, text string, env ...string) {
 	t.Helper()
 	f := filepath.Join(t.TempDir(), "kvgate.yaml")
 	if err := os.WriteFile(f, []byte(text), 0o600); err != nil {
@@ -360,7 +369,7 @@ func checkKvgateConfig(t *testing.T, text string) {
 	// gpus reads the same configuration as serve; its backends may not
 	// answer here, which it reports without failing.
 	cmd := exec.Command(kvgateBinary(t), "gpus", "--config", f)
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	cmd.Env = append([]string{"PATH=" + os.Getenv("PATH")}, env...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Errorf("kvgate gpus --config (the chart's kvgate.yaml): %v\n%s\n%s", err, out, text)
 	}
@@ -387,7 +396,8 @@ func mapsKeys(m map[string]string) []string {
 func TestHelmTemplateRefuses(t *testing.T) {
 	c := loadChart(t)
 	base := func() map[string]any {
-		return map[string]any{"secrets": map[string]any{"databaseURL": map[string]any{"name": "db"}}}
+		return map[string]any{"secrets": map[string]any{"databaseURL": map[string]any{"name": "db"}},
+			"config": map[string]any{"backends": []any{map[string]any{"url": "http://vllm-0.vllm:8000"}}}}
 	}
 	cases := []struct {
 		name string
@@ -395,8 +405,9 @@ func TestHelmTemplateRefuses(t *testing.T) {
 		want string
 	}{
 		{"no database secret", func(v map[string]any) { delete(v, "secrets") }, "secrets.databaseURL.name"},
-		{"drain in config", func(v map[string]any) { v["config"] = map[string]any{"drain_timeout": "30s"} }, "drainTimeoutSeconds"},
-		{"store in config", func(v map[string]any) { v["config"] = map[string]any{"store": "postgres://u:p@h/db"} }, "secrets.databaseURL"},
+		{"no backends", func(v map[string]any) { delete(v, "config") }, "config.backends"},
+		{"drain in config", func(v map[string]any) { v["config"].(map[string]any)["drain_timeout"] = "30s" }, "drainTimeoutSeconds"},
+		{"store in config", func(v map[string]any) { v["config"].(map[string]any)["store"] = "postgres://u:p@h/db" }, "secrets.databaseURL"},
 		{"keda without target", func(v map[string]any) { v["keda"] = map[string]any{"enabled": true} }, "keda.scaleTargetRef.name"},
 		// values.schema.json, which helm applies before rendering:
 		{"replicas as a string", func(v map[string]any) { v["replicaCount"] = "two" }, "replicaCount"},
