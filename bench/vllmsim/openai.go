@@ -450,6 +450,16 @@ func (s *Sim) stream(w http.ResponseWriter, r *http.Request, c genCall, req *Req
 	sent := 0
 	for {
 		toks, finished, reason, err := req.Read(sent)
+		if sent == 0 && len(toks) == 0 && !finished {
+			// vLLM sends the role chunk (and the headers) with the
+			// request's first engine output, its first token: a stream's
+			// first byte is its time to first token, queue and prefill
+			// included.
+			if !s.waitOutput(r, req) {
+				return
+			}
+			continue
+		}
 		for _, t := range toks {
 			if sent == dropAt {
 				_, _ = w.Write(buf)
@@ -738,6 +748,12 @@ func (s *Sim) flushAndWait(w http.ResponseWriter, rc *http.ResponseController, r
 		}
 		*buf = (*buf)[:0]
 	}
+	return s.waitOutput(r, req)
+}
+
+// waitOutput waits for req's next output, or aborts it when the client
+// leaves.
+func (s *Sim) waitOutput(r *http.Request, req *Request) bool {
 	select {
 	case <-req.Notify():
 		return true

@@ -13,6 +13,7 @@ import (
 	"maps"
 	"math"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"testing"
@@ -1708,5 +1709,49 @@ func TestRequestIDHeaderNamesTheAnswer(t *testing.T) {
 				t.Errorf("%s with the header %v: id %q", tc.path, named, out.ID)
 			}
 		}
+	}
+}
+
+// TestStreamStartsWithItsFirstToken: as vLLM's, a chat stream's first
+// bytes (its headers and its role chunk) leave with the request's first
+// token, not at once: a client's time to first token includes the queue
+// and the prefill. Stepped by hand: nothing is written before a step.
+func TestStreamStartsWithItsFirstToken(t *testing.T) {
+	sim, err := New(Config{Profile: testProfile(t, 2048, 512), Seed: 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(sim)
+	defer srv.Close()
+	type answer struct {
+		resp *http.Response
+		err  error
+	}
+	got := make(chan answer, 1)
+	go func() {
+		resp, err := http.Post(srv.URL+"/v1/chat/completions", "application/json", strings.NewReader(
+			`{"model":"`+sim.Model()+`","messages":[{"role":"user","content":"one two three"}],"max_tokens":3,"stream":true}`))
+		got <- answer{resp, err}
+	}()
+	eventually.True(t, "the request reaches the engine", func() bool { return sim.Engine().Load() == 1 })
+	select {
+	case a := <-got:
+		if a.err == nil {
+			a.resp.Body.Close()
+		}
+		t.Fatalf("the stream answered before any engine step: %v", a.err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	for !sim.Engine().Idle() {
+		sim.Engine().Step()
+	}
+	a := <-got
+	if a.err != nil {
+		t.Fatal(a.err)
+	}
+	defer a.resp.Body.Close()
+	first, err := bufio.NewReader(a.resp.Body).ReadString('\n')
+	if err != nil || !strings.Contains(first, `"role":"assistant"`) {
+		t.Errorf("first line %q, %v: want the role chunk", first, err)
 	}
 }
