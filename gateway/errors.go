@@ -188,6 +188,10 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, store.ErrUnavailable):
 		return &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "store_unavailable", retryAfter: time.Second,
 			msg: "The job store cannot be reached right now. Retry with the same Idempotency-Key: if this request was recorded after all, the same job comes back, never a second one."}
+	case errors.Is(err, store.ErrFailed):
+		// The statement's text is the log's (writeError), not the client's.
+		return &apiError{status: http.StatusInternalServerError, typ: "server_error", code: "store_error",
+			msg: "kvgate's store failed this request; if it persists, tell the gateway's operators."}
 	case errors.As(err, &down):
 		// Which backends and why is the scheduler's log line, not the
 		// client's business.

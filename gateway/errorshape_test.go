@@ -3,6 +3,7 @@ package gateway
 import (
 	"bufio"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -160,5 +161,14 @@ func TestStaticKeyRateLimitHeaders(t *testing.T) {
 	if resp.StatusCode != http.StatusTooManyRequests || e["code"] != "rate_limit_exceeded" ||
 		resp.Header.Get("x-ratelimit-remaining-requests") != "0" || resp.Header.Get("Retry-After") != "50" {
 		t.Errorf("over RPM: %d %v %s", resp.StatusCode, resp.Header, b)
+	}
+}
+
+// TestStoreFailureIs500: the store's own failure is a 500 of kvgate's,
+// not a 502 blaming the model backend.
+func TestStoreFailureIs500(t *testing.T) {
+	e := toAPIError(fmt.Errorf("create file: %w: %w", store.ErrFailed, errors.New("disk full")))
+	if e.status != http.StatusInternalServerError || e.typ != "server_error" || e.code != "store_error" || strings.Contains(e.msg, "disk full") {
+		t.Errorf("%+v: want a 500 store_error without the statement's text", e)
 	}
 }

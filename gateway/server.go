@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -296,6 +297,11 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 			s.m.request(route, "", status, time.Since(start))
 			return
 		}
+		if err := storableQuery(r); err != nil {
+			status := writeError(w, s.log, err)
+			s.m.request(route, "", status, time.Since(start))
+			return
+		}
 		// The drain's deadline ends the request: see Drain.
 		ctx, cancel := context.WithCancelCause(r.Context())
 		defer cancel(nil)
@@ -323,6 +329,30 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		}
 		s.m.request(route, rw.model, status, time.Since(start))
 	})
+}
+
+// storableQuery refuses a path or a query value that no store can hold
+// (text that is not UTF-8, or holds NUL): it names no object, and handed
+// to PostgreSQL it would fail the statement as the store's error.
+func storableQuery(r *http.Request) error {
+	if !storableText(r.URL.Path) {
+		return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", code: "not_found",
+			msg: "No such object: the request's path is not UTF-8 text."}
+	}
+	for k, vs := range r.URL.Query() {
+		for _, v := range vs {
+			if !storableText(k) || !storableText(v) {
+				return badRequest(strings.ToValidUTF8(strings.ReplaceAll(k, "\x00", ""), ""), "Query parameters must be UTF-8 text without NUL.")
+			}
+		}
+	}
+	return nil
+}
+
+// storableText reports whether s is UTF-8 without NUL: text any store
+// holds.
+func storableText(s string) bool {
+	return utf8.ValidString(s) && !strings.ContainsRune(s, 0)
 }
 
 // statusWriter lets a handler name the model label for the request

@@ -24,6 +24,10 @@ var (
 	ErrDigestMismatch = errors.New("store: event id seen with a different payload")
 	// ErrUnavailable: the database cannot be reached; nothing was written.
 	ErrUnavailable = errors.New("store: unavailable")
+	// ErrFailed: the database was reached and failed the statement (a
+	// value it refuses, a full disk, a constraint no rule above names):
+	// kvgate's own failure, never a backend's.
+	ErrFailed = errors.New("store: failed")
 )
 
 // State is a job's state.

@@ -35,3 +35,16 @@ func TestLostTouchSeesTheDriverError(t *testing.T) {
 		t.Error("a statement the database refused is a lost touch")
 	}
 }
+
+// TestStoreFailureIsNamed: a statement the database reached and failed
+// (a value it refuses, a full disk) carries ErrFailed, beside the
+// driver's error: kvgate's own failure, which the gateway answers as
+// such rather than as a backend's.
+func TestStoreFailureIsNamed(t *testing.T) {
+	s := &Store{d: Dialect{Unavailable: func(error) bool { return false }}}
+	refused := errors.New(`invalid byte sequence for encoding "UTF8": 0x00`)
+	err := s.err("create file", refused)
+	if !errors.Is(err, store.ErrFailed) || !errors.Is(err, refused) || errors.Is(err, store.ErrUnavailable) {
+		t.Errorf("%v: want ErrFailed and the driver's error, not ErrUnavailable", err)
+	}
+}

@@ -432,7 +432,7 @@ func (s *Store) err(op string, err error) error {
 		// dialect's Unavailable (lostTouch) for the driver's error.
 		return fmt.Errorf("%s: %w: %w", op, store.ErrUnavailable, err)
 	}
-	return fmt.Errorf("%s: %w", op, err)
+	return fmt.Errorf("%s: %w: %w", op, store.ErrFailed, err)
 }
 
 // forUpdate is the clause that locks a row read for a change to it, where
@@ -464,7 +464,7 @@ func (s *Store) tx(ctx context.Context, op string, fn func(*sql.Tx) error) error
 }
 
 func isStoreErr(err error) bool {
-	for _, e := range []error{store.ErrNotFound, store.ErrConflict, store.ErrLeaseLost, store.ErrFinal, store.ErrDigestMismatch, store.ErrUnavailable} {
+	for _, e := range []error{store.ErrNotFound, store.ErrConflict, store.ErrLeaseLost, store.ErrFinal, store.ErrDigestMismatch, store.ErrUnavailable, store.ErrFailed} {
 		if errors.Is(err, e) {
 			return true
 		}
