@@ -9,6 +9,7 @@ import (
 	"io"
 	"mime/multipart"
 	"net/http"
+	"net/textproto"
 	"strconv"
 	"strings"
 	"sync"
@@ -45,6 +46,21 @@ func upload(t *testing.T, base, key, name, purpose string, content []byte, extra
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, b
+}
+
+// bsendMultipart posts a multipart body and returns the status and body.
+func bsendMultipart(t *testing.T, url, key string, body io.Reader, contentType string) (int, []byte) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, url, body)
+	req.Header.Set("Content-Type", contentType)
+	req.Header.Set("Authorization", "Bearer "+key)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -176,6 +192,14 @@ func TestFilesAPI(t *testing.T) {
 		*big.ExpiresAt-big.CreatedAt != 3600 || !strings.HasPrefix(big.ID, "file-") || big.Status != "processed" {
 		t.Fatalf("file object: %s", b)
 	}
+	// Without expires_after a batch file expires after 30 days, as
+	// OpenAI's; any other file stays.
+	status, b = upload(t, base, acme, "month.jsonl", "batch", batchLines(1, nil))
+	if month := decode[fileView](t, b); status != http.StatusOK || month.ExpiresAt == nil || *month.ExpiresAt-month.CreatedAt != 30*24*3600 {
+		t.Errorf("a batch file without expires_after: %d %s", status, b)
+	} else if status, _ := bsend(t, http.MethodDelete, base+"/v1/files/"+month.ID, acme, ""); status != http.StatusOK {
+		t.Errorf("delete: %d", status)
+	}
 	if status, got := bsend(t, http.MethodGet, base+"/v1/files/"+big.ID+"/content", acme, ""); status != http.StatusOK || !bytes.Equal(got, content) {
 		t.Fatalf("content: %d, %d bytes back of %d", status, len(got), len(content))
 	}
@@ -275,6 +299,31 @@ func TestFilesAPI(t *testing.T) {
 		if resp.StatusCode != http.StatusBadRequest || json.Unmarshal(b, &eb) != nil || eb.Error.Type != "invalid_request_error" {
 			t.Errorf("%s: %d %s", c.name, resp.StatusCode, b)
 		}
+	}
+	// A name no store holds as text, a purpose refused before the file
+	// is stored, a path or cursor that names no file.
+	for _, c := range []struct{ name, disposition, purpose string }{
+		{"a control character", `form-data; name="file"; filename*=UTF-8''a%01b.jsonl`, "batch"},
+		{"NUL", `form-data; name="file"; filename*=UTF-8''a%00b.jsonl`, "batch"},
+		{"purpose first, unknown", `form-data; name="file"; filename="in.jsonl"`, "nonsense"},
+	} {
+		var body bytes.Buffer
+		mw := multipart.NewWriter(&body)
+		mw.WriteField("purpose", c.purpose)
+		pw, _ := mw.CreatePart(textproto.MIMEHeader{"Content-Disposition": {c.disposition}, "Content-Type": {"application/octet-stream"}})
+		pw.Write(batchLines(3, nil))
+		mw.Close()
+		status, b := bsendMultipart(t, base+"/v1/files", acme, &body, mw.FormDataContentType())
+		var eb errorBody
+		if status != http.StatusBadRequest || json.Unmarshal(b, &eb) != nil || eb.Error.Type != "invalid_request_error" {
+			t.Errorf("%s: %d %s", c.name, status, b)
+		}
+	}
+	if status, b := bsend(t, http.MethodGet, base+"/v1/files/file-%FF", acme, ""); status != http.StatusNotFound {
+		t.Errorf("a path that is not UTF-8: %d %s", status, b)
+	}
+	if status, b := bsend(t, http.MethodGet, base+"/v1/files?after=%00", acme, ""); status != http.StatusBadRequest || !strings.Contains(string(b), `"param":"after"`) {
+		t.Errorf("a NUL cursor: %d %s", status, b)
 	}
 	var incomplete int
 	if err := st.DB().QueryRow(`SELECT count(*) FROM files`).Scan(&incomplete); err != nil || incomplete != 4 {

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/google/uuid"
 
@@ -70,6 +71,10 @@ func unixPtr(t time.Time) *int64 {
 
 // newObjectID is an OpenAI-style id: prefix and a UUIDv7 in hex, so that
 // ids sort by creation.
+// batchFileExpiry is how long a batch input file uploaded without
+// expires_after is kept: OpenAI's default.
+const batchFileExpiry = 30 * 24 * time.Hour
+
 func newObjectID(prefix string) string {
 	u := uuid.Must(uuid.NewV7())
 	return prefix + strings.ReplaceAll(u.String(), "-", "")
@@ -187,6 +192,19 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 				file = nil
 				break
 			}
+			if !storableText(file.Filename) || strings.ContainsFunc(file.Filename, unicode.IsControl) {
+				err = badRequest("file", "The file's name must be UTF-8 text without control characters.")
+				file = nil
+				break
+			}
+			// A purpose sent before the file is checked before the
+			// file is stored, not after (the Python SDK sends it first).
+			if purpose != "" {
+				if err = checkPurpose(purpose, file.Filename); err != nil {
+					file = nil
+					break
+				}
+			}
 			if err = s.batches.CreateFile(r.Context(), *file); err != nil {
 				file = nil
 				break
@@ -216,15 +234,14 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 		return abandon(badRequest("file", "Missing required parameter: 'file'."))
 	case purpose == "":
 		return abandon(badRequest("purpose", "Missing required parameter: 'purpose'."))
-	case !filePurposes[purpose]:
-		return abandon(badRequest("purpose", fmt.Sprintf("'%s' is not one of ['assistants', 'batch', 'fine-tune', 'vision', 'user_data', 'evals'] - 'purpose'.", purpose)))
+	}
+	if err := checkPurpose(purpose, file.Filename); err != nil {
+		return abandon(err)
 	}
 	file.Purpose = purpose
 	lines := counted.end()
 	if purpose == "batch" {
 		switch {
-		case !strings.HasSuffix(strings.ToLower(file.Filename), ".jsonl"):
-			return abandon(badRequest("file", "Invalid file format for Batch API. Must be .jsonl"))
 		case counted.bytes > s.fileMax.batch:
 			return abandon(tooLargeFile(s.fileMax.batch))
 		case lines > maxBatchFileLines:
@@ -239,6 +256,10 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 			return abandon(badRequest("expires_after", "expires_after takes anchor 'created_at' and seconds from 3600 to 2592000."))
 		}
 		file.ExpiresAt = file.CreatedAt.Add(time.Duration(n) * time.Second)
+	} else if purpose == "batch" {
+		// OpenAI's default: a batch's input file expires after 30 days,
+		// any other file stays until deleted.
+		file.ExpiresAt = file.CreatedAt.Add(batchFileExpiry)
 	}
 	// The purpose and expiry may come after the file's part: recorded
 	// with its completion.
@@ -300,6 +321,18 @@ func (s *Server) uploadError(err error) error {
 		return badRequest("file", "The multipart body could not be read: "+body.err.Error())
 	}
 	return err
+}
+
+// checkPurpose refuses a purpose OpenAI does not have, and a batch's
+// input file not named .jsonl.
+func checkPurpose(purpose, filename string) error {
+	switch {
+	case !filePurposes[purpose]:
+		return badRequest("purpose", fmt.Sprintf("'%s' is not one of ['assistants', 'batch', 'fine-tune', 'vision', 'user_data', 'evals'] - 'purpose'.", purpose))
+	case purpose == "batch" && !strings.HasSuffix(strings.ToLower(filename), ".jsonl"):
+		return badRequest("file", "Invalid file format for Batch API. Must be .jsonl")
+	}
+	return nil
 }
 
 func formValue(p *multipart.Part) (string, error) {

@@ -41,7 +41,7 @@ func (s *Store) PutFileChunk(ctx context.Context, id string, seq int, data []byt
 // expiry (which an upload may learn only after the content).
 func (s *Store) CompleteFile(ctx context.Context, f store.File) error {
 	res, err := s.db.ExecContext(ctx, rebind(s.d, `UPDATE files SET complete = ?, bytes = ?, lines = ?, purpose = ?, expires_at = ?
-		WHERE tenant = ? AND id = ? AND complete = ?`),
+		WHERE tenant = ? AND id = ? AND complete = ? AND created_at <> 0`),
 		true, f.Bytes, f.Lines, f.Purpose, micros(f.ExpiresAt), f.Tenant, f.ID, false)
 	if err != nil {
 		return s.err("complete file", err)
@@ -112,13 +112,20 @@ func (s *Store) ListFiles(ctx context.Context, tenant string, f store.FileFilter
 }
 
 // DeleteFile deletes a tenant's file and its content, complete or not.
+// The file is hidden first, in one statement: from then on no read finds
+// it, a second delete finds nothing (ErrNotFound), and its content goes
+// even if the caller leaves; a drop cut short by the database leaves a
+// hidden file (incomplete, created at 0) for SweepFiles.
 func (s *Store) DeleteFile(ctx context.Context, tenant, id string) error {
-	var found string
-	err := s.db.QueryRowContext(ctx, rebind(s.d, `SELECT id FROM files WHERE tenant = ? AND id = ?`), tenant, id).Scan(&found)
+	res, err := s.db.ExecContext(ctx, rebind(s.d, `UPDATE files SET complete = ?, created_at = 0
+		WHERE tenant = ? AND id = ? AND created_at <> 0`), false, tenant, id)
 	if err != nil {
 		return s.err("delete file", err)
 	}
-	return s.dropFile(ctx, id)
+	if n, err := res.RowsAffected(); err != nil || n == 0 {
+		return store.ErrNotFound
+	}
+	return s.dropFile(context.WithoutCancel(ctx), id)
 }
 
 // dropFile deletes a file's chunks a few at a time (each statement

@@ -115,6 +115,10 @@ func testFileChunks(t *testing.T, _ store.Store, b store.Batches) {
 	if _, err := b.FileChunk(ctx, f.ID, 0); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("a deleted file's chunk: %v", err)
 	}
+	// A second delete (two at once: the later one) finds nothing.
+	if err := b.DeleteFile(ctx, "acme", f.ID); !errors.Is(err, store.ErrNotFound) {
+		t.Errorf("a second delete: %v, want ErrNotFound", err)
+	}
 }
 
 func testFileList(t *testing.T, _ store.Store, b store.Batches) {
