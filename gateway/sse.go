@@ -70,6 +70,19 @@ func (e *sseWriter) due() {
 	_ = e.rc.SetWriteDeadline(time.Now().Add(e.idle)) // ErrNotSupported: no deadline
 }
 
+// flush sends what was written and lifts the write's deadline: it bounds
+// a write in progress, not the quiet between events. Left standing, it
+// would end an idle stream once it passed (over HTTP/2 a passed deadline
+// resets the stream, and a later one cannot revive it) whenever idle is
+// shorter than the keepalive.
+func (e *sseWriter) flush() error {
+	if err := e.rc.Flush(); err != nil {
+		return err
+	}
+	_ = e.rc.SetWriteDeadline(time.Time{})
+	return nil
+}
+
 func (e *sseWriter) send(id, event string, data any) error {
 	b, err := json.Marshal(data)
 	if err != nil {
@@ -79,7 +92,7 @@ func (e *sseWriter) send(id, event string, data any) error {
 	if _, err := fmt.Fprintf(e.w, "id: %s\nevent: %s\ndata: %s\n\n", id, event, b); err != nil {
 		return err
 	}
-	return e.rc.Flush()
+	return e.flush()
 }
 
 // fail ends a stream with an error event in OpenAI's error shape. It
@@ -101,7 +114,7 @@ func (e *sseWriter) comment(text string) error {
 	if _, err := fmt.Fprintf(e.w, ": %s\n\n", text); err != nil {
 		return err
 	}
-	return e.rc.Flush()
+	return e.flush()
 }
 
 // startSSE begins an event stream whose writes have idle each to finish.
@@ -115,7 +128,7 @@ func startSSE(w http.ResponseWriter, idle time.Duration) (*sseWriter, error) {
 	e := &sseWriter{w: w, rc: http.NewResponseController(w), idle: idle}
 	e.due()
 	w.WriteHeader(http.StatusOK)
-	return e, e.rc.Flush()
+	return e, e.flush()
 }
 
 // place is where a client stands on a stream: after the feed place after
@@ -170,6 +183,18 @@ func (s *Server) handleJobEvents(w http.ResponseWriter, r *http.Request) int {
 	at, resume, err := lastEventID(r)
 	if err != nil {
 		return writeError(w, s.log, err)
+	}
+	if resume {
+		// As on the tenant's stream: a cursor the feed never reached (a
+		// client bug, another deployment's, a restored database) starts
+		// afresh rather than wait below events it would never see.
+		head, err := s.jobs.Store.FeedHead(ctx, tenant)
+		if err != nil {
+			return writeError(w, s.log, err)
+		}
+		if at.after > head {
+			at, resume = place{}, false
+		}
 	}
 	if !resume {
 		// The snapshot's place: the job's latest published event, read

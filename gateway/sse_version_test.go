@@ -5,7 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -243,5 +245,73 @@ func TestJobStreamResumeFailsWhileEventsAreUnreadable(t *testing.T) {
 	}
 	if !ok || json.Unmarshal([]byte(e.Data), &got) != nil || got.StateVersion != 2 {
 		t.Errorf("the same resume with the store back: %+v, want state_version 2 (RUNNING) first", e)
+	}
+}
+
+// deadlineRecorder is a ResponseWriter that keeps the write deadline
+// last set on it, as http.ResponseController sets it.
+type deadlineRecorder struct {
+	httptest.ResponseRecorder
+	deadline time.Time
+}
+
+func (d *deadlineRecorder) SetWriteDeadline(t time.Time) error { d.deadline = t; return nil }
+
+// TestSSEDeadlineOnlyWhileWriting: an event stream's write deadline
+// bounds a write in progress and is lifted once it is flushed, so that a
+// quiet stream outlives an idle timeout shorter than its keepalive (over
+// HTTP/2 a deadline left to pass resets the stream).
+func TestSSEDeadlineOnlyWhileWriting(t *testing.T) {
+	w := &deadlineRecorder{ResponseRecorder: *httptest.NewRecorder()}
+	e, err := startSSE(w, 2*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !w.deadline.IsZero() {
+		t.Errorf("after the headers, a write deadline of %s stands", w.deadline)
+	}
+	for _, write := range []func() error{
+		func() error { return e.send("1", "job.state", map[string]string{"a": "b"}) },
+		func() error { return e.comment("keepalive") },
+	} {
+		if err := write(); err != nil {
+			t.Fatal(err)
+		}
+		if !w.deadline.IsZero() {
+			t.Errorf("after a write, a write deadline of %s stands", w.deadline)
+		}
+	}
+}
+
+// A job stream resumed from a place the feed never reached (a client's
+// bug, another deployment's id, a restored database) starts afresh, as
+// the tenant's stream does: a snapshot placed on the feed, then the
+// job's events, rather than a wait below events it would never be sent.
+func TestJobStreamResumeBeyondTheFeed(t *testing.T) {
+	h := startHeldFleet(t, Config{})
+	_, v := submitJob(t, h.fleet, "kf", chatJob("beyond the feed", 4))
+	h.publish(t, true)
+	s := openStream(t, h.srv.URL+"/v1/jobs/"+v.ID+"/events", "Last-Event-ID", "999999999")
+	e, ok := s.next(t)
+	if !ok || e.Event != "snapshot" || strings.HasPrefix(e.RawID, "999999999") {
+		t.Fatalf("first event %+v, want a snapshot placed on the feed", e)
+	}
+	if resp, b := h.post(t, "/v1/jobs/"+v.ID+"/cancel", ""); resp.StatusCode != http.StatusOK {
+		t.Fatalf("cancel: %d %s", resp.StatusCode, b)
+	}
+	for {
+		e, ok := s.next(t)
+		if !ok {
+			t.Fatal("the stream ended before the cancellation's event")
+		}
+		if e.Event == "snapshot" {
+			continue
+		}
+		if ev := decodeEvent(t, e); ev.State == string(store.Cancelled) {
+			if strings.Contains(e.RawID, ".") {
+				t.Errorf("the cancellation's id %q, want a place of the feed", e.RawID)
+			}
+			return
+		}
 	}
 }
