@@ -99,14 +99,20 @@ func (in *Inbox) Run(ctx context.Context) error {
 		}
 		batch, err := in.cons.Fetch(in.cfg.Batch, jetstream.FetchMaxWait(in.cfg.MaxWait))
 		if err == nil {
-			in.consume(ctx, batch.Messages())
-			err = batch.Error()
+			// A store that cannot record is waited for as a broker
+			// that cannot deliver is, with its events handed back for
+			// as long: not fetched again at once, in a tight loop of
+			// failing writes, for as long as the database is away.
+			stored := in.consume(ctx, batch.Messages(), retryWait(failures+1))
+			if err = batch.Error(); err == nil || errors.Is(err, nats.ErrTimeout) || errors.Is(err, context.DeadlineExceeded) {
+				err = cmp.Or(stored, err)
+			}
 		}
 		if err != nil && !errors.Is(err, nats.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
 			failures++
 			in.m.errors.Inc()
 			wait := retryWait(failures)
-			in.log.Warn("inbox fetch failed", "err", err, "retry_in", wait)
+			in.log.Warn("inbox failed; events left for redelivery", "err", err, "retry_in", wait)
 			sleepCtx(ctx, wait)
 			continue
 		}
@@ -134,9 +140,12 @@ func (in *Inbox) prune(ctx context.Context, now time.Time) {
 // consume handles a fetch's messages as they arrive: whatever has
 // arrived when the inbox is ready for more is recorded together, in one
 // call to the store (one commit), then acknowledged. At a low rate each
-// message goes alone, at once; under load they share the commit.
-func (in *Inbox) consume(ctx context.Context, msgs <-chan jetstream.Msg) {
+// message goes alone, at once; under load they share the commit. Once
+// the store fails, the rest of the fetch is handed back untried, each
+// after delay, and the store's error returned.
+func (in *Inbox) consume(ctx context.Context, msgs <-chan jetstream.Msg, delay time.Duration) error {
 	var pending []jetstream.Msg
+	var failed error
 	for msg := range msgs {
 		pending = append(pending[:0], msg)
 	more:
@@ -151,7 +160,24 @@ func (in *Inbox) consume(ctx context.Context, msgs <-chan jetstream.Msg) {
 				break more
 			}
 		}
-		in.handle(ctx, pending)
+		if failed != nil {
+			naks(ctx, pending, delay)
+			continue
+		}
+		failed = in.handle(ctx, pending, delay)
+	}
+	return failed
+}
+
+// naks hands messages back for redelivery after delay, or at once when
+// ctx has ended (the process is stopping: another replica takes them now,
+// not after the broker's AckWait).
+func naks(ctx context.Context, msgs []jetstream.Msg, delay time.Duration) {
+	if ctx.Err() != nil {
+		delay = 0
+	}
+	for _, m := range msgs {
+		_ = m.NakWithDelay(delay)
 	}
 }
 
@@ -162,9 +188,10 @@ type delivery struct {
 	rec store.InboxRecord
 }
 
-// handle records a batch of deliveries, then acks them. It never returns
-// an error: what cannot be done now is left for redelivery.
-func (in *Inbox) handle(ctx context.Context, msgs []jetstream.Msg) {
+// handle records a batch of deliveries, then acks them. What the store
+// cannot record now is handed back for redelivery after delay, and its
+// error returned.
+func (in *Inbox) handle(ctx context.Context, msgs []jetstream.Msg, delay time.Duration) error {
 	ds := make([]delivery, 0, len(msgs))
 	recs := make([]store.InboxRecord, 0, len(msgs))
 	for _, msg := range msgs {
@@ -180,21 +207,19 @@ func (in *Inbox) handle(ctx context.Context, msgs []jetstream.Msg) {
 		ds, recs = append(ds, delivery{msg: msg, ev: w, rec: rec}), append(recs, rec)
 	}
 	if len(ds) == 0 {
-		return
+		return nil
 	}
 	outs, err := in.st.RecordInboxBatch(ctx, recs, in.cfg.Now())
 	if err == nil && len(outs) != len(ds) {
 		err = fmt.Errorf("the store answered %d outcomes for %d records", len(outs), len(ds))
 	}
 	if err != nil {
-		if ctx.Err() == nil {
-			in.m.errors.Inc()
-			in.log.Warn("inbox record failed; left for redelivery", "events", len(ds), "first_event_id", ds[0].rec.EventID, "err", err)
-			for _, d := range ds {
-				_ = d.msg.NakWithDelay(time.Second)
-			}
+		back := make([]jetstream.Msg, len(ds))
+		for i, d := range ds {
+			back[i] = d.msg
 		}
-		return
+		naks(ctx, back, delay)
+		return fmt.Errorf("record %d events (the first %s): %w", len(ds), ds[0].rec.EventID, err)
 	}
 	now := in.cfg.Now()
 	for i, d := range ds {
@@ -223,6 +248,7 @@ func (in *Inbox) handle(ctx context.Context, msgs []jetstream.Msg) {
 			in.cfg.OnEvent(ev)
 		}
 	}
+	return nil
 }
 
 // quarantine sets a message aside on the quarantine subject, counts it and

@@ -650,3 +650,50 @@ func TestKeepSignalsMakesAgainWhatTheBrokerLost(t *testing.T) {
 		t.Errorf("KeepSignals ended with %v", err)
 	}
 }
+
+// storeDown fails every inbox record while down is set.
+type storeDown struct {
+	countingInbox
+	down atomic.Bool
+}
+
+func (s *storeDown) RecordInboxBatch(ctx context.Context, recs []store.InboxRecord, now time.Time) ([]store.InboxOutcome, error) {
+	if s.down.Load() {
+		s.calls.Add(1)
+		return nil, fmt.Errorf("record inbox: %w", store.ErrUnavailable)
+	}
+	return s.countingInbox.RecordInboxBatch(ctx, recs, now)
+}
+
+// TestInboxBacksOffAStoreThatCannotRecord: with the store away and a
+// backlog on the stream, the inbox waits between tries as it does for
+// the broker, each longer, handing a failed fetch's events back
+// untried, rather than fetching the next batch at once to fail again
+// (eight batches of this backlog, every second); once the store is back,
+// every event is recorded once.
+func TestInboxBacksOffAStoreThatCannotRecord(t *testing.T) {
+	ns := startNATS(t, t.TempDir(), 0)
+	st := openSQLite(t)
+	acceptJobs(t, st, "acme", 1000)
+	f := startSignals(t, st, ns.ClientURL())
+	for unpublished(t, st) > 0 {
+		if _, err := f.relay().Once(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	down := &storeDown{countingInbox: countingInbox{Store: st}}
+	down.down.Store(true)
+	in := NewInbox(down, f.cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add})
+	runBG(t, in.Run)
+	time.Sleep(2 * time.Second) // the inbox's backoff runs on the wall clock
+	calls := down.calls.Load()
+	t.Logf("%d failing store calls in 2s", calls)
+	if calls > 6 {
+		t.Errorf("%d failing store calls in 2s, want the backoff's few (100ms, 200ms, 400ms, 800ms apart)", calls)
+	}
+	down.down.Store(false)
+	eventually.True(t, "every event recorded once the store is back", func() bool { d, _ := f.log.count(); return d == 1000 })
+	if _, total := f.log.count(); total != 1000 {
+		t.Errorf("acted on %d events, want 1000", total)
+	}
+}
