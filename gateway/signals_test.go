@@ -59,7 +59,7 @@ func startTestSignals(t testing.TB, st store.Store, wake func()) *testSignals {
 	}
 	s := &testSignals{ns: ns, nc: nc, feed: scheduler.NewFeed()}
 	s.relay = scheduler.NewRelay(st, js, scheduler.RelayConfig{Poll: 20 * time.Millisecond, AckTimeout: time.Second,
-		Announce: func() { _ = nc.Publish(scheduler.FeedSubject, nil) }})
+		Announce: func(tenants []string) { _ = nc.Publish(scheduler.FeedSubject, scheduler.FeedNotice(tenants)) }})
 	s.inbox = scheduler.NewInbox(st, cons, scheduler.InboxConfig{MaxWait: 200 * time.Millisecond,
 		OnEvent: func(scheduler.Event) { wake() }})
 	return s

@@ -395,7 +395,7 @@ func (s *Server) follow(r *http.Request, sse *sseWriter, jobID string, after int
 		// comes during the read is not missed.
 		var changed <-chan struct{}
 		if s.jobs.Feed != nil {
-			changed = s.jobs.Feed.Changed()
+			changed = s.jobs.Feed.Changed(tenant)
 		}
 		for {
 			evs, err := s.jobs.Store.Events(ctx, tenant, jobID, after, feedPage)

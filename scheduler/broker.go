@@ -136,7 +136,7 @@ func StartBroker(st brokerStore, sched *Scheduler, cfg BrokerConfig) (*Broker, e
 	sched.SetShare(0)
 	b.Feed = NewFeed()
 	b.Relay = NewRelay(st, b.js, RelayConfig{Logger: log,
-		Announce: func() { _ = nc.Publish(FeedSubject, nil) }})
+		Announce: func(tenants []string) { _ = nc.Publish(FeedSubject, FeedNotice(tenants)) }})
 	reg.MustRegister(b.Relay.Collectors()...)
 	return b, nil
 }

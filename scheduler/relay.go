@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -35,9 +36,10 @@ type RelayConfig struct {
 	AckTimeout time.Duration // longest wait for a batch's acks [5s]
 	Logger     *slog.Logger
 	Now        func() time.Time
-	// Announce, when set, is called after a batch is marked published:
-	// the wiring uses it to tell every replica that the feed moved.
-	Announce func()
+	// Announce, when set, is called after a batch is marked published,
+	// with the tenants whose events it held (each once): the wiring uses
+	// it to tell every replica that their feeds moved.
+	Announce func(tenants []string)
 }
 
 // Relay moves committed outbox events to JetStream: it reads a bounded
@@ -240,7 +242,13 @@ wait:
 		r.m.published.Add(float64(acked))
 		r.m.duplicates.Add(float64(dups))
 		if r.cfg.Announce != nil {
-			r.cfg.Announce()
+			var tenants []string
+			for _, e := range evs[:acked] {
+				if !slices.Contains(tenants, e.Tenant) {
+					tenants = append(tenants, e.Tenant)
+				}
+			}
+			r.cfg.Announce(tenants)
 		}
 	}
 	return acked, pubErr

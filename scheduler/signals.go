@@ -125,35 +125,78 @@ func digest(data []byte) string {
 }
 
 // Feed tells waiters that new events may be in the store's published
-// feed. Safe for concurrent use.
+// feed: a tenant's waiters when that tenant's events were published, so
+// that an event stream reads the store for its own tenant's events, not
+// for every batch any tenant's relay published. Safe for concurrent use.
 type Feed struct {
-	mu sync.Mutex
-	ch chan struct{}
+	mu      sync.Mutex
+	any     chan struct{}            // closed at the next notice of any tenant
+	tenants map[string]chan struct{} // one tenant's waiters; gone once told
 }
 
 // NewFeed returns a feed with no waiters.
-func NewFeed() *Feed { return &Feed{ch: make(chan struct{})} }
+func NewFeed() *Feed { return &Feed{any: make(chan struct{}), tenants: map[string]chan struct{}{}} }
 
-// Changed returns a channel closed at the next Notify.
-func (f *Feed) Changed() <-chan struct{} {
+// Changed returns a channel closed at the next notice that names tenant,
+// or any tenant when tenant is "".
+func (f *Feed) Changed(tenant string) <-chan struct{} {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.ch
+	if tenant == "" {
+		return f.any
+	}
+	ch, ok := f.tenants[tenant]
+	if !ok {
+		ch = make(chan struct{})
+		f.tenants[tenant] = ch
+	}
+	return ch
 }
 
-// Notify wakes every waiter.
-func (f *Feed) Notify() {
+// Notify wakes the waiters of the tenants named, and those of any
+// tenant; with none named (a notice that does not say), every waiter.
+func (f *Feed) Notify(tenants ...string) {
 	f.mu.Lock()
-	close(f.ch)
-	f.ch = make(chan struct{})
-	f.mu.Unlock()
+	defer f.mu.Unlock()
+	close(f.any)
+	f.any = make(chan struct{})
+	if len(tenants) == 0 {
+		for t, ch := range f.tenants {
+			close(ch)
+			delete(f.tenants, t)
+		}
+		return
+	}
+	for _, t := range tenants {
+		if ch, ok := f.tenants[t]; ok {
+			close(ch)
+			delete(f.tenants, t)
+		}
+	}
+}
+
+// FeedNotice is the body of a notice on FeedSubject: the tenants whose
+// events a relay batch published (a JSON array). An empty body names
+// none, and wakes every waiter.
+func FeedNotice(tenants []string) []byte {
+	if len(tenants) == 0 {
+		return nil
+	}
+	b, _ := json.Marshal(tenants)
+	return b
 }
 
 // FollowFeed notifies feed whenever any replica's relay says the feed
 // moved, until ctx ends. Those notices are plain NATS messages, lost
 // freely: readers of the feed also look on a timer.
 func FollowFeed(ctx context.Context, nc *nats.Conn, feed *Feed) error {
-	sub, err := nc.Subscribe(FeedSubject, func(*nats.Msg) { feed.Notify() })
+	sub, err := nc.Subscribe(FeedSubject, func(m *nats.Msg) {
+		var tenants []string
+		if len(m.Data) > 0 && json.Unmarshal(m.Data, &tenants) != nil {
+			tenants = nil // unreadable: it wakes everyone
+		}
+		feed.Notify(tenants...)
+	})
 	if err != nil {
 		return fmt.Errorf("subscribe %s: %w", FeedSubject, err)
 	}

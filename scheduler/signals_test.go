@@ -3,6 +3,7 @@ package scheduler
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -150,7 +151,7 @@ func startSignals(t *testing.T, st store.Store, url string) *signalsFixture {
 
 func (f *signalsFixture) relay() *Relay {
 	return NewRelay(f.st, f.js, RelayConfig{Batch: 16, Poll: 10 * time.Millisecond, AckTimeout: time.Second,
-		Announce: func() { _ = f.nc.Publish(FeedSubject, nil) }})
+		Announce: func(tenants []string) { _ = f.nc.Publish(FeedSubject, FeedNotice(tenants)) }})
 }
 
 func unpublished(t *testing.T, st store.Store) int {
@@ -168,7 +169,7 @@ func TestRelayAndInbox(t *testing.T) {
 	ns := startNATS(t, t.TempDir(), 0)
 	st := openSQLite(t)
 	f := startSignals(t, st, ns.ClientURL())
-	changed := f.feed.Changed()
+	changed, other := f.feed.Changed("acme"), f.feed.Changed("globex")
 	runBG(t, func(ctx context.Context) error { return FollowFeed(ctx, f.nc, f.feed) })
 	acceptJobs(t, st, "acme", 50)
 	r := f.relay()
@@ -180,6 +181,11 @@ func TestRelayAndInbox(t *testing.T) {
 	case <-changed:
 	case <-time.After(10 * time.Second):
 		t.Error("no feed notice after publishing")
+	}
+	select {
+	case <-other:
+		t.Error("acme's events woke globex's waiters")
+	default:
 	}
 	if _, total := f.log.count(); total != 50 {
 		t.Errorf("inbox handed on %d events for 50 distinct", total)
@@ -695,5 +701,35 @@ func TestInboxBacksOffAStoreThatCannotRecord(t *testing.T) {
 	eventually.True(t, "every event recorded once the store is back", func() bool { d, _ := f.log.count(); return d == 1000 })
 	if _, total := f.log.count(); total != 1000 {
 		t.Errorf("acted on %d events, want 1000", total)
+	}
+}
+
+// TestFeedWakesTheTenantsNamed: a notice wakes the waiters of the tenants
+// it names and those of any tenant; one that names none wakes everyone.
+func TestFeedWakesTheTenantsNamed(t *testing.T) {
+	f := NewFeed()
+	closed := func(ch <-chan struct{}) bool {
+		select {
+		case <-ch:
+			return true
+		default:
+			return false
+		}
+	}
+	a, b, anyone := f.Changed("a"), f.Changed("b"), f.Changed("")
+	f.Notify("a")
+	if !closed(a) || closed(b) || !closed(anyone) {
+		t.Errorf("Notify(a): a %v, b %v, any %v; want a and any woken", closed(a), closed(b), closed(anyone))
+	}
+	if again := f.Changed("a"); closed(again) {
+		t.Error("a waiter after the notice is woken by it")
+	}
+	f.Notify()
+	if !closed(b) {
+		t.Error("a notice that names no tenant did not wake b")
+	}
+	var notice []string
+	if err := json.Unmarshal(FeedNotice([]string{"a", "b"}), &notice); err != nil || len(notice) != 2 || FeedNotice(nil) != nil {
+		t.Errorf("FeedNotice: %q %v", notice, err)
 	}
 }
