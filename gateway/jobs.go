@@ -38,7 +38,9 @@ type jobStore interface {
 
 // feedNotices tells event streams that the published feed may have moved;
 // *scheduler.Feed satisfies it.
-type feedNotices interface{ Changed(tenant string) <-chan struct{} }
+type feedNotices interface {
+	Changed(tenant string) <-chan struct{}
+}
 
 // Jobs configures the durable jobs API. Zero values take the defaults in
 // brackets.
