@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"mime/multipart"
 	"net/http"
 	"strings"
 	"testing"
@@ -126,4 +127,69 @@ func TestUnreadyBeforeDrain(t *testing.T) {
 	if c := status(http.MethodPost, "/v1/chat/completions", body); c != http.StatusOK {
 		t.Errorf("a request while unready: %d, want 200: not refused until the drain", c)
 	}
+}
+
+// TestUploadCutByTheDrain: an upload still sending at the drain's
+// deadline is answered 503 server_shutting_down (to retry on another
+// replica), not 499 as if its client had left, and leaves no file.
+func TestUploadCutByTheDrain(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st})
+	pr, pw := io.Pipe()
+	mw := multipart.NewWriter(pw)
+	more := make(chan struct{})
+	go func() {
+		defer pw.Close()
+		mw.WriteField("purpose", "user_data")
+		fw, _ := mw.CreateFormFile("file", "big.bin")
+		if _, err := fw.Write(make([]byte, 3<<20)); err != nil {
+			return
+		}
+		<-more
+		if _, err := fw.Write(make([]byte, 3<<20)); err != nil {
+			return
+		}
+		mw.Close()
+	}()
+	req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/v1/files", pr)
+	req.Header.Set("Content-Type", mw.FormDataContentType())
+	type answer struct {
+		status int
+		body   string
+	}
+	got := make(chan answer, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			got <- answer{body: err.Error()}
+			return
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		got <- answer{resp.StatusCode, string(b)}
+	}()
+	eventually.True(t, "the upload's first chunks stored", func() bool {
+		var n int
+		return st.DB().QueryRow(`SELECT count(*) FROM file_chunks`).Scan(&n) == nil && n >= 2
+	})
+	deadline, cut := context.WithCancel(context.Background())
+	cut() // the deadline has passed
+	go f.api.Drain(deadline)
+	eventually.True(t, "/readyz to fail", func() bool {
+		resp, err := http.Get(f.srv.URL + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusServiceUnavailable
+	})
+	close(more) // the client sends on
+	a := <-got
+	if a.status != http.StatusServiceUnavailable || !strings.Contains(a.body, `"code":"server_shutting_down"`) {
+		t.Errorf("the upload cut by the drain: %d %s, want 503 server_shutting_down", a.status, a.body)
+	}
+	eventually.True(t, "no file left", func() bool {
+		var n int
+		return st.DB().QueryRow(`SELECT count(*) FROM files`).Scan(&n) == nil && n == 0
+	})
 }

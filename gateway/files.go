@@ -161,6 +161,13 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 		if file != nil {
 			_ = s.batches.DeleteFile(cleanup, tenant, file.ID)
 		}
+		if errors.Is(context.Cause(r.Context()), errDrainDeadline) {
+			// The drain's deadline cut the upload: the client, still
+			// sending, is told to retry (on another replica), and no
+			// more of its body is read.
+			w.Header().Set("Connection", "close")
+			err = errDrainDeadline
+		}
 		return writeError(w, s.log, err)
 	}
 	for {
@@ -223,8 +230,11 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 		}
 		// The rest of a refused part is read, not stored (up to the body's
 		// limit), so that a client still sending hears the answer rather
-		// than a reset connection, which SDKs retry.
-		part.Close()
+		// than a reset connection, which SDKs retry; not once the request
+		// has ended (a drain's deadline must not wait for the body).
+		if r.Context().Err() == nil {
+			part.Close()
+		}
 		if err != nil {
 			return abandon(s.uploadError(err))
 		}
