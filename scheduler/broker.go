@@ -194,7 +194,7 @@ func (b *Broker) setup(ctx context.Context, g *errgroup.Group, metrics *sync.Onc
 		return err
 	}
 	inbox := NewInbox(b.st, cons, InboxConfig{Logger: b.log,
-		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := b.js.PublishMsg(ctx, m); return err },
+		Publish: func(ctx context.Context, m *nats.Msg) (*jetstream.PubAck, error) { return b.js.PublishMsg(ctx, m) },
 		OnEvent: func(e Event) {
 			if b.cfg.Wake != nil && (e.State == store.Ready || e.State == store.RetryScheduled) {
 				b.cfg.Wake()

@@ -35,7 +35,7 @@ type InboxConfig struct {
 	Now        func() time.Time
 	// Publish, when set, is used to set a quarantined message aside on
 	// the QuarantineSubj subject (the wiring passes JetStream's publish).
-	Publish func(ctx context.Context, m *nats.Msg) error
+	Publish func(ctx context.Context, m *nats.Msg) (*jetstream.PubAck, error)
 	// OnEvent is called once per event, after it is recorded and acked:
 	// the wiring wakes the runner with it.
 	OnEvent func(Event)
@@ -259,16 +259,23 @@ func (in *Inbox) quarantine(ctx context.Context, msg jetstream.Msg, id, why stri
 	if in.cfg.Publish != nil {
 		q := nats.NewMsg(QuarantineSubj + "." + subjectToken(msg.Subject()))
 		for k, vs := range msg.Headers() {
-			if k != jetstream.MsgIDHeader { // the original id would be deduplicated away
-				q.Header[k] = vs
-			}
+			q.Header[k] = vs
 		}
+		// An id of its own, the same for every copy of this message (the
+		// original's would be deduplicated away): a redelivery, after a
+		// Term that was lost, is set aside and counted once.
+		q.Header.Set(jetstream.MsgIDHeader, "quarantine-"+id+"-"+digest(msg.Data()))
 		q.Header.Set("Kvgate-Original-Msg-Id", id)
 		q.Header.Set("Kvgate-Quarantine-Reason", why)
 		q.Data = msg.Data()
-		if err := in.cfg.Publish(ctx, q); err != nil {
+		ack, err := in.cfg.Publish(ctx, q)
+		if err != nil {
 			in.log.Warn("quarantine publish failed; left for redelivery", "event_id", id, "err", err)
 			_ = msg.NakWithDelay(time.Second)
+			return
+		}
+		if ack != nil && ack.Duplicate {
+			_ = msg.TermWithReason(why)
 			return
 		}
 	}

@@ -145,7 +145,7 @@ func startSignals(t *testing.T, st store.Store, url string) *signalsFixture {
 	}
 	f := &signalsFixture{st: st, nc: nc, js: js, cons: cons, feed: NewFeed(), log: &eventLog{}}
 	f.inbox = NewInbox(st, cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add,
-		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := js.PublishMsg(ctx, m); return err }})
+		Publish: func(ctx context.Context, m *nats.Msg) (*jetstream.PubAck, error) { return js.PublishMsg(ctx, m) }})
 	return f
 }
 
@@ -341,6 +341,26 @@ func TestInboxQuarantinesDigestMismatch(t *testing.T) {
 	if msg.Header.Get("Kvgate-Original-Msg-Id") != id {
 		t.Errorf("quarantined message headers: %v", msg.Header)
 	}
+	// The same forgery again (a redelivery whose Term was lost looks
+	// alike): set aside and counted once.
+	if _, err := f.js.PublishMsg(context.Background(), forged); err != nil {
+		t.Fatal(err)
+	}
+	eventually.True(t, "the consumer to have nothing pending", func() bool {
+		ci, err := f.cons.Info(context.Background())
+		return err == nil && ci.NumAckPending == 0 && ci.NumPending == 0
+	})
+	info, err := q.Info(context.Background(), jetstream.WithSubjectFilter(QuarantineSubj+".>"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	kept := 0
+	for _, n := range info.State.Subjects {
+		kept += int(n)
+	}
+	if got := testutil.ToFloat64(f.inbox.m.quarantined); got != 1 || kept != 1 {
+		t.Errorf("the forgery twice: counted %v, %d copies kept; want 1 and 1", got, kept)
+	}
 }
 
 // With the broker down, acceptance goes on (it only touches the store),
@@ -494,7 +514,7 @@ func TestInboxRecordsBacklogInBatches(t *testing.T) {
 	}
 	counted := &countingInbox{Store: st}
 	in := NewInbox(counted, f.cons, InboxConfig{MaxWait: 100 * time.Millisecond, OnEvent: f.log.add,
-		Publish: func(ctx context.Context, m *nats.Msg) error { _, err := f.js.PublishMsg(ctx, m); return err }})
+		Publish: func(ctx context.Context, m *nats.Msg) (*jetstream.PubAck, error) { return f.js.PublishMsg(ctx, m) }})
 	runBG(t, in.Run)
 	eventually.True(t, "320 events in the inbox", func() bool { d, _ := f.log.count(); return d == 320 })
 	eventually.True(t, "the forgery quarantined", func() bool { return testutil.ToFloat64(in.m.quarantined) == 1 })
