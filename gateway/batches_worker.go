@@ -72,7 +72,7 @@ func (s *Server) RunBatches(ctx context.Context) error {
 	for {
 		now := time.Now()
 		if now.Sub(swept) > 5*time.Minute {
-			if _, err := s.batches.SweepFiles(ctx, now.Add(-time.Hour), now, 100); err != nil && ctx.Err() == nil {
+			if _, err := s.batches.SweepFiles(ctx, now.Add(-abandonedFileAge), now, 100); err != nil && ctx.Err() == nil {
 				s.log.Warn("sweeping files", "err", err)
 			}
 			swept = now
@@ -159,6 +159,14 @@ func (s *Server) workBatch(ctx context.Context, b store.Batch) error {
 	}
 	return nil
 }
+
+// abandonedFileAge is how long a file may stay incomplete before the
+// sweep takes it: longer than any upload or batch output still being
+// written (a 512 MiB upload over a slow link takes hours), since an
+// incomplete file's row says when it began, not when it last moved. A
+// deleted file's rest (hidden, begun at 0) goes at the next sweep, and an
+// upload that fails deletes its own file at once.
+const abandonedFileAge = 24 * time.Hour
 
 // chunkReader reads a stored file chunk by chunk.
 type chunkReader struct {
