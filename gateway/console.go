@@ -2,8 +2,10 @@ package gateway
 
 import (
 	"bytes"
+	"context"
 	"crypto/aes"
 	"crypto/cipher"
+	"crypto/hmac"
 	"crypto/rand"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -17,6 +19,7 @@ import (
 	"net/http"
 	"net/url"
 	pathpkg "path"
+	"strconv"
 	"strings"
 	"time"
 
@@ -58,7 +61,10 @@ const (
 	consoleTTL       = 8 * time.Hour
 )
 
-var consoleTemplates = template.Must(template.New("").Funcs(template.FuncMap{
+var consoleTemplates = template.Must(template.New("").Funcs(consoleFuncs).ParseFS(consoleFS, "console/*.html"))
+
+// consoleFuncs are the functions the console's templates call.
+var consoleFuncs = template.FuncMap{
 	"unix": func(sec int64) string {
 		if sec == 0 {
 			return ""
@@ -72,11 +78,15 @@ var consoleTemplates = template.Must(template.New("").Funcs(template.FuncMap{
 	"div":           func(a, b int64) int64 { return a / b },
 	"secs":          func(f float64) string { return time.Duration(f * float64(time.Second)).Round(time.Second).String() },
 	"ms":            func(ms int64) string { return (time.Duration(ms) * time.Millisecond).String() },
+	// num prints a count or an amount kept as a float in full, never in
+	// exponent form (html/template's %v writes 4.2e-05 and 1.234567e+06).
+	"num": func(f float64) string { return strconv.FormatFloat(f, 'f', -1, 64) },
+	"gib": func(b uint64) string { return strconv.FormatFloat(float64(b)/(1<<30), 'f', 1, 64) + " GiB" },
 	// A form that creates something carries a key of its own, sent as the
 	// call's Idempotency-Key (consoleCall): the form posted again (a
 	// reload) makes nothing a second time.
 	"formKey": func() string { return uuid.Must(uuid.NewV7()).String() },
-}).ParseFS(consoleFS, "console/*.html"))
+}
 
 // consoleSession is what the cookie seals.
 type consoleSession struct {
@@ -153,7 +163,7 @@ func (s *Server) consoleRoutes() {
 	s.mux.Handle("GET /console/static/", http.StripPrefix("/console/static/", consoleHeaders(http.FileServerFS(static))))
 	s.mux.HandleFunc("GET /console/signin", s.consoleSignInPage)
 	s.mux.HandleFunc("POST /console/signin", s.consoleSignIn)
-	s.mux.HandleFunc("POST /console/signout", s.console(s.consoleSignOut))
+	s.mux.HandleFunc("POST /console/signout", s.consoleSignOut)
 	for path, h := range map[string]func(http.ResponseWriter, *http.Request, consoleUser){
 		"GET /console/fleet":                               s.consoleFleet,
 		"GET /console/queues":                              s.consoleQueues,
@@ -218,7 +228,7 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 			}
 			sess, ok := s.consoleSeal.open(c.Value, time.Now())
 			if !ok {
-				s.clearConsoleCookie(w, r)
+				s.clearConsoleCookie(w, r, consoleCookie)
 				refuse(http.StatusUnauthorized, "The console session has ended: sign in again.")
 				return
 			}
@@ -230,7 +240,7 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 				return
 			}
 			if err != nil || (p.role != store.RoleOperator && p.role != store.RoleAdmin) {
-				s.clearConsoleCookie(w, r)
+				s.clearConsoleCookie(w, r, consoleCookie)
 				refuse(http.StatusUnauthorized, "The session's key no longer opens the console: sign in again.")
 				return
 			}
@@ -260,14 +270,30 @@ func (s *Server) authenticateToken(r *http.Request, token string) (principal, er
 	return s.authenticate(r2)
 }
 
+// setConsoleCookie sets one of the console's cookies until expires. The
+// session's is SameSite=Lax, so that a link to a console page from a
+// chat or an alert opens it signed in (no GET changes anything, and every
+// other request carries the session's CSRF token); the sign-in form's is
+// Strict.
 func (s *Server) setConsoleCookie(w http.ResponseWriter, r *http.Request, name, value string, expires time.Time) {
+	same := http.SameSiteStrictMode
+	if name == consoleCookie {
+		same = http.SameSiteLaxMode
+	}
 	http.SetCookie(w, &http.Cookie{Name: name, Value: value, Path: "/console", Expires: expires,
-		MaxAge: max(1, int(time.Until(expires)/time.Second)), HttpOnly: true, Secure: r.TLS != nil, SameSite: http.SameSiteStrictMode})
+		MaxAge: max(1, int(time.Until(expires)/time.Second)), HttpOnly: true, Secure: s.secureCookies(r), SameSite: same})
 }
 
-func (s *Server) clearConsoleCookie(w http.ResponseWriter, r *http.Request) {
-	http.SetCookie(w, &http.Cookie{Name: consoleCookie, Value: "", Path: "/console", MaxAge: -1,
-		HttpOnly: true, Secure: r.TLS != nil, SameSite: http.SameSiteStrictMode})
+func (s *Server) clearConsoleCookie(w http.ResponseWriter, r *http.Request, name string) {
+	http.SetCookie(w, &http.Cookie{Name: name, Value: "", Path: "/console", MaxAge: -1,
+		HttpOnly: true, Secure: s.secureCookies(r), SameSite: http.SameSiteStrictMode})
+}
+
+// secureCookies says whether the console's cookies are Secure: on
+// kvgate's own HTTPS, and on every request where the configuration says
+// a proxy ends TLS in front of it.
+func (s *Server) secureCookies(r *http.Request) bool {
+	return r.TLS != nil || s.cfg.ConsoleSecureCookies
 }
 
 // safeNext keeps a redirect after sign-in inside the console.
@@ -290,7 +316,12 @@ func (s *Server) consoleSignInPage(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) renderSignIn(w http.ResponseWriter, r *http.Request, status int, msg string) {
+	// The token the browser holds, if any, stays: sign-in forms open in
+	// two tabs both work.
 	tok := randomToken()
+	if c, err := r.Cookie(consolePreCookie); err == nil && len(c.Value) == len(tok) {
+		tok = c.Value
+	}
 	s.setConsoleCookie(w, r, consolePreCookie, tok, time.Now().Add(time.Hour))
 	s.render(w, status, "signin.html", signInPage{CSRF: tok, Next: safeNext(r.FormValue("next")), Error: msg})
 }
@@ -321,15 +352,30 @@ func (s *Server) consoleSignIn(w http.ResponseWriter, r *http.Request) {
 		}
 		exp := time.Now().Add(s.consoleTTL())
 		s.setConsoleCookie(w, r, consoleCookie, s.consoleSeal.seal(consoleSession{Key: key, Expires: exp.Unix(), CSRF: randomToken()}), exp)
-		http.SetCookie(w, &http.Cookie{Name: consolePreCookie, Path: "/console", MaxAge: -1, HttpOnly: true, Secure: r.TLS != nil, SameSite: http.SameSiteStrictMode})
+		s.clearConsoleCookie(w, r, consolePreCookie)
 		s.log.Info("console sign-in", "tenant", p.tenant, "role", p.role, "key_id", p.keyID)
 		http.Redirect(w, r, safeNext(r.PostFormValue("next")), http.StatusSeeOther)
 	})).ServeHTTP(w, r)
 }
 
-func (s *Server) consoleSignOut(w http.ResponseWriter, r *http.Request, u consoleUser) {
-	s.clearConsoleCookie(w, r)
-	http.Redirect(w, r, "/console/signin", http.StatusSeeOther)
+// consoleSignOut ends the browser's session whatever its key's state: a
+// key store that cannot be reached, a key revoked since, a session past
+// its expiry. The session's CSRF token is still asked for, so that
+// another site cannot sign the browser out.
+func (s *Server) consoleSignOut(w http.ResponseWriter, r *http.Request) {
+	consoleHeaders(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
+		if c, err := r.Cookie(consoleCookie); err == nil {
+			if sess, ok := s.consoleSeal.open(c.Value, time.Now()); ok &&
+				subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(sess.CSRF)) != 1 {
+				writeError(w, s.log, &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "csrf_token",
+					msg: "The request carries no valid CSRF token."})
+				return
+			}
+		}
+		s.clearConsoleCookie(w, r, consoleCookie)
+		http.Redirect(w, r, "/console/signin", http.StatusSeeOther)
+	})).ServeHTTP(w, r)
 }
 
 func (s *Server) consoleTTL() time.Duration {
@@ -349,7 +395,10 @@ func (s *Server) consoleAPI(w http.ResponseWriter, r *http.Request, u consoleUse
 			msg: "The console forwards /console/api/v1/... only."})
 		return
 	}
-	r2 := r.Clone(r.Context())
+	// A stream the page opened ends with the session, not after it.
+	ctx, cancel := context.WithDeadline(r.Context(), time.Unix(u.sess.Expires, 0))
+	defer cancel()
+	r2 := r.Clone(ctx)
 	r2.URL = &url.URL{Path: path, RawQuery: r.URL.RawQuery}
 	r2.RequestURI = r2.URL.RequestURI()
 	r2.Header = r.Header.Clone()
@@ -485,7 +534,10 @@ func (s *Server) page(w http.ResponseWriter, r *http.Request, u consoleUser, nav
 
 // pageAs renders template tmpl under nav's entry.
 func (s *Server) pageAs(w http.ResponseWriter, r *http.Request, u consoleUser, nav, tmpl, title string, data any, err error) {
-	p := consolePage{Title: title, Nav: nav, User: u, Data: data, Notice: r.URL.Query().Get("notice")}
+	p := consolePage{Title: title, Nav: nav, User: u, Data: data}
+	if q := r.URL.Query(); hmac.Equal([]byte(q.Get("nsig")), []byte(noticeSig(u.sess.CSRF, q.Get("notice")))) {
+		p.Notice = q.Get("notice")
+	}
 	if t := r.URL.Query().Get("tenant"); t != "" && t != u.tenant && u.Admin() {
 		p.Foreign = t
 	}

@@ -1,6 +1,9 @@
 package gateway
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -274,7 +277,17 @@ func (s *Server) consoleActionAs(w http.ResponseWriter, r *http.Request, u conso
 	if strings.Contains(back, "?") {
 		sep = "&"
 	}
-	http.Redirect(w, r, back+sep+"notice="+url.QueryEscape(msg), http.StatusSeeOther)
+	http.Redirect(w, r, back+sep+"notice="+url.QueryEscape(msg)+"&nsig="+noticeSig(u.sess.CSRF, msg), http.StatusSeeOther)
+}
+
+// noticeSig signs a notice with the session's CSRF token: a page shows
+// only the notices the console itself put in a redirect, never text a
+// link from elsewhere carries (?notice=Your key was rotated: get the new
+// one at ...).
+func noticeSig(csrf, msg string) string {
+	m := hmac.New(sha256.New, []byte(csrf))
+	m.Write([]byte(msg))
+	return hex.EncodeToString(m.Sum(nil)[:16])
 }
 
 func (s *Server) consoleReview(w http.ResponseWriter, r *http.Request, u consoleUser) {

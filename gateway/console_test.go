@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"html/template"
 	"io"
 	"net/http"
 	"net/http/cookiejar"
@@ -249,7 +250,7 @@ func TestConsoleAccess(t *testing.T) {
 			set = c
 		}
 	}
-	for _, attr := range []string{"HttpOnly", "SameSite=Strict", "Path=/console", "Expires=", "Max-Age="} {
+	for _, attr := range []string{"HttpOnly", "SameSite=Lax", "Path=/console", "Expires=", "Max-Age="} {
 		if !strings.Contains(set, attr) {
 			t.Errorf("the session cookie %q lacks %s", set, attr)
 		}
@@ -321,6 +322,11 @@ func TestConsoleAccess(t *testing.T) {
 	if status, page := op.postForm("/console/jobs/"+e.reviewJob+"/review", url.Values{"decision": {"approve"}, "reason": {"checked by hand"},
 		"csrf": {token}, "back": {"/console/jobs/" + e.reviewJob}}); status != http.StatusOK || !strings.Contains(page, "approved") {
 		t.Errorf("the review: %d %.300s", status, page)
+	}
+	// A notice is shown only as the console put it in its redirect: a
+	// link's own text is not.
+	if _, page := op.get("/console/jobs?notice=Your+key+was+rotated:+get+the+new+one+at+evil.example"); strings.Contains(page, "evil.example") {
+		t.Errorf("a notice from a link is shown: %.300s", page)
 	}
 	for decision, want := range map[string]string{"approve": "approved", "reject": "rejected"} {
 		if got := reviewDone(decision); got != want {
@@ -411,6 +417,13 @@ func TestConsoleAccess(t *testing.T) {
 	for _, a := range actions {
 		if strings.Contains(page, a) {
 			t.Errorf("globex's admin's page of acme's review job has the action %s", a)
+		}
+	}
+	// So do its lists: marked read-only, no form but signing out.
+	for _, path := range []string{"/console/reviews", "/console/dead-letters", "/console/batches", "/console/webhooks"} {
+		_, page := gadm.get(path + "?tenant=acme")
+		if !strings.Contains(page, `id="foreign"`) || strings.Count(page, `method="post"`) != 1 {
+			t.Errorf("globex's admin's %s of acme: not marked read-only, or %d forms: %.400s", path, strings.Count(page, `method="post"`), page)
 		}
 	}
 	// Its endpoint's page keeps the tenant in its links and filter.
@@ -513,7 +526,117 @@ func TestConsoleSessionOutlivesStoreOutage(t *testing.T) {
 		t.Errorf("a sign-in while keys cannot be checked: %d %.300s, want 503 without calling the key invalid", status, page)
 	}
 	keys.down.Store(false)
-	if status, page := b.get("/console/jobs"); status != http.StatusOK || strings.Contains(page, `action="/console/signin"`) {
+	status, page = b.get("/console/jobs")
+	if status != http.StatusOK || strings.Contains(page, `action="/console/signin"`) {
 		t.Errorf("the session once the store answers: %d %.200s, want the jobs page", status, page)
+	}
+	// Signing out works with the key store away too; without the
+	// session's CSRF token it does not.
+	keys.down.Store(true)
+	csrf := b.csrf(page)
+	if status, _ := b.postForm("/console/signout", url.Values{"csrf": {"wrong"}}); status != http.StatusForbidden {
+		t.Errorf("a sign-out without the CSRF token: %d, want 403", status)
+	}
+	if status, page := b.postForm("/console/signout", url.Values{"csrf": {csrf}}); status != http.StatusOK || !strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("a sign-out while keys cannot be checked: %d %.200s, want the sign-in page", status, page)
+	}
+	keys.down.Store(false)
+	if status, page := b.get("/console/jobs"); !strings.Contains(page, `action="/console/signin"`) {
+		t.Errorf("after signing out: %d %.200s, want the sign-in page", status, page)
+	}
+}
+
+// TestConsoleCookies: the session's cookie is Lax (a link from a chat
+// opens signed in), the sign-in form's Strict; console.secure_cookies
+// marks both Secure on plain HTTP (TLS ended by a proxy); two sign-in
+// forms open at once both work.
+func TestConsoleCookies(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}, ConsoleSecureCookies: true}})
+	op := newTenant(t, st, "acme", store.Limits{}, store.RoleOperator)
+	get := func(c *http.Client, path string) *http.Response {
+		resp, err := c.Get(f.srv.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp
+	}
+	b := newBrowser(t, f.srv.URL)
+	_, first := b.get("/console/signin")
+	_, second := b.get("/console/signin") // another tab
+	m1, m2 := formCSRF.FindStringSubmatch(first), formCSRF.FindStringSubmatch(second)
+	if m1 == nil || m2 == nil || m1[1] != m2[1] {
+		t.Fatalf("two sign-in forms carry %v and %v, want the same token", m1, m2)
+	}
+	noFollow := &http.Client{Jar: b.c.Jar, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
+	req, _ := http.NewRequest(http.MethodPost, f.srv.URL+"/console/signin",
+		strings.NewReader(url.Values{"csrf": {m1[1]}, "key": {op}, "next": {"/console/jobs"}}.Encode()))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	resp, err := noFollow.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	var session *http.Cookie
+	for _, c := range resp.Cookies() {
+		if c.Name == consoleCookie {
+			session = c
+		}
+	}
+	if resp.StatusCode != http.StatusSeeOther || session == nil || session.SameSite != http.SameSiteLaxMode || !session.Secure || !session.HttpOnly {
+		t.Fatalf("sign-in with the first form's token: %d, session cookie %+v; want 303 and a Lax, Secure, HttpOnly cookie", resp.StatusCode, session)
+	}
+	pre := get(&http.Client{}, "/console/signin").Cookies()
+	if len(pre) != 1 || pre[0].SameSite != http.SameSiteStrictMode || !pre[0].Secure {
+		t.Errorf("the sign-in form's cookie %+v, want Strict and Secure", pre)
+	}
+}
+
+// TestConsoleStreamEndsWithTheSession: a live stream a console page
+// opened ends at the session's expiry, not after it (its key is still
+// valid: only the session ended).
+func TestConsoleStreamEndsWithTheSession(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}, ConsoleSessionTTL: time.Second}})
+	op := newTenant(t, st, "acme", store.Limits{}, store.RoleOperator)
+	b := newBrowser(t, f.srv.URL)
+	if status, page := b.signIn(op); status != http.StatusOK {
+		t.Fatalf("sign-in: %d %.200s", status, page)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, f.srv.URL+"/console/api/v1/events", nil)
+	resp, err := b.c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("the stream: %d", resp.StatusCode)
+	}
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil || ctx.Err() != nil {
+		t.Errorf("the stream did not end with the session (%v, %v)", err, ctx.Err())
+	}
+}
+
+// TestConsoleNumbers: amounts and counts kept as floats print in full,
+// never in exponent form, and GPU memory in GiB.
+func TestConsoleNumbers(t *testing.T) {
+	for _, c := range []struct {
+		tmpl string
+		v    any
+		want string
+	}{
+		{"{{num .}}", 0.000042, "0.000042"},
+		{"{{num .}}", 1234567.0, "1234567"},
+		{"{{gib .}}", uint64(85520809984), "79.6 GiB"},
+	} {
+		tm := template.Must(template.New("t").Funcs(consoleFuncs).Parse(c.tmpl))
+		var b strings.Builder
+		if err := tm.Execute(&b, c.v); err != nil || b.String() != c.want {
+			t.Errorf("%s of %v: %q, %v; want %q", c.tmpl, c.v, b.String(), err, c.want)
+		}
 	}
 }

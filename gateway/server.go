@@ -88,6 +88,10 @@ type Config struct {
 	ConsoleSecret string
 	// ConsoleSessionTTL is how long a console session lasts [8h].
 	ConsoleSessionTTL time.Duration
+	// ConsoleSecureCookies marks the console's cookies Secure on every
+	// request: behind a proxy that ends TLS, kvgate sees plain HTTP and
+	// otherwise marks them Secure only on its own HTTPS.
+	ConsoleSecureCookies bool
 	// Backlog, when set, reports the durable runnable backlog as a
 	// periodic collection last read it (scheduler.DurableMetrics.Backlog)
 	// for GET /v1/fleet/queues; without it the route reads the store

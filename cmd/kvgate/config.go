@@ -45,6 +45,7 @@ type config struct {
 	Console struct {
 		SessionSecret string        `yaml:"session_secret"` // seals the console's session cookies: replicas that share it share sessions; empty: each replica draws its own, and sessions are per replica
 		SessionTTL    time.Duration `yaml:"session_ttl"`    // how long a console session lasts [8h]
+		SecureCookies bool          `yaml:"secure_cookies"` // mark the console's cookies Secure on every request: set it behind a proxy that ends TLS (kvgate sees plain HTTP there) [only on kvgate's own HTTPS]
 	} `yaml:"console"`
 	// DrainTimeout bounds the drain at shutdown: how long requests,
 	// streams and jobs in flight may take to finish once kvgate stops

@@ -163,7 +163,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog,
-		ConsoleSecret: cfg.Console.SessionSecret, ConsoleSessionTTL: cfg.Console.SessionTTL, Backlog: durable.Backlog,
+		ConsoleSecret: cfg.Console.SessionSecret, ConsoleSessionTTL: cfg.Console.SessionTTL, ConsoleSecureCookies: cfg.Console.SecureCookies, Backlog: durable.Backlog,
 		Dev:    cfg.Dev,
 		Models: cfg.aliases(), Prices: cfg.Prices, Currency: cfg.Currency,
 		Tenants: gateway.Tenants{Store: st, FailOpen: cfg.Quotas.FailOpen, CacheTTL: cfg.Quotas.CacheTTL},
