@@ -26,6 +26,7 @@ const (
 	ErrTimeout     = "timeout"      // RequestTimeout passed
 	ErrStream      = "stream"       // an error event, a cut or a malformed stream after 200
 	ErrJob         = "job_failed"   // a deferred job ended FAILED_TERMINAL or CANCELLED
+	ErrCancelled   = "cancelled"    // the run itself was stopped (Ctrl-C) with the request in flight
 )
 
 // classify maps an HTTP status to its error class.
@@ -264,6 +265,7 @@ func (r *requester) readStream(ctx context.Context, body io.Reader, start time.T
 		chunks int
 		last   time.Time
 		done   bool
+		end    time.Time // when [DONE] came: the end, whatever the body's close waits for
 		u      *usage
 	)
 	for {
@@ -280,7 +282,7 @@ func (r *requester) readStream(ctx context.Context, body io.Reader, start time.T
 				now := time.Now()
 				switch {
 				case bytes.Equal(data, []byte("[DONE]")):
-					done = true
+					done, end = true, now
 				case isErrorEvent(data):
 					rec.E2EL = now.Sub(start)
 					rec.fail(ErrStream, rec.Status, errorText(data))
@@ -322,7 +324,13 @@ func (r *requester) readStream(ctx context.Context, body io.Reader, start time.T
 			return
 		}
 	}
-	rec.E2EL = time.Since(start)
+	rec.E2EL = end.Sub(start)
+	if chunks == 0 {
+		// As vLLM's benchmark counts it: a stream that never carried
+		// text has no time to first token, and failed.
+		rec.fail(ErrStream, rec.Status, "stream ended without a chunk of text")
+		return
+	}
 	if u != nil {
 		rec.InputTokens, rec.OutputTokens = u.PromptTokens, u.CompletionTokens
 	} else {

@@ -182,7 +182,7 @@ type Arrival struct {
 	Rate float64 `json:"-"` // written as request_rate ("inf" or a number)
 	// Burstiness is the Gamma shape (default 1 = Poisson); below 1 burstier,
 	// above 1 smoother.
-	Burstiness float64 `json:"burstiness"`
+	Burstiness float64 `json:"-"` // written as burstiness ("inf" or a number)
 	// Concurrency is the number of closed-loop clients for kind concurrency.
 	Concurrency int `json:"concurrency,omitempty"`
 	// TimeScale stretches a trace's timestamps (2 = half as fast); default 1.
@@ -311,13 +311,17 @@ func (c Config) Validate() (Config, error) {
 	}
 	// The run's arrival is shared by the tenants that take it, as its
 	// count is: --request-rate is the rate over all of them.
-	sharing := 0
+	// So is --num-prompts, by the tenants without a count of their own.
+	sharing, counting := 0, 0
 	for _, t := range c.Tenants {
 		if t.Arrival == (Arrival{}) {
 			sharing++
 		}
+		if t.NumPrompts == 0 {
+			counting++
+		}
 	}
-	seen, shared := map[string]bool{}, 0
+	seen, shared, counted := map[string]bool{}, 0, 0
 	for i := range c.Tenants {
 		t := &c.Tenants[i]
 		if t.Name == "" {
@@ -356,10 +360,11 @@ func (c Config) Validate() (Config, error) {
 			return c, fmt.Errorf("bench: tenant %s: %w", t.Name, err)
 		}
 		if t.NumPrompts == 0 && c.NumPrompts > 0 {
-			t.NumPrompts = c.NumPrompts / len(c.Tenants)
-			if i < c.NumPrompts%len(c.Tenants) {
+			t.NumPrompts = c.NumPrompts / counting
+			if counted < c.NumPrompts%counting {
 				t.NumPrompts++
 			}
+			counted++
 		}
 		if t.NumPrompts == 0 && c.Duration == 0 && t.Arrival.Kind != ArrivalTrace {
 			return c, fmt.Errorf("bench: tenant %s: neither num_prompts nor duration bounds the run", t.Name)
@@ -420,9 +425,10 @@ func (a Arrival) Share(i, n int) (Arrival, error) {
 
 type arrivalJSON Arrival
 
-// MarshalJSON writes the rate as request_rate, "inf" when infinite.
+// MarshalJSON writes the rate as request_rate and the burstiness, each
+// "inf" when infinite (constant arrivals' burstiness).
 func (a Arrival) MarshalJSON() ([]byte, error) {
-	return mergeJSON(arrivalJSON(a), map[string]Rate{"request_rate": Rate(a.Rate)})
+	return mergeJSON(arrivalJSON(a), map[string]Rate{"request_rate": Rate(a.Rate), "burstiness": Rate(a.Burstiness)})
 }
 
 // UnmarshalJSON reads what MarshalJSON writes.
@@ -431,13 +437,17 @@ func (a *Arrival) UnmarshalJSON(b []byte) error {
 		return err
 	}
 	var r struct {
-		Rate *Rate `json:"request_rate"`
+		Rate       *Rate `json:"request_rate"`
+		Burstiness *Rate `json:"burstiness"`
 	}
 	if err := json.Unmarshal(b, &r); err != nil {
 		return err
 	}
 	if r.Rate != nil {
 		a.Rate = float64(*r.Rate)
+	}
+	if r.Burstiness != nil {
+		a.Burstiness = float64(*r.Burstiness)
 	}
 	return nil
 }
@@ -452,8 +462,8 @@ func (a Arrival) withDefaults(w Workload) (Arrival, error) {
 	if a.Burstiness == 0 {
 		a.Burstiness = 1
 	}
-	if a.Burstiness < 0 {
-		return a, fmt.Errorf("bench: burstiness %v is negative", a.Burstiness)
+	if a.Burstiness < 0 || math.IsNaN(a.Burstiness) {
+		return a, fmt.Errorf("bench: burstiness %v is not a number >= 0", a.Burstiness)
 	}
 	if a.Steps < 0 {
 		return a, fmt.Errorf("bench: steps %d is negative", a.Steps)
@@ -478,7 +488,9 @@ func (a Arrival) withDefaults(w Workload) (Arrival, error) {
 	switch a.Kind {
 	case ArrivalPoisson:
 		a.Burstiness = 1
-	case ArrivalGamma, ArrivalConstant:
+	case ArrivalConstant:
+		a.Burstiness = math.Inf(1) // vLLM's name for even gaps
+	case ArrivalGamma:
 	case ArrivalConcurrency:
 		if a.Concurrency <= 0 {
 			return a, errors.New("bench: concurrency arrivals need a positive concurrency")

@@ -16,12 +16,18 @@ type Result struct {
 	Failed    int             // other statuses and transport errors
 }
 
-// Percentile returns the p-th latency (0 < p <= 1), or 0 without any.
+// Percentile returns the p-th latency (0 < p <= 1), interpolated as the
+// reports' percentiles are (numpy's), or 0 without any.
 func (r Result) Percentile(p float64) time.Duration {
 	if len(r.Latencies) == 0 {
 		return 0
 	}
-	return r.Latencies[min(len(r.Latencies)-1, int(p*float64(len(r.Latencies))))]
+	lo := int(p * float64(len(r.Latencies)-1))
+	if lo >= len(r.Latencies)-1 {
+		return r.Latencies[len(r.Latencies)-1]
+	}
+	frac := p*float64(len(r.Latencies)-1) - float64(lo)
+	return r.Latencies[lo] + time.Duration(frac*float64(r.Latencies[lo+1]-r.Latencies[lo]))
 }
 
 // Merge adds another run's measurements.

@@ -34,3 +34,18 @@ func TestOpenLoop(t *testing.T) {
 		t.Error("percentile of nothing is not 0")
 	}
 }
+
+// TestResultPercentileInterpolates: a run's percentiles are numpy's, as
+// the reports' are: on 1..100 ms, p50 is 50.5 ms and p99 99.01 ms (the
+// rank above, 51 and 100, was read before).
+func TestResultPercentileInterpolates(t *testing.T) {
+	var r Result
+	for i := 1; i <= 100; i++ {
+		r.Latencies = append(r.Latencies, time.Duration(i)*time.Millisecond)
+	}
+	for p, want := range map[float64]time.Duration{0.5: 50500 * time.Microsecond, 0.99: 99010 * time.Microsecond, 1: 100 * time.Millisecond} {
+		if got := r.Percentile(p); got != want {
+			t.Errorf("p%v = %s, want %s", p*100, got, want)
+		}
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"net/http"
@@ -39,13 +40,16 @@ func (r *Record) fail(class string, status int, msg string) {
 	r.ErrorClass, r.Status, r.Error = class, status, msg
 }
 
-// failErr records a transport or read error: a timeout when ctx ended,
-// a broken stream once a 200 began, a transport error before.
+// failErr records a transport or read error: a timeout when the
+// request's deadline passed, cancelled when the run was stopped, a broken
+// stream once a 200 began, a transport error before.
 func (r *Record) failErr(ctx context.Context, err error) {
 	class := ErrTransport
 	switch {
-	case ctx.Err() != nil:
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
 		class = ErrTimeout
+	case ctx.Err() != nil:
+		class = ErrCancelled
 	case r.Status == http.StatusOK:
 		class = ErrStream
 	}
@@ -352,7 +356,7 @@ type Report struct {
 	TokenizerID    string      `json:"tokenizer_id"`
 	NumPrompts     int         `json:"num_prompts"`
 	RequestRate    Rate        `json:"request_rate"`
-	Burstiness     float64     `json:"burstiness"`
+	Burstiness     Rate        `json:"burstiness"` // "inf" for constant arrivals
 	MaxConcurrency *int        `json:"max_concurrency"`
 	Summary        Summary     `json:"-"`
 	InputLens      []int       `json:"input_lens"`

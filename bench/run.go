@@ -45,7 +45,7 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	start := time.Now()
 	rep := &Report{
 		Date: start.Format("20060102-150405"), EndpointType: "openai", Backend: "openai",
-		Label: cfg.Label, ModelID: cfg.Model, TokenizerID: cfg.Model, Burstiness: cfg.Arrival.Burstiness,
+		Label: cfg.Label, ModelID: cfg.Model, TokenizerID: cfg.Model, Burstiness: Rate(cfg.Arrival.Burstiness),
 		Metadata: cfg.Metadata, Config: cfg, Knee: -1,
 	}
 	if rq.chat {

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -153,6 +154,38 @@ func TestStreamWithoutUsageCountsChunks(t *testing.T) {
 	// The role chunk carries no text: three tokens, two gaps.
 	if rep.Summary.Completed != 3 || r.OutputTokens != 3 || len(r.ITLs) != 2 || r.TTFT <= 0 || r.InputTokens != 5 {
 		t.Errorf("record %+v; summary errors %v", r, rep.Summary.Errors)
+	}
+}
+
+// TestStreamWithoutTextFails: a stream that ends with [DONE] having
+// carried no text (a role chunk, a usage chunk) failed, as vLLM's
+// benchmark counts it; and a stream's end is its [DONE], not the close of
+// its body after.
+func TestStreamWithoutTextFails(t *testing.T) {
+	held := make(chan struct{})
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n")
+		fmt.Fprint(w, "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":0}}\n\n")
+		fmt.Fprint(w, "data: [DONE]\n\n")
+		w.(http.Flusher).Flush()
+		select { // the body closes late
+		case <-held:
+		case <-time.After(300 * time.Millisecond):
+		}
+	}))
+	defer srv.Close()
+	defer close(held)
+	rep, err := Run(context.Background(), Config{Target: srv.URL, Model: model, Endpoint: EndpointChat, Stream: true,
+		NumPrompts: 2, Workload: Workload{Input: Dist{Mean: 5}, Output: Dist{Mean: 9}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Summary.Completed != 0 || rep.Summary.Errors[ErrStream] != 2 {
+		t.Errorf("completed %d, errors %v; want both failed as stream errors", rep.Summary.Completed, rep.Summary.Errors)
+	}
+	if e := rep.Requests[0].E2EL; e <= 0 || e >= 300*time.Millisecond {
+		t.Errorf("E2EL %s: want the time to [DONE], not to the body's late close", e)
 	}
 }
 
@@ -434,12 +467,44 @@ func TestRunCancelled(t *testing.T) {
 	if !errors.Is(err, context.Canceled) || rep == nil {
 		t.Fatalf("err %v, report %v; want the report so far and context.Canceled", err, rep)
 	}
-	if len(rep.Requests) == 0 || rep.Summary.Failed != len(rep.Requests) {
-		t.Errorf("%d requests, %d failed: the in-flight ones should have been cut", len(rep.Requests), rep.Summary.Failed)
+	if len(rep.Requests) == 0 || rep.Summary.Failed != len(rep.Requests) || rep.Summary.Errors[ErrCancelled] != len(rep.Requests) {
+		t.Errorf("%d requests, %d failed, errors %v: the in-flight ones should have been cut, as cancelled (not timed out)",
+			len(rep.Requests), rep.Summary.Failed, rep.Summary.Errors)
 	}
 	if !strings.Contains(progress.String(), "point 0: ") || !strings.Contains(progress.String(), "done") {
 		t.Errorf("progress: %q", progress.String())
 	}
+}
+
+// TestConstantArrivalsWrite: constant arrivals (burstiness inf, or kind
+// constant) run and are written, burstiness "inf" as vLLM names it, and
+// read back.
+func TestConstantArrivalsWrite(t *testing.T) {
+	_, url := newSim(t, 50)
+	for _, a := range []Arrival{{Rate: 1000, Burstiness: math.Inf(1)}, {Kind: ArrivalConstant, Rate: 1000}} {
+		rep, err := Run(context.Background(), Config{Target: url, Model: model, NumPrompts: 2, Arrival: a,
+			Workload: Workload{Input: Dist{Mean: 5}, Output: Dist{Mean: 2}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := json.Marshal(rep)
+		if err != nil || !strings.Contains(string(b), `"burstiness":"inf"`) {
+			t.Fatalf("arrival %+v: %v, %.300s", a, err, b)
+		}
+		var back Arrival
+		if err := json.Unmarshal(mustJSON(t, rep.Config.Arrival), &back); err != nil || !math.IsInf(back.Burstiness, 1) {
+			t.Errorf("read back: %+v, %v", back, err)
+		}
+	}
+}
+
+func mustJSON(t *testing.T, v any) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
 
 func TestConfigValidation(t *testing.T) {
@@ -543,5 +608,39 @@ func TestProgressBarOnATerminal(t *testing.T) {
 	}
 	if isTerminal(&out) {
 		t.Error("a buffer taken for a terminal")
+	}
+}
+
+// TestNumPromptsSharedByTheTenantsWithout: --num-prompts is shared by the
+// tenants without a count of their own, as --request-rate is by those
+// without an arrival; a tenant's own count is its own.
+func TestNumPromptsSharedByTheTenantsWithout(t *testing.T) {
+	c, err := Config{Target: "http://127.0.0.1:1", Model: model, NumPrompts: 1001, Arrival: Arrival{Rate: 10},
+		Tenants: []Tenant{{Name: "a", NumPrompts: 100}, {Name: "b"}, {Name: "c"}}}.Validate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := []int{c.Tenants[0].NumPrompts, c.Tenants[1].NumPrompts, c.Tenants[2].NumPrompts}; got[0] != 100 || got[1] != 501 || got[2] != 500 {
+		t.Errorf("num_prompts of a, b, c: %v, want 100, 501, 500", got)
+	}
+}
+
+// TestMarkdownTablesUseTheRunsPercentiles: the tenant table's tail
+// column is the run's highest percentile, named, never a p99 it did not
+// compute (shown as 0.00 before).
+func TestMarkdownTablesUseTheRunsPercentiles(t *testing.T) {
+	_, url := newSim(t, 50)
+	rep, err := Run(context.Background(), Config{Target: url, Model: model, NumPrompts: 4, Arrival: Arrival{Rate: 1000},
+		Percentiles: []float64{50, 90}, Tenants: []Tenant{{Name: "a"}, {Name: "b"}},
+		Workload: Workload{Input: Dist{Mean: 5}, Output: Dist{Mean: 4}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var md strings.Builder
+	if err := rep.WriteMarkdown(&md); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(md.String(), "p90 TTFT ms") || strings.Contains(md.String(), "p99") {
+		t.Errorf("the tables' tail percentile:\n%s", md.String())
 	}
 }

@@ -228,24 +228,31 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		}
 		b.WriteString("\n")
 	}
+	// The tables' tail percentile: the highest of the run's (p99 by
+	// default), never one it did not compute.
+	tail := 99.0
+	if len(ps) > 0 {
+		tail = slices.Max(ps)
+	}
+	pt := "p" + fmtNum(tail)
 	if len(r.LoadPoints) > 1 {
-		b.WriteString("\n## Load points\n\n| point | offered req/s | req/s | goodput req/s | output tok/s | p99 TTFT ms | p99 ITL ms | p99 E2EL ms | failed | |\n|---|---|---|---|---|---|---|---|---|---|\n")
+		fmt.Fprintf(&b, "\n## Load points\n\n| point | offered req/s | req/s | goodput req/s | output tok/s | %[1]s TTFT ms | %[1]s ITL ms | %[1]s E2EL ms | failed | |\n|---|---|---|---|---|---|---|---|---|---|\n", pt)
 		for _, p := range r.LoadPoints {
 			mark := ""
 			if p.Index == r.Knee {
 				mark = "knee"
 			}
 			fmt.Fprintf(&b, "| %d | %s | %s | %s | %s | %s | %s | %s | %d | %s |\n", p.Index, p.RequestRate, f2(p.Summary.RequestThroughput),
-				f2(p.Summary.RequestGoodput), f2(p.Summary.OutputThroughput), f2(p.Summary.TTFT.Percentiles[99]),
-				f2(p.Summary.ITL.Percentiles[99]), f2(p.Summary.E2EL.Percentiles[99]), p.Summary.Failed, mark)
+				f2(p.Summary.RequestGoodput), f2(p.Summary.OutputThroughput), f2(p.Summary.TTFT.Percentiles[tail]),
+				f2(p.Summary.ITL.Percentiles[tail]), f2(p.Summary.E2EL.Percentiles[tail]), p.Summary.Failed, mark)
 		}
 	}
 	if len(r.Tenants) > 1 {
-		b.WriteString("\n## Tenants\n\n| tenant | class | weight | completed | failed | req/s | output tok/s | p99 TTFT ms | p99 E2EL ms | errors |\n|---|---|---|---|---|---|---|---|---|---|\n")
+		fmt.Fprintf(&b, "\n## Tenants\n\n| tenant | class | weight | completed | failed | req/s | output tok/s | %[1]s TTFT ms | %[1]s E2EL ms | errors |\n|---|---|---|---|---|---|---|---|---|---|\n", pt)
 		for _, t := range r.Tenants {
 			s := t.Summary
 			fmt.Fprintf(&b, "| %s | %s | %g | %d | %d | %s | %s | %s | %s | %s |\n", t.Name, t.Class, t.Weight, s.Completed, s.Failed,
-				f2(s.RequestThroughput), f2(s.OutputThroughput), f2(s.TTFT.Percentiles[99]), f2(s.E2EL.Percentiles[99]), errorsString(s.Errors))
+				f2(s.RequestThroughput), f2(s.OutputThroughput), f2(s.TTFT.Percentiles[tail]), f2(s.E2EL.Percentiles[tail]), errorsString(s.Errors))
 		}
 	}
 	_, err := io.WriteString(w, b.String())
