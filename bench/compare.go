@@ -70,7 +70,7 @@ func compareSummaries(a, b Summary) []Delta {
 	ma, mb := a.Metrics(), b.Metrics()
 	names := make([]string, 0, len(ma))
 	for k := range ma {
-		if _, ok := mb[k]; ok {
+		if _, ok := mb[k]; ok && !a.absent[k] && !b.absent[k] {
 			names = append(names, k)
 		}
 	}

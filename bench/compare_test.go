@@ -2,6 +2,7 @@ package bench
 
 import (
 	"math"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -96,5 +97,27 @@ func TestComparePoints(t *testing.T) {
 	}
 	if c := Compare(mk(10, 20), mk(10, 20, 30)); c.Points != nil {
 		t.Error("sweeps of different lengths compared point by point")
+	}
+}
+
+// TestCompareLeavesOutWhatAFileLacks: a vllm bench serve file holds only
+// the latency families it was asked for (no e2el by default) and no
+// good_fraction: a comparison with it has no rows for them, rather than
+// reading them as 0 and flagging the other side's figures.
+func TestCompareLeavesOutWhatAFileLacks(t *testing.T) {
+	v, err := ReadReport("testdata/vllm-result.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := smallRun(t, nil)
+	for _, c := range []Comparison{Compare(v, k), Compare(k, v)} {
+		for _, d := range c.Overall {
+			if strings.Contains(d.Metric, "e2el") || d.Metric == "good_fraction" {
+				t.Errorf("a row for %s, which the vLLM file lacks: %+v", d.Metric, d)
+			}
+		}
+	}
+	if c := Compare(k, k); !slices.ContainsFunc(c.Overall, func(d Delta) bool { return d.Metric == "median_e2el_ms" }) {
+		t.Error("two kvgate reports are not compared on E2EL")
 	}
 }

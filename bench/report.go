@@ -131,6 +131,11 @@ type Summary struct {
 	TPOT                  Latency        `json:"-"`
 	ITL                   Latency        `json:"-"`
 	E2EL                  Latency        `json:"-"`
+	// absent names the figures a file read (UnmarshalJSON) did not hold,
+	// or held as null: vLLM writes only the latency families it was asked
+	// for, request_goodput null without SLOs, and no good_fraction. A
+	// comparison leaves them out rather than read them as 0.
+	absent map[string]bool
 }
 
 // Metrics returns the summary's numeric figures by their JSON names.
@@ -191,6 +196,12 @@ func (s *Summary) UnmarshalJSON(b []byte) error {
 	}
 	for name, l := range lat {
 		l.Mean, l.Median, l.Std = num("mean_"+name+"_ms"), num("median_"+name+"_ms"), num("std_"+name+"_ms")
+	}
+	s.absent = map[string]bool{}
+	for k := range s.Metrics() {
+		if v, ok := all[k]; !ok || bytes.Equal(bytes.TrimSpace(v), []byte("null")) {
+			s.absent[k] = true
+		}
 	}
 	for k := range all {
 		if m := percentileRE.FindStringSubmatch(k); m != nil {

@@ -71,7 +71,14 @@ func settingsDiffer(a, b *Report) []string {
 	}
 	add("model", a.ModelID, b.ModelID)
 	add("request rate", a.RequestRate, b.RequestRate)
-	add("max concurrency", a.Config.MaxConcurrency, b.Config.MaxConcurrency)
+	// The top-level max_concurrency: the one a vllm bench serve file has.
+	mc := func(r *Report) int {
+		if r.MaxConcurrency == nil {
+			return 0
+		}
+		return *r.MaxConcurrency
+	}
+	add("max concurrency", mc(a), mc(b))
 	add("prompts", a.NumPrompts, b.NumPrompts)
 	add("load points", len(a.LoadPoints), len(b.LoadPoints))
 	ca, cb := a.Config, b.Config
