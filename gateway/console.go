@@ -143,6 +143,7 @@ func randomToken() string {
 type consoleUser struct {
 	sess   consoleSession
 	tenant string
+	keyID  string // the session's key's ("" for a static key)
 	role   store.Role
 	hooks  bool
 }
@@ -258,7 +259,7 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 					return
 				}
 			}
-			h(w, r, consoleUser{sess: sess, tenant: p.tenant, role: p.role, hooks: s.cfg.Webhooks.Store != nil})
+			h(w, r, consoleUser{sess: sess, tenant: p.tenant, keyID: p.keyID, role: p.role, hooks: s.cfg.Webhooks.Store != nil})
 		})).ServeHTTP(w, r)
 	}
 }

@@ -254,7 +254,7 @@ func (s *Server) consoleReviews(w http.ResponseWriter, r *http.Request, u consol
 		d.Candidates[v.ID] = s.candidateOf(r, u, v.ID)
 	}
 	if pg.NextCursor != "" {
-		d.NextURL = "/console/reviews?after=" + url.QueryEscape(pg.NextCursor)
+		d.NextURL = "/console/reviews?" + keptQuery(r, url.Values{"after": {pg.NextCursor}}).Encode()
 	}
 	s.page(w, r, u, "reviews", "Reviews", d, err)
 }
@@ -297,6 +297,19 @@ func (s *Server) consoleReview(w http.ResponseWriter, r *http.Request, u console
 }
 
 // reviewDone is a review decision as done: approved, rejected.
+// keptQuery is a next page's query: next, with the page's tenant (an
+// admin reading another's) and the page's other keys named kept, so that
+// paging one list neither changes tenant nor resets another list.
+func keptQuery(r *http.Request, next url.Values, keep ...string) url.Values {
+	q := r.URL.Query()
+	for _, k := range append(keep, "tenant") {
+		if v := q.Get(k); v != "" && next.Get(k) == "" {
+			next.Set(k, v)
+		}
+	}
+	return next
+}
+
 func reviewDone(decision string) string {
 	switch decision {
 	case "approve":
@@ -337,7 +350,7 @@ func (s *Server) consoleDeadLetters(w http.ResponseWriter, r *http.Request, u co
 	err := s.consoleGet(r, u, "/v1/dead-letters?"+api.Encode(), &pg)
 	d := deadLettersData{Letters: pg.Data, Class: q.Get("class"), Hooks: u.hooks}
 	if pg.NextCursor != "" {
-		d.NextURL = "/console/dead-letters?" + url.Values{"after": {pg.NextCursor}, "class": {d.Class}}.Encode()
+		d.NextURL = "/console/dead-letters?" + keptQuery(r, url.Values{"after": {pg.NextCursor}}, "class", "hooks_after").Encode()
 	}
 	if err == nil && d.Hooks {
 		hq := url.Values{"kind": {"webhook_delivery"}, "limit": {strconv.Itoa(consolePageSize)}}
@@ -351,7 +364,7 @@ func (s *Server) consoleDeadLetters(w http.ResponseWriter, r *http.Request, u co
 		if err = s.consoleGet(r, u, "/v1/dead-letters?"+hq.Encode(), &hp); err == nil {
 			d.Failed = hp.Data
 			if hp.NextCursor != "" {
-				d.HookURL = "/console/dead-letters?" + url.Values{"hooks_after": {hp.NextCursor}, "class": {d.Class}}.Encode()
+				d.HookURL = "/console/dead-letters?" + keptQuery(r, url.Values{"hooks_after": {hp.NextCursor}}, "class", "after").Encode()
 			}
 		}
 	}
@@ -362,6 +375,8 @@ type tenantsData struct {
 	Tenants []TenantView
 	Keys    []KeyView
 	NewKey  *KeyView // a rotated key, shown once
+	// SessionEnded: the key rotated was the session's own.
+	SessionEnded bool
 	// The next pages of tenants and of keys, each keeping the other's.
 	TenantsURL, KeysURL string
 }
@@ -422,14 +437,29 @@ func (s *Server) tenantsData(r *http.Request, u consoleUser) (tenantsData, error
 // consoleRotate rotates a key and shows the new one, once, on the page
 // (never in a URL).
 func (s *Server) consoleRotate(w http.ResponseWriter, r *http.Request, u consoleUser) {
-	status, b := s.consoleCall(r, u, http.MethodPost, "/v1/admin/keys/"+url.PathEscape(r.PathValue("id"))+"/rotate", nil)
+	id := r.PathValue("id")
+	status, b := s.consoleCall(r, u, http.MethodPost, "/v1/admin/keys/"+url.PathEscape(id)+"/rotate", nil)
 	if status >= 300 {
+		err := apiMessage(status, b)
+		if status == http.StatusNotFound {
+			// Most often the form posted again (a reload): the key was
+			// rotated by the first post, whose page showed the new key
+			// once; a second rotation cannot show it again.
+			err = fmt.Errorf("key %s is not a live key: if this page was reloaded after a rotation, the new key was shown on the page that rotation returned, once; if it was lost, rotate the new key (listed below) in turn", id)
+		}
 		d, _ := s.tenantsData(r, u)
-		s.page(w, r, u, "tenants", "Tenants and keys", d, apiMessage(status, b))
+		s.page(w, r, u, "tenants", "Tenants and keys", d, err)
 		return
 	}
 	var k KeyView
 	_ = json.Unmarshal(b, &k)
+	if id == u.keyID {
+		// The session's own key is revoked now: the session ends with it,
+		// and the page shows the new key alone, to sign in again with.
+		s.clearConsoleCookie(w, r, consoleCookie)
+		s.page(w, r, u, "tenants", "Tenants and keys", tenantsData{NewKey: &k, SessionEnded: true}, nil)
+		return
+	}
 	d, err := s.tenantsData(r, u)
 	d.NewKey = &k
 	s.page(w, r, u, "tenants", "Tenants and keys", d, err)
@@ -471,7 +501,7 @@ func (s *Server) consoleBatches(w http.ResponseWriter, r *http.Request, u consol
 	err := s.consoleGet(r, u, "/v1/batches?"+api.Encode(), &pg)
 	d := batchesData{Batches: pg.Data}
 	if pg.HasMore && pg.LastID != nil {
-		d.NextURL = "/console/batches?after=" + url.QueryEscape(*pg.LastID)
+		d.NextURL = "/console/batches?" + keptQuery(r, url.Values{"after": {*pg.LastID}}).Encode()
 	}
 	s.page(w, r, u, "batches", "Batches", d, err)
 }

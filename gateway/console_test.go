@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"html/template"
@@ -425,6 +426,13 @@ func TestConsoleAccess(t *testing.T) {
 		if !strings.Contains(page, `id="foreign"`) || strings.Count(page, `method="post"`) != 1 {
 			t.Errorf("globex's admin's %s of acme: not marked read-only, or %d forms: %.400s", path, strings.Count(page, `method="post"`), page)
 		}
+		// Its links keep the tenant: a job or delivery of acme's, opened
+		// without it, is not found.
+		for _, href := range regexp.MustCompile(`href="(/console/(?:jobs/|jobs\?|webhooks/)[^"]*)"`).FindAllStringSubmatch(page, -1) {
+			if !strings.Contains(href[1], "tenant=acme") {
+				t.Errorf("globex's admin's %s of acme links to %s, without the tenant", path, href[1])
+			}
+		}
 	}
 	// Its endpoint's page keeps the tenant in its links and filter.
 	_, page = gadm.get("/console/webhooks/endpoints/" + e.endpoint + "?tenant=acme")
@@ -449,6 +457,36 @@ func TestConsoleAccess(t *testing.T) {
 	}
 	if status, _ := newBrowser(t, base).signIn(m[1]); status != http.StatusOK {
 		t.Errorf("the new key's sign-in: %d", status)
+	}
+	// The form posted again (a reload) rotates nothing and says why the
+	// new key is not shown again.
+	_, page = adm.get("/console/tenants")
+	status, page = adm.postForm("/console/keys/"+e.opKey+"/rotate", url.Values{"csrf": {adm.csrf(page)}})
+	if !strings.Contains(page, "not a live key") || strings.Contains(page, `id="newkey-value"`) {
+		t.Errorf("the rotation posted again: %d %.400s", status, page)
+	}
+	// An admin rotating its own session's key is shown the new key and
+	// told the session ended, not an error of the revoked key.
+	own := newKey(t, e.f.store, "acme", store.RoleAdmin)
+	self := newBrowser(t, base)
+	if status, _ := self.signIn(own); status != http.StatusOK {
+		t.Fatalf("the second admin's sign-in: %d", status)
+	}
+	var keys struct {
+		Data []KeyView `json:"data"`
+	}
+	_, kb := bearer(t, e.f, own, http.MethodGet, "/v1/admin/keys?tenant=acme&limit=1000", "")
+	_ = json.Unmarshal(kb, &keys)
+	ownID := ""
+	for _, k := range keys.Data {
+		if strings.HasPrefix(own, k.Prefix) && k.RevokedAt == nil {
+			ownID = k.ID
+		}
+	}
+	_, page = self.get("/console/tenants")
+	status, page = self.postForm("/console/keys/"+ownID+"/rotate", url.Values{"csrf": {self.csrf(page)}})
+	if status != http.StatusOK || !strings.Contains(page, `id="session-ended"`) || !strings.Contains(page, `id="newkey-value"`) || strings.Contains(page, `role="alert"`) {
+		t.Errorf("rotating the session's own key (%s): %d %.600s", ownID, status, page)
 	}
 	// Signing out ends the browser's session.
 	_, page = adm.get("/console/fleet")
