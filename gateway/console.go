@@ -216,11 +216,17 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 		consoleHeaders(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			api := strings.HasPrefix(r.URL.Path, "/console/api/")
 			refuse := func(status int, msg string) {
-				if api || r.Method != http.MethodGet {
+				switch {
+				case api:
 					writeError(w, s.log, &apiError{status: status, typ: "invalid_request_error", code: "console_session", msg: msg})
-					return
+				case r.Method != http.MethodGet:
+					// A form posted after its session ended: the action is
+					// lost, and the browser goes to sign in, then back to
+					// the form's page.
+					http.Redirect(w, r, "/console/signin?next="+url.QueryEscape(safeNext(r.PostFormValue("back"))), http.StatusSeeOther)
+				default:
+					http.Redirect(w, r, "/console/signin?next="+url.QueryEscape(r.URL.RequestURI()), http.StatusSeeOther)
 				}
-				http.Redirect(w, r, "/console/signin?next="+url.QueryEscape(r.URL.RequestURI()), http.StatusSeeOther)
 			}
 			c, err := r.Cookie(consoleCookie)
 			if err != nil {
@@ -236,8 +242,15 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 			p, err := s.authenticateToken(r, sess.Key)
 			if errors.Is(err, errKeysUnavailable) {
 				// The store, not the key: the session stands, and the
-				// page says to retry (503 with Retry-After).
-				writeError(w, s.log, err)
+				// page says to retry (503 with Retry-After), as a page to
+				// a browser.
+				if api {
+					writeError(w, s.log, err)
+					return
+				}
+				w.Header().Set("Retry-After", "1")
+				s.render(w, http.StatusServiceUnavailable, "unavailable.html", signInPage{Next: safeNext(r.URL.RequestURI()),
+					Error: "The gateway cannot check keys right now (its store is out of reach): try again in a moment."})
 				return
 			}
 			if err != nil || (p.role != store.RoleOperator && p.role != store.RoleAdmin) {

@@ -496,6 +496,12 @@ func TestConsoleAccess(t *testing.T) {
 	if _, page := adm.get("/console/fleet"); !strings.Contains(page, `action="/console/signin"`) {
 		t.Error("signed out, the fleet page still opens")
 	}
+	// A form posted after the session ended goes to sign in, and back to
+	// the form's page after, not to a JSON error.
+	status, page = adm.postForm("/console/jobs/"+e.reviewJob+"/review", url.Values{"decision": {"approve"}, "csrf": {"x"}, "back": {"/console/reviews"}})
+	if status != http.StatusOK || !strings.Contains(page, `action="/console/signin"`) || !strings.Contains(page, `name="next" value="/console/reviews"`) {
+		t.Errorf("a form posted after the session ended: %d %.300s, want the sign-in page leading back to /console/reviews", status, page)
+	}
 }
 
 // TestConsoleSessionSeal: a cookie is good until its expiry, on a sealer
@@ -556,9 +562,11 @@ func TestConsoleSessionOutlivesStoreOutage(t *testing.T) {
 		t.Fatalf("sign-in: %d %.200s", status, page)
 	}
 	keys.down.Store(true)
-	status, page := b.get("/console/jobs")
-	if status != http.StatusServiceUnavailable || strings.Contains(page, `action="/console/signin"`) {
-		t.Errorf("a page while keys cannot be checked: %d %.200s, want 503 and no sign-in form", status, page)
+	req, _ := http.NewRequest(http.MethodGet, f.srv.URL+"/console/jobs", nil)
+	status, page, resp := b.do(req)
+	if status != http.StatusServiceUnavailable || strings.Contains(page, `action="/console/signin"`) ||
+		!strings.HasPrefix(resp.Header.Get("Content-Type"), "text/html") || resp.Header.Get("Retry-After") == "" || !strings.Contains(page, "try again") {
+		t.Errorf("a page while keys cannot be checked: %d %q %.200s, want a 503 page with Retry-After and no sign-in form", status, resp.Header, page)
 	}
 	if status, page := newBrowser(t, f.srv.URL).signIn(op); status != http.StatusServiceUnavailable || strings.Contains(page, "not valid") {
 		t.Errorf("a sign-in while keys cannot be checked: %d %.300s, want 503 without calling the key invalid", status, page)
