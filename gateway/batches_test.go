@@ -1039,3 +1039,42 @@ func TestBatchUsageOfEachAPI(t *testing.T) {
 		t.Errorf("batch usage %+v, want 35 in (24 cached), 10 out (5 reasoning), 45 in all", u)
 	}
 }
+
+// TestTenantFileStorage: a tenant's files together hold at most
+// Config.TenantFileBytes: an upload that would pass it is refused, as it
+// passes it (no more of it stored), with what the tenant holds; another
+// tenant's files do not count; a deleted file frees its room.
+func TestTenantFileStorage(t *testing.T) {
+	st := sqliteStore(t)
+	var chunks *chunkCounter
+	f := startFleet(t, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}, TenantFileBytes: 3 << 20},
+		server: func(s *Server) {
+			chunks = &chunkCounter{Batches: s.batches}
+			s.batches = chunks
+		}})
+	acme := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	globex := newTenant(t, st, "globex", store.Limits{}, store.RoleUser)
+	mib := bytes.Repeat([]byte("x"), 1<<20)
+	status, b := upload(t, f.srv.URL, acme, "two.bin", "user_data", append(append([]byte{}, mib...), mib...))
+	if status != http.StatusOK {
+		t.Fatalf("2 MiB of 3: %d %s", status, b)
+	}
+	first := decode[fileView](t, b)
+	chunks.n.Store(0)
+	status, b = upload(t, f.srv.URL, acme, "four.bin", "user_data", bytes.Repeat(mib, 4))
+	if status != http.StatusBadRequest || !strings.Contains(string(b), `"storage_limit_exceeded"`) || !strings.Contains(string(b), "2097152 of the 3145728") {
+		t.Errorf("4 MiB more: %d %s", status, b)
+	}
+	if n := chunks.n.Load(); n > 2 {
+		t.Errorf("%d chunks of the refused upload stored, want it cut as it passed the room (1 MiB)", n)
+	}
+	if status, b := upload(t, f.srv.URL, globex, "two.bin", "user_data", append(append([]byte{}, mib...), mib...)); status != http.StatusOK {
+		t.Errorf("another tenant's 2 MiB: %d %s", status, b)
+	}
+	if status, _ := bsend(t, http.MethodDelete, f.srv.URL+"/v1/files/"+first.ID, acme, ""); status != http.StatusOK {
+		t.Fatalf("delete: %d", status)
+	}
+	if status, b := upload(t, f.srv.URL, acme, "three.bin", "user_data", bytes.Repeat(mib, 3)); status != http.StatusOK {
+		t.Errorf("3 MiB once the 2 were deleted: %d %s", status, b)
+	}
+}

@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -104,6 +105,22 @@ type fileMax struct{ batch, any int64 }
 func fileNotFound(id string) error {
 	return &apiError{status: http.StatusNotFound, typ: "invalid_request_error", param: "id",
 		msg: fmt.Sprintf("No such File object: %s", id)}
+}
+
+// DefaultTenantFileBytes is Config.TenantFileBytes's default: what one
+// tenant's files may hold together, OpenAI's per-organization figure.
+const DefaultTenantFileBytes = 100 << 30
+
+// tenantFileBytes is what one tenant's files may hold together.
+func (s *Server) tenantFileBytes() int64 {
+	return cmp.Or(s.cfg.TenantFileBytes, DefaultTenantFileBytes)
+}
+
+// storageFull refuses an upload that would take a tenant's files past
+// what they may hold together.
+func storageFull(used, limit int64) error {
+	return &apiError{status: http.StatusBadRequest, typ: "invalid_request_error", code: "storage_limit_exceeded", param: "file",
+		msg: fmt.Sprintf("Your files hold %d of the %d bytes your tenant may store, and this upload would pass that: delete files you no longer need (DELETE /v1/files/{id}) and try again.", used, limit)}
 }
 
 func tooLargeFile(limit int64) error {
@@ -212,17 +229,33 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 					break
 				}
 			}
+			// What the tenant's files hold already bounds this one: an
+			// upload that would pass the tenant's storage is refused as
+			// it passes it, not stored whole first.
+			var used int64
+			if used, err = s.batches.FileBytes(r.Context(), tenant, file.CreatedAt); err != nil {
+				file = nil
+				break
+			}
+			room := s.tenantFileBytes() - used
+			if room <= 0 {
+				err, file = storageFull(used, s.tenantFileBytes()), nil
+				break
+			}
 			if err = s.batches.CreateFile(r.Context(), *file); err != nil {
 				file = nil
 				break
 			}
 			// A purpose sent before the file bounds it at once; sent
 			// after (as the Node SDK does), at the end.
-			limit := s.fileMax.any
+			limit, over := s.fileMax.any, tooLargeFile(s.fileMax.any)
 			if purpose == "batch" {
-				limit = s.fileMax.batch
+				limit, over = s.fileMax.batch, tooLargeFile(s.fileMax.batch)
 			}
-			err = s.storeChunks(r.Context(), file.ID, part, &counted, limit)
+			if room < limit {
+				limit, over = room, storageFull(used, s.tenantFileBytes())
+			}
+			err = s.storeChunks(r.Context(), file.ID, part, &counted, limit, over)
 		default:
 			if _, cerr := io.Copy(io.Discard, io.LimitReader(part, multipartSlack)); cerr != nil {
 				err = bodyError{cerr}
@@ -285,7 +318,7 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 // reused, counting it; it stops past limit bytes. The part ends at io.EOF
 // alone: a body cut short before the part's boundary
 // (io.ErrUnexpectedEOF from the multipart reader) fails it.
-func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *fileCounter, limit int64) error {
+func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *fileCounter, limit int64, over error) error {
 	buf := make([]byte, fileChunk)
 	for seq := 0; ; seq++ {
 		n, err := 0, error(nil)
@@ -297,7 +330,7 @@ func (s *Server) storeChunks(ctx context.Context, id string, part io.Reader, c *
 		if n > 0 {
 			c.Write(buf[:n])
 			if c.bytes > limit {
-				return tooLargeFile(limit)
+				return over
 			}
 			if werr := s.batches.PutFileChunk(ctx, id, seq, buf[:n]); werr != nil {
 				return werr

@@ -86,6 +86,9 @@ type Config struct {
 	// replicas that share it share sessions. Empty: each replica draws
 	// its own at start, and sessions are per replica.
 	ConsoleSecret string
+	// TenantFileBytes bounds what one tenant's files (uploads, batch
+	// outputs) may hold together [DefaultTenantFileBytes, 100 GiB].
+	TenantFileBytes int64
 	// ConsoleSessionTTL is how long a console session lasts [8h].
 	ConsoleSessionTTL time.Duration
 	// ConsoleSecureCookies marks the console's cookies Secure on every

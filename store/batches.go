@@ -139,6 +139,9 @@ type Batches interface {
 	ListFiles(ctx context.Context, tenant string, f FileFilter, now time.Time) ([]File, bool, error)
 	DeleteFile(ctx context.Context, tenant, id string) error
 	SweepFiles(ctx context.Context, staleBefore, now time.Time, limit int) (int, error)
+	// FileBytes is what a tenant's files hold at now: the complete,
+	// unexpired ones' bytes and the chunks of those being written.
+	FileBytes(ctx context.Context, tenant string, now time.Time) (int64, error)
 
 	CreateBatch(ctx context.Context, b Batch) error
 	Batch(ctx context.Context, tenant, id string) (Batch, error)

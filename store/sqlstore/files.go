@@ -60,6 +60,19 @@ func (s *Store) File(ctx context.Context, tenant, id string, now time.Time) (sto
 	return f, s.err("get file", err)
 }
 
+// FileBytes is what a tenant's files hold at now: the complete,
+// unexpired ones' bytes, and the chunks written so far of those still
+// being written (a deleted file's rest, hidden, is not counted).
+func (s *Store) FileBytes(ctx context.Context, tenant string, now time.Time) (int64, error) {
+	var done, writing int64
+	err := s.db.QueryRowContext(ctx, rebind(s.d, `SELECT
+		(SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ? AND complete = ? AND (expires_at = 0 OR expires_at > ?)),
+		(SELECT COALESCE(SUM(LENGTH(c.data)), 0) FROM file_chunks c JOIN files f ON f.id = c.file_id
+			WHERE f.tenant = ? AND f.complete = ? AND f.created_at <> 0)`),
+		tenant, true, micros(now), tenant, false).Scan(&done, &writing)
+	return done + writing, s.err("file bytes", err)
+}
+
 // FileChunk returns the seq-th chunk of a file; ErrNotFound past its end.
 func (s *Store) FileChunk(ctx context.Context, id string, seq int) ([]byte, error) {
 	var b []byte

@@ -103,6 +103,26 @@ func testFileChunks(t *testing.T, _ store.Store, b store.Batches) {
 	if _, err := b.File(ctx, "globex", f.ID, t0); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("another tenant's file: %v", err)
 	}
+	// What the tenant's files hold: this one's 14 bytes, and the chunks
+	// written so far of one being written; another tenant's are not
+	// counted, nor this one's once expired.
+	w := newFile("acme", "file-writing", "user_data", t0)
+	if err := b.CreateFile(ctx, w); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.PutFileChunk(ctx, w.ID, 0, []byte("12345")); err != nil {
+		t.Fatal(err)
+	}
+	writeFile(t, b, newFile("globex", "file-g", "user_data", t0), "elsewhere\n")
+	if n, err := b.FileBytes(ctx, "acme", t0); err != nil || n != 19 {
+		t.Errorf("acme's files hold %d bytes (%v), want 14 + 5", n, err)
+	}
+	if n, err := b.FileBytes(ctx, "acme", t0.Add(2*time.Hour)); err != nil || n != 5 {
+		t.Errorf("acme's files once the complete one expired: %d bytes (%v), want 5", n, err)
+	}
+	if err := b.DeleteFile(ctx, "acme", w.ID); err != nil {
+		t.Fatal(err)
+	}
 	if err := b.DeleteFile(ctx, "globex", f.ID); !errors.Is(err, store.ErrNotFound) {
 		t.Errorf("another tenant deleted it: %v", err)
 	}
