@@ -209,6 +209,13 @@ func TestRouteRoleMatrix(t *testing.T) {
 			e.t.Errorf("%s without a session was not sent to the sign-in form: %.200s", roleNames[role], body)
 		}
 	}
+	// A console form posted without a session sends the browser to sign
+	// in (the redirect followed: 200, the form); it changes nothing.
+	formToSignIn := [nRoles]int{ok, ok, ok, ok, ok}
+	keptKeyToSignIn := func(e *matrixEnv, role, status int, body []byte) {
+		signInForm(e, role, status, body)
+		keptKey(e, role, http.StatusUnauthorized, body)
+	}
 	hidesJob := func(e *matrixEnv, role, status int, body []byte) {
 		if role == roleOther && strings.Contains(string(body), e.job) {
 			e.t.Errorf("another tenant sees acme's job: %s", body)
@@ -324,35 +331,35 @@ func TestRouteRoleMatrix(t *testing.T) {
 		}},
 		// The console (console.go) authenticates by its session cookie,
 		// which the matrix cannot express: here, a bearer key alone opens
-		// nothing (a page sends the browser to the sign-in form; a
-		// forwarded call or an action is 401). TestConsoleAccess tests the
-		// sessions of each role.
+		// nothing (a page or a form's action sends the browser to the
+		// sign-in form, changing nothing; a forwarded call is 401).
+		// TestConsoleAccess tests the sessions of each role.
 		{pattern: "GET /console", want: anyone, check: signInForm},
 		{pattern: "GET /console/static/", path: "/console/static/console.css", want: anyone},
 		{pattern: "GET /console/signin", want: anyone, check: signInForm},
 		{pattern: "POST /console/signin", want: [nRoles]int{fb, fb, fb, fb, fb}},
-		{pattern: "POST /console/signout", want: consoleRefused},
+		{pattern: "POST /console/signout", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/fleet", want: anyone, check: signInForm},
 		{pattern: "GET /console/queues", want: anyone, check: signInForm},
 		{pattern: "GET /console/jobs", want: anyone, check: signInForm},
 		{pattern: "GET /console/jobs/{id}", path: "/console/jobs/{job}", want: anyone, check: signInForm},
 		{pattern: "GET /console/reviews", want: anyone, check: signInForm},
-		{pattern: "POST /console/jobs/{id}/review", path: "/console/jobs/{job}/review", want: consoleRefused},
+		{pattern: "POST /console/jobs/{id}/review", path: "/console/jobs/{job}/review", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/dead-letters", want: anyone, check: signInForm},
-		{pattern: "POST /console/jobs/{id}/replay", path: "/console/jobs/{job}/replay", want: consoleRefused},
+		{pattern: "POST /console/jobs/{id}/replay", path: "/console/jobs/{job}/replay", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/batches", want: anyone, check: signInForm},
-		{pattern: "POST /console/batches/{id}/cancel", path: "/console/batches/{batch}/cancel", want: consoleRefused},
+		{pattern: "POST /console/batches/{id}/cancel", path: "/console/batches/{batch}/cancel", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/tenants", want: anyone, check: signInForm},
-		{pattern: "POST /console/keys/{id}/rotate", path: "/console/keys/{spare-key}/rotate", want: consoleRefused, check: keptKey},
+		{pattern: "POST /console/keys/{id}/rotate", path: "/console/keys/{spare-key}/rotate", want: formToSignIn, check: keptKeyToSignIn},
 		{pattern: "GET /console/usage", want: anyone, check: signInForm},
 		{pattern: "GET /console/webhooks", want: anyone, check: signInForm},
-		{pattern: "POST /console/webhooks/endpoints", want: consoleRefused},
+		{pattern: "POST /console/webhooks/endpoints", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/webhooks/endpoints/{id}", path: "/console/webhooks/endpoints/{hook}", want: anyone, check: signInForm},
-		{pattern: "POST /console/webhooks/endpoints/{id}/state", path: "/console/webhooks/endpoints/{hook}/state", want: consoleRefused},
-		{pattern: "POST /console/webhooks/endpoints/{id}/rotate", path: "/console/webhooks/endpoints/{hook}/rotate", want: consoleRefused},
-		{pattern: "POST /console/webhooks/endpoints/{id}/test", path: "/console/webhooks/endpoints/{hook}/test", want: consoleRefused},
+		{pattern: "POST /console/webhooks/endpoints/{id}/state", path: "/console/webhooks/endpoints/{hook}/state", want: formToSignIn, check: signInForm},
+		{pattern: "POST /console/webhooks/endpoints/{id}/rotate", path: "/console/webhooks/endpoints/{hook}/rotate", want: formToSignIn, check: signInForm},
+		{pattern: "POST /console/webhooks/endpoints/{id}/test", path: "/console/webhooks/endpoints/{hook}/test", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/webhooks/deliveries/{id}", path: "/console/webhooks/deliveries/{delivery}", want: anyone, check: signInForm},
-		{pattern: "POST /console/webhooks/deliveries/{id}/redeliver", path: "/console/webhooks/deliveries/{delivery}/redeliver", want: consoleRefused},
+		{pattern: "POST /console/webhooks/deliveries/{id}/redeliver", path: "/console/webhooks/deliveries/{delivery}/redeliver", want: formToSignIn, check: signInForm},
 		{pattern: "GET /console/api/{path...}", path: "/console/api/v1/jobs", want: consoleRefused},
 		{pattern: "POST /console/api/{path...}", path: "/console/api/v1/jobs/{job}/cancel", want: consoleRefused},
 		{pattern: "PATCH /console/api/{path...}", path: "/console/api/v1/admin/tenants/acme", want: consoleRefused},
