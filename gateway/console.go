@@ -222,8 +222,9 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 				case r.Method != http.MethodGet:
 					// A form posted after its session ended: the action is
 					// lost, and the browser goes to sign in, then back to
-					// the form's page.
-					http.Redirect(w, r, "/console/signin?next="+url.QueryEscape(safeNext(r.PostFormValue("back"))), http.StatusSeeOther)
+					// the form's page (read from a body bounded as a
+					// form's: nobody is signed in yet).
+					http.Redirect(w, r, "/console/signin?next="+url.QueryEscape(formBack(w, r)), http.StatusSeeOther)
 				default:
 					http.Redirect(w, r, "/console/signin?next="+url.QueryEscape(r.URL.RequestURI()), http.StatusSeeOther)
 				}
@@ -248,8 +249,12 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 					writeError(w, s.log, err)
 					return
 				}
+				back := safeNext(r.URL.RequestURI())
+				if r.Method != http.MethodGet {
+					back = formBack(w, r) // a form's action takes no GET
+				}
 				w.Header().Set("Retry-After", "1")
-				s.render(w, http.StatusServiceUnavailable, "unavailable.html", signInPage{Next: safeNext(r.URL.RequestURI()),
+				s.render(w, http.StatusServiceUnavailable, "unavailable.html", signInPage{Next: back,
 					Error: "The gateway cannot check keys right now (its store is out of reach): try again in a moment."})
 				return
 			}
@@ -275,6 +280,16 @@ func (s *Server) console(h func(http.ResponseWriter, *http.Request, consoleUser)
 			h(w, r, consoleUser{sess: sess, tenant: p.tenant, keyID: p.keyID, role: p.role, hooks: s.cfg.Webhooks.Store != nil})
 		})).ServeHTTP(w, r)
 	}
+}
+
+// formBack is the console page a form came from (its back field), read
+// from at most a form's 64 KiB of body, url-encoded forms only.
+func formBack(w http.ResponseWriter, r *http.Request) string {
+	if !strings.HasPrefix(r.Header.Get("Content-Type"), "application/x-www-form-urlencoded") {
+		return safeNext("")
+	}
+	r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
+	return safeNext(r.PostFormValue("back"))
 }
 
 // authenticateToken authenticates token as a bearer token, as api does.
@@ -379,6 +394,9 @@ func (s *Server) consoleSignIn(w http.ResponseWriter, r *http.Request) {
 func (s *Server) consoleSignOut(w http.ResponseWriter, r *http.Request) {
 	consoleHeaders(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		r.Body = http.MaxBytesReader(w, r.Body, 64<<10)
+		// Without the cookie (none, or another site's post, which a Lax
+		// cookie does not go with) there is nothing to clear, and nothing
+		// is: another site cannot sign a browser out.
 		if c, err := r.Cookie(consoleCookie); err == nil {
 			if sess, ok := s.consoleSeal.open(c.Value, time.Now()); ok &&
 				subtle.ConstantTimeCompare([]byte(r.PostFormValue("csrf")), []byte(sess.CSRF)) != 1 {
@@ -386,8 +404,8 @@ func (s *Server) consoleSignOut(w http.ResponseWriter, r *http.Request) {
 					msg: "The request carries no valid CSRF token."})
 				return
 			}
+			s.clearConsoleCookie(w, r, consoleCookie)
 		}
-		s.clearConsoleCookie(w, r, consoleCookie)
 		http.Redirect(w, r, "/console/signin", http.StatusSeeOther)
 	})).ServeHTTP(w, r)
 }

@@ -445,7 +445,7 @@ func (s *Server) consoleRotate(w http.ResponseWriter, r *http.Request, u console
 			// Most often the form posted again (a reload): the key was
 			// rotated by the first post, whose page showed the new key
 			// once; a second rotation cannot show it again.
-			err = fmt.Errorf("key %s is not a live key: if this page was reloaded after a rotation, the new key was shown on the page that rotation returned, once; if it was lost, rotate the new key (listed below) in turn", id)
+			err = &consoleError{status: http.StatusNotFound, msg: fmt.Sprintf("Key %s is not a live key: if this page was reloaded after a rotation, the new key was shown on the page that rotation returned, once; if it was lost, rotate the new key (listed below) in turn.", id)}
 		}
 		d, _ := s.tenantsData(r, u)
 		s.page(w, r, u, "tenants", "Tenants and keys", d, err)

@@ -462,8 +462,8 @@ func TestConsoleAccess(t *testing.T) {
 	// new key is not shown again.
 	_, page = adm.get("/console/tenants")
 	status, page = adm.postForm("/console/keys/"+e.opKey+"/rotate", url.Values{"csrf": {adm.csrf(page)}})
-	if !strings.Contains(page, "not a live key") || strings.Contains(page, `id="newkey-value"`) {
-		t.Errorf("the rotation posted again: %d %.400s", status, page)
+	if status != http.StatusNotFound || !strings.Contains(page, "not a live key") || strings.Contains(page, `id="newkey-value"`) {
+		t.Errorf("the rotation posted again: %d %.400s, want 404 saying why", status, page)
 	}
 	// An admin rotating its own session's key is shown the new key and
 	// told the session ended, not an error of the revoked key.
@@ -633,6 +633,16 @@ func TestConsoleCookies(t *testing.T) {
 	}
 	if resp.StatusCode != http.StatusSeeOther || session == nil || session.SameSite != http.SameSiteLaxMode || !session.Secure || !session.HttpOnly {
 		t.Fatalf("sign-in with the first form's token: %d, session cookie %+v; want 303 and a Lax, Secure, HttpOnly cookie", resp.StatusCode, session)
+	}
+	// A sign-out posted without the session's cookie (another site's
+	// form: a Lax cookie does not go with it) clears nothing.
+	bare, err := (&http.Client{CheckRedirect: noFollow.CheckRedirect}).Post(f.srv.URL+"/console/signout", "application/x-www-form-urlencoded", strings.NewReader("csrf=x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	bare.Body.Close()
+	if bare.StatusCode != http.StatusSeeOther || len(bare.Cookies()) != 0 {
+		t.Errorf("a sign-out without the cookie: %d, cookies %v; want a redirect that clears nothing", bare.StatusCode, bare.Cookies())
 	}
 	pre := get(&http.Client{}, "/console/signin").Cookies()
 	if len(pre) != 1 || pre[0].SameSite != http.SameSiteStrictMode || !pre[0].Secure {
