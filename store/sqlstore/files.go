@@ -138,7 +138,11 @@ func (s *Store) DeleteFile(ctx context.Context, tenant, id string) error {
 	if n, err := res.RowsAffected(); err != nil || n == 0 {
 		return store.ErrNotFound
 	}
-	return s.dropFile(context.WithoutCancel(ctx), id)
+	// Deleted as the caller sees it from here: a drop cut short is the
+	// sweep's to finish, not a failure to report (a client retrying it
+	// would be told the file does not exist).
+	_ = s.dropFile(context.WithoutCancel(ctx), id)
+	return nil
 }
 
 // dropFile deletes a file's chunks a few at a time (each statement
