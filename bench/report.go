@@ -262,7 +262,7 @@ func (r *Rate) UnmarshalJSON(b []byte) error {
 	}
 	var f float64
 	if err := json.Unmarshal(b, &f); err != nil {
-		return fmt.Errorf("request rate: %w", err)
+		return fmt.Errorf("a rate or burstiness (a number or \"inf\"): %w", err)
 	}
 	*r = Rate(f)
 	return nil

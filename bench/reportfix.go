@@ -108,7 +108,7 @@ func workloadString(w Workload) string {
 }
 
 func arrivalString(a Arrival) string {
-	return fmt.Sprintf("%s rate %s burstiness %g clients %d", a.Kind, Rate(a.Rate), a.Burstiness, a.Concurrency)
+	return fmt.Sprintf("%s rate %s burstiness %s clients %d", a.Kind, Rate(a.Rate), Rate(a.Burstiness), a.Concurrency)
 }
 
 func sweepString(s *Sweep) string {

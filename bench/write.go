@@ -153,8 +153,8 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	fmt.Fprintf(&b, "- target: `%s` (%s), server version %s, models %s\n", pv.Target, r.Backend, orDash(pv.ServerVersion), orDash(strings.Join(pv.Models, ", ")))
 	fmt.Fprintf(&b, "- harness: %s, %s, %d CPUs on %s; seed %d; started %s\n", pv.Harness, pv.GoVersion, pv.NumCPU, pv.Host, pv.Seed, pv.Start.Format("2006-01-02 15:04:05 UTC"))
 	c := r.Config
-	fmt.Fprintf(&b, "- workload: %s, input %s, output %s; %s (burstiness %g)", c.Workload.Kind,
-		distString(c.Workload.Input), distString(c.Workload.Output), arrivalHeader(r), c.Arrival.Burstiness)
+	fmt.Fprintf(&b, "- workload: %s, input %s, output %s; %s (burstiness %s)", c.Workload.Kind,
+		distString(c.Workload.Input), distString(c.Workload.Output), arrivalHeader(r), Rate(c.Arrival.Burstiness))
 	if c.MaxConcurrency > 0 {
 		fmt.Fprintf(&b, ", max concurrency %d", c.MaxConcurrency)
 	}
