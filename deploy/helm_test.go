@@ -427,6 +427,13 @@ func TestHelmTemplateRefuses(t *testing.T) {
 			}
 		})
 	}
+	// Backends from the env Secret's KVGATE_BACKENDS, said so: rendered.
+	v := base()
+	delete(v, "config")
+	v["backendsFromEnv"] = true
+	if _, err := helmTemplate(t, c, v); err != nil {
+		t.Errorf("backendsFromEnv without config.backends: %v", err)
+	}
 }
 
 // TestScaledObjectSchemaCheck: the check refuses what KEDA's schema

@@ -44,8 +44,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if hasKey .Values.config "store" -}}
 {{- fail "config.store: the database URL is a secret: set secrets.databaseURL.name (and .key) instead" -}}
 {{- end -}}
-{{- if and (empty .Values.config.backends) (not .Values.simulatedBackends) -}}
-{{- fail "config.backends: list the vLLM servers; with none kvgate serves simulated ones (set simulatedBackends: true to try the chart that way)" -}}
+{{- if and (empty .Values.config.backends) (not .Values.simulatedBackends) (not .Values.backendsFromEnv) -}}
+{{- fail "config.backends: list the vLLM servers; with none kvgate serves simulated ones (set backendsFromEnv: true when KVGATE_BACKENDS comes from secrets.env, or simulatedBackends: true to try the chart without GPUs)" -}}
 {{- end -}}
 {{- if hasKey .Values.config "admin_key" -}}
 {{- fail "config.admin_key: the admin key is a secret: set secrets.adminKey.name (and .key) instead" -}}
