@@ -41,18 +41,7 @@ func upload(t *testing.T, base, key, name, purpose string, content []byte, extra
 		mw.WriteField(extra[i], extra[i+1])
 	}
 	mw.Close()
-	req, _ := http.NewRequest(http.MethodPost, base+"/v1/files", &body)
-	req.Header.Set("Content-Type", mw.FormDataContentType())
-	if key != "" {
-		req.Header.Set("Authorization", "Bearer "+key)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, b
+	return bsendMultipart(t, base+"/v1/files", key, &body, mw.FormDataContentType())
 }
 
 // bsendMultipart posts a multipart body and returns the status and body.
@@ -60,7 +49,15 @@ func bsendMultipart(t *testing.T, url, key string, body io.Reader, contentType s
 	t.Helper()
 	req, _ := http.NewRequest(http.MethodPost, url, body)
 	req.Header.Set("Content-Type", contentType)
-	req.Header.Set("Authorization", "Bearer "+key)
+	return bdo(t, req, key)
+}
+
+// bdo sends req with key (none when empty) and returns the status and body.
+func bdo(t *testing.T, req *http.Request, key string) (int, []byte) {
+	t.Helper()
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -79,16 +76,7 @@ func bsend(t *testing.T, method, url, key, body string) (int, []byte) {
 	}
 	req, _ := http.NewRequest(method, url, rd)
 	req.Header.Set("Content-Type", "application/json")
-	if key != "" {
-		req.Header.Set("Authorization", "Bearer "+key)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, b
+	return bdo(t, req, key)
 }
 
 // batchLines builds an input file of n chat lines; bad(i) may replace a

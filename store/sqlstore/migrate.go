@@ -49,26 +49,27 @@ func LoadMigrations(fsys fs.FS) ([]Migration, error) {
 // MigrateFrom applies the NNNN_name.sql migrations under dir in fsys that
 // the store's database lacks, and returns the versions it applied.
 func (s *Store) MigrateFrom(ctx context.Context, fsys fs.FS, dir string) ([]int, error) {
-	sub, err := fs.Sub(fsys, dir)
-	if err != nil {
-		return nil, err
-	}
-	ms, err := LoadMigrations(sub)
+	ms, err := loadMigrationsIn(fsys, dir)
 	if err != nil {
 		return nil, err
 	}
 	return Migrate(ctx, s.db, s.d, ms)
 }
 
-// PendingFrom returns the versions of the NNNN_name.sql migrations under
-// dir in fsys that the store's database lacks, in order, applying none:
-// every one of them where it has no schema yet.
-func (s *Store) PendingFrom(ctx context.Context, fsys fs.FS, dir string) ([]int, error) {
+// loadMigrationsIn reads the migrations under dir in fsys.
+func loadMigrationsIn(fsys fs.FS, dir string) ([]Migration, error) {
 	sub, err := fs.Sub(fsys, dir)
 	if err != nil {
 		return nil, err
 	}
-	ms, err := LoadMigrations(sub)
+	return LoadMigrations(sub)
+}
+
+// PendingFrom returns the versions of the NNNN_name.sql migrations under
+// dir in fsys that the store's database lacks, in order, applying none:
+// every one of them where it has no schema yet.
+func (s *Store) PendingFrom(ctx context.Context, fsys fs.FS, dir string) ([]int, error) {
+	ms, err := loadMigrationsIn(fsys, dir)
 	if err != nil {
 		return nil, err
 	}
