@@ -254,9 +254,6 @@ func OpenNVML(lib nvml.Interface, cfg NVMLConfig) *NVML {
 // the read returned.
 func (n *NVML) refreshWithin(d time.Duration) bool {
 	flight := n.startRefresh()
-	if d <= 0 {
-		return false
-	}
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
