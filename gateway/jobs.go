@@ -30,6 +30,7 @@ type jobStore interface {
 	Cancel(ctx context.Context, tenant, id, eventID string, now time.Time) (store.Job, error)
 	Attempts(ctx context.Context, id string) ([]store.Attempt, error)
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error)
+	CountEvents(ctx context.Context, tenant string, after int64, limit int) (int, error)
 	FeedHead(ctx context.Context, tenant string) (int64, error)
 	Stage(ctx context.Context, id, stage string) ([]byte, error)
 	store.Outcomes // policies, reviews, replay, dead letters (outcomes.go)

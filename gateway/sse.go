@@ -342,8 +342,8 @@ func (s *Server) handleTenantEvents(w http.ResponseWriter, r *http.Request) int 
 // behind reports whether more than MaxReplay of the tenant's events lie
 // after the cursor.
 func (s *Server) behind(ctx context.Context, tenant string, after int64) bool {
-	evs, err := s.jobs.Store.Events(ctx, tenant, "", after, s.jobs.MaxReplay+1)
-	return err == nil && len(evs) > s.jobs.MaxReplay
+	n, err := s.jobs.Store.CountEvents(ctx, tenant, after, s.jobs.MaxReplay+1)
+	return err == nil && n > s.jobs.MaxReplay
 }
 
 // sendSnapshot sends the tenant's latest jobs as one snapshot event whose

@@ -372,6 +372,10 @@ type Store interface {
 	// in feed order; jobID narrows them to one job. An event is in the
 	// feed once published or placed by FeedUnpublished.
 	Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]Event, error)
+	// CountEvents counts a tenant's events with a Cursor after the given
+	// one, at most limit: how far behind a reader at that cursor is,
+	// without reading the events.
+	CountEvents(ctx context.Context, tenant string, after int64, limit int) (int, error)
 	// FeedHead returns the cursor of a tenant's latest published event, 0
 	// when there is none: where a reader without a cursor starts.
 	FeedHead(ctx context.Context, tenant string) (int64, error)

@@ -297,7 +297,7 @@ const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, 
 type queries struct {
 	insertKey, insertJob, selectByKey, selectJob, insertAttempt, insertEvent,
 	cancel, result, attempts, stage, unpublished, markPublished, markPlaced, feedUnpublished,
-	feedHead, events, eventsOfJob, insertInbox, selectInbox string
+	feedHead, events, eventsOfJob, countEvents, insertInbox, selectInbox string
 	// Ownership (ownership.go).
 	anyRunnable, heartbeat, markSent, ownedBy, saveStage, finish, reapLock, reapLeases, reapDeadlines string
 	// The fair claim's listing (fair.go).
@@ -366,6 +366,7 @@ func buildQueries(d Dialect) queries {
 		feedHead:    r(`SELECT COALESCE(MAX(feed_seq), 0) FROM outbox WHERE feed_seq IS NOT NULL`),
 		events:      r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
 		eventsOfJob: r(`SELECT seq, id, job_id, tenant, type, state, state_version, created_at, published_at, feed_seq FROM outbox WHERE tenant = ? AND job_id = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?`),
+		countEvents: r(`SELECT COUNT(*) FROM (SELECT 1 FROM outbox WHERE tenant = ? AND feed_seq > ? ORDER BY feed_seq LIMIT ?) behind`),
 		insertInbox: r(`INSERT INTO inbox (event_id, digest, received_at) VALUES (?, ?, ?) ON CONFLICT (event_id) DO NOTHING`),
 		selectInbox: r(`SELECT digest FROM inbox WHERE event_id = ?`),
 	}
@@ -810,6 +811,13 @@ func (s *Store) Events(ctx context.Context, tenant, jobID string, after int64, l
 	}
 	evs, err := scanEvents(rows)
 	return evs, s.err("list events", err)
+}
+
+// CountEvents implements store.Store.
+func (s *Store) CountEvents(ctx context.Context, tenant string, after int64, limit int) (int, error) {
+	var n int
+	err := s.queryRow(ctx, nil, s.q.countEvents, tenant, after, limit).Scan(&n)
+	return n, s.err("count events", err)
 }
 
 // RecordInbox implements store.Store.

@@ -1083,6 +1083,16 @@ func testOutbox(t *testing.T, s store.Store) {
 	if len(after) != 2 {
 		t.Errorf("events after the cursor: %d, want 2", len(after))
 	}
+	// Counted as read, up to a bound; a tenant without events has none.
+	for _, c := range []struct {
+		tenant       string
+		after        int64
+		limit, count int
+	}{{"acme", mine[0].Cursor, 100, 2}, {"acme", 0, 100, 3}, {"acme", 0, 2, 2}, {"nobody", 0, 100, 0}} {
+		if n, err := s.CountEvents(ctx, c.tenant, c.after, c.limit); err != nil || n != c.count {
+			t.Errorf("CountEvents(%s, after %d, at most %d) = %d, %v; want %d", c.tenant, c.after, c.limit, n, err, c.count)
+		}
+	}
 	if other, _ := s.Events(ctx, "globex", "", 0, 100); len(other) != 1 || other[0].Cursor <= mine[0].Cursor {
 		t.Errorf("globex's feed: %+v", other)
 	}
