@@ -62,14 +62,7 @@ func TestDrain(t *testing.T) {
 	drained := make(chan int, 1)
 	go func() { drained <- f.api.Drain(deadline) }()
 
-	eventually.True(t, "/readyz to fail", func() bool {
-		resp, err := http.Get(f.srv.URL + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusServiceUnavailable
-	})
+	waitUnready(t, f.srv.URL)
 	resp, b := f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"x","max_tokens":4}`)
 	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" ||
 		!strings.Contains(string(b), `"code":"server_shutting_down"`) {
@@ -175,14 +168,7 @@ func TestUploadCutByTheDrain(t *testing.T) {
 	deadline, cut := context.WithCancel(context.Background())
 	cut() // the deadline has passed
 	go f.api.Drain(deadline)
-	eventually.True(t, "/readyz to fail", func() bool {
-		resp, err := http.Get(f.srv.URL + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusServiceUnavailable
-	})
+	waitUnready(t, f.srv.URL)
 	close(more) // the client sends on
 	a := <-got
 	if a.status != http.StatusServiceUnavailable || !strings.Contains(a.body, `"code":"server_shutting_down"`) {
@@ -191,5 +177,18 @@ func TestUploadCutByTheDrain(t *testing.T) {
 	eventually.True(t, "no file left", func() bool {
 		var n int
 		return st.DB().QueryRow(`SELECT count(*) FROM files`).Scan(&n) == nil && n == 0
+	})
+}
+
+// waitUnready waits for the gateway at base to fail /readyz.
+func waitUnready(t *testing.T, base string) {
+	t.Helper()
+	eventually.True(t, "/readyz to fail", func() bool {
+		resp, err := http.Get(base + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusServiceUnavailable
 	})
 }

@@ -607,14 +607,7 @@ func TestHealthReadyMetrics(t *testing.T) {
 		}
 	}
 	f.sims[0].SetFaults(vllmsim.Faults{Dead: true})
-	eventually.True(t, "/readyz to fail", func() bool {
-		resp, err := http.Get(f.srv.URL + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == http.StatusServiceUnavailable
-	})
+	waitUnready(t, f.srv.URL)
 }
 
 func TestEmbeddings(t *testing.T) {
