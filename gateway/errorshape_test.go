@@ -70,6 +70,7 @@ func TestErrorBodyShape(t *testing.T) {
 		{"unknown route", http.MethodGet, "/v1/nothing", user, "", http.StatusNotFound, "invalid_request_error", nil, nil},
 		{"admin only", http.MethodGet, "/v1/admin/tenants", user, "", http.StatusForbidden, "request_forbidden", nil, "admin_key_required"},
 		{"operators only", http.MethodGet, "/v1/usage", user, "", http.StatusForbidden, "request_forbidden", nil, "operator_key_required"},
+		{"operators only: fleet", http.MethodGet, "/v1/fleet", user, "", http.StatusForbidden, "request_forbidden", nil, "operator_key_required"},
 		// The backend's own 400 (a chat model asked for embeddings) passes
 		// on in OpenAI's shape too.
 		{"backend 400", http.MethodPost, "/v1/embeddings", user, `{"model":"` + llama + `","input":"hi"}`, http.StatusBadRequest, "invalid_request_error", nil, nil},

@@ -42,8 +42,7 @@ func (s *Server) outcomeRoutes(reg *prometheus.Registry) {
 }
 
 // errOperatorOnly refuses a caller without an operator key.
-var errOperatorOnly = &apiError{status: http.StatusForbidden, typ: "invalid_request_error", code: "operator_key_required",
-	msg: "This needs an operator key for the tenant."}
+var errOperatorOnly = forbidden("operator_key_required", "This needs an operator key for the tenant.")
 
 var policyName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`)
 
