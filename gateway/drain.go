@@ -33,6 +33,10 @@ var (
 	errStreamDrained = &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_shutting_down",
 		retryAfter: time.Second,
 		msg:        "This kvgate is shutting down; reconnect with the last event's id as Last-Event-ID to resume where this stream ended."}
+	// errViewDrained ends the fleet's live view when the drain begins.
+	errViewDrained = &apiError{status: http.StatusServiceUnavailable, typ: "server_error", code: "server_shutting_down",
+		retryAfter: time.Second,
+		msg:        "This kvgate is shutting down; reconnect to watch the fleet from another replica."}
 )
 
 // drainGrace is how long Drain waits, after its deadline, for the requests

@@ -56,6 +56,12 @@ func TestDrain(t *testing.T) {
 	if e, _ := events.next(t); e.Event != "snapshot" {
 		t.Fatalf("job stream starts with %+v", e)
 	}
+	// The console's live view (the fleet stream) ends at the drain's
+	// start too: one open tab must not hold a shutdown to its deadline.
+	fleetEvents := openStream(t, f.srv.URL+"/v1/fleet/events")
+	if e, _ := fleetEvents.next(t); e.Event != "fleet" {
+		t.Fatalf("fleet stream starts with %+v", e)
+	}
 
 	deadline, cut := context.WithCancel(context.Background())
 	defer cut()
@@ -75,6 +81,22 @@ func TestDrain(t *testing.T) {
 	}
 	if e, ok := events.next(t); ok {
 		t.Errorf("job stream went on after its error event: %+v", e)
+	}
+	for {
+		e, ok := fleetEvents.next(t)
+		if !ok {
+			t.Fatal("fleet stream ended at the drain without an error event")
+		}
+		if e.Event == "fleet" {
+			continue // one sent before the drain began
+		}
+		if json.Unmarshal([]byte(e.Data), &eb) != nil || e.Event != "error" || eb.Error.Code == nil || *eb.Error.Code != "server_shutting_down" {
+			t.Errorf("fleet stream at the drain: %+v, want an error event", e)
+		}
+		break
+	}
+	if e, ok := fleetEvents.next(t); ok {
+		t.Errorf("fleet stream went on after its error event: %+v", e)
 	}
 	select {
 	case n := <-drained:

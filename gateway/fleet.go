@@ -125,7 +125,10 @@ func (s *Server) handleFleetEvents(w http.ResponseWriter, r *http.Request) int {
 		select {
 		case <-r.Context().Done():
 			return http.StatusOK
-		case <-s.drain.deadline.Done():
+		case <-s.drain.begun:
+			// A view, not a request: it ends as the drain starts, so that
+			// an open console does not hold the shutdown to its deadline.
+			sse.fail(errViewDrained)
 			return http.StatusOK
 		case <-t.C:
 			// A key revoked ends the stream, as it ends a job stream.
