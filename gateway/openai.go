@@ -77,12 +77,24 @@ func (f *reqFields) decode(body []byte) error {
 		return err
 	}
 	f.StreamOptions = &streamOptions{}
-	err = decodeExact(opts, []namedField{{"include_usage", &f.StreamOptions.IncludeUsage}})
-	var typeErr *json.UnmarshalTypeError
-	if errors.As(err, &typeErr) {
-		typeErr.Field = strings.TrimSuffix("stream_options."+typeErr.Field, ".")
+	var usage json.RawMessage
+	if err = decodeExact(opts, []namedField{{"include_usage", &usage}}); err != nil || len(usage) == 0 {
+		return err
 	}
-	return err
+	// vLLM keeps an explicit null as None, which it reads as false (no
+	// usage), not as the field's default true.
+	include := false
+	if string(usage) != "null" {
+		if err = json.Unmarshal(usage, &include); err != nil {
+			var typeErr *json.UnmarshalTypeError
+			if errors.As(err, &typeErr) {
+				typeErr.Field = "stream_options.include_usage"
+			}
+			return err
+		}
+	}
+	f.StreamOptions.IncludeUsage = &include
+	return nil
 }
 
 type namedField struct {

@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -649,17 +650,43 @@ func TestRetriedRequestChargesItsCutAttempt(t *testing.T) {
 // TestStreamUsageAsVLLMDefaultsIt: a stream's stream_options without
 // include_usage asks for usage (vLLM's default), so the client gets its
 // usage chunk even where kvgate asks for usage itself to settle a permit;
-// include_usage false still gets none.
+// include_usage false, or null (vLLM's None), still gets none, and the
+// permit is settled by the usage kvgate asked for.
 func TestStreamUsageAsVLLMDefaultsIt(t *testing.T) {
 	st := sqliteStore(t)
-	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st}}})
+	var mu sync.Mutex
+	var sent []byte // the last chat body the backend got
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st}},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+					b, _ := io.ReadAll(r.Body)
+					mu.Lock()
+					sent = b
+					mu.Unlock()
+					r.Body = io.NopCloser(bytes.NewReader(b))
+				}
+				h.ServeHTTP(w, r)
+			})
+		}})
 	key := newTenant(t, st, "streamer", store.Limits{MaxConcurrency: 10}, store.RoleUser)
-	for opts, want := range map[string]bool{`{}`: true, `{"continuous_usage_stats":false}`: true, `{"include_usage":false}`: false} {
+	for opts, want := range map[string]bool{`{}`: true, `{"continuous_usage_stats":false}`: true, `{"include_usage":false}`: false, `{"include_usage":null}`: false} {
 		resp, b := f.post(t, "/v1/chat/completions", `{"model":"`+llama+`","messages":[{"role":"user","content":"hi"}],"max_tokens":3,"stream":true,"stream_options":`+opts+`}`,
 			"Authorization", "Bearer "+key)
 		got := strings.Contains(string(b), `"choices":[],`) && strings.Contains(string(b), `"usage":{`)
 		if resp.StatusCode != http.StatusOK || got != want {
 			t.Errorf("stream_options %s: %d, usage chunk %v, want %v: %s", opts, resp.StatusCode, got, want, b)
+		}
+		// The permit is settled by the backend's usage: the backend was
+		// asked for it, by the client or by kvgate.
+		var body struct {
+			StreamOptions map[string]any `json:"stream_options"`
+		}
+		mu.Lock()
+		err := json.Unmarshal(sent, &body)
+		mu.Unlock()
+		if v, ok := body.StreamOptions["include_usage"]; err != nil || body.StreamOptions == nil || (ok && v != true) {
+			t.Errorf("stream_options %s: the backend got stream_options %v (%v), which asks for no usage", opts, body.StreamOptions, err)
 		}
 	}
 }

@@ -34,8 +34,29 @@ func (s *Sim) inference(h http.HandlerFunc) http.HandlerFunc {
 // streamOptions are vLLM's: include_usage defaults to true once
 // stream_options is given, and continuous_usage_stats needs it.
 type streamOptions struct {
-	IncludeUsage         *bool `json:"include_usage"`
-	ContinuousUsageStats bool  `json:"continuous_usage_stats"`
+	IncludeUsage         fieldBool `json:"include_usage"`
+	ContinuousUsageStats bool      `json:"continuous_usage_stats"`
+}
+
+// fieldBool is a bool field that tells an explicit null from an absent
+// field, as Pydantic does: a null is kept as None, which vLLM reads as
+// false even where the field's default is true.
+type fieldBool struct{ given, v bool }
+
+func (b *fieldBool) UnmarshalJSON(p []byte) error {
+	b.given = true
+	if string(p) == "null" {
+		return nil
+	}
+	return json.Unmarshal(p, &b.v)
+}
+
+// or is the field's value, or def where the field was not given.
+func (b fieldBool) or(def bool) bool {
+	if !b.given {
+		return def
+	}
+	return b.v
 }
 
 // samplingFields are the request fields the simulator acts on; vLLM accepts
@@ -267,7 +288,7 @@ func (s *Sim) generate(w http.ResponseWriter, r *http.Request, kind genKind, pro
 			writeErrorType(w, http.StatusBadRequest, "BadRequestError", "Stream options can only be defined when `stream=True`.", "stream_options")
 			return
 		}
-		c.usage = boolOr(f.StreamOptions.IncludeUsage, true)
+		c.usage = f.StreamOptions.IncludeUsage.or(true)
 		c.contUsage = c.usage && f.StreamOptions.ContinuousUsageStats
 	}
 	c.id = s.requestID(r, "cmpl-")

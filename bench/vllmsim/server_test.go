@@ -674,6 +674,8 @@ func TestStreamOptionsDefaults(t *testing.T) {
 		{"empty object", map[string]any{}, true, false},
 		{"continuous only", map[string]any{"continuous_usage_stats": true}, true, true},
 		{"continuous without include_usage", map[string]any{"include_usage": false, "continuous_usage_stats": true}, false, false},
+		// Pydantic keeps a null as None, which vLLM reads as false.
+		{"include_usage null", map[string]any{"include_usage": nil}, false, false},
 	} {
 		t.Run(o.name, func(t *testing.T) {
 			body := maps.Clone(req)
