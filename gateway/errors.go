@@ -40,6 +40,14 @@ func forbidden(code, msg string) *apiError {
 	return &apiError{status: http.StatusForbidden, typ: "request_forbidden", code: code, msg: msg}
 }
 
+// answerTooLarge refuses a backend's answer over Config.MaxAnswerBytes.
+// Asking again would make the same answer: the SDKs are told not to.
+func answerTooLarge(limit int64) *apiError {
+	return &apiError{status: http.StatusBadGateway, typ: "server_error", code: "answer_too_large",
+		msg:    fmt.Sprintf("The backend's answer is over %d bytes, the most kvgate reads for one request: ask for less (fewer inputs or choices, fewer logprobs, a lower max_tokens), stream it, or use encoding_format base64 for embeddings.", limit),
+		header: http.Header{"X-Should-Retry": {"false"}}}
+}
+
 // upstreamError is a backend's own error response, passed on to the
 // client with the backend's status and message.
 type upstreamError struct {

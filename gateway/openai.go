@@ -704,11 +704,16 @@ func (s *Server) forward(ctx context.Context, w http.ResponseWriter, g *schedule
 	if c.f.Stream && isEventStream(resp.Header.Get("Content-Type")) {
 		return s.relay(ctx, w, g, c, resp, injected, start, watchdog, cw, failed)
 	}
-	b, err := io.ReadAll(resp.Body)
+	b, err := io.ReadAll(io.LimitReader(resp.Body, s.cfg.MaxAnswerBytes+1))
 	if err != nil {
 		return failed("read", err)
 	}
 	g.BackendDone() // its KV is free there, however long the client takes to read the answer
+	if int64(len(b)) > s.cfg.MaxAnswerBytes {
+		// The backend did its work; the answer is more than kvgate holds
+		// for one request, and would be again on any backend.
+		return result{status: http.StatusBadGateway, err: answerTooLarge(s.cfg.MaxAnswerBytes), up: upstream{class: upstreamOK, status: resp.StatusCode}}
+	}
 	b, answered, err := answerOf(c.ep, b)
 	if err != nil {
 		s.m.upstreamError(g.Backend, "malformed")

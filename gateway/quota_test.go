@@ -753,3 +753,40 @@ func settledUsage(t *testing.T, st store.Tenants, tenant string) store.UsageDay 
 	})
 	return u
 }
+
+// TestAnswerOverTheLimit: a backend's answer to a request that is not
+// streamed, over gateway.max_answer_bytes, is a 502 answer_too_large that
+// the SDKs are told not to retry; kvgate does not ask another backend
+// (it would answer the same), and the usage, unread, is charged as
+// uncertain. A stream of the same answer passes.
+func TestAnswerOverTheLimit(t *testing.T) {
+	st := sqliteStore(t)
+	var calls atomic.Int64
+	clock := &testClock{now: quotaT0}
+	f := startFleet(t, fleetOpts{store: st, backends: 2, gateway: Config{MaxAnswerBytes: 300, Tenants: Tenants{Store: st, Now: clock.Now}},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+					calls.Add(1)
+				}
+				h.ServeHTTP(w, r)
+			})
+		}})
+	key := newTenant(t, st, "big", store.Limits{MaxConcurrency: 10}, store.RoleUser)
+	req := `{"model":"` + llama + `","messages":[{"role":"user","content":"hi"}],"max_tokens":200,"ignore_eos":true`
+	resp, b := f.post(t, "/v1/chat/completions", req+`}`, "Authorization", "Bearer "+key)
+	if resp.StatusCode != http.StatusBadGateway || !strings.Contains(string(b), `"code":"answer_too_large"`) ||
+		resp.Header.Get("x-should-retry") != "false" {
+		t.Fatalf("an answer over the limit: %d, x-should-retry %q: %s", resp.StatusCode, resp.Header.Get("x-should-retry"), b)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Errorf("the backends were asked %d times, want once", n)
+	}
+	if u := settledUsage(t, st, "big"); u.Uncertain != 1 {
+		t.Errorf("ledger %+v: want the request uncertain", u)
+	}
+	resp, b = f.post(t, "/v1/chat/completions", req+`,"stream":true}`, "Authorization", "Bearer "+key)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "[DONE]") {
+		t.Errorf("the same answer streamed: %d %s", resp.StatusCode, tail(b))
+	}
+}

@@ -35,6 +35,10 @@ type Config struct {
 	OperatorKeys map[string]string
 	// MaxBodyBytes caps request bodies; larger ones get 413 [8 MiB].
 	MaxBodyBytes int64
+	// MaxAnswerBytes caps a backend's answer to a request that is not
+	// streamed, which kvgate reads whole (for its usage); a larger one is
+	// a 502 answer_too_large [256 MiB]. Streams are passed on as they come.
+	MaxAnswerBytes int64
 	// DefaultMaxTokens is the output reserved for a chat request that sets
 	// no max_tokens, bounded by what the context leaves [1024].
 	DefaultMaxTokens int
@@ -155,6 +159,7 @@ type Server struct {
 // not Dev) is an error.
 func New(cfg Config, pool backendPool, sched admitter, reg *prometheus.Registry, log *slog.Logger) (*Server, error) {
 	cfg.MaxBodyBytes = cmp.Or(cfg.MaxBodyBytes, 8<<20)
+	cfg.MaxAnswerBytes = cmp.Or(cfg.MaxAnswerBytes, 256<<20)
 	cfg.DefaultMaxTokens = cmp.Or(cfg.DefaultMaxTokens, 1024)
 	cfg.TokenCount = cmp.Or(cfg.TokenCount, "estimate")
 	cfg.StreamIdleTimeout = cmp.Or(cfg.StreamIdleTimeout, 2*time.Minute)

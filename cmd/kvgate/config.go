@@ -72,6 +72,7 @@ type config struct {
 	Admission scheduler.Policy `yaml:"admission"` // admission thresholds (docs/admission.md)
 	Gateway   struct {
 		MaxBodyBytes      int64         `yaml:"max_body_bytes"`      // request bodies larger get 413, in bytes [8 MiB]
+		MaxAnswerBytes    int64         `yaml:"max_answer_bytes"`    // a backend's answer to a request that is not streamed, read whole, may be at most this; a larger one is a 502 answer_too_large, in bytes [256 MiB]
 		TenantFileBytes   int64         `yaml:"tenant_file_bytes"`   // what one tenant's files (uploads, batch outputs) may hold together, in bytes; an upload past it is refused [100 GiB]
 		DefaultMaxTokens  int           `yaml:"default_max_tokens"`  // output reserved for a chat request without max_tokens, in tokens [1024]
 		TokenCount        string        `yaml:"token_count"`         // estimate (bytes times a learned ratio) or tokenize (ask the backend: exact, one more round trip) [estimate]
@@ -383,7 +384,7 @@ func (c *config) validate() error {
 		{"nvml.interval", int64(c.NVML.Interval), true}, {"jobs.lease", int64(c.Jobs.Lease), true},
 		{"jobs.default_deadline", int64(c.Jobs.DefaultDeadline), true}, {"jobs.retention", int64(c.Jobs.Retention), true},
 		{"metrics.backlog_interval", int64(c.Metrics.BacklogInterval), true},
-		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.tenant_file_bytes", c.Gateway.TenantFileBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
+		{"gateway.max_body_bytes", c.Gateway.MaxBodyBytes, false}, {"gateway.max_answer_bytes", c.Gateway.MaxAnswerBytes, false}, {"gateway.tenant_file_bytes", c.Gateway.TenantFileBytes, false}, {"gateway.default_max_tokens", int64(c.Gateway.DefaultMaxTokens), false},
 		{"nats.replicas", int64(c.NATS.Replicas), false}, {"jobs.concurrency", int64(c.Jobs.Concurrency), false},
 		{"jobs.max_attempts", int64(c.Jobs.MaxAttempts), false}, {"sim.count", int64(c.Sim.Count), false},
 		{"webhooks.timeout", int64(c.Webhooks.Timeout), true}, {"webhooks.concurrency", int64(c.Webhooks.Concurrency), false},

@@ -159,7 +159,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 	}
 	api, err := gateway.New(gateway.Config{
 		Webhooks: gateway.Webhooks{Store: st, Guard: guard, Wake: hooks.Wake},
-		APIKeys:  keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, TenantFileBytes: cfg.Gateway.TenantFileBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
+		APIKeys:  keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, MaxAnswerBytes: cfg.Gateway.MaxAnswerBytes, TenantFileBytes: cfg.Gateway.TenantFileBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
 		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog,
