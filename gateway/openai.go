@@ -867,6 +867,9 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 			if ev.delta {
 				chunks++
 			}
+			if ev.failed {
+				failure = data // passed on, and the attempt a failure, as a chat stream's error
+			}
 			done = ev.final
 		case data == nil:
 		case bytes.Equal(data, doneData):
@@ -957,7 +960,7 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 		// Shutting down: the client is still there, and must hear why the
 		// stream ends.
 		endStream(w, rc, c.ep, &trail, errDrainDeadline)
-		return result{status: http.StatusServiceUnavailable, err: errDrainDeadline, wrote: true}
+		return result{status: http.StatusServiceUnavailable, err: errDrainDeadline, wrote: true, usage: u}
 	}
 	if !started || res.err == errClientGone {
 		return res // nothing reached the client: retryable elsewhere

@@ -280,6 +280,7 @@ type responsesStreamEvent struct {
 	typ       string
 	delta     bool   // output text: a token's progress
 	final     bool   // the stream's last event
+	failed    bool   // a final event that says the response failed (response.failed, error)
 	usage     *usage // from the final event
 	rewritten []byte // the event's new data, when it changed
 	// response is the response an event other than the final one carries
@@ -318,10 +319,12 @@ func parseResponsesEvent(data []byte) responsesStreamEvent {
 	case "response.output_text.delta":
 		out.delta = true
 		return out
-	case "response.completed", "response.incomplete", "response.failed":
+	case "response.completed", "response.incomplete":
 		out.final = true
+	case "response.failed":
+		out.final, out.failed = true, true
 	case "error":
-		out.final = true
+		out.final, out.failed = true, true
 		return out
 	}
 	key, fixed := "", json.RawMessage(nil)

@@ -740,3 +740,35 @@ func TestOutputCapAsVLLMReadsIt(t *testing.T) {
 		}
 	}
 }
+
+// TestResponsesStreamEndingFailed: a Responses stream the backend ends
+// with response.failed (or an error event) reaches the client as it came,
+// and the attempt is a failure: the tenant is charged its reservation as
+// uncertain, not the failed response's usage as if it had succeeded.
+func TestResponsesStreamEndingFailed(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	events := `event: response.created` + "\n" + `data: {"type":"response.created","sequence_number":0,"response":{"id":"resp_1","object":"response","created_at":1,"model":"` + llama + `","status":"in_progress","output":[]}}` + "\n\n" +
+		`event: response.failed` + "\n" + `data: {"type":"response.failed","sequence_number":1,"response":{"id":"resp_1","object":"response","created_at":1,"model":"` + llama +
+		`","status":"failed","output":[],"error":{"code":"server_error","message":"engine failed"},"usage":{"input_tokens":3,"output_tokens":7,"total_tokens":10}}}` + "\n\n"
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if !strings.HasSuffix(r.URL.Path, "/responses") {
+					h.ServeHTTP(w, r)
+					return
+				}
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				_, _ = io.WriteString(w, events)
+			})
+		}})
+	key := newTenant(t, st, "failing", store.Limits{MaxConcurrency: 10}, store.RoleUser)
+	resp, b := f.post(t, "/v1/responses", `{"model":"`+llama+`","input":"hi","max_output_tokens":20,"stream":true}`, "Authorization", "Bearer "+key)
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "event: response.failed") || !strings.Contains(string(b), "engine failed") {
+		t.Fatalf("stream: %d %s", resp.StatusCode, b)
+	}
+	if u := settledUsage(t, st, "failing"); u.Uncertain != 1 || u.CompletionTokens != 0 {
+		t.Errorf("ledger %+v: want the request uncertain, nothing reported", u)
+	}
+}
