@@ -276,13 +276,21 @@ func quotaError(q *store.QuotaError) *apiError {
 		e.msg = fmt.Sprintf("You exceeded your current quota of %s: Limit %d, Used %d, Requested %d. It resets in %s.",
 			what, q.Max, q.Used, q.Asked, q.Reset.Round(time.Second))
 		e.header.Set("x-should-retry", "false")
+	case q.TooLarge():
+		// As OpenAI answers a request over the whole TPM: no wait helps.
+		e.msg = fmt.Sprintf("Request too large for your %s on %s: Limit %d, Requested %d. Ask for less (a shorter prompt, a lower max_tokens) to run it.",
+			q.Scope, what, q.Max, q.Asked)
+		e.retryAfter = 0
+		e.header.Set("x-should-retry", "false")
 	case q.Reset > 0:
 		e.msg += fmt.Sprintf(" Please try again in %s.", q.Reset.Round(time.Millisecond))
 	default:
 		e.msg += " Please try again when a request in flight ends."
 	}
 	rateLimitHeaders(e.header, q.Window)
-	e.header.Set("retry-after-ms", strconv.FormatInt(e.retryAfter.Milliseconds(), 10))
+	if e.retryAfter > 0 {
+		e.header.Set("retry-after-ms", strconv.FormatInt(e.retryAfter.Milliseconds(), 10))
+	}
 	return e
 }
 

@@ -140,7 +140,7 @@ func (s *Server) Prepare(ctx context.Context, j store.Job) (*scheduler.Call, err
 func jobQuotaError(err error) error {
 	var qe *store.QuotaError
 	switch {
-	case errors.As(err, &qe) && qe.Max > 0 && qe.Asked > qe.Max:
+	case errors.As(err, &qe) && qe.TooLarge():
 		// No reset makes room for it.
 		return &scheduler.ExecError{Class: scheduler.ClassInvalid, Status: http.StatusTooManyRequests, Err: err}
 	case errors.As(err, &qe):

@@ -285,8 +285,12 @@ func TestQuota429Shape(t *testing.T) {
 	// A request larger than the TPM can never pass: tokens.
 	big := newTenant(t, st, "big", store.Limits{TPM: 1000}, store.RoleUser)
 	resp, b = send(t, f.srv.URL, http.MethodPost, "/v1/chat/completions", big, chatReq(2000))
-	if e := decodeError(t, b); resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(e.Error.Message, "tokens per min (TPM)") {
+	if e := decodeError(t, b); resp.StatusCode != http.StatusTooManyRequests || !strings.Contains(e.Error.Message, "Request too large for your tenant on tokens per min (TPM)") {
 		t.Errorf("over TPM: %d %s", resp.StatusCode, b)
+	}
+	// No reset makes room for it: the SDKs are told not to retry.
+	if h := resp.Header; h.Get("x-should-retry") != "false" || h.Get("Retry-After") != "" || h.Get("retry-after-ms") != "" {
+		t.Errorf("over TPM: x-should-retry %q, Retry-After %q, retry-after-ms %q; want false and none", h.Get("x-should-retry"), h.Get("Retry-After"), h.Get("retry-after-ms"))
 	}
 
 	// A spent budget: insufficient_quota, and clients should not retry.

@@ -256,6 +256,10 @@ func (e *QuotaError) Budget() bool {
 	return e.Limit == "daily_tokens" || e.Limit == "monthly_tokens" || e.Spend()
 }
 
+// TooLarge reports whether the request alone asks for more than the
+// limit allows at all: no reset makes room for it.
+func (e *QuotaError) TooLarge() bool { return e.Max > 0 && e.Asked > e.Max }
+
 // Spend reports whether a spending budget refused it: Max, Used and Asked
 // are then micro-units of money.
 func (e *QuotaError) Spend() bool { return e.Limit == "daily_spend" || e.Limit == "monthly_spend" }
