@@ -162,7 +162,7 @@ func runServe(ctx context.Context, args []string, getenv func(string) string, st
 		APIKeys:  keys, OperatorKeys: operators, MaxBodyBytes: cfg.Gateway.MaxBodyBytes, MaxAnswerBytes: cfg.Gateway.MaxAnswerBytes, TenantFileBytes: cfg.Gateway.TenantFileBytes, DefaultMaxTokens: cfg.Gateway.DefaultMaxTokens,
 		TokenCount: cfg.Gateway.TokenCount, Retries: cfg.Gateway.Retries, StreamIdleTimeout: cfg.Gateway.StreamIdleTimeout,
 		RequestTimeout: cfg.Gateway.RequestTimeout, OnCooldown: sig.Cooldown,
-		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog,
+		AdminKeys: cfg.adminKeys(), AccessLog: cfg.AccessLog, Version: readBuildInfo().Version,
 		ConsoleSecret: cfg.Console.SessionSecret, ConsoleSessionTTL: cfg.Console.SessionTTL, ConsoleSecureCookies: cfg.Console.SecureCookies, Backlog: durable.Backlog,
 		Dev:    cfg.Dev,
 		Models: cfg.aliases(), Prices: cfg.Prices, Currency: cfg.Currency,

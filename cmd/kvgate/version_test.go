@@ -2,6 +2,8 @@ package main
 
 import (
 	"debug/elf"
+	"encoding/json"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -72,6 +74,23 @@ kvgate_build_info{commit="abc123",goversion="` + runtime.Version() + `",version=
 `
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "kvgate_build_info"); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestServeAnswersItsStamp: GET /version under serve answers the build's
+// stamped version, as `kvgate version` and kvgate_build_info do (an image
+// built from a tree without .git has no other).
+func TestServeAnswersItsStamp(t *testing.T) {
+	withStamps(t, "v1.2.3-stamped", "abc123")
+	base, _ := startServe(t, "--data-dir", t.TempDir())
+	resp, err := http.Get(base + "/version")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v struct{ Version string }
+	if err := json.NewDecoder(resp.Body).Decode(&v); err != nil || v.Version != "v1.2.3-stamped" {
+		t.Errorf("GET /version: %+v, %v; want the stamp", v, err)
 	}
 }
 
