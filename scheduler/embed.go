@@ -102,7 +102,9 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		earlier store.Spent // what this attempt's batches used, each charged with the attempt's end
 	)
 	for i, b := range batches {
-		data, err := r.st.Stage(ctx, j.ID, batchStage(i))
+		sctx, stop := r.bounded(ctx)
+		data, err := r.st.Stage(sctx, j.ID, batchStage(i))
+		stop()
 		if err == nil {
 			// A checkpoint that does not answer its batch (written before
 			// answers were checked) is sent again, not reused.
@@ -145,8 +147,8 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		if parts[i], err = readEmbedBatch(out.Body, b); err != nil {
 			return Outcome{}, &ExecError{Class: ClassBackend, Err: fmt.Errorf("batch %d: %w", i, err)}
 		}
-		if err := r.record(wctx, func(now time.Time) error {
-			return r.st.SaveStage(wctx, j.ID, j.Fence, batchStage(i), out.Body, now)
+		if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+			return r.st.SaveStage(ctx, j.ID, j.Fence, batchStage(i), out.Body, now)
 		}); err != nil {
 			// The batch reached the backend and was answered: as for a
 			// single request's checkpoint that cannot be written, the

@@ -579,3 +579,67 @@ func TestWithinDeadline(t *testing.T) {
 		t.Errorf("half a second left: retry at %v, want it left past the deadline", got.Sub(now))
 	}
 }
+
+// hangsOnce is a store whose first call of one method never answers (a
+// connection left half open by a host that crashed) until its caller
+// gives up; every other call is the store's.
+type hangsOnce struct {
+	store.Store
+	method string
+	hung   atomic.Bool
+}
+
+func (s *hangsOnce) hang(ctx context.Context, method string) error {
+	if method != s.method || !s.hung.CompareAndSwap(false, true) {
+		return nil
+	}
+	<-ctx.Done()
+	return fmt.Errorf("%s: %w", method, ctx.Err())
+}
+
+func (s *hangsOnce) Heartbeat(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration) error {
+	if err := s.hang(ctx, "Heartbeat"); err != nil {
+		return err
+	}
+	return s.Store.Heartbeat(ctx, id, fence, now, lease)
+}
+
+func (s *hangsOnce) Complete(ctx context.Context, c store.Completion) error {
+	if err := s.hang(ctx, "Complete"); err != nil {
+		return err
+	}
+	return s.Store.Complete(ctx, c)
+}
+
+// TestRunnerOutlastsAHungStoreCall: a call to the store that hangs (its
+// connection half open) is given up after a third of the lease and tried
+// again, while the lease holds: a hung end does not hold the answered job
+// RUNNING until the lease runs out and the reap counts the attempt, and a
+// hung beat does not use up the lease and drop the work.
+func TestRunnerOutlastsAHungStoreCall(t *testing.T) {
+	const lease = 1500 * time.Millisecond
+	for _, method := range []string{"Complete", "Heartbeat"} {
+		t.Run(method, func(t *testing.T) {
+			exec := &scriptedExecutor{}
+			if method == "Heartbeat" {
+				// The call outlasts the hung beat and the next.
+				exec.hold = make(chan struct{})
+				time.AfterFunc(2*lease, func() { close(exec.hold) })
+			}
+			st := &hangsOnce{Store: openStore(t), method: method}
+			f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, lease)
+			j := f.submit(t, "k")
+			var got store.Job
+			eventually.Within(t, 20*time.Second, "the job to end", func() bool {
+				got, _ = st.Get(context.Background(), "acme", j.ID)
+				return got.State.Final()
+			})
+			if got.State != store.Succeeded || got.Attempt != 1 || exec.calls.Load() != 1 || !st.hung.Load() {
+				t.Errorf("job %s after %d attempts, %d calls (hung: %v); want SUCCEEDED after one", got.State, got.Attempt, exec.calls.Load(), st.hung.Load())
+			}
+			if n := testutil.ToFloat64(f.runner.m.stale); n != 0 {
+				t.Errorf("%v attempts given up", n)
+			}
+		})
+	}
+}

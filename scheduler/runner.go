@@ -307,7 +307,10 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-reap.C:
-			if n, err := r.st.Reap(ctx, r.cfg.Now(), 1000); err != nil {
+			rctx, stop := r.bounded(ctx)
+			n, err := r.st.Reap(rctx, r.cfg.Now(), 1000)
+			stop()
+			if err != nil {
 				r.log.Warn("reap failed", "err", err)
 			} else if n > 0 {
 				r.m.reaped.Add(float64(n))
@@ -347,7 +350,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		if free <= 0 || len(models) == 0 {
 			continue
 		}
-		jobs, err := r.st.Claim(ctx, r.cfg.Now(), r.cfg.Lease, free, models...)
+		cctx, stop := r.bounded(ctx)
+		jobs, err := r.st.Claim(cctx, r.cfg.Now(), r.cfg.Lease, free, models...)
+		stop()
 		if err != nil {
 			if ctx.Err() == nil {
 				r.log.Warn("claim failed", "err", err)
@@ -448,7 +453,9 @@ func (r *Runner) claimFacts(ctx context.Context, jobs []store.Job) map[string]*f
 	for i, j := range jobs {
 		ids[i] = j.ID
 	}
-	ents, outs, err := fs.AttemptFacts(ctx, ids)
+	fctx, stop := r.bounded(ctx)
+	defer stop()
+	ents, outs, err := fs.AttemptFacts(fctx, ids)
 	if err != nil {
 		r.log.Debug("claim facts unread", "err", err)
 		return nil
@@ -494,7 +501,9 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 	// read is spared.
 	body, err := []byte(nil), store.ErrNotFound
 	if j.Fence > 1 {
-		body, err = r.st.Stage(ctx, j.ID, stageInference)
+		sctx, stop := r.bounded(ctx)
+		body, err = r.st.Stage(sctx, j.ID, stageInference)
+		stop()
 	}
 	reused := err == nil
 	last := false // the inference is the job's last stage (lastStage)
@@ -511,8 +520,8 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 		a.PromptTokens, a.CompletionTokens = out.PromptTokens, out.CompletionTokens
 		body = out.Body
 		if last = r.lastStage(wctx, j, f); !last {
-			if err := r.record(wctx, func(now time.Time) error {
-				return r.st.SaveStage(wctx, j.ID, j.Fence, stageInference, body, now)
+			if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+				return r.st.SaveStage(ctx, j.ID, j.Fence, stageInference, body, now)
 			}); err != nil {
 				r.lost(log, err)
 				return
@@ -547,8 +556,8 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 	// checkpoint reused, or every batch of an embeddings job's (their
 	// answers checkpointed by attempts before it).
 	reused = reused || !a.Sent
-	err = r.record(wctx, func(now time.Time) error {
-		return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
+	err = r.record(wctx, func(ctx context.Context, now time.Time) error {
+		return r.st.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
 			Reused: reused, Entity: ent, Attempt: a, Now: now})
 	})
 	if err != nil {
@@ -561,7 +570,9 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 		if g, ok := r.st.(interface {
 			Get(ctx context.Context, tenant, id string) (store.Job, error)
 		}); ok {
-			if got, err := g.Get(wctx, j.Tenant, j.ID); err == nil {
+			gctx, stop := r.bounded(wctx)
+			defer stop()
+			if got, err := g.Get(gctx, j.Tenant, j.ID); err == nil {
 				state = got.State
 			}
 		}
@@ -587,7 +598,9 @@ func (r *Runner) lastStage(ctx context.Context, j store.Job, f *facts) bool {
 	if !ok {
 		return true // no store of policies: validation has nothing to judge
 	}
-	_, err := os.JobOutcome(ctx, j.ID)
+	octx, stop := r.bounded(ctx)
+	defer stop()
+	_, err := os.JobOutcome(octx, j.ID)
 	return errors.Is(err, store.ErrNotFound)
 }
 
@@ -653,7 +666,9 @@ func (r *Runner) infer(ctx context.Context, j store.Job, a *store.Attempt, at *a
 		defer func() { a.Charge = ch }()
 	}
 	return call.Run(ctx, g, func() error {
-		if err := r.st.MarkSent(ctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease, ch); errors.Is(err, store.ErrLeaseLost) {
+		mctx, stop := r.bounded(ctx)
+		defer stop()
+		if err := r.st.MarkSent(mctx, j.ID, j.Fence, r.cfg.Now(), r.cfg.Lease, ch); errors.Is(err, store.ErrLeaseLost) {
 			return err
 		} else if err != nil {
 			// Unmarked, the request must not leave: a wait, not an attempt.
@@ -764,9 +779,9 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 		f.RetryAt = r.withinDeadline(now, j.Deadline, f.RetryAt, xe.RetryAfter)
 	}
 	f.Attempt = a
-	if err := r.record(wctx, func(now time.Time) error {
+	if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
 		f.Now = now
-		return r.st.Fail(wctx, f)
+		return r.st.Fail(ctx, f)
 	}); err != nil {
 		r.lost(log, err)
 		return
@@ -810,11 +825,17 @@ func (r *Runner) withinDeadline(now, deadline, at time.Time, floor time.Duration
 // not lose an answer the backend gave, which would pay for the inference
 // again and spend another attempt. Only the store's answers about the job
 // end the tries at once (final: its lease lost, the job ended or gone);
-// the others stop one lease after the first. It returns the last error.
-func (r *Runner) record(ctx context.Context, write func(now time.Time) error) error {
+// the others stop one lease after the first. Each try has a third of the
+// lease (storeWait): one that hangs (a connection left half open by a
+// host that crashed) is abandoned and tried again on another connection
+// while the lease holds. It returns the last error.
+func (r *Runner) record(ctx context.Context, write func(ctx context.Context, now time.Time) error) error {
 	giveUp := r.cfg.Now().Add(r.cfg.Lease)
 	for wait := 50 * time.Millisecond; ; wait = min(2*wait, 2*time.Second) {
-		err := write(r.cfg.Now())
+		now := r.cfg.Now()
+		tctx, stop := context.WithTimeout(ctx, min(r.storeWait(), max(giveUp.Sub(now), 0)))
+		err := write(tctx, now)
+		stop()
 		if err == nil || final(err) || ctx.Err() != nil || !r.cfg.Now().Add(wait).Before(giveUp) {
 			return err
 		}
@@ -827,6 +848,17 @@ func (r *Runner) record(ctx context.Context, write func(now time.Time) error) er
 		case <-t.C:
 		}
 	}
+}
+
+// storeWait bounds one call of the runner's to the store: a third of the
+// lease, so that a call left hanging (a connection half open) is given up
+// while the lease still has two thirds to run, and the next beat or try
+// gets through on another connection.
+func (r *Runner) storeWait() time.Duration { return r.cfg.Lease / 3 }
+
+// bounded is ctx limited to storeWait.
+func (r *Runner) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, r.storeWait())
 }
 
 // final reports whether a store's error is its answer about the job, which
@@ -867,9 +899,11 @@ func (r *Runner) heartbeat(ctx context.Context, cancel context.CancelCauseFunc, 
 		case <-t.C:
 		}
 		now := r.cfg.Now()
-		// No longer than the lease held: a beat that hangs (a connection
-		// half open) must not keep the work going past it.
-		bctx, stop := context.WithTimeout(ctx, held.Sub(now))
+		// No longer than a third of the lease, nor than the lease held: a
+		// beat that hangs (a connection half open) is given up in time for
+		// the next one, queued meanwhile, to renew the lease, and must not
+		// keep the work going past it.
+		bctx, stop := context.WithTimeout(ctx, min(held.Sub(now), r.storeWait()))
 		err := r.st.Heartbeat(bctx, j.ID, j.Fence, now, r.cfg.Lease)
 		stop()
 		switch {

@@ -52,7 +52,7 @@ func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte, f 
 	// until its lease ran out, and the reap would count it.
 	switch {
 	case f == nil:
-		err = r.record(ctx, func(time.Time) error {
+		err = r.record(ctx, func(ctx context.Context, _ time.Time) error {
 			var rerr error
 			o, rerr = os.JobOutcome(ctx, j.ID)
 			return rerr
@@ -70,7 +70,7 @@ func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte, f 
 	}
 	var v store.Validation
 	var data []byte
-	err = r.record(ctx, func(time.Time) error {
+	err = r.record(ctx, func(ctx context.Context, _ time.Time) error {
 		var rerr error
 		data, rerr = r.st.Stage(ctx, j.ID, store.StageValidation)
 		return rerr
@@ -82,8 +82,8 @@ func (r *Runner) validation(wctx context.Context, j store.Job, answer []byte, f 
 		v = judge(j, o, answer)
 		v.Fence = j.Fence
 		data, _ = json.Marshal(v)
-		if err := r.record(wctx, func(now time.Time) error {
-			return r.st.SaveStage(wctx, j.ID, j.Fence, store.StageValidation, data, now)
+		if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+			return r.st.SaveStage(ctx, j.ID, j.Fence, store.StageValidation, data, now)
 		}); err != nil {
 			return "", err
 		}
@@ -146,9 +146,11 @@ func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store
 	}
 	var e store.JobEntity
 	var err error
+	rctx, stop := r.bounded(ctx)
+	defer stop()
 	switch {
 	case f == nil:
-		e, err = es.JobEntity(ctx, j.ID)
+		e, err = es.JobEntity(rctx, j.ID)
 	case f.entity == nil:
 		err = store.ErrNotFound
 	default:
@@ -159,7 +161,7 @@ func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store
 	}
 	var turn store.Turn
 	if err == nil {
-		turn, err = es.EntityTurn(ctx, e)
+		turn, err = es.EntityTurn(rctx, e)
 	}
 	switch {
 	case err != nil:
@@ -171,8 +173,8 @@ func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store
 		return nil, false
 	case turn == store.TurnSuperseded:
 		a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
-		if err := r.record(wctx, func(now time.Time) error {
-			return r.st.Complete(wctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Superseded, Reused: true,
+		if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+			return r.st.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Superseded, Reused: true,
 				Entity: &e, Attempt: a, Now: now})
 		}); err != nil {
 			r.lost(log, err)
