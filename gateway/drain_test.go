@@ -8,9 +8,13 @@ import (
 	"mime/multipart"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/scheduler"
+	"github.com/kvgate/kvgate/store"
 )
 
 // A drain fails /readyz and refuses new requests at once while the
@@ -213,4 +217,56 @@ func waitUnready(t *testing.T, base string) {
 		resp.Body.Close()
 		return resp.StatusCode == http.StatusServiceUnavailable
 	})
+}
+
+// drainAtMark is a store whose sent marks, once written, start the
+// runner's drain: the drain comes between a job's mark and its send.
+type drainAtMark struct {
+	store.Store
+	drain func()
+}
+
+func (s drainAtMark) MarkSent(ctx context.Context, id string, fence int64, now time.Time, lease time.Duration, ch *store.Charge) error {
+	err := s.Store.MarkSent(ctx, id, fence, now, lease, ch)
+	s.drain()
+	return err
+}
+
+// TestDrainBetweenMarkAndSend: a job whose attempt the drain stops after
+// its sent mark is written but before its request leaves sends nothing,
+// spends nothing, and costs its tenant nothing (it was charged its whole
+// reservation as uncertain, as if the request had gone).
+func TestDrainBetweenMarkAndSend(t *testing.T) {
+	st := sqliteStore(t)
+	var calls atomic.Int64
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st}},
+		wrap: func(_ int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+					calls.Add(1)
+				}
+				h.ServeHTTP(w, r)
+			})
+		}})
+	key := newTenant(t, st, "acme", store.Limits{MaxConcurrency: 10}, store.RoleUser)
+	var runner *scheduler.Runner
+	runner = scheduler.NewRunner(drainAtMark{Store: st, drain: func() { runner.Drain() }}, f.sched, f.api,
+		scheduler.RunnerConfig{Concurrency: 4, Lease: 10 * time.Second, Poll: 10 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = runner.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	_, job := submitJob(t, f, "k1", chatJob("hello", 4), "Authorization", "Bearer "+key)
+	eventually.True(t, "the attempt to be handed back", func() bool {
+		as, _ := st.Attempts(context.Background(), job.ID)
+		return len(as) == 1
+	})
+	j, _ := st.Get(context.Background(), "acme", job.ID)
+	if calls.Load() != 0 || j.Attempt != 0 || j.State.Final() {
+		t.Errorf("after the drain: %d backend calls, job %s with %d attempts spent; want none sent, none spent", calls.Load(), j.State, j.Attempt)
+	}
+	if u := ledgerOf(t, st, "acme"); u.Uncertain != 0 || u.UncertainTokens != 0 {
+		t.Errorf("ledger %+v: the request never left, yet is charged", u)
+	}
 }

@@ -193,6 +193,11 @@ func (s *Server) execute(ctx context.Context, j store.Job, c *call, g *scheduler
 	if err := sending(); err != nil {
 		return execOutcome{}, sentNothing, err // the claim lost the job: send nothing
 	}
+	if ctx.Err() != nil {
+		// Stopped while the mark was written (a drain, the lease given
+		// up): the request has not left, and costs the tenant nothing.
+		return fail(sentNothing, scheduler.ClassShutdown, 0, 0, context.Cause(ctx))
+	}
 	span := startBackendSpan(req, g)
 	var spanStatus int
 	var spanErr error
