@@ -24,6 +24,14 @@ type estimator struct {
 const (
 	initialTokensPerByte = 1.0 / 3
 	estimateSmoothing    = 0.1 // weight of each new observation
+	// An observation is taken within these bounds: text's JSON runs from
+	// about a token per 6 bytes (indented code, escapes) to a token per
+	// byte (CJK, base64). Outside them it is a prompt built to steer the
+	// estimate (a run of escaped spaces the tokenizer makes one token of),
+	// which would otherwise drag every tenant's estimate for the model
+	// down, and their reservations under what their prompts take.
+	minTokensPerByte = 1.0 / 8
+	maxTokensPerByte = 1.0
 )
 
 func newEstimator() *estimator {
@@ -104,7 +112,7 @@ func (e *estimator) observe(model string, n, tokens int) {
 	if n <= 0 || tokens <= 0 {
 		return
 	}
-	obs := float64(tokens) / float64(n)
+	obs := min(max(float64(tokens)/float64(n), minTokensPerByte), maxTokensPerByte)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	e.seen[model]++

@@ -244,3 +244,24 @@ func TestImageChunksKeepTheTextsTokens(t *testing.T) {
 		t.Errorf("a chunk stands for %.1f tokens beside an image, %.1f without: want about the same", image, text)
 	}
 }
+
+// TestEstimateCannotBeSteered: observations outside what text's JSON can
+// make (a prompt of escaped spaces that tokenizes to a few tokens) move a
+// model's ratio no further than the bound, so one tenant's cheap requests
+// cannot halve the estimate of every other tenant's prompts.
+func TestEstimateCannotBeSteered(t *testing.T) {
+	e := newEstimator()
+	e.observe("m", 4000, 1000) // a quarter of a token a byte, as English in JSON
+	for range 500 {
+		e.observe("m", 60000, 10) // 10,000 escaped spaces: a few tokens
+	}
+	if got := e.estimate("m", 8000); got < 8000/8 {
+		t.Errorf("8,000 bytes estimated at %d tokens after steering, want at least %d", got, 8000/8)
+	}
+	for range 500 {
+		e.observe("m", 10, 10_000)
+	}
+	if got := e.estimate("m", 8000); got > 8000 {
+		t.Errorf("8,000 bytes estimated at %d tokens, want at most one a byte", got)
+	}
+}
