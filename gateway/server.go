@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -151,6 +152,7 @@ type Server struct {
 	consoleSeal *consoleSealer      // console.go
 	gatherer    prometheus.Gatherer // the registry, for the fleet's refusal counts (fleet.go)
 	backlogs    backlogCache        // the durable backlog's last read (fleet_queues.go)
+	tokenizeRR  atomic.Uint64       // the next backend a /tokenize goes to, of those serving its model (vllmroutes.go)
 }
 
 // New returns the API server. reg receives the gateway's metrics and is

@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -770,5 +771,44 @@ func TestResponsesStreamEndingFailed(t *testing.T) {
 	}
 	if u := settledUsage(t, st, "failing"); u.Uncertain != 1 || u.CompletionTokens != 0 {
 		t.Errorf("ledger %+v: want the request uncertain, nothing reported", u)
+	}
+}
+
+// TestTokenizeUnderTheTenantsLimits: /tokenize runs on a backend's CPU,
+// not its KV cache, but counts against its tenant's requests per minute
+// (a permit of no tokens), and goes round the backends serving the model
+// rather than always to the first.
+func TestTokenizeUnderTheTenantsLimits(t *testing.T) {
+	st := sqliteStore(t)
+	clock := &testClock{now: quotaT0}
+	var calls [2]atomic.Int64
+	f := startFleet(t, fleetOpts{store: st, backends: 2, gateway: Config{Tenants: Tenants{Store: st, Now: clock.Now}},
+		wrap: func(i int, h http.Handler) http.Handler {
+			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.URL.Path == "/tokenize" {
+					calls[i].Add(1)
+				}
+				h.ServeHTTP(w, r)
+			})
+		}})
+	free := newTenant(t, st, "free", store.Limits{}, store.RoleUser)
+	for range 4 {
+		if resp, b := send(t, f.srv.URL, http.MethodPost, "/tokenize", free, `{"prompt":"hi"}`); resp.StatusCode != http.StatusOK {
+			t.Fatalf("/tokenize: %d %s", resp.StatusCode, b)
+		}
+	}
+	if a, b := calls[0].Load(), calls[1].Load(); a != 2 || b != 2 {
+		t.Errorf("four calls went %d and %d to the two backends, want two each", a, b)
+	}
+	limited := newTenant(t, st, "limited", store.Limits{RPM: 1}, store.RoleUser)
+	if resp, b := send(t, f.srv.URL, http.MethodPost, "/tokenize", limited, `{"prompt":"hi"}`); resp.StatusCode != http.StatusOK {
+		t.Fatalf("first /tokenize: %d %s", resp.StatusCode, b)
+	}
+	resp, b := send(t, f.srv.URL, http.MethodPost, "/detokenize", limited, `{"tokens":[1]}`)
+	if e := errorKeys(t, "over RPM", b); resp.StatusCode != http.StatusTooManyRequests || e["code"] != "rate_limit_exceeded" {
+		t.Errorf("a second call within the minute, RPM 1: %d %s", resp.StatusCode, b)
+	}
+	if u := settledUsage(t, st, "limited"); u.Requests != 1 || u.PromptTokens != 0 || u.Uncertain != 0 {
+		t.Errorf("ledger %+v: want one request of no tokens", u)
 	}
 }

@@ -11,6 +11,9 @@ import (
 	"runtime/debug"
 	"strconv"
 	"time"
+
+	"github.com/kvgate/kvgate/gpu"
+	"github.com/kvgate/kvgate/store"
 )
 
 // vLLM's own routes beside the OpenAI API, as apps written against a vLLM
@@ -81,7 +84,10 @@ func (s *Server) version() string {
 // the request's model (the only model served, when the body names none, as
 // vLLM defaults to its own), and its answer back as it is. An alias is
 // resolved as for inference. Nothing is admitted: a tokenizer runs on the
-// backend's CPU, not in its KV cache.
+// backend's CPU, not in its KV cache; but the call counts against its
+// tenant's requests per minute and concurrency (a permit of no tokens),
+// and the calls go round the backends serving the model, so that a
+// tenant cannot load one server's CPU past its limits.
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) int {
 	body, err := readBody(r)
 	if err != nil {
@@ -124,11 +130,33 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) int {
 	if err := s.sched.CheckModel(model.ID); err != nil {
 		return writeError(w, s.log, err)
 	}
-	var last error
-	for _, sn := range s.pool.Snapshots() {
-		if _, ok := sn.Serves(model.ID); !ok || !sn.Routable() {
-			continue
+	permit, err := s.acquireQuota(r.Context(), 0, 0, Price{})
+	if err != nil {
+		if r.Context().Err() != nil {
+			return 499
 		}
+		return writeError(w, s.log, err)
+	}
+	permit.headers(w.Header())
+	attempts := 0
+	defer func() {
+		o := store.NotSent
+		if attempts > 0 {
+			o = store.Reported
+		}
+		permit.release(r.Context(), o, attempts, 0, &usage{})
+	}()
+	var serving []*gpu.Snapshot
+	for _, sn := range s.pool.Snapshots() {
+		if _, ok := sn.Serves(model.ID); ok && sn.Routable() {
+			serving = append(serving, sn)
+		}
+	}
+	var last error
+	first := int(s.tokenizeRR.Add(1) % uint64(max(len(serving), 1)))
+	for i := range serving {
+		sn := serving[(first+i)%len(serving)]
+		attempts = 1
 		status, done, err := s.passThrough(r.Context(), w, sn.URL+r.URL.Path, body)
 		if done {
 			return status
