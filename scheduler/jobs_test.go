@@ -643,3 +643,58 @@ func TestRunnerOutlastsAHungStoreCall(t *testing.T) {
 		})
 	}
 }
+
+// TestReplayedJobWaitsAfresh: the backoff of a job's waits counts the
+// claims since its last replay, not its earlier run's: a job that waited
+// a dozen times, failed and was replayed waits about the backoff's base
+// after its first wait, not up to its cap.
+func TestReplayedJobWaitsAfresh(t *testing.T) {
+	ctx := context.Background()
+	st := openStore(t)
+	j := acceptJob(t, st, "k", func(n *store.NewJob) { n.MaxAttempts = 1 })
+	now := time.Now()
+	claim := func() store.Job {
+		t.Helper()
+		now = now.Add(time.Millisecond)
+		js, err := st.Claim(ctx, now, time.Minute, 1, model)
+		if err != nil || len(js) != 1 {
+			t.Fatalf("claim: %v, %v", js, err)
+		}
+		return js[0]
+	}
+	for range 12 {
+		c := claim()
+		if err := st.Fail(ctx, store.Failure{JobID: c.ID, Fence: c.Fence, Now: now, RetryAt: now,
+			Attempt: store.Attempt{JobID: c.ID, Attempt: 1, Fence: c.Fence, Outcome: store.OutcomeWait, ErrorClass: "refused", StartedAt: now, EndedAt: now}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c := claim()
+	if err := st.Fail(ctx, store.Failure{JobID: c.ID, Fence: c.Fence, Now: now,
+		Attempt: store.Attempt{JobID: c.ID, Attempt: 1, Fence: c.Fence, Outcome: store.OutcomeFailed, Spent: true, ErrorClass: "invalid", StartedAt: now, EndedAt: now}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.(store.Outcomes).Replay(ctx, store.Replay{Tenant: "acme", JobID: j.ID, MaxAttempts: 3, Deadline: time.Now().Add(time.Hour),
+		Now: time.Now(), Audit: store.AuditRecord{Actor: "op"}}); err != nil {
+		t.Fatal(err)
+	}
+	exec := &scriptedExecutor{fail: &ExecError{Class: ClassRefused, Err: errors.New("dial tcp: connection refused")}}
+	const base = 100 * time.Millisecond
+	startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute,
+		func(c *RunnerConfig) { c.Backoff = Backoff{Base: base, Max: time.Hour} })
+	var as []store.Attempt
+	eventually.True(t, "the replayed job's first wait", func() bool {
+		as, _ = st.Attempts(ctx, j.ID)
+		return len(as) >= 14
+	})
+	got, err := st.Get(ctx, "acme", j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if as, _ = st.Attempts(ctx, j.ID); len(as) > 14 {
+		return // claimed again already: the wait was short
+	}
+	if d := got.AvailableAt.Sub(as[13].EndedAt); d > base {
+		t.Errorf("the replayed job's first wait is %v, want at most the backoff's base %v", d, base)
+	}
+}

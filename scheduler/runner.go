@@ -765,9 +765,10 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 		a.Outcome = store.OutcomeInterrupted
 	case !xe.Class.Spends():
 		// Consecutive waits back off like retries (claims that spent
-		// nothing: the fence counts every claim), so that a job waiting
-		// hours for its deadline does not churn the store every second.
-		waits := max(int(j.Fence)-j.Attempt, 1)
+		// nothing: the fence counts every claim, those since the job's
+		// last replay this run's), so that a job waiting hours for its
+		// deadline does not churn the store every second.
+		waits := max(int(j.Fence-j.ReplayFence)-j.Attempt, 1)
 		a.Outcome, f.RetryAt = store.OutcomeWait, now.Add(r.cfg.Backoff.Delay(waits, xe.RetryAfter, r.rng))
 	case xe.Class.Transient():
 		a.Outcome, a.Spent, f.RetryAt = store.OutcomeFailed, true, now.Add(r.cfg.Backoff.Delay(j.Attempt+1, xe.RetryAfter, r.rng))

@@ -78,6 +78,9 @@ type Job struct {
 	Attempt     int
 	MaxAttempts int
 	Fence       int64 // +1 on every claim and every reap: it names one claim
+	// ReplayFence is the fence the job had when it was last replayed (0:
+	// never): the claims up to it were its earlier run's.
+	ReplayFence int64
 	LeaseUntil  time.Time
 	AvailableAt time.Time
 	Deadline    time.Time

@@ -46,7 +46,7 @@ var acceptBatch = `WITH input AS (
 		ON CONFLICT (tenant, idempotency_key) DO NOTHING
 		RETURNING id),
 	ins AS (
-		INSERT INTO jobs (` + jobColumns + `)
+		INSERT INTO jobs (` + newJobColumns + `)
 		SELECT input.id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
 			'READY', 1, 0, max_attempts, 0, 0, now, deadline_at, now, now, '', ''
 		FROM input JOIN taken ON taken.id = input.id

@@ -217,7 +217,7 @@ func (s *Store) AcceptBatchLines(ctx context.Context, batchID string, fence int6
 			return err
 		}
 		defer key.Close()
-		st, err := tx.PrepareContext(ctx, rebind(s.d, `INSERT INTO jobs (`+jobColumns+`, batch_id, custom_id)
+		st, err := tx.PrepareContext(ctx, rebind(s.d, `INSERT INTO jobs (`+newJobColumns+`, batch_id, custom_id)
 			VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?, ?, 'READY', 1, 0, ?, 0, 0, ?, ?, ?, ?, '', '', ?, ?)`))
 		if err != nil {
 			return err
@@ -269,7 +269,7 @@ func (s *Store) acceptLinesArrays(ctx context.Context, batchID string, fence int
 			SELECT t.tenant, t.ikey, t.id FROM t CROSS JOIN b ORDER BY t.tenant, t.ikey, t.ord
 			ON CONFLICT (tenant, idempotency_key) DO NOTHING
 			RETURNING id),
-		ins AS (INSERT INTO jobs (`+jobColumns+`, batch_id, custom_id)
+		ins AS (INSERT INTO jobs (`+newJobColumns+`, batch_id, custom_id)
 			SELECT t.id, tenant, ikey, hash, endpoint, model, body, NULL, prio, tokens, 'READY', 1, 0, attempts, 0, 0, now, deadline, now, now,
 				'', '', b.id, custom
 			FROM t JOIN taken ON taken.id = t.id CROSS JOIN b)

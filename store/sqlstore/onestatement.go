@@ -33,7 +33,7 @@ var acceptCTE = `WITH taken AS (
 		ON CONFLICT (tenant, idempotency_key) DO NOTHING
 		RETURNING tenant, idempotency_key, id),
 	ins AS (
-		INSERT INTO jobs (` + jobColumns + `)
+		INSERT INTO jobs (` + newJobColumns + `)
 		SELECT id, tenant, idempotency_key, ?::text, ?::text, ?::text, ?::bytea, ?::bytea, ?::integer, ?::integer, ?::text,
 			?::bigint, ?::integer, ?::integer, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::bigint, ?::text, ?::text
 		FROM taken

@@ -303,7 +303,7 @@ func (s *Store) Replay(ctx context.Context, r store.Replay) (store.Job, error) {
 			return err
 		}
 		out, err = scanJob(tx.QueryRowContext(ctx, rebind(s.d, `UPDATE jobs SET state = 'READY', state_version = state_version + 1,
-			attempt = 0, max_attempts = ?, deadline_at = ?, available_at = ?, updated_at = ?, lease_until = 0,
+			attempt = 0, replay_fence = fence, max_attempts = ?, deadline_at = ?, available_at = ?, updated_at = ?, lease_until = 0,
 			error_class = '', last_error = '', result = NULL
 			WHERE tenant = ? AND id = ? RETURNING `+jobColumns),
 			max(r.MaxAttempts, 1), micros(r.Deadline), micros(r.Now), micros(r.Now), r.Tenant, r.JobID))

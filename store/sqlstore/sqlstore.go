@@ -290,9 +290,14 @@ func rebindText(d Dialect, q string) string {
 	return sb.String()
 }
 
-const jobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
+// newJobColumns are the columns an acceptance writes (the rest keep their
+// defaults); jobColumns those a job is read with (scanJob).
+const (
+	newJobColumns = `id, tenant, idempotency_key, request_hash, endpoint, model, body, metadata, priority, token_estimate,
 	state, state_version, attempt, max_attempts, fence, lease_until, available_at, deadline_at, created_at, updated_at,
 	error_class, last_error`
+	jobColumns = newJobColumns + `, replay_fence`
+)
 
 type queries struct {
 	insertKey, insertJob, selectByKey, selectJob, insertAttempt, insertEvent,
@@ -332,7 +337,7 @@ func buildQueries(d Dialect) queries {
 	r := func(q string) string { return rebind(d, q) }
 	q := queries{
 		insertKey: r(insertKey),
-		insertJob: r(`INSERT INTO jobs (` + jobColumns + `)
+		insertJob: r(`INSERT INTO jobs (` + newJobColumns + `)
 			VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)`),
 		selectByKey: r(jobByKey),
 		selectJob:   r(`SELECT ` + jobColumns + ` FROM jobs WHERE tenant = ? AND id = ?`),
@@ -483,7 +488,7 @@ func scanJob(r scanner, extra ...any) (store.Job, error) {
 	var body, meta []byte
 	err := r.Scan(append([]any{&j.ID, &j.Tenant, &j.IdempotencyKey, &j.RequestHash, &j.Endpoint, &j.Model, &body, &meta,
 		&j.Priority, &j.TokenEstimate, &state, &j.StateVersion, &j.Attempt, &j.MaxAttempts, &j.Fence,
-		&lease, &avail, &deadline, &created, &updated, &j.ErrorClass, &j.LastError}, extra...)...)
+		&lease, &avail, &deadline, &created, &updated, &j.ErrorClass, &j.LastError, &j.ReplayFence}, extra...)...)
 	if err != nil {
 		return j, err
 	}

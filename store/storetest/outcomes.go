@@ -303,7 +303,7 @@ func testReplayResumes(t *testing.T, s store.Store) {
 	}
 	r, err := replay(j.ID, false, 0)
 	if err != nil || r.State != store.Ready || r.Attempt != 0 || r.MaxAttempts != 4 || !r.Deadline.Equal(now.Add(time.Hour)) ||
-		r.StateVersion <= j.StateVersion || r.ErrorClass != "" {
+		r.StateVersion <= j.StateVersion || r.ErrorClass != "" || r.ReplayFence != j.Fence || r.Fence != j.Fence {
 		t.Fatalf("replayed: %+v, %v", r, err)
 	}
 	// The inference stays, the validation goes; the job is pinned to the
@@ -327,8 +327,8 @@ func testReplayResumes(t *testing.T, s store.Store) {
 	// It runs again: claimable, with its attempts numbered afresh and the
 	// old history kept.
 	c := claimOne(t, s, now)
-	if c.ID != j.ID || c.Fence <= j.Fence {
-		t.Errorf("claimed %s fence %d after the replay; want %s with a fence above %d", c.ID, c.Fence, j.ID, j.Fence)
+	if c.ID != j.ID || c.Fence <= j.Fence || c.ReplayFence != j.Fence {
+		t.Errorf("claimed %s fence %d (replayed at %d) after the replay; want %s with a fence above %d, replayed at it", c.ID, c.Fence, c.ReplayFence, j.ID, j.Fence)
 	}
 	if err := s.Fail(ctx, store.Failure{JobID: c.ID, Fence: c.Fence, Now: now, Attempt: store.Attempt{JobID: c.ID, Attempt: 1, Fence: c.Fence,
 		Outcome: store.OutcomeFailed, Spent: true, ErrorClass: "invalid", StartedAt: now, EndedAt: now}}); err != nil {
