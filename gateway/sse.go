@@ -42,7 +42,12 @@ const (
 	feedPage     = 500              // events read at once
 	feedRecheck  = time.Second      // store read period when no notice comes
 	sseKeepalive = 15 * time.Second // comment line that keeps proxies from closing an idle stream
-	snapshotJobs = 100              // jobs in a tenant stream's snapshot
+	// followGap is the least time between two reads of one stream woken
+	// by notices: a busy tenant's relay publishes a batch every few
+	// milliseconds, and each of its open streams would read the store as
+	// often. The notices in between are read together.
+	followGap    = 50 * time.Millisecond
+	snapshotJobs = 100 // jobs in a tenant stream's snapshot
 )
 
 type eventView struct {
@@ -390,6 +395,12 @@ func (s *Server) follow(r *http.Request, sse *sseWriter, jobID string, after int
 	tick := time.NewTicker(feedRecheck)
 	defer tick.Stop()
 	lastWrite := time.Now()
+	var gap *time.Timer // the rest of followGap after a notice
+	defer func() {
+		if gap != nil {
+			gap.Stop()
+		}
+	}()
 	for {
 		// Take the notice channel before reading, so that a notice that
 		// comes during the read is not missed.
@@ -397,6 +408,7 @@ func (s *Server) follow(r *http.Request, sse *sseWriter, jobID string, after int
 		if s.jobs.Feed != nil {
 			changed = s.jobs.Feed.Changed(tenant)
 		}
+		read := time.Now()
 		for {
 			evs, err := s.jobs.Store.Events(ctx, tenant, jobID, after, feedPage)
 			if err != nil {
@@ -429,6 +441,21 @@ func (s *Server) follow(r *http.Request, sse *sseWriter, jobID string, after int
 			sse.fail(errStreamDrained)
 			return
 		case <-changed:
+			if wait := followGap - time.Since(read); wait > 0 {
+				if gap == nil {
+					gap = time.NewTimer(wait)
+				} else {
+					gap.Reset(wait)
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-s.drain.begun:
+					sse.fail(errStreamDrained)
+					return
+				case <-gap.C:
+				}
+			}
 		case <-tick.C:
 			if err := s.reauthorize(r); err != nil {
 				if ctx.Err() == nil {

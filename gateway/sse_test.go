@@ -10,12 +10,14 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
 
 	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
 
@@ -374,5 +376,47 @@ func TestTenantStreamThroughBrokerOutage(t *testing.T) {
 	}
 	if evs, err := f.store.Unpublished(context.Background(), 100); err != nil || len(evs) < 3 {
 		t.Errorf("%d events unpublished (%v): the stream's events should still wait for the broker", len(evs), err)
+	}
+}
+
+// countingEvents counts the event reads of a job store.
+type countingEvents struct {
+	jobStore
+	reads atomic.Int64
+}
+
+func (c *countingEvents) Events(ctx context.Context, tenant, jobID string, after int64, limit int) ([]store.Event, error) {
+	c.reads.Add(1)
+	return c.jobStore.Events(ctx, tenant, jobID, after, limit)
+}
+
+// TestStreamReadsAtMostEveryGap: notices come with every batch the relay
+// publishes, every few milliseconds for a busy tenant; an open stream
+// reads the store at most once per followGap however many come, and still
+// reads after the last.
+func TestStreamReadsAtMostEveryGap(t *testing.T) {
+	st := sqliteStore(t)
+	feed := scheduler.NewFeed()
+	jobs := &countingEvents{jobStore: st}
+	f := startFleet(t, fleetOpts{store: st, gateway: Config{Jobs: Jobs{Store: jobs, Feed: feed}}})
+	s := openStream(t, f.srv.URL+"/v1/events")
+	if e, _ := s.next(t); e.Event != "snapshot" {
+		t.Fatalf("stream starts with %+v", e)
+	}
+	time.Sleep(50 * time.Millisecond) // the stream waits for notices
+	before := jobs.reads.Load()
+	const notices = 50
+	start := time.Now()
+	for range notices {
+		feed.Notify()
+		time.Sleep(time.Millisecond)
+	}
+	took := time.Since(start)
+	eventually.True(t, "a read after the last notice", func() bool { return jobs.reads.Load() > before })
+	time.Sleep(2 * followGap)
+	// One read a gap over the notices' span, one for the first and one
+	// for the last (and one for a slow start).
+	if n, most := jobs.reads.Load()-before, int64(took/followGap)+3; n > most {
+		t.Errorf("%d notices over %v made %d reads, want at most %d", notices, took.Round(time.Millisecond), n, most)
 	}
 }
