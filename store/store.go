@@ -304,8 +304,9 @@ type Store interface {
 	// GetByKey returns a tenant's job by its idempotency key; ErrNotFound
 	// if the key made none.
 	GetByKey(ctx context.Context, tenant, key string) (Job, error)
-	// List returns a page of a tenant's jobs and the cursor of the next
-	// page ("" at the end).
+	// List returns a page of a tenant's jobs, without their request
+	// bodies (Body nil: Get reads one), and the cursor of the next page
+	// ("" at the end).
 	List(ctx context.Context, tenant string, f ListFilter) ([]Job, string, error)
 	// Claim leases up to limit runnable jobs (READY or RETRY_SCHEDULED,
 	// available, before their deadline): RUNNING, fence+1, lease until
