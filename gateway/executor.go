@@ -162,6 +162,12 @@ func jobQuotaError(err error) error {
 	return &scheduler.ExecError{Class: scheduler.ClassCapacity, Err: err} // ctx ended
 }
 
+// MaxResultBytes is the most a job's result holds (Jobs.MaxAnswerBytes):
+// the runner bounds an embeddings job's merged batches by it too.
+func (s *Server) MaxResultBytes() int { return s.cfg.Jobs.MaxAnswerBytes }
+
+var _ scheduler.ResultLimiter = (*Server)(nil)
+
 // sendState is how far a job's request got.
 type sendState int
 

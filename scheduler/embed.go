@@ -100,8 +100,24 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 	var (
 		spent   Outcome
 		earlier store.Spent // what this attempt's batches used, each charged with the attempt's end
+		size    int         // the batches' answers so far: what the merged result will be, about
 	)
+	// The merged result is bounded as one answer is: each batch's answer
+	// fits the executor's bound, but ten thousand inputs make one that
+	// does not, which would be held whole by every read of the result.
+	limit := 0
+	if l, ok := r.exec.(ResultLimiter); ok {
+		limit = l.MaxResultBytes()
+	}
+	tooLarge := func() error {
+		return &ExecError{Class: ClassInvalid, Err: fmt.Errorf(
+			"the embeddings of the job's %d inputs are over %d bytes, the most a job's result holds: split them into smaller jobs, or ask for encoding_format base64",
+			len(inputs), limit)}
+	}
 	for i, b := range batches {
+		if limit > 0 && size > limit {
+			return Outcome{}, tooLarge() // before another batch is paid for
+		}
 		sctx, stop := r.bounded(ctx)
 		data, err := r.st.Stage(sctx, j.ID, batchStage(i))
 		stop()
@@ -110,6 +126,7 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 			// answers were checked) is sent again, not reused.
 			if parts[i], err = readEmbedBatch(data, b); err == nil {
 				r.m.stageReused.Inc()
+				size += len(data)
 				continue
 			}
 		} else if !errors.Is(err, store.ErrNotFound) {
@@ -147,6 +164,7 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 		if parts[i], err = readEmbedBatch(out.Body, b); err != nil {
 			return Outcome{}, &ExecError{Class: ClassBackend, Err: fmt.Errorf("batch %d: %w", i, err)}
 		}
+		size += len(out.Body)
 		if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
 			return r.st.SaveStage(ctx, j.ID, j.Fence, batchStage(i), out.Body, now)
 		}); err != nil {
@@ -160,9 +178,16 @@ func (r *Runner) inferStage(ctx context.Context, j store.Job, a *store.Attempt, 
 	if err != nil {
 		return Outcome{}, &ExecError{Class: ClassBackend, Err: err}
 	}
+	if limit > 0 && len(body) > limit {
+		return Outcome{}, tooLarge()
+	}
 	spent.Body = body
 	return spent, nil
 }
+
+// ResultLimiter is an Executor that bounds the answers it reads: a job's
+// merged result is bounded the same.
+type ResultLimiter interface{ MaxResultBytes() int }
 
 // embedPart is one batch's answer, read: its embeddings in input order,
 // their indexes the job's.

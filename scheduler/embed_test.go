@@ -229,3 +229,31 @@ func TestBatchCheckpointUnwritten(t *testing.T) {
 		t.Errorf("the attempt whose batch checkpoint could not be written: %+v; want it spent and sent, ended by the reaper", a)
 	}
 }
+
+// limitedEmbed is an embedExecutor that bounds a job's result.
+type limitedEmbed struct {
+	*embedExecutor
+	limit int
+}
+
+func (e limitedEmbed) MaxResultBytes() int { return e.limit }
+
+// TestEmbeddingsResultBounded: an embeddings job's batches each fit the
+// executor's bound on an answer, but their merged result is bounded too:
+// once the answers so far pass it, the job fails (its own doing: invalid)
+// before another batch is paid for.
+func TestEmbeddingsResultBounded(t *testing.T) {
+	st := openStore(t)
+	exec := limitedEmbed{&embedExecutor{started: make(chan struct{}), release: make(chan struct{})}, 1000}
+	close(exec.release)
+	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, exec, time.Minute)
+	j := submitTwoBatches(t, f)
+	var got store.Job
+	eventually.True(t, "the job to end", func() bool {
+		got, _ = st.Get(context.Background(), "acme", j.ID)
+		return got.State.Final()
+	})
+	if got.State != store.FailedTerminal || got.ErrorClass != string(ClassInvalid) || !strings.Contains(got.LastError, "over 1000 bytes") || exec.calls.Load() != 1 {
+		t.Errorf("job %s (%s: %s) after %d requests; want FAILED_TERMINAL invalid after one", got.State, got.ErrorClass, got.LastError, exec.calls.Load())
+	}
+}
