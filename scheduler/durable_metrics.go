@@ -3,7 +3,6 @@ package scheduler
 import (
 	"cmp"
 	"context"
-	"fmt"
 	"log/slog"
 	"sync"
 	"time"
@@ -187,13 +186,14 @@ func (d *DurableMetrics) ObserveEvent(e Event) {
 }
 
 // JobClass is the class label of a durable job of a priority: "batch"
-// (the scheduler class jobs run in) at the default priority 0,
-// "batch_pN" otherwise.
+// (the scheduler class jobs run in) at the default priority 0, the jobs
+// API's; "batch_api" above it, the Batch API's lines (each line has a
+// priority of its own: a label per priority would make a series per line).
 func JobClass(priority int) string {
 	if priority == 0 {
 		return Batch.String()
 	}
-	return fmt.Sprintf("%s_p%d", Batch, priority)
+	return Batch.String() + "_api"
 }
 
 // Describe implements prometheus.Collector.

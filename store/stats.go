@@ -6,8 +6,10 @@ import (
 )
 
 // Backlog is one group of the durable runnable backlog: a tenant's jobs
-// of one priority that a claim could take now (READY or RETRY_SCHEDULED,
-// available, before their deadline).
+// that a claim could take now (READY or RETRY_SCHEDULED, available,
+// before their deadline), those of priority 0 (the jobs API's) apart from
+// the others (Batch API lines, each of a priority of its own): Priority
+// is the group's lowest.
 type Backlog struct {
 	Tenant   string
 	Priority int

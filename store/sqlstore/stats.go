@@ -10,7 +10,7 @@ import (
 )
 
 // Stats implements store.StatsReader: the runnable backlog grouped by
-// tenant and priority (one scan of a runnable-jobs partial index, whose
+// tenant, the jobs API's apart from the Batch API's lines (one scan of a runnable-jobs partial index, whose
 // size is the backlog, never the finished jobs: the condition states
 // jobs_runnable's whole predicate, so either index may serve it) and the
 // oldest unpublished outbox event (the head of the outbox_unpublished
@@ -18,9 +18,9 @@ import (
 // (ownership.go).
 func (s *Store) Stats(ctx context.Context, now time.Time) (store.Stats, error) {
 	var st store.Stats
-	rows, err := s.db.QueryContext(ctx, rebind(s.d, `SELECT jobs.tenant, jobs.priority, COUNT(*), COALESCE(SUM(jobs.token_estimate), 0),
-		MIN(jobs.available_at) FROM jobs WHERE `+runnable("jobs", "?")+` AND `+claimOrderIndexed("jobs")+` GROUP BY jobs.tenant, jobs.priority
-		ORDER BY jobs.tenant, jobs.priority`), micros(now), micros(now))
+	rows, err := s.db.QueryContext(ctx, rebind(s.d, `SELECT jobs.tenant, MIN(jobs.priority), COUNT(*), COALESCE(SUM(jobs.token_estimate), 0),
+		MIN(jobs.available_at) FROM jobs WHERE `+runnable("jobs", "?")+` AND `+claimOrderIndexed("jobs")+` GROUP BY jobs.tenant, jobs.priority > 0
+		ORDER BY jobs.tenant, 2`), micros(now), micros(now))
 	if err != nil {
 		return st, s.err("stats", err)
 	}

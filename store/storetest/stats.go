@@ -9,8 +9,8 @@ import (
 	"github.com/kvgate/kvgate/store"
 )
 
-// testStats checks store.StatsReader: the runnable backlog by tenant and
-// priority (running, future retries, past-deadline and final jobs left
+// testStats checks store.StatsReader: the runnable backlog by tenant, the
+// jobs of priority 0 apart from the others (running, future retries, past-deadline and final jobs left
 // out), its oldest available time, and the oldest unpublished event.
 func testStats(t *testing.T, s store.Store) {
 	ctx := context.Background()
@@ -30,6 +30,7 @@ func testStats(t *testing.T, s store.Store) {
 	accept(t, s, newJob("acme", "a1", at(0, 100, 0, time.Hour)))
 	accept(t, s, newJob("acme", "a2", at(10*time.Second, 250, 0, time.Hour)))
 	accept(t, s, newJob("acme", "a3", at(20*time.Second, 40, 5, time.Hour)))
+	accept(t, s, newJob("acme", "a4", at(5*time.Second, 60, 6, time.Hour))) // a Batch API line: with a3
 	accept(t, s, newJob("globex", "g1", at(30*time.Second, 7, 0, time.Hour)))
 	accept(t, s, newJob("globex", "late", at(30*time.Second, 1000, 0, 45*time.Second))) // past its deadline at now
 	now := t0.Add(time.Minute)
@@ -44,7 +45,7 @@ func testStats(t *testing.T, s store.Store) {
 	}
 	want := []store.Backlog{
 		{Tenant: "acme", Priority: 0, Jobs: 2, Tokens: 350, OldestAvailable: t0},
-		{Tenant: "acme", Priority: 5, Jobs: 1, Tokens: 40, OldestAvailable: t0.Add(20 * time.Second)},
+		{Tenant: "acme", Priority: 5, Jobs: 2, Tokens: 100, OldestAvailable: t0.Add(5 * time.Second)},
 		{Tenant: "globex", Priority: 0, Jobs: 1, Tokens: 7, OldestAvailable: t0.Add(30 * time.Second)},
 	}
 	checkBacklog(t, "after accepts", st.Backlog, want)
@@ -74,12 +75,12 @@ func testStats(t *testing.T, s store.Store) {
 			ErrorClass: "backend", StartedAt: now, EndedAt: now}}); err != nil {
 		t.Fatal(err)
 	}
-	if st, _ = sr.Stats(ctx, now); total(st.Backlog) != 3 {
+	if st, _ = sr.Stats(ctx, now); total(st.Backlog) != 4 {
 		t.Errorf("a retry not yet due counted: %+v", st.Backlog)
 	}
 	// Once due, it is back, eligible since its retry time.
 	st, _ = sr.Stats(ctx, retryAt)
-	if total(st.Backlog) != 4 {
+	if total(st.Backlog) != 5 {
 		t.Errorf("backlog at the retry time %+v", st.Backlog)
 	}
 	if c.IdempotencyKey == "g1" {
