@@ -868,14 +868,14 @@ func (s *Server) relay(ctx context.Context, w http.ResponseWriter, g *scheduler.
 				chunks++
 			}
 			if ev.failed {
-				failure = data // passed on, and the attempt a failure, as a chat stream's error
+				failure = bytes.Clone(data) // passed on, and the attempt a failure, as a chat stream's error (data is reused by the next event)
 			}
 			done = ev.final
 		case data == nil:
 		case bytes.Equal(data, doneData):
 			done = true
 		case bytes.HasPrefix(data, errorData):
-			failure = data
+			failure = bytes.Clone(data) // the event's buffer is reused by the next one
 		case bytes.Contains(data, usageKey):
 			var chunk struct {
 				Choices []json.RawMessage `json:"choices"`
