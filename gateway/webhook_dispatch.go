@@ -205,7 +205,9 @@ func (d *Dispatcher) claim(ctx context.Context, sends *sync.WaitGroup) bool {
 		return false
 	}
 	now := d.cfg.Now()
-	ds, err := d.cfg.Store.ClaimDeliveries(ctx, now, d.lease, room)
+	cctx, stop := d.bounded(ctx)
+	ds, err := d.cfg.Store.ClaimDeliveries(cctx, now, d.lease, room)
+	stop()
 	d.mu.Lock()
 	d.inflight -= room - len(ds)
 	d.mu.Unlock()
@@ -219,7 +221,9 @@ func (d *Dispatcher) claim(ctx context.Context, sends *sync.WaitGroup) bool {
 	eps := map[string]*endpointRead{}
 	for _, dl := range ds {
 		if eps[dl.EndpointID] == nil {
-			e, err := d.cfg.Store.Endpoint(ctx, "", dl.EndpointID)
+			ectx, stop := d.bounded(ctx)
+			e, err := d.cfg.Store.Endpoint(ectx, "", dl.EndpointID)
+			stop()
 			eps[dl.EndpointID] = &endpointRead{e, err}
 		}
 	}
@@ -271,6 +275,21 @@ func (d *Dispatcher) record() {
 	}
 }
 
+// bounded is ctx limited to a third of a delivery's lease: a store call
+// hung on a connection left half open (a database host that crashed) is
+// given up in time for the next try, rather than holding the records, and
+// so every send slot and the shutdown, until the kernel drops it.
+func (d *Dispatcher) bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, d.lease/3)
+}
+
+// deferEndpoint defers an endpoint's deliveries until a time, bounded.
+func (d *Dispatcher) deferEndpoint(ctx context.Context, id string, until time.Time) (int, error) {
+	ctx, stop := d.bounded(ctx)
+	defer stop()
+	return d.cfg.Store.DeferEndpoint(ctx, id, until)
+}
+
 // finishTries bounds how often a batch of attempts' records is tried
 // before their deliveries are left to their leases: 50 ms, doubling, about
 // 1.5 s in all, well within a lease (2 × the send timeout + 10 s).
@@ -284,7 +303,9 @@ const finishTries = 5
 func (d *Dispatcher) finish(ctx context.Context, batch []store.DeliveryResult) ([]error, error) {
 	wait := 50 * time.Millisecond
 	for try := 1; ; try++ {
-		errs, err := d.cfg.Store.FinishDeliveries(ctx, batch)
+		fctx, stop := d.bounded(ctx)
+		errs, err := d.cfg.Store.FinishDeliveries(fctx, batch)
+		stop()
 		if err == nil || try == finishTries {
 			return errs, err
 		}
@@ -383,7 +404,9 @@ func (d *Dispatcher) body(ctx context.Context, dl store.Delivery, ep store.Webho
 	if dl.JobState == store.Succeeded || dl.JobState == store.ReviewRequired {
 		p.Data.ResultURL = p.Data.JobURL + "/result"
 		if ep.IncludeResult {
-			res, err := d.cfg.Store.Result(ctx, dl.Tenant, dl.JobID)
+			rctx, stop := d.bounded(ctx)
+			res, err := d.cfg.Store.Result(rctx, dl.Tenant, dl.JobID)
+			stop()
 			switch {
 			case err == nil && len(res) <= d.cfg.ResultCap:
 				p.Data.Result = res
@@ -429,7 +452,7 @@ func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery, ep store.We
 	until, ok := d.admit(ep.ID, now)
 	if !ok {
 		if opened := until.Sub(now) > time.Second; opened {
-			if _, err := d.cfg.Store.DeferEndpoint(ctx, ep.ID, until); err != nil {
+			if _, err := d.deferEndpoint(ctx, ep.ID, until); err != nil {
 				d.cfg.Log.Warn("deferring a webhook endpoint", "endpoint", ep.ID, "error", err)
 			}
 		}
@@ -441,7 +464,7 @@ func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery, ep store.We
 	r.Attempt, r.Now = attempt, done
 	ok = status >= 200 && status < 300
 	if opened := d.release(ep.ID, ok, done); !opened.IsZero() {
-		if _, err := d.cfg.Store.DeferEndpoint(ctx, ep.ID, opened); err != nil {
+		if _, err := d.deferEndpoint(ctx, ep.ID, opened); err != nil {
 			d.cfg.Log.Warn("deferring a webhook endpoint", "endpoint", ep.ID, "error", err)
 		}
 	}

@@ -412,6 +412,48 @@ func TestWebhookRecordTriedAgain(t *testing.T) {
 	}
 }
 
+// hungFinish's first record of attempts never answers (a connection a
+// crashed database host left half open) until its caller gives up.
+type hungFinish struct {
+	store.Store
+	hung atomic.Bool
+}
+
+func (s *hungFinish) FinishDeliveries(ctx context.Context, rs []store.DeliveryResult) ([]error, error) {
+	if s.hung.CompareAndSwap(false, true) {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	return s.Store.FinishDeliveries(ctx, rs)
+}
+
+// TestWebhookRecordOutlastsAHungCall: a record of attempts hung on its
+// connection is given up after a third of the deliveries' lease and tried
+// again; it held every send slot's record, and the shutdown, until the
+// kernel dropped the connection.
+func TestWebhookRecordOutlastsAHungCall(t *testing.T) {
+	var hung *hungFinish
+	f, _, _ := webhookFleet(t, fleetOpts{speedup: 200}, 1, func(c *DispatcherConfig) {
+		hung = &hungFinish{Store: c.Store}
+		c.Store, c.Timeout = hung, 500*time.Millisecond // a lease of 11 s: a try of 3.7 s
+	})
+	rc := newReceiver(t)
+	e := createEndpoint(t, f, rc.srv.URL+"/hook", "job.succeeded")
+	rc.trust(e.Secret)
+	resp, v := submitJob(t, f, "hung-record", chatJob("recorded late", 2))
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d", resp.StatusCode)
+	}
+	waitJob(t, f, "default", v.ID, store.Succeeded)
+	eventually.Within(t, 8*time.Second, "the delivery recorded", func() bool {
+		n, err := f.store.PendingDeliveries(context.Background())
+		return err == nil && n == 0
+	})
+	if !hung.hung.Load() || len(rc.received()) != 1 {
+		t.Errorf("hung %v, the receiver got %d requests; want the record hung once and the event sent once", hung.hung.Load(), len(rc.received()))
+	}
+}
+
 func TestWebhookOutcomes(t *testing.T) {
 	f, _, reg := webhookFleet(t, fleetOpts{speedup: 200}, 1, func(c *DispatcherConfig) {
 		c.Schedule = []time.Duration{0, time.Millisecond, time.Millisecond}
