@@ -125,7 +125,9 @@ func (in *Inbox) Run(ctx context.Context) error {
 func (in *Inbox) prune(ctx context.Context, now time.Time) {
 	const batch = 10_000
 	for ctx.Err() == nil {
-		n, err := in.st.PruneInbox(ctx, now.Add(-in.cfg.Retention), batch)
+		pctx, cancel := context.WithTimeout(ctx, signalStoreWait)
+		n, err := in.st.PruneInbox(pctx, now.Add(-in.cfg.Retention), batch)
+		cancel()
 		if err != nil {
 			in.log.Warn("inbox prune failed", "err", err)
 			return
@@ -209,7 +211,9 @@ func (in *Inbox) handle(ctx context.Context, msgs []jetstream.Msg, delay time.Du
 	if len(ds) == 0 {
 		return nil
 	}
-	outs, err := in.st.RecordInboxBatch(ctx, recs, in.cfg.Now())
+	rctx, cancel := context.WithTimeout(ctx, signalStoreWait)
+	outs, err := in.st.RecordInboxBatch(rctx, recs, in.cfg.Now())
+	cancel()
 	if err == nil && len(outs) != len(ds) {
 		err = fmt.Errorf("the store answered %d outcomes for %d records", len(outs), len(ds))
 	}

@@ -165,7 +165,9 @@ func (r *Relay) placeWhileAway(ctx context.Context) {
 			continue
 		}
 		for ctx.Err() == nil {
-			n, err := r.st.FeedUnpublished(ctx, r.cfg.Batch)
+			fctx, cancel := context.WithTimeout(ctx, signalStoreWait)
+			n, err := r.st.FeedUnpublished(fctx, r.cfg.Batch)
+			cancel()
 			if err != nil {
 				r.log.Debug("placing unpublished events in the feed", "err", err)
 				break
@@ -181,7 +183,9 @@ func (r *Relay) placeWhileAway(ctx context.Context) {
 // Once relays one batch and returns how many events it marked published.
 // An error leaves the rest of the batch for the next call.
 func (r *Relay) Once(ctx context.Context) (int, error) {
-	evs, err := r.st.Unpublished(ctx, r.cfg.Batch)
+	uctx, cancel := context.WithTimeout(ctx, signalStoreWait)
+	evs, err := r.st.Unpublished(uctx, r.cfg.Batch)
+	cancel()
 	if err != nil || len(evs) == 0 {
 		return 0, err
 	}
@@ -232,7 +236,7 @@ wait:
 		}
 		// The publish is done; record it even if ctx ends now, or the
 		// next relay publishes it again for nothing.
-		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		mctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), signalStoreWait)
 		err := r.st.MarkPublished(mctx, ids, r.cfg.Now())
 		cancel()
 		if err != nil {

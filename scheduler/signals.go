@@ -27,6 +27,12 @@ const (
 	FeedSubject    = "kvgate.feed"
 )
 
+// signalStoreWait bounds each call of the relay and the inbox to the
+// store: one hung on a connection a crashed database host left half open
+// is given up and tried again (the relay's next round, the broker's
+// redelivery), rather than stalling the feed until the kernel drops it.
+const signalStoreWait = 10 * time.Second
+
 // SignalsConfig shapes the stream.
 type SignalsConfig struct {
 	// Replicas of the stream on a clustered server [1].
