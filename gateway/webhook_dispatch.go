@@ -401,7 +401,10 @@ func (d *Dispatcher) body(ctx context.Context, dl store.Delivery, ep store.Webho
 	}
 	p.Data.JobID, p.Data.State, p.Data.StateVersion = dl.JobID, string(dl.JobState), dl.StateVersion
 	p.Data.JobURL = "/v1/jobs/" + dl.JobID
-	if dl.JobState == store.Succeeded || dl.JobState == store.ReviewRequired {
+	// Only a success carries its result: a job under review has its answer
+	// withheld from its tenant until a reviewer passes it (its result
+	// route answers 409 meanwhile, and a rejection keeps the answer).
+	if dl.JobState == store.Succeeded {
 		p.Data.ResultURL = p.Data.JobURL + "/result"
 		if ep.IncludeResult {
 			rctx, stop := d.bounded(ctx)

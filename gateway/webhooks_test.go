@@ -23,6 +23,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvgate/kvgate/bench/eventually"
+	"github.com/kvgate/kvgate/bench/vllmsim"
 	"github.com/kvgate/kvgate/gateway/webhook"
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres/pgtest"
@@ -451,6 +452,34 @@ func TestWebhookRecordOutlastsAHungCall(t *testing.T) {
 	})
 	if !hung.hung.Load() || len(rc.received()) != 1 {
 		t.Errorf("hung %v, the receiver got %d requests; want the record hung once and the event sent once", hung.hung.Load(), len(rc.received()))
+	}
+}
+
+// TestWebhookWithholdsAReviewedAnswer: a job whose answer its policy sent
+// to review has it withheld from its tenant; its job.review_required
+// delivery carries no result, nor a result_url that would answer 409,
+// even to an endpoint that asks for results inline.
+func TestWebhookWithholdsAReviewedAnswer(t *testing.T) {
+	f, _, _ := webhookFleet(t, fleetOpts{speedup: 200}, 1)
+	rc := newReceiver(t)
+	resp, b := f.post(t, "/v1/webhooks/endpoints", fmt.Sprintf(`{"url":%q,"events":["job.review_required"],"include_result":true}`, rc.srv.URL+"/hook"))
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("create endpoint: %d %s", resp.StatusCode, b)
+	}
+	rc.trust(decode[endpointCreated](t, b).Secret)
+	if resp, b := f.post(t, "/v1/validation-policies", `{"name":"eur","rules":[{"rule":"json"},{"rule":"schema"},{"rule":"enum","pointer":"/currency","values":["EUR"]}]}`); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("policy: %d %s", resp.StatusCode, b)
+	}
+	f.sims[0].SetFaults(vllmsim.Faults{InvalidJSONRate: 1})
+	resp, v := submitJob(t, f, "withheld", schemaJob("invoice: total 30 EUR", "eur"))
+	if resp.StatusCode != http.StatusAccepted {
+		t.Fatalf("submit: %d", resp.StatusCode)
+	}
+	waitJob(t, f, "default", v.ID, store.ReviewRequired)
+	eventually.True(t, "the review_required delivery", func() bool { return len(rc.received()) == 1 })
+	got := rc.received()[0]
+	if body := string(got.Body); strings.Contains(body, `"result"`) || strings.Contains(body, `"result_url"`) || got.State != "REVIEW_REQUIRED" {
+		t.Errorf("the review_required delivery: %s; want no result and no result_url", body)
 	}
 }
 
