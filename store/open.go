@@ -2,6 +2,7 @@ package store
 
 import (
 	"fmt"
+	neturl "net/url"
 	"path/filepath"
 	"strings"
 )
@@ -27,5 +28,27 @@ func ParseLocation(url, dataDir string) (Location, error) {
 		}
 		return Location{Kind: "sqlite", URL: path}, nil
 	}
-	return Location{}, fmt.Errorf("store %q: want postgres://... or sqlite://PATH", url)
+	return Location{}, fmt.Errorf("store %q: want postgres://... or sqlite://PATH", Redact(url))
+}
+
+// Redact hides the secrets of a store URL for printing: the password of
+// its user, and query parameters that carry one (password, sslpassword),
+// as libpq reads them. A text that is no URL is hidden whole but for its
+// scheme: it may be a key=value connection string with a password in it.
+func Redact(raw string) string {
+	u, err := neturl.Parse(raw)
+	if err != nil || u.Scheme == "" || u.Opaque != "" {
+		if i := strings.Index(raw, "://"); i > 0 && !strings.ContainsAny(raw[:i], " =") {
+			return raw[:i] + "://..."
+		}
+		return "..."
+	}
+	q := u.Query()
+	for k := range q {
+		if strings.Contains(strings.ToLower(k), "password") {
+			q.Set(k, "xxxxx")
+		}
+	}
+	u.RawQuery = q.Encode()
+	return u.Redacted()
 }

@@ -5,7 +5,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
 
 	"github.com/kvgate/kvgate/store"
 	"github.com/kvgate/kvgate/store/postgres"
@@ -85,14 +84,10 @@ func envOr(getenv func(string) string, key, def string) string {
 	return def
 }
 
-// redact hides a password in a store URL for printing.
+// redact hides a password in a store URL for printing (store.Redact).
 func redact(loc store.Location) string {
 	if loc.Kind != "postgres" {
 		return loc.URL
 	}
-	u, err := url.Parse(loc.URL)
-	if err != nil {
-		return "postgres://..."
-	}
-	return u.Redacted()
+	return store.Redact(loc.URL)
 }
