@@ -888,6 +888,66 @@ func (c *chunkCounter) PutFileChunk(ctx context.Context, id string, seq int, dat
 	return c.Batches.PutFileChunk(ctx, id, seq, data)
 }
 
+// chunkBarrier holds the first chunk of the first two files it sees until
+// both have come: two uploads under way at once.
+type chunkBarrier struct {
+	store.Batches
+	mu    sync.Mutex
+	files map[string]bool
+	both  chan struct{}
+}
+
+func (c *chunkBarrier) PutFileChunk(ctx context.Context, id string, seq int, data []byte) error {
+	c.mu.Lock()
+	first := !c.files[id] && len(c.files) < 2
+	if first {
+		c.files[id] = true
+		if len(c.files) == 2 {
+			close(c.both)
+		}
+	}
+	c.mu.Unlock()
+	if first {
+		select {
+		case <-c.both:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return c.Batches.PutFileChunk(ctx, id, seq, data)
+}
+
+// TestTenantFileStorageAtOnce: two uploads under way at once each see the
+// whole room when they begin; together they still may not pass the
+// tenant's storage: the one that ends past it is refused.
+func TestTenantFileStorageAtOnce(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st, keysRequired: true, gateway: Config{Tenants: Tenants{Store: st}, TenantFileBytes: 3 << 20},
+		server: func(s *Server) {
+			s.batches = &chunkBarrier{Batches: s.batches, files: map[string]bool{}, both: make(chan struct{})}
+		}})
+	acme := newTenant(t, st, "acme", store.Limits{}, store.RoleUser)
+	two := bytes.Repeat([]byte("x"), 2<<20)
+	statuses := make(chan int, 2)
+	for _, name := range []string{"a.bin", "b.bin"} {
+		go func() {
+			status, _ := upload(t, f.srv.URL, acme, name, "user_data", two)
+			statuses <- status
+		}()
+	}
+	ok := 0
+	for range 2 {
+		if <-statuses == http.StatusOK {
+			ok++
+		}
+	}
+	used, err := st.FileBytes(context.Background(), "acme", time.Now())
+	// One, or none where both ended at once with all their chunks in.
+	if ok > 1 || err != nil || used > 3<<20 {
+		t.Errorf("%d of two 2 MiB uploads at once stored, the tenant's files hold %d bytes (%v); want at most one, within its 3 MiB", ok, used, err)
+	}
+}
+
 // TestUploadLimits: a file larger than its purpose allows is a 413
 // file_too_large, none of it kept; when the purpose comes before the file,
 // the upload stops storing at the purpose's limit instead of storing up to

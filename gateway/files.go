@@ -304,6 +304,14 @@ func (s *Server) handleUploadFile(w http.ResponseWriter, r *http.Request) int {
 		// any other file stays until deleted.
 		file.ExpiresAt = file.CreatedAt.Add(batchFileExpiry)
 	}
+	// Uploads at once each saw the room as it was when they began: at its
+	// end an upload counts them all (their chunks so far, and those that
+	// ended), so that together they do not pass the tenant's storage.
+	if used, err := s.batches.FileBytes(r.Context(), file.Tenant, time.Now()); err != nil {
+		return abandon(err)
+	} else if used > s.tenantFileBytes() {
+		return abandon(storageFull(used-counted.bytes, s.tenantFileBytes()))
+	}
 	// The purpose and expiry may come after the file's part: recorded
 	// with its completion.
 	file.Bytes, file.Lines, file.Complete = counted.bytes, lines, true
