@@ -56,9 +56,12 @@ type DispatcherConfig struct {
 	Timeout time.Duration
 	// Concurrency bounds the replica's sends at once (64 when zero);
 	// PerEndpoint bounds one endpoint's (a quarter of Concurrency, at
-	// least 1, when zero).
+	// least 1, when zero), and PerTenant all of one tenant's endpoints'
+	// (half of Concurrency, at least 1, when zero): a tenant with many
+	// slow endpoints must not hold every send slot other tenants need.
 	Concurrency int
 	PerEndpoint int
+	PerTenant   int
 	// Poll is how often the store is asked for due deliveries when
 	// nothing wakes the dispatcher (200 ms when zero).
 	Poll time.Duration
@@ -87,6 +90,7 @@ type Dispatcher struct {
 	mu        sync.Mutex
 	inflight  int
 	endpoints map[string]*endpointState // by endpoint id
+	tenants   map[string]int            // sends in flight by tenant; none at 0
 
 	outcomes     *prometheus.CounterVec
 	authFailures prometheus.Counter
@@ -120,6 +124,9 @@ func NewDispatcher(cfg DispatcherConfig) (*Dispatcher, error) {
 	if cfg.PerEndpoint <= 0 {
 		cfg.PerEndpoint = max(1, cfg.Concurrency/4)
 	}
+	if cfg.PerTenant <= 0 {
+		cfg.PerTenant = max(1, cfg.Concurrency/2)
+	}
 	if cfg.Poll <= 0 {
 		cfg.Poll = 200 * time.Millisecond
 	}
@@ -140,7 +147,7 @@ func NewDispatcher(cfg DispatcherConfig) (*Dispatcher, error) {
 	}
 	d := &Dispatcher{cfg: cfg, client: cfg.Guard.Client(cfg.Timeout), lease: 2*cfg.Timeout + 10*time.Second,
 		wake: make(chan struct{}, 1), done: make(chan store.DeliveryResult, cfg.Concurrency),
-		endpoints: map[string]*endpointState{},
+		endpoints: map[string]*endpointState{}, tenants: map[string]int{},
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvgate_webhook_deliveries_total",
 			Help: "Webhook delivery attempts by outcome: delivered, retry, failed (the schedule spent), gone (410: the endpoint disabled), deferred (breaker open or endpoint busy: not sent)."},
 			[]string{"outcome"}),
@@ -316,11 +323,15 @@ func (d *Dispatcher) finish(ctx context.Context, batch []store.DeliveryResult) (
 }
 
 // admit takes a send slot of the delivery's endpoint, or says until when
-// to defer it: while its breaker is open, or while its sends at once are
-// spent.
-func (d *Dispatcher) admit(endpointID string, now time.Time) (time.Time, bool) {
+// to defer it: while its breaker is open, or while its sends at once, or
+// its tenant's, are spent.
+func (d *Dispatcher) admit(tenant, endpointID string, now time.Time) (time.Time, bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	busy := now.Add(min(d.cfg.Poll*5, time.Second))
+	if d.tenants[tenant] >= d.cfg.PerTenant {
+		return busy, false
+	}
 	e := d.endpoints[endpointID]
 	if e == nil {
 		e = &endpointState{}
@@ -334,17 +345,21 @@ func (d *Dispatcher) admit(endpointID string, now time.Time) (time.Time, bool) {
 		limit = 1 // half-open: one probe
 	}
 	if e.inflight >= limit {
-		return now.Add(min(d.cfg.Poll*5, time.Second)), false
+		return busy, false
 	}
 	e.inflight++
+	d.tenants[tenant]++
 	return time.Time{}, true
 }
 
 // release returns an endpoint's slot with the attempt's verdict, and says
 // until when the breaker opened, if it did.
-func (d *Dispatcher) release(endpointID string, ok bool, now time.Time) time.Time {
+func (d *Dispatcher) release(tenant, endpointID string, ok bool, now time.Time) time.Time {
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if d.tenants[tenant]--; d.tenants[tenant] <= 0 {
+		delete(d.tenants, tenant)
+	}
 	e := d.endpoints[endpointID]
 	e.inflight--
 	if ok {
@@ -452,21 +467,21 @@ func (d *Dispatcher) attempt(ctx context.Context, dl store.Delivery, ep store.We
 		// until the endpoint is enabled again (claims skip it till then).
 		return deferTo(now, "endpoint disabled: "+ep.DisabledReason)
 	}
-	until, ok := d.admit(ep.ID, now)
+	until, ok := d.admit(dl.Tenant, ep.ID, now)
 	if !ok {
 		if opened := until.Sub(now) > time.Second; opened {
 			if _, err := d.deferEndpoint(ctx, ep.ID, until); err != nil {
 				d.cfg.Log.Warn("deferring a webhook endpoint", "endpoint", ep.ID, "error", err)
 			}
 		}
-		return deferTo(until, "endpoint busy or its breaker open")
+		return deferTo(until, "endpoint or tenant busy, or the endpoint's breaker open")
 	}
 	status, retryAfter, attempt := d.post(ctx, dl, ep)
 	done := d.cfg.Now()
 	attempt.StartedAt, attempt.Latency = now, done.Sub(now)
 	r.Attempt, r.Now = attempt, done
 	ok = status >= 200 && status < 300
-	if opened := d.release(ep.ID, ok, done); !opened.IsZero() {
+	if opened := d.release(dl.Tenant, ep.ID, ok, done); !opened.IsZero() {
 		if _, err := d.deferEndpoint(ctx, ep.ID, opened); err != nil {
 			d.cfg.Log.Warn("deferring a webhook endpoint", "endpoint", ep.ID, "error", err)
 		}

@@ -772,3 +772,30 @@ func TestDeliveryToAnEndpointDisabledSinceItsClaim(t *testing.T) {
 		t.Errorf("result %+v, want it handed back untried", r)
 	}
 }
+
+// TestDispatcherSlotsPerTenant: one tenant's endpoints together take at
+// most PerTenant of the replica's send slots (half by default), however
+// many endpoints it has, so another tenant's deliveries still go; a slot
+// given back is the tenant's again.
+func TestDispatcherSlotsPerTenant(t *testing.T) {
+	d, err := NewDispatcher(DispatcherConfig{Store: sqliteStore(t), Guard: loopbackGuard(), Concurrency: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	for i := range 4 { // two endpoints of acme's, two sends each
+		if _, ok := d.admit("acme", fmt.Sprint("e", i%2), now); !ok {
+			t.Fatalf("acme's send %d refused under its half", i)
+		}
+	}
+	if until, ok := d.admit("acme", "e2", now); ok || !until.After(now) {
+		t.Errorf("acme's fifth send at once, on a third endpoint: admitted %v (until %v), want deferred", ok, until)
+	}
+	if _, ok := d.admit("globex", "g0", now); !ok {
+		t.Error("globex's send refused while acme holds its half")
+	}
+	d.release("acme", "e0", true, now)
+	if _, ok := d.admit("acme", "e2", now); !ok {
+		t.Error("acme's send refused after one of its sends ended")
+	}
+}

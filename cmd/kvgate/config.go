@@ -127,7 +127,7 @@ type config struct {
 		AllowHTTP     bool            `yaml:"allow_http"`     // permit plain http endpoint URLs [false: https only]
 		RetrySchedule []time.Duration `yaml:"retry_schedule"` // wait before each attempt: the first entry 0 (the first attempt goes when the event is written), then before each retry; a delivery FAILS after the last [0, 5s, 5m, 30m, 2h, 5h, 10h, 14h, 20h, 24h]
 		Timeout       time.Duration   `yaml:"timeout"`        // each attempt's whole deadline [15s]
-		Concurrency   int             `yaml:"concurrency"`    // deliveries sent at once by this process; one endpoint gets a quarter of them at most [64]
+		Concurrency   int             `yaml:"concurrency"`    // deliveries sent at once by this process; one endpoint gets a quarter of them at most, one tenant's endpoints half [64]
 	} `yaml:"webhooks"`
 	// Models maps model aliases to a model or an ordered list of models
 	// (fallbacks); Prices are per model (and alias), per million tokens,
