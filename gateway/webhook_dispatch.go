@@ -91,6 +91,7 @@ type Dispatcher struct {
 	inflight  int
 	endpoints map[string]*endpointState // by endpoint id
 	tenants   map[string]int            // sends in flight by tenant; none at 0
+	forgot    time.Time                 // the last sweep of idle endpoints (forget)
 
 	outcomes     *prometheus.CounterVec
 	authFailures prometheus.Counter
@@ -102,7 +103,13 @@ type endpointState struct {
 	inflight  int
 	failures  int       // consecutive
 	openUntil time.Time // breaker open until; then half-open: one probe
+	last      time.Time // its last send's end
 }
+
+// forgetIdle is how long an endpoint's breaker state outlives its last
+// send: an endpoint whose last send failed (disabled by a 410, deleted,
+// its deliveries failed for good) is not kept for the process's life.
+const forgetIdle = 10 * time.Minute
 
 // NewDispatcher returns a dispatcher; Run runs it.
 func NewDispatcher(cfg DispatcherConfig) (*Dispatcher, error) {
@@ -369,12 +376,29 @@ func (d *Dispatcher) release(tenant, endpointID string, ok bool, now time.Time) 
 		}
 		return time.Time{}
 	}
-	e.failures++
+	e.failures, e.last = e.failures+1, now
+	if e.inflight == 0 {
+		d.forget(now)
+	}
 	if e.failures >= d.cfg.BreakerFailures {
 		e.openUntil = now.Add(d.cfg.BreakerOpen)
 		return e.openUntil
 	}
 	return time.Time{}
+}
+
+// forget drops the breaker state of endpoints idle past forgetIdle, at
+// most once per forgetIdle; d.mu is held.
+func (d *Dispatcher) forget(now time.Time) {
+	if now.Sub(d.forgot) < forgetIdle {
+		return
+	}
+	d.forgot = now
+	for id, e := range d.endpoints {
+		if e.inflight == 0 && now.Sub(e.last) > forgetIdle && !now.Before(e.openUntil) {
+			delete(d.endpoints, id)
+		}
+	}
 }
 
 // payload is the JSON body of a delivery.

@@ -799,3 +799,27 @@ func TestDispatcherSlotsPerTenant(t *testing.T) {
 		t.Error("acme's send refused after one of its sends ended")
 	}
 }
+
+// TestDispatcherForgetsIdleEndpoints: the breaker state of an endpoint
+// whose last send failed goes once it has been idle for forgetIdle, so
+// endpoints disabled, deleted or given up on are not kept for good.
+func TestDispatcherForgetsIdleEndpoints(t *testing.T) {
+	d, err := NewDispatcher(DispatcherConfig{Store: sqliteStore(t), Guard: loopbackGuard()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	fail := func(ep string, at time.Time) {
+		if _, ok := d.admit("acme", ep, at); !ok {
+			t.Fatalf("%s refused", ep)
+		}
+		d.release("acme", ep, false, at)
+	}
+	fail("gone", t0)
+	fail("live", t0.Add(forgetIdle+time.Minute))
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if _, ok := d.endpoints["gone"]; ok || d.endpoints["live"] == nil || len(d.tenants) != 0 {
+		t.Errorf("endpoints kept %v, tenants %v: want only the one that failed lately", d.endpoints, d.tenants)
+	}
+}
