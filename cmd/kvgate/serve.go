@@ -357,7 +357,10 @@ func serveAPI(ctx, life context.Context, ln net.Listener, api *gateway.Server, d
 	}
 	d.stopJobs()
 	<-d.jobsDone
-	shut, cancelShut := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	// Long enough for the last permits' releases, written behind their
+	// requests, to end by their own bound (10 s) before the store closes:
+	// cut sooner, they failed on a closed store, the usage unrecorded.
+	shut, cancelShut := context.WithTimeout(context.WithoutCancel(ctx), 11*time.Second)
 	defer cancelShut()
 	api.SettleUsage(shut) // the last attempts' permits, written behind them
 	if err := srv.Shutdown(shut); err != nil {
