@@ -200,10 +200,7 @@ func (s *Server) refusals() map[string]map[string]float64 {
 	if s.gatherer == nil {
 		return out
 	}
-	mfs, err := s.gatherer.Gather()
-	if err != nil {
-		return out
-	}
+	mfs, _ := s.gatherer.Gather() // what gathered: a collector that failed (the store away) is not this one
 	for _, mf := range mfs {
 		if mf.GetName() != "kvgate_scheduler_backend_refusals_total" {
 			continue

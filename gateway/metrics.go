@@ -1,6 +1,8 @@
 package gateway
 
 import (
+	"fmt"
+	"log/slog"
 	"strconv"
 	"time"
 
@@ -72,3 +74,8 @@ func (m *metrics) upstreamError(backend, kind string) {
 }
 
 func (m *metrics) retry(model string) { m.retries.WithLabelValues(model).Inc() }
+
+// promLog logs what /metrics could not gather, at Warn.
+type promLog struct{ log *slog.Logger }
+
+func (l promLog) Println(v ...any) { l.log.Warn("metrics: a collector failed", "err", fmt.Sprint(v...)) }

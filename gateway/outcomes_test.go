@@ -339,3 +339,31 @@ func TestReplayAfterOutage(t *testing.T) {
 		t.Errorf("kvgate_dead_letters %v after the replays, want 0", got)
 	}
 }
+
+// TestMetricsWithTheStoreAway: the gauges read from the job store at a
+// scrape are left out while the store cannot answer; every other series
+// is still served, 200. The handler answered 500 with none, so that a
+// store outage silenced every alert and read as zero to autoscalers.
+func TestMetricsWithTheStoreAway(t *testing.T) {
+	st := sqliteStore(t)
+	f := startFleet(t, fleetOpts{store: st})
+	get := func() (int, string) {
+		resp, err := http.Get(f.srv.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	f.post(t, "/v1/completions", `{"model":"`+llama+`","prompt":"hi","max_tokens":2}`) // a request's series
+	if status, b := get(); status != http.StatusOK || !strings.Contains(b, "kvgate_jobs_review_required") {
+		t.Fatalf("/metrics with the store up: %d, review gauge %v", status, strings.Contains(b, "kvgate_jobs_review_required"))
+	}
+	st.Close()
+	status, b := get()
+	if status != http.StatusOK || strings.Contains(b, "kvgate_jobs_review_required") || !strings.Contains(b, "kvgate_gateway_requests_total") {
+		t.Errorf("/metrics with the store away: %d, review gauge %v, request series %v; want 200 without the store's gauges",
+			status, strings.Contains(b, "kvgate_jobs_review_required"), strings.Contains(b, "kvgate_gateway_requests_total"))
+	}
+}

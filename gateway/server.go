@@ -256,7 +256,11 @@ func (s *Server) routes(reg *prometheus.Registry) {
 		_, _ = w.Write([]byte("ok\n"))
 	})
 	s.mux.HandleFunc("GET /readyz", s.handleReady)
-	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	// A collector that cannot read (the job store away) is left out and
+	// logged; the rest are served. The default answered 500 with none, so
+	// that a store outage silenced every alert and scaled KEDA to zero.
+	s.mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{
+		ErrorHandling: promhttp.ContinueOnError, ErrorLog: promLog{s.log}, Registry: reg}))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, s.log, &apiError{status: http.StatusNotFound, typ: "invalid_request_error",
 			msg: fmt.Sprintf("Unknown request URL: %s %s.", r.Method, r.URL.Path)})
