@@ -78,4 +78,6 @@ func (m *metrics) retry(model string) { m.retries.WithLabelValues(model).Inc() }
 // promLog logs what /metrics could not gather, at Warn.
 type promLog struct{ log *slog.Logger }
 
-func (l promLog) Println(v ...any) { l.log.Warn("metrics: a collector failed", "err", fmt.Sprint(v...)) }
+func (l promLog) Println(v ...any) {
+	l.log.Warn("metrics: a collector failed", "err", fmt.Sprint(v...))
+}

@@ -54,6 +54,8 @@ type DurableMetrics struct {
 	// readOnce: a read of the broker's lag has succeeded.
 	readOnce bool
 	seen     map[[2]string]bool // class, tenant pairs reported before: 0 once empty
+
+	statsFailing bool // the last read of the backlog failed (Refresh's alone)
 }
 
 var (
@@ -139,8 +141,19 @@ func (d *DurableMetrics) Refresh(ctx context.Context) {
 		st, err := d.cfg.Store.Stats(ctx, now)
 		if err != nil {
 			d.errors.Inc()
-			d.log.Debug("durable backlog stats failed", "err", err)
+			// Once at Warn: after three periods the backlog's gauges are
+			// withheld, and the alerts on them see no series.
+			if !d.statsFailing {
+				d.log.Warn("durable backlog stats failed: its gauges are withheld after three periods", "err", err)
+			} else {
+				d.log.Debug("durable backlog stats failed", "err", err)
+			}
+			d.statsFailing = true
 		} else {
+			if d.statsFailing {
+				d.log.Info("durable backlog stats read again")
+			}
+			d.statsFailing = false
 			d.mu.Lock()
 			d.stats, d.statsAt = st, now
 			d.mu.Unlock()
