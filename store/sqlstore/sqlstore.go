@@ -148,8 +148,11 @@ func (s *Store) ready(ctx context.Context) error {
 }
 
 // stmt returns q prepared (bound to tx when tx is not nil). A query that
-// was not prepared up front is prepared on tx's own connection, never on
-// a new one.
+// was not prepared up front is prepared on tx's own connection (closed
+// with tx), never on a new one; without tx it is not prepared at all
+// (nil): the caller runs it on the pool, as a statement prepared for one
+// call outside a transaction would never be closed (a driver statement
+// kept on each connection, for every call).
 func (s *Store) stmt(ctx context.Context, tx *sql.Tx, q string) (*sql.Stmt, error) {
 	s.mu.Lock()
 	st, ok := s.stmts[q]
@@ -162,7 +165,7 @@ func (s *Store) stmt(ctx context.Context, tx *sql.Tx, q string) (*sql.Stmt, erro
 	case tx != nil:
 		return tx.PrepareContext(ctx, q)
 	}
-	return s.db.PrepareContext(ctx, q)
+	return nil, nil
 }
 
 func (s *Store) exec(ctx context.Context, tx *sql.Tx, q string, args ...any) (sql.Result, error) {
@@ -170,8 +173,11 @@ func (s *Store) exec(ctx context.Context, tx *sql.Tx, q string, args ...any) (sq
 		return nil, err
 	}
 	st, err := s.stmt(ctx, tx, q)
-	if err != nil {
+	switch {
+	case err != nil:
 		return nil, err
+	case st == nil:
+		return s.db.ExecContext(ctx, q, args...)
 	}
 	return st.ExecContext(ctx, args...)
 }
@@ -181,8 +187,11 @@ func (s *Store) query(ctx context.Context, tx *sql.Tx, q string, args ...any) (*
 		return nil, err
 	}
 	st, err := s.stmt(ctx, tx, q)
-	if err != nil {
+	switch {
+	case err != nil:
 		return nil, err
+	case st == nil:
+		return s.db.QueryContext(ctx, q, args...)
 	}
 	return st.QueryContext(ctx, args...)
 }
@@ -212,8 +221,11 @@ func (s *Store) queryRow(ctx context.Context, tx *sql.Tx, q string, args ...any)
 		return errRow{err}
 	}
 	st, err := s.stmt(ctx, tx, q)
-	if err != nil {
+	switch {
+	case err != nil:
 		return errRow{err}
+	case st == nil:
+		return s.db.QueryRowContext(ctx, q, args...)
 	}
 	return st.QueryRowContext(ctx, args...)
 }
