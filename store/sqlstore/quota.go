@@ -330,7 +330,9 @@ func (s *Store) acquireIn(ctx context.Context, tx *sql.Tx, a store.Acquisition, 
 			return err
 		}
 		if keyScoped {
-			if err := s.checkConcurrency(ctx, tx, "key", `key_id = ?`, a.KeyID, a.KeyLimits.MaxConcurrency, refused); err != nil {
+			// The index of keys' permits (quota_permits_key) is partial:
+			// neither database infers its predicate from key_id = ?.
+			if err := s.checkConcurrency(ctx, tx, "key", `key_id = ? AND key_id <> ''`, a.KeyID, a.KeyLimits.MaxConcurrency, refused); err != nil {
 				return err
 			}
 		}
