@@ -547,10 +547,12 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 		// committed meanwhile, with its event, is deleted with them.
 		// SQLite runs one writer at a time.
 		// An ended batch's event goes by its own time (the batch is
-		// kept): published, and not the feed's last place.
+		// kept): published, and not the feed's last place. The feed's
+		// head is read through its partial index (outbox_feed), which
+		// SQLite uses only for a WHERE that names its predicate.
 		if _, err := tx.ExecContext(ctx, rebind(s.d, `DELETE FROM outbox WHERE id IN (SELECT id FROM outbox
 				WHERE type LIKE 'batch.%' AND created_at < ? AND published_at > 0
-					AND feed_seq < (SELECT MAX(feed_seq) FROM outbox)
+					AND feed_seq < (SELECT MAX(feed_seq) FROM outbox WHERE feed_seq IS NOT NULL)
 				ORDER BY created_at LIMIT ?)`), micros(before), limit); err != nil {
 			return err
 		}
@@ -558,7 +560,7 @@ func (s *Store) PruneFinal(ctx context.Context, before time.Time, limit int) (in
 			WHERE state IN `+finalStatesSQL()+` AND updated_at < ?
 				AND id NOT IN (SELECT job_id FROM outbox WHERE published_at = 0
 					UNION ALL SELECT job_id FROM outbox WHERE published_at = `+placed+`)
-				AND id <> COALESCE((SELECT job_id FROM outbox WHERE feed_seq = (SELECT MAX(feed_seq) FROM outbox)), '')
+				AND id <> COALESCE((SELECT job_id FROM outbox WHERE feed_seq = (SELECT MAX(feed_seq) FROM outbox WHERE feed_seq IS NOT NULL)), '')
 				AND (batch_id IS NULL OR batch_id NOT IN (SELECT id FROM batches
 					WHERE status IN ('validating', 'in_progress', 'finalizing', 'cancelling')))
 			ORDER BY updated_at LIMIT ? `+s.d.LockRunnable), micros(before), limit))
