@@ -408,13 +408,15 @@ func TestBatchValidation(t *testing.T) {
 	in.WriteString("not json\n\n")
 	in.WriteString(`{"custom_id":"y","method":"GET","url":"/v1/chat/completions","body":{}}` + "\n")
 	in.WriteString(`{"custom_id":"z","method":"POST","url":"/v1/chat/completions","body":{"model":"no-such-model","messages":[{"role":"user","content":"a"}]}}` + "\n")
+	// A NUL no store's text holds (PostgreSQL refuses it).
+	in.WriteString(`{"custom_id":"n\u0000ul","method":"POST","url":"/v1/chat/completions","body":{"model":"` + llama + `","messages":[{"role":"user","content":"a"}]}}` + "\n")
 	b := createBatch(t, base, "", uploadBatchFile(t, base, "", in.Bytes()))
 	v := waitBatch(t, base, "", b.ID, store.BatchFailed)
 	var errs []batchError
 	if v.Errors == nil || json.Unmarshal(v.Errors.Data, &errs) != nil || v.FailedAt == nil {
 		t.Fatalf("failed batch: %+v", v)
 	}
-	want := map[int]string{3: "duplicate_custom_id", 4: "invalid_url", 5: "invalid_json_line", 7: "invalid_method", 8: "model_not_found"}
+	want := map[int]string{3: "duplicate_custom_id", 4: "invalid_url", 5: "invalid_json_line", 7: "invalid_method", 8: "model_not_found", 9: "invalid_value"}
 	if len(errs) != len(want) {
 		t.Errorf("errors: %+v", errs)
 	}

@@ -337,6 +337,11 @@ func (s *Server) validateBatch(ctx context.Context, b store.Batch, fence int64) 
 		case in.CustomID == nil || *in.CustomID == "":
 			addErr(n, "missing_required_parameter", "custom_id", "Missing required parameter: 'custom_id'.")
 			return nil
+		case !storableText(*in.CustomID):
+			// PostgreSQL refuses a NUL in text: the line's job could not be
+			// stored, and the batch would never leave validating.
+			addErr(n, "invalid_value", "custom_id", "custom_id must be text without NUL characters.")
+			return nil
 		case in.Method != "POST":
 			addErr(n, "invalid_method", "method", "The method of each request must be POST.")
 			return nil

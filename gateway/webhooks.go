@@ -141,6 +141,9 @@ func (s *Server) checkEndpoint(req endpointRequest, create bool) error {
 	if req.Description != nil && len(*req.Description) > 512 {
 		return badRequest("description", "description must be at most 512 bytes.")
 	}
+	if req.Description != nil && !storableText(*req.Description) {
+		return badRequest("description", "description must be text without NUL characters.")
+	}
 	return nil
 }
 

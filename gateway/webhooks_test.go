@@ -679,6 +679,7 @@ func TestWebhookRegistration(t *testing.T) {
 		`{"url":"http://127.0.0.1:1/","events":[]}`,
 		`{"url":"http://127.0.0.1:1/","events":["job.accepted"]}`,
 		`{"events":["job.succeeded"]}`,
+		`{"url":"http://127.0.0.1:1/","events":["job.succeeded"],"description":"n\u0000ul"}`, // PostgreSQL refuses the NUL: a 500
 	} {
 		resp, b := f.post(t, "/v1/webhooks/endpoints", body)
 		var eb errorBody
