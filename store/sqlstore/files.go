@@ -37,6 +37,23 @@ func (s *Store) PutFileChunk(ctx context.Context, id string, seq int, data []byt
 	return s.err("write file chunk", err)
 }
 
+// completeIs is col = v written as the files indexes' predicates are
+// (migration 9: WHERE complete on PostgreSQL, complete = 1 on SQLite):
+// the planners match a partial index's predicate only as written, and a
+// bound value never matches it under PostgreSQL's generic plans (every
+// tenant's files were read for one's).
+func (s *Store) completeIs(col string, v bool) string {
+	switch {
+	case s.d.Name == "postgres" && v:
+		return col
+	case s.d.Name == "postgres":
+		return "NOT " + col
+	case v:
+		return col + " = 1"
+	}
+	return col + " = 0"
+}
+
 // CompleteFile marks a tenant's file written, with its size, purpose and
 // expiry (which an upload may learn only after the content).
 func (s *Store) CompleteFile(ctx context.Context, f store.File) error {
@@ -56,7 +73,7 @@ func (s *Store) CompleteFile(ctx context.Context, f store.File) error {
 // tenant's, an incomplete or an expired one.
 func (s *Store) File(ctx context.Context, tenant, id string, now time.Time) (store.File, error) {
 	f, err := scanFile(s.db.QueryRowContext(ctx, rebind(s.d, `SELECT `+fileColumns+` FROM files
-		WHERE tenant = ? AND id = ? AND complete = ? AND (expires_at = 0 OR expires_at > ?)`), tenant, id, true, micros(now)))
+		WHERE tenant = ? AND id = ? AND `+s.completeIs("complete", true)+` AND (expires_at = 0 OR expires_at > ?)`), tenant, id, micros(now)))
 	return f, s.err("get file", err)
 }
 
@@ -66,10 +83,10 @@ func (s *Store) File(ctx context.Context, tenant, id string, now time.Time) (sto
 func (s *Store) FileBytes(ctx context.Context, tenant string, now time.Time) (int64, error) {
 	var done, writing int64
 	err := s.db.QueryRowContext(ctx, rebind(s.d, `SELECT
-		(SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ? AND complete = ? AND (expires_at = 0 OR expires_at > ?)),
+		(SELECT COALESCE(SUM(bytes), 0) FROM files WHERE tenant = ? AND `+s.completeIs("complete", true)+` AND (expires_at = 0 OR expires_at > ?)),
 		(SELECT COALESCE(SUM(LENGTH(c.data)), 0) FROM file_chunks c JOIN files f ON f.id = c.file_id
-			WHERE f.tenant = ? AND f.complete = ? AND f.created_at <> 0)`),
-		tenant, true, micros(now), tenant, false).Scan(&done, &writing)
+			WHERE f.tenant = ? AND `+s.completeIs("f.complete", false)+` AND f.created_at <> 0)`),
+		tenant, micros(now), tenant).Scan(&done, &writing)
 	return done + writing, s.err("file bytes", err)
 }
 
@@ -87,8 +104,8 @@ func (s *Store) ListFiles(ctx context.Context, tenant string, f store.FileFilter
 	if limit <= 0 || limit > 10000 {
 		limit = 10000
 	}
-	q := `SELECT ` + fileColumns + ` FROM files WHERE tenant = ? AND complete = ? AND (expires_at = 0 OR expires_at > ?)`
-	args := []any{tenant, true, micros(now)}
+	q := `SELECT ` + fileColumns + ` FROM files WHERE tenant = ? AND ` + s.completeIs("complete", true) + ` AND (expires_at = 0 OR expires_at > ?)`
+	args := []any{tenant, micros(now)}
 	if f.Purpose != "" {
 		q += ` AND purpose = ?`
 		args = append(args, f.Purpose)
@@ -167,8 +184,8 @@ func (s *Store) dropFile(ctx context.Context, id string) error {
 // finalization overtaken by another) and those expired by now. It
 // returns how many it deleted.
 func (s *Store) SweepFiles(ctx context.Context, staleBefore, now time.Time, limit int) (int, error) {
-	rows, err := s.db.QueryContext(ctx, rebind(s.d, `SELECT id FROM files WHERE complete = ? AND created_at < ?
-		UNION ALL SELECT id FROM files WHERE expires_at > 0 AND expires_at <= ? LIMIT ?`), false, micros(staleBefore), micros(now), limit)
+	rows, err := s.db.QueryContext(ctx, rebind(s.d, `SELECT id FROM files WHERE `+s.completeIs("complete", false)+` AND created_at < ?
+		UNION ALL SELECT id FROM files WHERE expires_at > 0 AND expires_at <= ? LIMIT ?`), micros(staleBefore), micros(now), limit)
 	if err != nil {
 		return 0, s.err("sweep files", err)
 	}
