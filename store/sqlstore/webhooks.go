@@ -461,7 +461,14 @@ func (s *Store) Deliveries(ctx context.Context, f store.DeliveryFilter) ([]store
 	if f.JobID != "" {
 		q, args = q+` AND job_id = ?`, append(args, f.JobID) // webhook_deliveries_job (migration 0017)
 	}
-	if f.State != "" {
+	switch f.State {
+	case "":
+	case store.DeliveryFailed:
+		// As the index of webhook dead letters (webhook_deliveries_failed)
+		// names it: a bound value never matches a partial index's
+		// predicate under PostgreSQL's generic plans.
+		q += ` AND state = '` + store.DeliveryFailed + `'`
+	default:
 		q, args = q+` AND state = ?`, append(args, f.State)
 	}
 	limit := pageLimit(f.Limit)
