@@ -377,15 +377,30 @@ func (s *Server) handleInference(w http.ResponseWriter, r *http.Request, ep endp
 	if err != nil {
 		return writeError(w, s.log, err)
 	}
-	if sw, ok := w.(*statusWriter); ok {
-		sw.model = model.ID
-	}
+	s.labelModel(w, model.ID)
 	// A model whose backends are all down is refused before it costs the
 	// tenant any quota.
 	if err := s.sched.CheckModel(model.ID); err != nil {
 		return writeError(w, s.log, err)
 	}
 	return s.proxy(w, r, c, model)
+}
+
+// labelModel names the request's model in its metrics: a model a backend
+// serves or is configured to serve. Another, taken while a backend's
+// models are not known yet (lookupModel), could be any string a client
+// sends, and is left out: each would make a series of its own for good.
+func (s *Server) labelModel(w http.ResponseWriter, id string) {
+	sw, ok := w.(*statusWriter)
+	if !ok {
+		return
+	}
+	for _, m := range s.pool.Models() {
+		if m.ID == id {
+			sw.model = id
+			return
+		}
+	}
 }
 
 // lookupModel finds a model that a backend serves, is configured to serve,

@@ -812,3 +812,42 @@ func TestTokenizeUnderTheTenantsLimits(t *testing.T) {
 		t.Errorf("ledger %+v: want one request of no tokens", u)
 	}
 }
+
+// TestModelLabelOnlyForKnownModels: while a backend's models are not known
+// (it has not answered yet), a request may name any model, refused once
+// no backend serving it is found; that name, any string a client sends,
+// makes no series of the request metrics.
+func TestModelLabelOnlyForKnownModels(t *testing.T) {
+	f := startFleet(t, fleetOpts{server: func(s *Server) { s.pool = withLoading{s.pool} }})
+	resp, b := f.post(t, "/v1/chat/completions", `{"model":"made-up-model-4711","messages":[{"role":"user","content":"hi"}],"max_tokens":2}`)
+	if resp.StatusCode == http.StatusOK {
+		t.Fatalf("a model nothing known serves, one backend loading: %d %s", resp.StatusCode, b)
+	}
+	r, err := http.Get(f.srv.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Body.Close()
+	m, _ := io.ReadAll(r.Body)
+	if strings.Contains(string(m), "made-up-model-4711") {
+		t.Errorf("a client's model name became a metric label:\n%s", grepLines(string(m), "made-up-model-4711"))
+	}
+}
+
+// withLoading is a pool with one more backend, not discovered yet (vLLM
+// loading its weights): it may serve any model.
+type withLoading struct{ backendPool }
+
+func (p withLoading) Snapshots() []*gpu.Snapshot {
+	return append(p.backendPool.Snapshots(), &gpu.Snapshot{Name: "loading", URL: "http://127.0.0.1:1"})
+}
+
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
+}

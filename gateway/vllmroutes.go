@@ -119,9 +119,7 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) int {
 	if !ok {
 		return writeError(w, s.log, modelNotFound(name, "model"))
 	}
-	if sw, ok := w.(*statusWriter); ok {
-		sw.model = model.ID
-	}
+	s.labelModel(w, model.ID)
 	if aliased || f.Model == nil || *f.Model == "" {
 		if body, err = withModel(body, model.ID); err != nil {
 			return writeError(w, s.log, badRequest("", "The request body must be a JSON object."))
