@@ -41,7 +41,7 @@ func newMetrics() *metrics {
 			Buckets: []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5, 10},
 		}, []string{"model"}),
 		upstream: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvgate_gateway_upstream_errors_total", Help: "Backend failures by kind (connect, 5xx, 429, read, malformed, stream_cut, stream_stall).",
+			Name: "kvgate_gateway_upstream_errors_total", Help: "Backend failures by kind: connect, read, stall (silent past the timeout), 5xx, 429, refused (401/403: it wants a key kvgate does not send), model_missing (404: it no longer serves the model), malformed, stream_cut, stream_error (an error event in the stream).",
 		}, []string{"backend", "kind"}),
 		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvgate_gateway_retries_total", Help: "Requests retried on another backend before their first byte.",

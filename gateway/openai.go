@@ -759,6 +759,10 @@ func (s *Server) upstreamFailure(g *scheduler.Grant, resp *http.Response) result
 		s.cooldown(g, up.retryAfter)
 	case upstreamBackendError:
 		s.m.upstreamError(g.Backend, "5xx")
+	case upstreamRefused:
+		s.m.upstreamError(g.Backend, "refused")
+	case upstreamModelMissing:
+		s.m.upstreamError(g.Backend, "model_missing")
 	}
 	return result{status: resp.StatusCode, err: up.err, up: up}
 }

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/kvgate/kvgate/scheduler"
 )
 
@@ -293,6 +295,10 @@ func TestBackendWantingCredentials(t *testing.T) {
 	}
 	if sn := alone.pool.Snapshots()[0]; sn.Failures == 0 {
 		t.Error("the backend refusing every request counted no failure")
+	}
+	// The operator sees why in the metrics, not only in an ejection.
+	if n := testutil.ToFloat64(alone.api.m.upstream.WithLabelValues("sim0", "refused")); n < 1 {
+		t.Errorf("kvgate_gateway_upstream_errors_total{kind=refused} %v after a refusal", n)
 	}
 }
 
