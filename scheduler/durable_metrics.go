@@ -81,7 +81,7 @@ func NewDurableMetrics(cfg DurableMetricsConfig) *DurableMetrics {
 		errors: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvgate_jobs_stats_errors_total",
 			Help: "Periodic reads of the backlog, outbox or broker lag that failed."}),
 		completion: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvgate_job_completion_seconds",
-			Help:    "Durable jobs' time from acceptance to a final state (succeeded, review, failed, cancelled), observed once per job fleet-wide, where the shared inbox receives its final event.",
+			Help:    "Durable jobs' time from acceptance to a final state (succeeded, review, failed, cancelled), observed once per final event fleet-wide, where the shared inbox receives it: a review's decision and a replayed job's new end count again, from the job's first acceptance.",
 			Buckets: []float64{0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400}}),
 	}
 	for _, t := range cfg.Tenants {
