@@ -113,7 +113,7 @@ var dashboardRows = []struct {
 	}},
 	{"Durable path", []panel{
 		{title: "Job acceptance rate", unit: "reqps",
-			targets: []target{t1(`sum by (status) (rate(kvgate_gateway_requests_total{route="/v1/jobs"}`+rateWindow+`))`, "{{status}}")}},
+			targets: []target{t1(`sum by (status) (rate(kvgate_gateway_requests_total{route="/v1/jobs",method="POST"}`+rateWindow+`))`, "{{status}}")}},
 		{title: "Acceptance and completion latency", unit: "s",
 			desc: "Acceptance: POST /v1/jobs until the job is durable. Completion: acceptance until its final state.",
 			targets: []target{

@@ -595,7 +595,7 @@ func TestHealthReadyMetrics(t *testing.T) {
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
 	for _, want := range []string{
-		`kvgate_gateway_requests_total{model="` + llama + `",route="/v1/completions",status="200"} 1`,
+		`kvgate_gateway_requests_total{method="POST",model="` + llama + `",route="/v1/completions",status="200"} 1`,
 		"kvgate_gateway_request_duration_seconds_bucket",
 		`kvgate_scheduler_admissions_total{class="interactive",outcome="admitted"} 1`,
 		`kvgate_scheduler_backend_capacity_tokens{backend="sim0"} 439904`,

@@ -3,6 +3,7 @@ package gateway
 import (
 	"fmt"
 	"log/slog"
+	"net/http"
 	"strconv"
 	"time"
 
@@ -26,8 +27,8 @@ type metrics struct {
 func newMetrics() *metrics {
 	return &metrics{
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvgate_gateway_requests_total", Help: "API requests by route, model and status.",
-		}, []string{"route", "model", "status"}),
+			Name: "kvgate_gateway_requests_total", Help: "API requests by route, method, model and status.",
+		}, []string{"route", "method", "model", "status"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvgate_gateway_request_duration_seconds", Help: "End-to-end API request latency, queueing included.",
 			Buckets: []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320},
@@ -64,8 +65,13 @@ func (m *metrics) register(reg prometheus.Registerer) error {
 	return nil
 }
 
-func (m *metrics) request(route, model string, status int, d time.Duration) {
-	m.requests.WithLabelValues(route, model, strconv.Itoa(status)).Inc()
+func (m *metrics) request(route, method, model string, status int, d time.Duration) {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPatch, http.MethodPut, http.MethodDelete:
+	default:
+		method = "other" // a label takes no client's string
+	}
+	m.requests.WithLabelValues(route, method, model, strconv.Itoa(status)).Inc()
 	m.duration.WithLabelValues(route, model).Observe(d.Seconds())
 }
 

@@ -305,19 +305,19 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 		if !s.drain.enter() {
 			w.Header().Set("Connection", "close")
 			status := writeError(w, s.log, errDraining)
-			s.m.request(route, "", status, time.Since(start))
+			s.m.request(route, r.Method, "", status, time.Since(start))
 			return
 		}
 		defer s.drain.leave()
 		p, err := s.authenticate(r)
 		if err != nil {
 			status := writeError(w, s.log, err)
-			s.m.request(route, "", status, time.Since(start))
+			s.m.request(route, r.Method, "", status, time.Since(start))
 			return
 		}
 		if err := storableQuery(r); err != nil {
 			status := writeError(w, s.log, err)
-			s.m.request(route, "", status, time.Since(start))
+			s.m.request(route, r.Method, "", status, time.Since(start))
 			return
 		}
 		// The drain's deadline ends the request: see Drain.
@@ -345,7 +345,7 @@ func (s *Server) api(route string, h func(w http.ResponseWriter, r *http.Request
 			// that had not answered yet): say so rather than send nothing.
 			status = writeError(rw, s.log, errDrainDeadline)
 		}
-		s.m.request(route, rw.model, status, time.Since(start))
+		s.m.request(route, r.Method, rw.model, status, time.Since(start))
 	})
 }
 
