@@ -9,11 +9,27 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvgate/kvgate/scheduler"
 	"github.com/kvgate/kvgate/store"
 )
+
+// everyFew lets a log line through at most once per period.
+type everyFew struct {
+	period time.Duration
+	last   atomic.Int64 // unix nanoseconds of the last let through
+}
+
+func (e *everyFew) allow(now time.Time) bool {
+	last := e.last.Load()
+	return now.UnixNano()-last >= int64(e.period) && e.last.CompareAndSwap(last, now.UnixNano())
+}
+
+// storeAwayLogged bounds the log of requests refused for a store out of
+// reach to one line every 10 s.
+var storeAwayLogged = &everyFew{period: 10 * time.Second}
 
 // apiError is an error that kvgate answers itself, in OpenAI's shape.
 type apiError struct {
@@ -63,8 +79,14 @@ func (e *upstreamError) Error() string { return e.msg }
 // that maps errors to statuses; internal detail is logged, never sent.
 func writeError(w http.ResponseWriter, log *slog.Logger, err error) int {
 	e := toAPIError(err)
-	if e.status >= 500 && e.status != http.StatusServiceUnavailable {
+	switch {
+	case e.status >= 500 && e.status != http.StatusServiceUnavailable:
 		log.Error("request failed", "status", e.status, "err", err, "request_id", w.Header().Get(RequestIDHeader))
+	case errors.Is(err, store.ErrUnavailable) && storeAwayLogged.allow(time.Now()):
+		// A 503 is kvgate's to give (draining, no backend, overload), but
+		// a store out of reach is the operator's to hear of: once in a
+		// while, not once a request.
+		log.Warn("the job store is out of reach: answering 503 store_unavailable", "err", err, "request_id", w.Header().Get(RequestIDHeader))
 	}
 	if e.retryAfter > 0 {
 		w.Header().Set("Retry-After", strconv.Itoa(int((e.retryAfter+time.Second-1)/time.Second)))

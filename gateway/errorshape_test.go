@@ -2,12 +2,15 @@ package gateway
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 
@@ -171,5 +174,24 @@ func TestStoreFailureIs500(t *testing.T) {
 	e := toAPIError(fmt.Errorf("create file: %w: %w", store.ErrFailed, errors.New("disk full")))
 	if e.status != http.StatusInternalServerError || e.typ != "server_error" || e.code != "store_error" || strings.Contains(e.msg, "disk full") {
 		t.Errorf("%+v: want a 500 store_error without the statement's text", e)
+	}
+}
+
+// TestStoreAwayIsLogged: a request refused because the job store is out of
+// reach (503 store_unavailable) is logged at Warn, once in a while rather
+// than once a request: the 503s kvgate gives for its own reasons are not.
+func TestStoreAwayIsLogged(t *testing.T) {
+	var buf bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	storeAwayLogged.last.Store(0)
+	away := fmt.Errorf("submit job: %w: connection refused", store.ErrUnavailable)
+	for range 3 {
+		if status := writeError(httptest.NewRecorder(), log, away); status != http.StatusServiceUnavailable {
+			t.Fatalf("a store out of reach: %d, want 503", status)
+		}
+	}
+	writeError(httptest.NewRecorder(), log, errDraining)
+	if n := strings.Count(buf.String(), "level=WARN"); n != 1 || !strings.Contains(buf.String(), "store_unavailable") {
+		t.Errorf("logged %d warnings, want one for the store:\n%s", n, buf.String())
 	}
 }
