@@ -79,6 +79,10 @@ func (f *reqFields) decode(body []byte) error {
 	f.StreamOptions = &streamOptions{}
 	var usage json.RawMessage
 	if err = decodeExact(opts, []namedField{{"include_usage", &usage}}); err != nil || len(usage) == 0 {
+		var typeErr *json.UnmarshalTypeError
+		if errors.As(err, &typeErr) && typeErr.Field == "" {
+			typeErr.Field = "stream_options" // not an object
+		}
 		return err
 	}
 	// vLLM keeps an explicit null as None, which it reads as false (no

@@ -2,6 +2,8 @@ package gateway
 
 import (
 	"encoding/json"
+	"errors"
+	"net/http"
 	"reflect"
 	"testing"
 )
@@ -49,6 +51,18 @@ func TestEventData(t *testing.T) {
 	} {
 		if got := string(eventData([]byte(tc.event))); got != tc.want {
 			t.Errorf("eventData(%q) = %q, want %q", tc.event, got, tc.want)
+		}
+	}
+}
+
+// TestStreamOptionsNotAnObject: a stream_options that is not an object is
+// a 400 naming it, as any field of the wrong type is.
+func TestStreamOptionsNotAnObject(t *testing.T) {
+	for _, opts := range []string{`"x"`, `5`, `[]`} {
+		_, err := parseCall([]byte(`{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"stream_options":`+opts+`}`), epChat)
+		var api *apiError
+		if !errors.As(err, &api) || api.status != http.StatusBadRequest || api.param != "stream_options" {
+			t.Errorf("stream_options %s: %v (%+v), want a 400 naming stream_options", opts, err, api)
 		}
 	}
 }

@@ -131,7 +131,7 @@ kvgate_jobs_runnable_tokens{class="batch",tenant="globex"} 1
 	d.ObserveEvent(Event{JobID: "not-a-uuid", State: store.Succeeded, CreatedAt: at})
 	d.ObserveEvent(Event{JobID: id.String(), State: store.Succeeded, CreatedAt: at})
 	want = `
-# HELP kvgate_job_completion_seconds Durable jobs' time from acceptance to a final state (succeeded, review, failed, cancelled), observed once per job fleet-wide, where the shared inbox receives its final event.
+# HELP kvgate_job_completion_seconds Durable jobs' time from acceptance to a final state (succeeded, review, failed, cancelled), observed once per final event fleet-wide, where the shared inbox receives it: a review's decision and a replayed job's new end count again, from the job's first acceptance.
 # TYPE kvgate_job_completion_seconds histogram
 kvgate_job_completion_seconds_bucket{le="0.1"} 0
 kvgate_job_completion_seconds_bucket{le="0.5"} 0
