@@ -136,11 +136,16 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) int {
 		return writeError(w, s.log, err)
 	}
 	permit.headers(w.Header())
-	attempts := 0
+	kept := permit.keep() // a backend may take its request timeout, each tried
+	attempts, answered := 0, false
 	defer func() {
+		kept()
 		o := store.NotSent
 		if attempts > 0 {
 			o = store.Reported
+		}
+		if answered && permit != nil {
+			_ = http.NewResponseController(w).Flush() // the client need not wait for the release
 		}
 		permit.release(r.Context(), o, attempts, 0, &usage{})
 	}()
@@ -157,6 +162,7 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) int {
 		attempts = 1
 		status, done, err := s.passThrough(r.Context(), w, sn.URL+r.URL.Path, body)
 		if done {
+			answered = true
 			return status
 		}
 		last = err
