@@ -698,3 +698,40 @@ func TestReplayedJobWaitsAfresh(t *testing.T) {
 		t.Errorf("the replayed job's first wait is %v, want at most the backoff's base %v", d, base)
 	}
 }
+
+// landsLate is a store whose first Complete commits, then does not answer
+// until its caller gives up: a group commit's batch that went on without
+// the caller that left it.
+type landsLate struct {
+	store.Store
+	late atomic.Bool
+}
+
+func (s *landsLate) Complete(ctx context.Context, c store.Completion) error {
+	err := s.Store.Complete(ctx, c)
+	if err == nil && s.late.CompareAndSwap(false, true) {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	return err
+}
+
+// TestEndLandedAfterItsTryWasCut: an end whose try was cut by its bound
+// but committed is found by the next try as the job ended; the attempt's
+// record at its fence says it landed: the job counts as finished, not as
+// a result discarded for a lost lease.
+func TestEndLandedAfterItsTryWasCut(t *testing.T) {
+	st := &landsLate{Store: openStore(t)}
+	f := startRunnerOn(t, st, &staticSource{snaps: []*gpu.Snapshot{backendSnap("a", 100_000)}}, &scriptedExecutor{}, 900*time.Millisecond)
+	j := f.submit(t, "k")
+	eventually.True(t, "the end's second try", func() bool {
+		return testutil.ToFloat64(f.runner.m.finished.WithLabelValues("succeeded"))+testutil.ToFloat64(f.runner.m.stale) > 0
+	})
+	got, _ := st.Get(context.Background(), "acme", j.ID)
+	if got.State != store.Succeeded || !st.late.Load() {
+		t.Fatalf("job %s (late %v), want SUCCEEDED", got.State, st.late.Load())
+	}
+	if n := testutil.ToFloat64(f.runner.m.stale); n != 0 {
+		t.Errorf("%v results discarded for a lost lease; the end had landed", n)
+	}
+}

@@ -307,7 +307,9 @@ func (r *Runner) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return ctx.Err()
 		case <-reap.C:
-			rctx, stop := r.bounded(ctx)
+			// A reap of many expired leases (a replica lost) writes for
+			// each: not cut by a short lease's third.
+			rctx, stop := context.WithTimeout(ctx, max(r.storeWait(), 30*time.Second))
 			n, err := r.st.Reap(rctx, r.cfg.Now(), 1000)
 			stop()
 			if err != nil {
@@ -556,7 +558,7 @@ func (r *Runner) work(parent context.Context, j store.Job, free func(), f *facts
 	// checkpoint reused, or every batch of an embeddings job's (their
 	// answers checkpointed by attempts before it).
 	reused = reused || !a.Sent
-	err = r.record(wctx, func(ctx context.Context, now time.Time) error {
+	err = r.recordEnd(wctx, j, func(ctx context.Context, now time.Time) error {
 		return r.st.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: state, Result: body,
 			Reused: reused, Entity: ent, Attempt: a, Now: now})
 	})
@@ -780,7 +782,7 @@ func (r *Runner) failed(wctx, ctx context.Context, log *slog.Logger, j store.Job
 		f.RetryAt = r.withinDeadline(now, j.Deadline, f.RetryAt, xe.RetryAfter)
 	}
 	f.Attempt = a
-	if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+	if err := r.recordEnd(wctx, j, func(ctx context.Context, now time.Time) error {
 		f.Now = now
 		return r.st.Fail(ctx, f)
 	}); err != nil {
@@ -849,6 +851,49 @@ func (r *Runner) record(ctx context.Context, write func(ctx context.Context, now
 		case <-t.C:
 		}
 	}
+}
+
+// recordEnd records an attempt's end (Complete, Fail) as record does. A
+// try cut by its bound may have committed all the same (a group commit's
+// batch goes on without a caller that left it); the next try then finds
+// the job ended (ErrLeaseLost), and the attempt record at the claim's
+// fence says whether it was this end that landed, rather than a reap.
+func (r *Runner) recordEnd(wctx context.Context, j store.Job, write func(ctx context.Context, now time.Time) error) error {
+	cut := false
+	err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+		err := write(ctx, now)
+		if err != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			cut = true
+		}
+		return err
+	})
+	if cut && errors.Is(err, store.ErrLeaseLost) && r.endLanded(wctx, j) {
+		return nil
+	}
+	return err
+}
+
+// endLanded reports whether the job's attempt at j's fence has its end
+// recorded by its owner (not a reap's lease_expired).
+func (r *Runner) endLanded(ctx context.Context, j store.Job) bool {
+	st, ok := r.st.(interface {
+		Attempts(ctx context.Context, id string) ([]store.Attempt, error)
+	})
+	if !ok {
+		return false
+	}
+	ctx, stop := r.bounded(ctx)
+	defer stop()
+	as, err := st.Attempts(ctx, j.ID)
+	if err != nil {
+		return false
+	}
+	for _, a := range as {
+		if a.Fence == j.Fence && a.Outcome != store.OutcomeLeaseExpired {
+			return true
+		}
+	}
+	return false
 }
 
 // storeWait bounds one call of the runner's to the store: a third of the

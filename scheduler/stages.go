@@ -173,7 +173,7 @@ func (r *Runner) entityGate(ctx, wctx context.Context, log *slog.Logger, j store
 		return nil, false
 	case turn == store.TurnSuperseded:
 		a.Outcome, a.EndedAt = store.OutcomeSucceeded, r.cfg.Now()
-		if err := r.record(wctx, func(ctx context.Context, now time.Time) error {
+		if err := r.recordEnd(wctx, j, func(ctx context.Context, now time.Time) error {
 			return r.st.Complete(ctx, store.Completion{JobID: j.ID, Fence: j.Fence, State: store.Superseded, Reused: true,
 				Entity: &e, Attempt: a, Now: now})
 		}); err != nil {
