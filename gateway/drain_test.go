@@ -240,14 +240,7 @@ func TestDrainBetweenMarkAndSend(t *testing.T) {
 	st := sqliteStore(t)
 	var calls atomic.Int64
 	f := startFleet(t, fleetOpts{store: st, gateway: Config{Tenants: Tenants{Store: st}},
-		wrap: func(_ int, h http.Handler) http.Handler {
-			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if strings.HasSuffix(r.URL.Path, "/chat/completions") {
-					calls.Add(1)
-				}
-				h.ServeHTTP(w, r)
-			})
-		}})
+		wrap: countChats(&calls)})
 	key := newTenant(t, st, "acme", store.Limits{MaxConcurrency: 10}, store.RoleUser)
 	var runner *scheduler.Runner
 	runner = scheduler.NewRunner(drainAtMark{Store: st, drain: func() { runner.Drain() }}, f.sched, f.api,

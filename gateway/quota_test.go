@@ -768,14 +768,7 @@ func TestAnswerOverTheLimit(t *testing.T) {
 	var calls atomic.Int64
 	clock := &testClock{now: quotaT0}
 	f := startFleet(t, fleetOpts{store: st, backends: 2, gateway: Config{MaxAnswerBytes: 300, Tenants: Tenants{Store: st, Now: clock.Now}},
-		wrap: func(_ int, h http.Handler) http.Handler {
-			return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-				if strings.HasSuffix(r.URL.Path, "/chat/completions") {
-					calls.Add(1)
-				}
-				h.ServeHTTP(w, r)
-			})
-		}})
+		wrap: countChats(&calls)})
 	key := newTenant(t, st, "big", store.Limits{MaxConcurrency: 10}, store.RoleUser)
 	req := `{"model":"` + llama + `","messages":[{"role":"user","content":"hi"}],"max_tokens":200,"ignore_eos":true`
 	resp, b := f.post(t, "/v1/chat/completions", req+`}`, "Authorization", "Bearer "+key)
@@ -792,5 +785,17 @@ func TestAnswerOverTheLimit(t *testing.T) {
 	resp, b = f.post(t, "/v1/chat/completions", req+`,"stream":true}`, "Authorization", "Bearer "+key)
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(b), "[DONE]") {
 		t.Errorf("the same answer streamed: %d %s", resp.StatusCode, tail(b))
+	}
+}
+
+// countChats stands before a backend and counts the chat requests it gets.
+func countChats(calls *atomic.Int64) func(int, http.Handler) http.Handler {
+	return func(_ int, h http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if strings.HasSuffix(r.URL.Path, "/chat/completions") {
+				calls.Add(1)
+			}
+			h.ServeHTTP(w, r)
+		})
 	}
 }
